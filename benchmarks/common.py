@@ -1,0 +1,211 @@
+"""One benchmark harness: timing, device ceilings, result rows, the JSON file and the plot.
+
+Timing follows ../shared/peers/peers_jax.py (the method behind ANCHORS.md), so our numbers and the
+peers' compare directly: after a warm-up call, `n` calls are issued asynchronously and the device is
+synchronised once; the mean time per call is taken, and the median of `reps` such means reported.
+Inputs are sized well past the L2 cache so repeated calls do not measure the cache.
+
+A benchmark module `benchmarks/bench_<op>.py` defines `run(rec: Recorder, quick: bool)` and records
+one row per (case, implementation) with `rec.add(...)`; `benchmarks.run` discovers the modules.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+RESULTS_DIR = Path(__file__).parent / "results"
+
+
+def bench(fn: Callable, *args, n: int = 50, reps: int = 5) -> float:
+    """Median over `reps` of the mean wall time (ms) of `n` asynchronous calls, after a warm-up call."""
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        for _ in range(n):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - start) / n * 1e3)
+    return float(np.median(times))
+
+
+def bench_carry(step: Callable, state: tuple, n: int = 50, reps: int = 5) -> float:
+    """Like `bench` for a step that donates its inputs: `state = step(*state)` each call."""
+    state = step(*state)
+    jax.block_until_ready(state)
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        for _ in range(n):
+            state = step(*state)
+        jax.block_until_ready(state)
+        times.append((time.perf_counter() - start) / n * 1e3)
+    return float(np.median(times))
+
+
+def bench_torch(fn: Callable, n: int = 50, reps: int = 5) -> float:
+    """The same method for a torch peer (synchronising the CUDA device instead of blocking on arrays)."""
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - start) / n * 1e3)
+    return float(np.median(times))
+
+
+def rnd(seed: int, shape, dtype=jnp.float32, scale: float = 1.0) -> jax.Array:
+    """Random normal benchmark data (never zeros: they can run faster than real data)."""
+    return (jax.random.normal(jax.random.key(seed), shape, jnp.float32) * scale).astype(dtype)
+
+
+@dataclass
+class Ceilings:
+    """What this device does, measured in the same run as the benchmarks."""
+
+    hbm_gbps: float  # XLA elementwise fp32, bytes read + written
+    bf16_tflops: float  # XLA bf16 matmul 8192^3
+    tf32_tflops: float  # XLA fp32 matmul 8192^3 at default precision
+
+    @classmethod
+    def measure(cls, quick: bool = False) -> Ceilings:
+        n = 64 * 1024 * 1024 if quick else 256 * 1024 * 1024
+        x = rnd(0, (n,))
+        ms = bench(jax.jit(lambda x: x * 1.5 + 0.5), x, n=20)
+        hbm = 2 * n * 4 / ms / 1e6
+        del x
+        size = 4096 if quick else 8192
+        a, b = rnd(1, (size, size), jnp.bfloat16), rnd(2, (size, size), jnp.bfloat16)
+        bf16 = 2 * size**3 / bench(jax.jit(jnp.matmul), a, b, n=10) / 1e9
+        a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+        tf32 = 2 * size**3 / bench(jax.jit(jnp.matmul), a, b, n=10) / 1e9
+        return cls(hbm_gbps=hbm, bf16_tflops=bf16, tf32_tflops=tf32)
+
+
+@dataclass
+class Row:
+    op: str
+    case: str
+    impl: str  # ours: "pallas", "pallas:<variant>", "xla"; peers: "peer:<name>"
+    ms: float | None
+    gbps: float | None = None
+    tflops: float | None = None
+    pct_hbm: float | None = None
+    pct_matmul: float | None = None
+    floor_ms: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class Recorder:
+    """Collects rows; turns bytes and FLOPs into rates and % of the measured ceilings."""
+
+    def __init__(self, ceilings: Ceilings):
+        self.ceilings = ceilings
+        self.rows: list[Row] = []
+
+    def add(self, op: str, case: str, impl: str, ms: float | None, *, nbytes: float | None = None,
+            flops: float | None = None, matmul_ceiling: str = "bf16_tflops", **extra) -> Row:
+        """Record one timing. `nbytes`: the fewest bytes the op must move (gives GB/s, % of HBM and the
+        floor); `flops`: its arithmetic (gives TFLOP/s and % of the named matmul ceiling)."""
+        row = Row(op=op, case=case, impl=impl, ms=ms, extra=extra)
+        if nbytes:
+            row.floor_ms = nbytes / (self.ceilings.hbm_gbps * 1e6)
+        if ms:
+            if nbytes:
+                row.gbps = nbytes / ms / 1e6
+                row.pct_hbm = 100 * row.gbps / self.ceilings.hbm_gbps
+            if flops:
+                row.tflops = flops / ms / 1e9
+                peak = getattr(self.ceilings, matmul_ceiling, None) or extra.get("peak_tflops")
+                if peak:
+                    row.pct_matmul = 100 * row.tflops / peak
+        self.rows.append(row)
+        rate = f"{row.gbps:7.0f} GB/s {row.pct_hbm:5.1f}% HBM" if row.gbps else ""
+        if row.tflops:
+            rate += f" {row.tflops:7.1f} TFLOP/s"
+        shown = f"{ms:8.4f} ms" if ms else "   failed"
+        print(f"  {op:10s} {case:38s} {impl:30s} {shown} {rate}", flush=True)
+        return row
+
+    def time(self, op: str, case: str, impl: str, fn: Callable, *args, n: int = 50, reps: int = 5, **kw):
+        """Time `fn(*args)` and record it; a failure is recorded (ms=None, error text), not raised."""
+        try:
+            ms = bench(fn, *args, n=n, reps=reps)
+        except Exception as e:  # noqa: BLE001 - a failing implementation is a result, not a crash
+            return self.add(op, case, impl, None, error=f"{type(e).__name__}: {str(e)[:300]}")
+        return self.add(op, case, impl, ms, **kw)
+
+
+def device_slug() -> str:
+    device = jax.devices()[0]
+    name = getattr(device, "device_kind", device.platform)
+    return "".join(ch if ch.isalnum() else "_" for ch in name.lower()).strip("_")
+
+
+def write_results(rec: Recorder, ops: list[str], out_dir: str | os.PathLike | None = None) -> Path:
+    """Merge this run's rows into results/<device>.json (rows of ops not run this time are kept)."""
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    path = RESULTS_DIR / f"{device_slug()}.json"
+    old = json.loads(path.read_text()) if path.exists() else {"rows": []}
+    kept = [r for r in old.get("rows", []) if r["op"] not in ops]
+    doc = {
+        "device": jax.devices()[0].device_kind,
+        "jax": jax.__version__,
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "method": "median of reps of mean wall time of n async calls (peers_jax.py method)",
+        "ceilings": asdict(rec.ceilings),
+        "rows": kept + [asdict(r) for r in rec.rows],
+    }
+    path.write_text(json.dumps(doc, indent=1))
+    plot_results(doc, path.with_suffix(".png"))
+    if out_dir:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        for p in (path, path.with_suffix(".png")):
+            if p.exists():
+                (Path(out_dir) / p.name).write_bytes(p.read_bytes())
+    return path
+
+
+def plot_results(doc: dict, path: Path) -> None:
+    """One panel per op: time of each implementation per case, relative to the XLA reference."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    ops = sorted({r["op"] for r in doc["rows"]})
+    if not ops:
+        return
+    fig, axes = plt.subplots(len(ops), 1, figsize=(11, 3.2 * len(ops)), squeeze=False)
+    for ax, op in zip(axes[:, 0], ops):
+        rows = [r for r in doc["rows"] if r["op"] == op and r["ms"]]
+        cases = list(dict.fromkeys(r["case"] for r in rows))
+        impls = list(dict.fromkeys(r["impl"] for r in rows))
+        width = 0.8 / max(len(impls), 1)
+        for i, impl in enumerate(impls):
+            ys = [next((r["ms"] for r in rows if r["case"] == c and r["impl"] == impl), np.nan) for c in cases]
+            ax.bar(np.arange(len(cases)) + i * width, ys, width, label=impl)
+        ax.set_xticks(np.arange(len(cases)) + 0.4 - width / 2, cases, fontsize=7, rotation=12)
+        ax.set_ylabel("ms (lower is better)")
+        ax.set_title(f"{op} on {doc['device']}")
+        ax.legend(fontsize=6, ncol=4)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

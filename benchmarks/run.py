@@ -1,0 +1,63 @@
+"""Benchmark CLI: `python -m benchmarks.run [op ...] [--quick] [--out DIR]`.
+
+Each op is a module benchmarks/bench_<op>.py with `run(rec, quick)`. Ceilings are measured first, in
+the same process, so every % is of what this device did in this run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import pkgutil
+import sys
+import time
+import traceback
+
+import benchmarks
+from benchmarks.common import Ceilings, Recorder, write_results
+
+
+def available_ops() -> list[str]:
+    return sorted(m.name[len("bench_"):] for m in pkgutil.iter_modules(benchmarks.__path__)
+                  if m.name.startswith("bench_"))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("ops", nargs="*", help=f"ops to run (default: all of {available_ops()})")
+    parser.add_argument("--quick", action="store_true", help="fewer shapes and repetitions")
+    parser.add_argument("--out", default=None, help="also copy the results JSON and plot here")
+    args = parser.parse_args(argv)
+    ops = args.ops or available_ops()
+    unknown = sorted(set(ops) - set(available_ops()))
+    if unknown:
+        parser.error(f"unknown op(s) {unknown}; available: {available_ops()}")
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        tqdm = lambda it, **kw: it  # noqa: E731
+
+    print("measuring ceilings ...", flush=True)
+    ceilings = Ceilings.measure(quick=args.quick)
+    print(f"  HBM {ceilings.hbm_gbps:.0f} GB/s, bf16 {ceilings.bf16_tflops:.0f} TFLOP/s, "
+          f"tf32 {ceilings.tf32_tflops:.0f} TFLOP/s", flush=True)
+    rec = Recorder(ceilings)
+    failed = []
+    for op in tqdm(ops, desc="ops", file=sys.stdout):
+        start = time.time()
+        print(f"== {op}", flush=True)
+        try:
+            importlib.import_module(f"benchmarks.bench_{op}").run(rec, args.quick)
+        except Exception:  # noqa: BLE001 - one op's failure must not lose the others' numbers
+            traceback.print_exc()
+            failed.append(op)
+        print(f"== {op} took {time.time() - start:.1f}s", flush=True)
+    path = write_results(rec, ops, args.out)
+    print(f"results: {path}")
+    if failed:
+        print(f"FAILED ops: {failed}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

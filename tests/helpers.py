@@ -1,0 +1,67 @@
+"""Test helpers: random non-zero inputs, relative errors, and the reference-comparison rule.
+
+The rule (see DESIGN.md): a kernel's error against an exact (float64) reference may be at most
+`factor` (2) times the error of the same-precision XLA reference against that exact reference, with a
+small per-dtype floor so that an exact-to-the-bit reference does not demand the impossible. NaN or inf
+never passes.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from hypothesis import strategies as st
+
+# Relative-error floors: a few ulps of the storage dtype, the error of one rounding of the result.
+FLOOR = {
+    jnp.dtype(jnp.float64): 1e-12,
+    jnp.dtype(jnp.float32): 2e-6,
+    jnp.dtype(jnp.bfloat16): 8e-3,
+    jnp.dtype(jnp.float16): 1e-3,
+}
+
+DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+def rand(seed: int, shape, dtype=jnp.float32, scale: float = 1.0, offset: float = 0.0) -> jax.Array:
+    """Normal random values (never all zeros), cast to `dtype`."""
+    x = jax.random.normal(jax.random.key(seed), shape, jnp.float32) * scale + offset
+    return x.astype(dtype)
+
+
+def to64(x) -> np.ndarray:
+    return np.asarray(jnp.asarray(x).astype(jnp.float32), dtype=np.float64)
+
+
+def rel_err(x, ref) -> float:
+    """||x - ref|| / ||ref|| in float64; inf where x has a non-finite value."""
+    x, ref = to64(x), np.asarray(ref, dtype=np.float64)
+    if x.shape != ref.shape:
+        raise AssertionError(f"shape {x.shape} != reference shape {ref.shape}")
+    if not np.all(np.isfinite(x)):
+        return float("inf")
+    denom = np.linalg.norm(ref)
+    return float(np.linalg.norm(x - ref) / (denom if denom > 0 else 1.0))
+
+
+def assert_close(out, exact, *, baseline=None, dtype=None, factor: float = 2.0, floor: float | None = None, what=""):
+    """Assert `out` is as close to `exact` (float64) as the same-precision `baseline` is, within `factor`."""
+    dtype = jnp.dtype(dtype or jnp.asarray(out).dtype)
+    err = rel_err(out, exact)
+    allowed = FLOOR.get(dtype, 1e-6) if floor is None else floor
+    if baseline is not None:
+        allowed = max(allowed, factor * rel_err(baseline, exact))
+    assert err <= allowed, f"{what}: relative error {err:.3g} > allowed {allowed:.3g} ({dtype})"
+    return err
+
+
+def assert_all_written(x, what=""):
+    """Every element finite: catches outputs the kernel never wrote (poisoned with NaN) or overflowed."""
+    arr = to64(x)
+    assert np.all(np.isfinite(arr)), f"{what}: {int(np.sum(~np.isfinite(arr)))} non-finite elements"
+
+
+def odd_dims(min_value: int = 1, max_value: int = 67) -> st.SearchStrategy[int]:
+    """Sizes that are rarely multiples of a block: hypothesis' strategy for shape dimensions."""
+    return st.integers(min_value=min_value, max_value=max_value)

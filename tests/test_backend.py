@@ -1,0 +1,61 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_fused import _backend
+from tests.helpers import assert_close, rand, rel_err
+
+
+def test_none_picks_reference_on_cpu():
+    if _backend.gpu_device() is not None:
+        assert _backend.resolve_implementation(None, op="x") == "pallas"
+    else:
+        assert _backend.resolve_implementation(None, op="x") == "xla"
+
+
+def test_explicit_pallas_without_gpu_raises_naming_the_op():
+    if _backend.gpu_device() is not None:
+        pytest.skip("a GPU is present")
+    with pytest.raises(_backend.ImplementationError, match="my_op: implementation='pallas' needs a CUDA GPU"):
+        _backend.resolve_implementation("pallas", op="my_op")
+
+
+def test_unknown_implementation_raises():
+    with pytest.raises(ValueError, match="implementation must be None or one of"):
+        _backend.resolve_implementation("cuda", op="my_op")
+
+
+def test_explicit_choices_pass_through():
+    assert _backend.resolve_implementation("xla", op="x") == "xla"
+    assert _backend.resolve_implementation("interpret", op="x") == "interpret"
+
+
+def test_triton_call_masked_kernel_interpret():
+    """The launcher runs a masked Triton-style kernel over a size that is not a multiple of the block."""
+    def kernel(x_ref, o_ref):
+        idx = jax.experimental.pallas.program_id(0) * 32 + jnp.arange(32)
+        mask = idx < x_ref.shape[0]
+        x = _backend.load(x_ref.at[idx], mask=mask, other=0.0)
+        _backend.store(o_ref.at[idx], x * 3.0 - 1.0, mask=mask)
+
+    x = rand(0, (101,))
+    out = _backend.triton_call(kernel, out_shape=jax.ShapeDtypeStruct(x.shape, x.dtype), grid=(4,),
+                               name="pallas_fused_test", interpret=True)(x)
+    assert_close(out, np.asarray(x, np.float64) * 3 - 1, what="masked kernel")
+
+
+def test_helpers_reject_nan_and_wrong_values():
+    ref = np.ones(8)
+    bad = jnp.ones(8).at[3].set(jnp.nan)
+    assert rel_err(bad, ref) == float("inf")
+    with pytest.raises(AssertionError):
+        assert_close(bad, ref, what="nan")
+    with pytest.raises(AssertionError):
+        assert_close(jnp.ones(8) * 1.01, ref, what="off by 1%")
+
+
+def test_version_parse():
+    assert _backend._parse_version("0.11.2") == (0, 11, 2)
+    assert _backend._parse_version("0.10.2.dev20260101") == (0, 10, 2)
+    assert isinstance(_backend.JAX_011, bool)
