@@ -1,0 +1,203 @@
+"""Triton-lowered Pallas kernels for FP8: the quantize passes and a portable scaled matmul.
+
+Quantize (x ~= q * scale, saturating):
+  * axiswise: one program owns a block of rows (or columns) and loops over the other axis twice: the
+    first loop takes the amax, the second casts and stores (the block is still in L2 when re-read).
+    The per-row (per-column) fp32 scales are stored by the same program.
+  * tensorwise: a global amax needs all of x first, so XLA takes the amax and one Pallas pass casts.
+  Both can write the transposed copy q^T in the same pass (the K-major operand the backward GEMMs
+  need), so the fp8 tensor is produced in both layouts from a single read of x.
+
+Scaled matmul (`scaled_matmul_nt`): out = (a * a_scale) @ (bt * b_scale)^T, a (M, K) and bt (N, K)
+both K-major, with per-row/per-column fp32 scale vectors applied to the fp32 accumulator in the
+epilogue. This is the portable fallback (and what the CPU tests interpret); the Hopper-speed version
+is the Mosaic GPU kernel in kernel_sm90.py.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_fused import _backend
+from pallas_fused.fp8.reference import AMAX_FLOOR, fp8_max, round_up_pow2
+
+
+def _scale(amax, dtype, power_of_2):
+    scale = jnp.maximum(amax, AMAX_FLOOR) / fp8_max(dtype)
+    return round_up_pow2(scale) if power_of_2 else scale
+
+
+def _cast(x, scale, dtype):
+    limit = fp8_max(dtype)
+    return jnp.clip(x / scale, -limit, limit)
+
+
+def _quantize_axis_kernel(x_ref, *refs, shape, block, reduce_axis, dtype, power_of_2, emit_n, emit_t):
+    """One program: a block of `block[keep]` rows (reduce_axis=1) or columns (reduce_axis=0) of x."""
+    refs = list(refs)
+    o_ref = refs.pop(0) if emit_n else None
+    ot_ref = refs.pop(0) if emit_t else None
+    (s_ref,) = refs
+    keep = 1 - reduce_axis
+    start = pl.program_id(0) * block[keep]
+    kept = start + jnp.arange(block[keep])
+    kept_mask = kept < shape[keep]
+    steps = pl.cdiv(shape[reduce_axis], block[reduce_axis])
+
+    def tile(i):
+        red = i * block[reduce_axis] + jnp.arange(block[reduce_axis])
+        red_mask = red < shape[reduce_axis]
+        if reduce_axis == 1:
+            idx = (pl.ds(start, block[0]), pl.ds(i * block[1], block[1]))
+            mask = kept_mask[:, None] & red_mask[None, :]
+        else:
+            idx = (pl.ds(i * block[0], block[0]), pl.ds(start, block[1]))
+            mask = red_mask[:, None] & kept_mask[None, :]
+        x = _backend.load(x_ref.at[idx], mask=mask, other=0.0).astype(jnp.float32)
+        return idx, mask, x
+
+    def amax_step(i, amax):
+        _, _, x = tile(i)
+        return jnp.maximum(amax, jnp.max(jnp.abs(x), axis=reduce_axis))
+
+    amax = jax.lax.fori_loop(0, steps, amax_step, jnp.zeros((block[keep],), jnp.float32))
+    scale = _scale(amax, dtype, power_of_2)
+    scale_b = scale[:, None] if reduce_axis == 1 else scale[None, :]
+
+    def cast_step(i, carry):
+        idx, mask, x = tile(i)
+        q = _cast(x, scale_b, dtype)
+        if emit_n:
+            _backend.store(o_ref.at[idx], q.astype(dtype), mask=mask)
+        if emit_t:
+            _backend.store(ot_ref.at[idx[1], idx[0]], q.T.astype(dtype), mask=mask.T)
+        return carry
+
+    jax.lax.fori_loop(0, steps, cast_step, 0)
+    _backend.store(s_ref.at[pl.ds(start, block[keep])], scale, mask=kept_mask)
+
+
+def _cast_kernel(x_ref, s_ref, *refs, shape, block, dtype, emit_n, emit_t):
+    """One program: one (block) tile of x, cast with the scalar scale s_ref[0]."""
+    refs = list(refs)
+    o_ref = refs.pop(0) if emit_n else None
+    ot_ref = refs.pop(0) if emit_t else None
+    r0, c0 = pl.program_id(0) * block[0], pl.program_id(1) * block[1]
+    rows, cols = r0 + jnp.arange(block[0]), c0 + jnp.arange(block[1])
+    mask = (rows < shape[0])[:, None] & (cols < shape[1])[None, :]
+    idx = (pl.ds(r0, block[0]), pl.ds(c0, block[1]))
+    x = _backend.load(x_ref.at[idx], mask=mask, other=0.0).astype(jnp.float32)
+    scale = _backend.load(s_ref.at[pl.ds(0, 1)])
+    q = _cast(x, scale[:, None], dtype)
+    if emit_n:
+        _backend.store(o_ref.at[idx], q.astype(dtype), mask=mask)
+    if emit_t:
+        _backend.store(ot_ref.at[idx[1], idx[0]], q.T.astype(dtype), mask=mask.T)
+
+
+def _outs(shape, dtype, emit_n, emit_t):
+    outs = []
+    if emit_n:
+        outs.append(jax.ShapeDtypeStruct(shape, dtype))
+    if emit_t:
+        outs.append(jax.ShapeDtypeStruct(shape[::-1], dtype))
+    return outs
+
+
+@functools.partial(jax.jit, static_argnames=("dtype", "axis", "power_of_2", "emit_n", "emit_t", "interpret"))
+def quantize_2d(x, *, dtype, axis, power_of_2, emit_n=True, emit_t=False, interpret=False):
+    """Quantize a 2-D x: returns (q or None, q^T or None, scale).
+
+    axis=None: tensorwise (scale shape ()); axis=1: one scale per row ((R, 1)); axis=0: one per
+    column ((1, C)). The transposed copy q^T has the same scale, transposed.
+    """
+    dtype = jnp.dtype(dtype)
+    shape = x.shape
+    if axis is None:
+        amax = jnp.max(jnp.abs(x)).astype(jnp.float32)  # the global amax: XLA's reduction, one read
+        scale = _scale(amax, dtype, power_of_2)
+        block = (64, 64) if interpret else (64, 128)
+        outs = _backend.triton_call(
+            functools.partial(_cast_kernel, shape=shape, block=block, dtype=dtype, emit_n=emit_n, emit_t=emit_t),
+            out_shape=_outs(shape, dtype, emit_n, emit_t),
+            grid=(pl.cdiv(shape[0], block[0]), pl.cdiv(shape[1], block[1])),
+            name="pallas_fused_fp8_quantize_tensorwise",
+            interpret=interpret,
+            num_warps=4,
+        )(x, scale.reshape(1))
+    else:
+        if axis == 1:
+            block = (16, 256) if not interpret else (16, 64)
+        else:
+            block = (256, 16) if not interpret else (64, 16)
+        keep = 1 - axis
+        outs = _backend.triton_call(
+            functools.partial(_quantize_axis_kernel, shape=shape, block=block, reduce_axis=axis, dtype=dtype,
+                              power_of_2=power_of_2, emit_n=emit_n, emit_t=emit_t),
+            out_shape=[*_outs(shape, dtype, emit_n, emit_t), jax.ShapeDtypeStruct((shape[keep],), jnp.float32)],
+            grid=(pl.cdiv(shape[keep], block[keep]),),
+            name=f"pallas_fused_fp8_quantize_axis{axis}",
+            interpret=interpret,
+            num_warps=4,
+        )(x)
+        *outs, scale = outs
+        scale = scale[:, None] if axis == 1 else scale[None, :]
+    outs = list(outs)
+    q = outs.pop(0) if emit_n else None
+    qt = outs.pop(0) if emit_t else None
+    return q, qt, scale
+
+
+def _matmul_kernel(a_ref, bt_ref, sa_ref, sb_ref, o_ref, *, shape, block, upcast):
+    m, n, k = shape
+    bm, bn, bk = block
+    m0, n0 = pl.program_id(0) * bm, pl.program_id(1) * bn
+    rows, cols = m0 + jnp.arange(bm), n0 + jnp.arange(bn)
+    row_mask, col_mask = rows < m, cols < n
+
+    def step(i, acc):
+        ks = i * bk + jnp.arange(bk)
+        k_mask = ks < k
+        a = _backend.load(a_ref.at[pl.ds(m0, bm), pl.ds(i * bk, bk)], mask=row_mask[:, None] & k_mask[None, :],
+                          other=0.0)
+        b = _backend.load(bt_ref.at[pl.ds(n0, bn), pl.ds(i * bk, bk)], mask=col_mask[:, None] & k_mask[None, :],
+                          other=0.0)
+        if upcast is not None:  # mixed fp8 dtypes (or the CPU interpreter): multiply in a wider type
+            a, b = a.astype(upcast), b.astype(upcast)
+        return acc + _backend.dot(a, b, trans_b=True)
+
+    acc = jax.lax.fori_loop(0, pl.cdiv(k, bk), step, jnp.zeros((bm, bn), jnp.float32))
+    sa = _backend.load(sa_ref.at[pl.ds(m0, bm)], mask=row_mask, other=0.0)
+    sb = _backend.load(sb_ref.at[pl.ds(n0, bn)], mask=col_mask, other=0.0)
+    out = acc * sa[:, None] * sb[None, :]
+    _backend.store(o_ref.at[pl.ds(m0, bm), pl.ds(n0, bn)], out.astype(o_ref.dtype),
+                   mask=row_mask[:, None] & col_mask[None, :])
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "interpret", "block"))
+def scaled_matmul_nt(a, bt, a_scale, b_scale, *, out_dtype, interpret=False, block=None):
+    """(a * a_scale[:, None]) @ (bt * b_scale[:, None])^T for a (M, K), bt (N, K) fp8 and fp32 scale
+    vectors a_scale (M,), b_scale (N,)."""
+    m, k = a.shape
+    n = bt.shape[0]
+    if block is None:
+        block = (32, 32, 32) if interpret else (128, 128, 64)
+    if interpret:
+        upcast = jnp.float32
+    elif a.dtype != bt.dtype:
+        upcast = jnp.bfloat16
+    else:
+        upcast = None
+    return _backend.triton_call(
+        functools.partial(_matmul_kernel, shape=(m, n, k), block=block, upcast=upcast),
+        out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
+        grid=(pl.cdiv(m, block[0]), pl.cdiv(n, block[1])),
+        name="pallas_fused_fp8_scaled_matmul_triton",
+        interpret=interpret,
+        num_warps=8 if not interpret else 4,
+        num_stages=3 if not interpret else None,
+    )(a, bt, a_scale, b_scale)
