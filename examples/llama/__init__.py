@@ -1,0 +1,1 @@
+"""The pieces of `examples/train_llama.py`: the model, the corpus, the training loop and the report."""

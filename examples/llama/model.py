@@ -1,0 +1,146 @@
+"""A Llama-style decoder in Flax linen, built from pallas_fused's drop-ins.
+
+RMSNorm -> attention (rotary from `pallas_fused.rotary`, grouped-query heads) -> RMSNorm -> SwiGLU MLP,
+with residuals, then a final RMSNorm and an untied output head over the 256 byte values.
+
+Every projection inside the blocks comes from one factory, `ModelConfig.dense(features, name)`, so a
+flag decides what a linear layer is without touching the model:
+
+    plain           nn.Dense
+    fp8=<recipe>    nn.Dense with pallas_fused.fp8.Float8DotGeneral ("tensorwise", "rowwise", ...)
+    dora_rank=r     pallas_fused.dora.DoRADense (same `kernel` name: pretrained params load unchanged)
+
+`implementation` is handed to every pallas_fused op ("xla" is the plain-jnp reference: the baseline).
+The embedding and the output head stay plain high-precision layers (as FP8 recipes usually do).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax import traverse_util
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    vocab_size: int = 256
+    d_model: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    d_ff: int = 384
+    rope_base: float = 10000.0
+    dtype: Any = jnp.float32  # compute dtype; params stay float32
+    implementation: str | None = None  # for every pallas_fused op
+    fp8: str | None = None  # an FP8 recipe name for the block projections
+    dora_rank: int | None = None  # DoRA adapters on the block projections
+    dora_alpha: float = 16.0
+    attention: str | None = None  # jax.nn.dot_product_attention's implementation (None: XLA)
+
+    def __post_init__(self):
+        if self.d_model % self.n_heads:
+            raise ValueError(f"d_model={self.d_model} must be a multiple of n_heads={self.n_heads}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}")
+        if self.fp8 is not None and self.dora_rank is not None:
+            raise ValueError("fp8 and dora_rank: pick one (the DoRA fine-tune runs in high precision)")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    def dense(self, features: int, name: str) -> nn.Module:
+        """The factory for every projection in the blocks (see the module docstring)."""
+        if self.dora_rank is not None:
+            from pallas_fused.dora import DoRADense
+
+            return DoRADense(
+                features,
+                self.dora_rank,
+                alpha=self.dora_alpha,
+                use_bias=False,
+                dtype=self.dtype,
+                implementation=self.implementation,
+                name=name,
+            )
+        if self.fp8 is not None:
+            from pallas_fused.fp8 import Float8Config, Float8DotGeneral
+
+            config = Float8Config.from_recipe(self.fp8)
+            return nn.Dense(
+                features,
+                use_bias=False,
+                dtype=self.dtype,
+                dot_general_cls=functools.partial(Float8DotGeneral, config=config, implementation=self.implementation),
+                name=name,
+            )
+        return nn.Dense(features, use_bias=False, dtype=self.dtype, name=name)
+
+
+class Attention(nn.Module):
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, x):
+        from pallas_fused.rotary import apply_rotary
+
+        cfg = self.config
+        b, s, _ = x.shape
+        q = cfg.dense(cfg.n_heads * cfg.head_dim, "q")(x).reshape(b, s, cfg.n_heads, cfg.head_dim)
+        k = cfg.dense(cfg.n_kv_heads * cfg.head_dim, "k")(x).reshape(b, s, cfg.n_kv_heads, cfg.head_dim)
+        v = cfg.dense(cfg.n_kv_heads * cfg.head_dim, "v")(x).reshape(b, s, cfg.n_kv_heads, cfg.head_dim)
+        q, k = apply_rotary(q, k, base=cfg.rope_base, implementation=cfg.implementation)
+        out = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=cfg.attention)
+        return cfg.dense(cfg.d_model, "o")(out.reshape(b, s, cfg.n_heads * cfg.head_dim))
+
+
+class MLP(nn.Module):
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, x):
+        cfg = self.config
+        gate = cfg.dense(cfg.d_ff, "gate")(x)
+        up = cfg.dense(cfg.d_ff, "up")(x)
+        return cfg.dense(cfg.d_model, "down")(nn.silu(gate) * up)
+
+
+class Block(nn.Module):
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, x):
+        cfg = self.config
+        x = x + Attention(cfg, name="attn")(nn.RMSNorm(dtype=cfg.dtype, name="attn_norm")(x))
+        return x + MLP(cfg, name="mlp")(nn.RMSNorm(dtype=cfg.dtype, name="mlp_norm")(x))
+
+
+class Llama(nn.Module):
+    """Byte-level decoder: int tokens (B, S) -> float32 logits (B, S, vocab)."""
+
+    config: ModelConfig
+
+    @nn.compact
+    def __call__(self, tokens):
+        cfg = self.config
+        x = nn.Embed(cfg.vocab_size, cfg.d_model, dtype=cfg.dtype, name="embed")(tokens)
+        for i in range(cfg.n_layers):
+            x = Block(cfg, name=f"block_{i}")(x)
+        x = nn.RMSNorm(dtype=cfg.dtype, name="final_norm")(x)
+        logits = nn.Dense(cfg.vocab_size, use_bias=False, dtype=cfg.dtype, name="head")(x)
+        return logits.astype(jnp.float32)
+
+
+def count_params(params) -> int:
+    return sum(int(x.size) for x in jax.tree.leaves(params))
+
+
+def block_kernel_mask(params):
+    """True for the projection kernels inside the blocks (what GaLore projects), False elsewhere."""
+    flat = traverse_util.flatten_dict(params)
+    return traverse_util.unflatten_dict({k: k[0].startswith("block_") and k[-1] == "kernel" for k in flat})

@@ -1,0 +1,207 @@
+"""The training loop: one jitted, donated train step; a fixed validation set; honest timing.
+
+The train state holds the params in two parts, `trainable` and `frozen` (empty when pretraining;
+the base weights when fine-tuning with DoRA): gradients and the optimizer only ever see `trainable`,
+so a frozen weight gets no gradient, no optimizer state and no update.
+
+Timing: the first step (compilation) and the validation passes are excluded; every other step counts,
+projector refreshes included. The loop blocks only at log and eval points, so dispatch runs ahead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from collections.abc import Callable
+from typing import Any
+
+import flax
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import traverse_util
+
+
+@flax.struct.dataclass
+class TrainState:
+    step: jax.Array
+    trainable: Any
+    frozen: Any
+    opt_state: Any
+
+
+def split_params(params, is_trainable: Callable[[tuple[str, ...]], bool]):
+    """Split a params tree into (trainable, frozen) trees by a predicate on each leaf's key path."""
+    flat = traverse_util.flatten_dict(params)
+    trainable = {k: v for k, v in flat.items() if is_trainable(k)}
+    frozen = {k: v for k, v in flat.items() if not is_trainable(k)}
+    return traverse_util.unflatten_dict(trainable), traverse_util.unflatten_dict(frozen)
+
+
+def merge_params(trainable, frozen):
+    flat = traverse_util.flatten_dict(trainable)
+    flat.update(traverse_util.flatten_dict(frozen))
+    return traverse_util.unflatten_dict(flat)
+
+
+def loss_fn(model, params, batch):
+    """Mean next-byte cross-entropy (nats per byte) of a (B, S + 1) token batch."""
+    logits = model.apply({"params": params}, batch[:, :-1])
+    return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+
+
+def make_train_step(model, tx: optax.GradientTransformation):
+    """The whole step (forward, backward, optimizer, apply) as one jitted function; the state is donated."""
+
+    def objective(trainable, frozen, batch):
+        return loss_fn(model, merge_params(trainable, frozen), batch)
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def train_step(state: TrainState, batch):
+        loss, grads = jax.value_and_grad(objective)(state.trainable, state.frozen, batch)
+        updates, opt_state = tx.update(grads, state.opt_state, state.trainable)
+        trainable = optax.apply_updates(state.trainable, updates)
+        return state.replace(step=state.step + 1, trainable=trainable, opt_state=opt_state), loss
+
+    return train_step
+
+
+def make_evaluate(model):
+    """Mean loss over a stacked validation set (N, B, S + 1), one compiled scan."""
+
+    @jax.jit
+    def evaluate(params, batches):
+        def body(total, batch):
+            return total + loss_fn(model, params, batch), None
+
+        total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32), batches)
+        return total / batches.shape[0]
+
+    return evaluate
+
+
+@dataclasses.dataclass
+class RunResult:
+    """What one training run produced: curves, final numbers and timing."""
+
+    name: str
+    phase: str
+    train_steps: list[int] = dataclasses.field(default_factory=list)
+    train_loss: list[float] = dataclasses.field(default_factory=list)
+    val_steps: list[int] = dataclasses.field(default_factory=list)
+    val_loss: list[float] = dataclasses.field(default_factory=list)
+    compile_s: float = 0.0
+    train_s: float = 0.0  # wall time of every step after the first, evaluation excluded
+    timed_steps: int = 0
+    tokens_per_step: int = 0
+    num_params: int = 0
+    num_trainable: int = 0
+    opt_state_bytes: int = 0
+
+    @property
+    def step_ms(self) -> float:
+        return 1000.0 * self.train_s / max(self.timed_steps, 1)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens_per_step * self.timed_steps / max(self.train_s, 1e-9)
+
+    def summary(self) -> dict:
+        return {
+            "name": self.name,
+            "phase": self.phase,
+            "steps": self.train_steps[-1] if self.train_steps else 0,
+            "final_train_loss": self.train_loss[-1] if self.train_loss else None,
+            "initial_val_loss": self.val_loss[0] if self.val_loss else None,
+            "final_val_loss": self.val_loss[-1] if self.val_loss else None,
+            "step_ms": self.step_ms,
+            "tokens_per_s": self.tokens_per_s,
+            "compile_s": self.compile_s,
+            "num_params": self.num_params,
+            "num_trainable": self.num_trainable,
+            "opt_state_bytes": self.opt_state_bytes,
+        }
+
+    def to_json(self) -> dict:
+        out = self.summary()
+        out.update(train_steps=self.train_steps, train_loss=self.train_loss, val_steps=self.val_steps,
+                   val_loss=self.val_loss)
+        return out
+
+
+def tree_bytes(tree) -> int:
+    return sum(int(x.size) * x.dtype.itemsize for x in jax.tree.leaves(tree) if hasattr(x, "dtype"))
+
+
+def train(
+    *,
+    name: str,
+    phase: str,
+    model,
+    params,
+    tx: optax.GradientTransformation,
+    is_trainable: Callable[[tuple[str, ...]], bool],
+    batches: np.ndarray,
+    val_batches: np.ndarray,
+    eval_every: int,
+    log_every: int = 10,
+    progress: bool = True,
+) -> tuple[Any, RunResult]:
+    """Train `params` on `batches` (steps, B, S + 1); returns the final params and the run's record."""
+    from tqdm.auto import tqdm
+
+    steps = len(batches)
+    trainable, frozen = split_params(params, is_trainable)
+    state = TrainState(step=jnp.zeros((), jnp.int32), trainable=trainable, frozen=frozen,
+                       opt_state=tx.init(trainable))
+    del params, trainable, frozen  # the state owns them now (it is donated to every step)
+    train_step = make_train_step(model, tx)
+    evaluate = make_evaluate(model)
+    val_batches = jnp.asarray(val_batches)
+    result = RunResult(name=name, phase=phase, tokens_per_step=int(batches.shape[1] * (batches.shape[2] - 1)),
+                       num_params=sum(x.size for x in jax.tree.leaves((state.trainable, state.frozen))),
+                       num_trainable=sum(x.size for x in jax.tree.leaves(state.trainable)),
+                       opt_state_bytes=tree_bytes(state.opt_state))
+
+    def validate(step):
+        loss = float(evaluate(merge_params(state.trainable, state.frozen), val_batches))
+        result.val_steps.append(step)
+        result.val_loss.append(loss)
+        return loss
+
+    val = validate(0)
+    bar = tqdm(total=steps, desc=f"{phase}:{name}", disable=not progress, dynamic_ncols=True)
+    pending: list[tuple[int, jax.Array]] = []
+    window_start, window_steps = None, 0
+    for i in range(steps):
+        if i == 0:
+            start = time.perf_counter()
+            state, loss = train_step(state, jnp.asarray(batches[0]))
+            loss.block_until_ready()
+            result.compile_s = time.perf_counter() - start
+            pending.append((1, loss))
+            window_start = time.perf_counter()
+        else:
+            state, loss = train_step(state, jnp.asarray(batches[i]))
+            pending.append((i + 1, loss))
+            window_steps += 1
+        done = i + 1
+        if done % log_every == 0 or done % eval_every == 0 or done == steps:
+            jax.block_until_ready(loss)
+            elapsed = time.perf_counter() - window_start
+            result.train_s += elapsed
+            result.timed_steps += window_steps
+            for step, value in pending:
+                result.train_steps.append(step)
+                result.train_loss.append(float(value))
+            pending.clear()
+            if done % eval_every == 0 or done == steps:
+                val = validate(done)
+            tok_s = result.tokens_per_step * window_steps / elapsed if window_steps else 0.0
+            bar.set_postfix(loss=f"{result.train_loss[-1]:.3f}", val=f"{val:.3f}", tok_s=f"{tok_s:,.0f}")
+            bar.update(done - bar.n)
+            window_start, window_steps = time.perf_counter(), 0
+    bar.close()
+    return merge_params(state.trainable, state.frozen), result

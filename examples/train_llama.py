@@ -1,0 +1,297 @@
+"""Train a Llama-style byte-level model on the Python standard library, with every pallas_fused capability.
+
+    python examples/train_llama.py                        # --preset cpu without a GPU: ~3 minutes on 2 cores
+    python examples/train_llama.py --preset gpu --compare # ~300M params, seq 1024, bf16, against the baseline
+
+What it does:
+  1. pretraining: a Llama decoder (RMSNorm, rotary attention with grouped-query heads, SwiGLU) on the
+     stdlib's library modules, with `galore_adamw` (GaLore on the block projections, fused AdamW on the
+     rest), rotary from `pallas_fused.rotary`, optionally FP8 block projections (`--fp8 <recipe>`);
+  2. an orbax checkpoint of the pretrained params, restored (and checked bit-identical) for
+  3. a DoRA fine-tune (`--dora-rank`) on a different slice of the corpus (the stdlib's test suites):
+     the base weights frozen, only lora_a / lora_b / magnitude trained, with the fused AdamW;
+  4. a loss plot (train + held-out validation), report.md and report.json under `--out`.
+
+`--compare` repeats the same run (same seed, same initial params, same batches in the same order) with the
+plain jnp / flax / optax baseline: implementation="xla" for every op, optax.contrib.galore and optax.adamw,
+nn.Dense without FP8. It prints both losses and the speed ratio, and plots both curves together.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import pathlib
+import shlex
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # the `llama` package beside this file
+
+from llama import data, report  # noqa: E402
+from llama.model import Llama, ModelConfig, block_kernel_mask, count_params  # noqa: E402
+from llama.train import RunResult, train  # noqa: E402
+
+ADAPTER_NAMES = ("lora_a", "lora_b", "magnitude")
+
+PRESETS = {
+    # Tiny: the whole job (pretrain, checkpoint, fine-tune, plot) in a few minutes on 2 CPU cores.
+    "cpu": dict(
+        d_model=128, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=384, seq_len=128, batch_size=16,
+        steps=200, finetune_steps=100, lr=3e-3, finetune_lr=3e-3, warmup=20, galore_rank=32,
+        update_proj_gap=50, dora_rank=8, dora_alpha=16.0, eval_every=25, val_batches=8,
+        max_bytes=4_000_000, dtype="float32",
+    ),
+    # ~300M parameters (24 layers of d_model 1024, 8 heads of 128, 4 kv heads, SwiGLU 3072), bf16 compute.
+    "gpu": dict(
+        d_model=1024, n_layers=24, n_heads=8, n_kv_heads=4, d_ff=3072, seq_len=1024, batch_size=16,
+        steps=300, finetune_steps=100, lr=3e-3, finetune_lr=1e-3, warmup=30, galore_rank=128,
+        update_proj_gap=200, dora_rank=16, dora_alpha=32.0, eval_every=50, val_batches=16,
+        max_bytes=None, dtype="bfloat16",
+    ),
+}
+
+
+def has_gpu() -> bool:
+    try:
+        return bool(jax.devices("gpu"))
+    except RuntimeError:
+        return False
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                   help="model/data size (default: gpu if a GPU is visible, else cpu)")
+    p.add_argument("--steps", type=int, help="pretraining steps")
+    p.add_argument("--finetune-steps", type=int, help="DoRA fine-tuning steps (0 skips the fine-tune)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--implementation", choices=["pallas", "xla", "interpret"], default=None,
+                   help="for every pallas_fused op (default: pallas on a GPU, the XLA reference on CPU)")
+    p.add_argument("--fp8", choices=["tensorwise", "rowwise", "rowwise_with_gw_hp"], default=None,
+                   help="FP8 recipe for the block projections while pretraining")
+    p.add_argument("--dora-rank", type=int, help="rank of the DoRA adapters for the fine-tune")
+    p.add_argument("--compare", action="store_true", help="also run the plain jnp/flax/optax baseline")
+    p.add_argument("--out", type=pathlib.Path, default=None, help="output dir (default runs/<timestamp>)")
+    p.add_argument("--projector", choices=["svd", "randomized"], default="randomized",
+                   help="GaLore projector refresh for pallas_fused (the baseline uses optax.contrib.galore's SVD)")
+    p.add_argument("--attention", choices=["xla", "cudnn"], default=None,
+                   help="jax.nn.dot_product_attention implementation, the same for both runs (default: XLA)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    for key in ("batch_size", "seq_len", "lr", "galore_rank", "update_proj_gap", "eval_every", "n_layers", "d_model"):
+        p.add_argument("--" + key.replace("_", "-"), type=type(PRESETS["cpu"][key]), default=None,
+                       help="override the preset")
+    args = p.parse_args(argv)
+    args.preset = args.preset or ("gpu" if has_gpu() else "cpu")
+    settings = dict(PRESETS[args.preset])
+    overrides = {"steps": args.steps, "finetune_steps": args.finetune_steps, "dora_rank": args.dora_rank}
+    overrides.update({k: getattr(args, k) for k in ("batch_size", "seq_len", "lr", "galore_rank", "update_proj_gap",
+                                                   "eval_every", "n_layers", "d_model")})
+    settings.update({k: v for k, v in overrides.items() if v is not None})
+    args.settings = settings
+    if args.out is None:
+        args.out = pathlib.Path("runs") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    return args
+
+
+def model_config(s: dict, *, implementation, fp8=None, dora_rank=None, attention=None) -> ModelConfig:
+    return ModelConfig(
+        d_model=s["d_model"], n_layers=s["n_layers"], n_heads=s["n_heads"], n_kv_heads=s["n_kv_heads"],
+        d_ff=s["d_ff"], dtype=jnp.dtype(s["dtype"]), implementation=implementation, fp8=fp8,
+        dora_rank=dora_rank, dora_alpha=s["dora_alpha"], attention=attention,
+    )
+
+
+def schedule(lr: float, warmup: int, steps: int):
+    return optax.warmup_cosine_decay_schedule(0.0, lr, max(1, min(warmup, steps - 1)), max(steps, 2), lr * 0.1)
+
+
+def pretrain_optimizer(s: dict, params, *, baseline: bool, implementation, projector: str):
+    """GaLore on the block projection kernels, plain Adam on everything else; the same numbers for both runs."""
+    lr = schedule(s["lr"], s["warmup"], s["steps"])
+    mask = block_kernel_mask(params)
+    common = dict(rank=s["galore_rank"], update_proj_gap=s["update_proj_gap"], scale=0.25)
+    if baseline:
+        from optax.contrib import GaLoreDimensionNumbers
+
+        dims = jax.tree.map(lambda m: GaLoreDimensionNumbers() if m else None, mask)
+        return optax.contrib.galore(lr, **common, base_optimizer=optax.scale_by_adam(b1=0.9, b2=0.999, eps=1e-8),
+                                    weight_decay=0.0, weight_dimension_numbers=lambda _: dims)
+    galore_adamw = _galore_adamw()
+    # "reverse_std" keeps the same (smaller) side as optax.contrib.galore, so both runs hold the same state.
+    return galore_adamw(lr, **common, proj_type="reverse_std", b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0,
+                        mask=mask, projector=projector, implementation=implementation)
+
+
+def _galore_adamw():
+    try:
+        from pallas_fused.optim import galore_adamw
+    except ImportError:
+        from pallas_fused.galore import galore_adamw
+    return galore_adamw
+
+
+def finetune_optimizer(s: dict, *, baseline: bool, implementation):
+    lr = schedule(s["finetune_lr"], s["warmup"], s["finetune_steps"])
+    if baseline:
+        return optax.adamw(lr, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0)
+    try:
+        from pallas_fused.optim import adamw
+    except ImportError:
+        from pallas_fused.adam import adamw
+    return adamw(lr, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0, implementation=implementation)
+
+
+def save_checkpoint(path: pathlib.Path, params) -> None:
+    import orbax.checkpoint as ocp
+
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(path.resolve(), params, force=True)
+    checkpointer.wait_until_finished()
+
+
+def restore_checkpoint(path: pathlib.Path, like):
+    import orbax.checkpoint as ocp
+
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), like)
+    return ocp.StandardCheckpointer().restore(path.resolve(), abstract)
+
+
+def trees_equal(a, b) -> bool:
+    same = jax.tree.map(lambda x, y: x.shape == y.shape and x.dtype == y.dtype and bool(jnp.array_equal(x, y)), a, b)
+    return jax.tree.structure(a) == jax.tree.structure(b) and all(jax.tree.leaves(same))
+
+
+def dora_params(pretrained, dora_model, tokens, rng):
+    """Pretrained Dense params -> DoRA params: same kernels, fresh adapters (lora_b = 0), magnitude = ||W||."""
+    from pallas_fused import dora
+
+    fresh = dora_model.init(rng, tokens)["params"]
+    convert = getattr(dora, "dense_to_dora_params", None) or getattr(dora, "convert_dense_params", None)
+    if convert is None:
+        raise RuntimeError("pallas_fused.dora has no Dense -> DoRA params helper yet")
+    return convert(pretrained, fresh)
+
+
+def fingerprints(params):
+    """Cheap per-leaf fingerprints (sum and sum of squares in fp32) to see which leaves a run changed."""
+    from flax import traverse_util
+
+    flat = traverse_util.flatten_dict(params)
+    return {k: jnp.stack([jnp.sum(v.astype(jnp.float32)), jnp.sum(jnp.square(v.astype(jnp.float32)))])
+            for k, v in flat.items()}
+
+
+def changed_leaves(before, after) -> list[str]:
+    return sorted("/".join(k) for k in before if not bool(jnp.array_equal(before[k], after[k])))
+
+
+def run_variant(name: str, args, s: dict, init_params, batches: dict) -> tuple[list[RunResult], dict]:
+    """Pretrain, checkpoint, restore, DoRA fine-tune: one variant ("pallas_fused" or "baseline")."""
+    baseline = name == "baseline"
+    implementation = "xla" if baseline else args.implementation
+    fp8 = None if baseline else args.fp8
+    progress = not args.no_progress
+    checks: dict = {}
+
+    cfg = model_config(s, implementation=implementation, fp8=fp8, attention=args.attention)
+    model = Llama(cfg)
+    params = jax.tree.map(jnp.copy, init_params)  # the same initial params for both variants
+    tx = pretrain_optimizer(s, params, baseline=baseline, implementation=implementation, projector=args.projector)
+    params, pre = train(name=name, phase="pretrain", model=model, params=params, tx=tx, is_trainable=lambda k: True,
+                        batches=batches["pretrain"], val_batches=batches["pretrain_val"], eval_every=s["eval_every"],
+                        progress=progress)
+    results = [pre]
+
+    ckpt = args.out / "checkpoints" / name / "pretrain"
+    save_checkpoint(ckpt, params)
+    restored = restore_checkpoint(ckpt, params)
+    checks["checkpoint"] = str(ckpt)
+    checks["checkpoint_restored_identical"] = trees_equal(params, restored)
+    del params
+
+    if s["finetune_steps"] > 0 and s["dora_rank"]:
+        ft_cfg = model_config(s, implementation=implementation, dora_rank=s["dora_rank"], attention=args.attention)
+        ft_model = Llama(ft_cfg)
+        sample = jnp.asarray(batches["finetune"][0][:1, :-1])
+        ft_params = dora_params(restored, ft_model, sample, jax.random.PRNGKey(args.seed + 1))
+        tx = finetune_optimizer(s, baseline=baseline, implementation=implementation)
+        before = fingerprints(ft_params)
+        ft_params, ft = train(name=name, phase="dora finetune", model=ft_model, params=ft_params, tx=tx,
+                              is_trainable=lambda k: k[-1] in ADAPTER_NAMES, batches=batches["finetune"],
+                              val_batches=batches["finetune_val"], eval_every=s["eval_every"], progress=progress)
+        changed = changed_leaves(before, fingerprints(ft_params))
+        checks["finetune_changed"] = changed
+        checks["finetune_only_adapters_changed"] = bool(changed) and all(
+            c.rsplit("/", 1)[-1] in ADAPTER_NAMES for c in changed)
+        results.append(ft)
+    return results, checks
+
+
+def make_batches(s: dict, seed: int) -> dict:
+    """Every batch of every phase, fixed up front from the seed (so both variants see the same data)."""
+    b, sl = s["batch_size"], s["seq_len"]
+    streams = {name: data.load_split(name, max_bytes=s["max_bytes"]) for name in data.SPLITS}
+    pre = data.Batches(streams["pretrain"], b, sl, seed)
+    ft = data.Batches(streams["finetune"], b, sl, seed + 1)
+    return {
+        "pretrain": np.stack([next(pre) for _ in range(s["steps"])]),
+        "finetune": np.stack([next(ft) for _ in range(max(s["finetune_steps"], 1))])[: s["finetune_steps"] or 1],
+        "pretrain_val": data.eval_batches(streams["pretrain_val"], batch_size=b, seq_len=sl,
+                                          num_batches=s["val_batches"]),
+        "finetune_val": data.eval_batches(streams["finetune_val"], batch_size=b, seq_len=sl,
+                                          num_batches=s["val_batches"]),
+        "bytes": {name: int(len(v)) for name, v in streams.items()},
+    }
+
+
+def environment() -> dict:
+    import flax
+
+    from pallas_fused import _backend
+
+    return {"device": _backend.device_name(), "jax": jax.__version__, "flax": flax.__version__,
+            "optax": optax.__version__, "python": sys.version.split()[0]}
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    s = args.settings
+    command = "python examples/train_llama.py " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None
+                                                                                   else argv))
+    env = environment()
+    print(f"preset {args.preset} on {env['device']} (jax {env['jax']}); output in {args.out}")
+    batches = make_batches(s, args.seed)
+    print("corpus (bytes): " + ", ".join(f"{k} {v:,}" for k, v in batches["bytes"].items()))
+
+    cfg = model_config(s, implementation="xla")
+    init_params = Llama(cfg).init(jax.random.PRNGKey(args.seed), jnp.asarray(batches["pretrain"][0][:1, :-1]))["params"]
+    print(f"model: {count_params(init_params) / 1e6:.1f}M params, {s['n_layers']} layers, d_model {s['d_model']}, "
+          f"seq {s['seq_len']}, batch {s['batch_size']}, {s['dtype']}; fp8={args.fp8}, dora rank {s['dora_rank']}")
+
+    results, checks = [], {}
+    for name in ["pallas_fused"] + (["baseline"] if args.compare else []):
+        runs, checks[name] = run_variant(name, args, s, init_params, batches)
+        results += runs
+
+    settings = {**s, "preset": args.preset, "seed": args.seed, "implementation": args.implementation,
+                "fp8": args.fp8, "projector": args.projector, "attention": args.attention, "compare": args.compare,
+                "corpus_bytes": batches["bytes"], "num_params": count_params(init_params), "checks": checks}
+    paths = report.write(args.out, results, command=command, settings=settings, environment=env)
+    print()
+    print(report.table(results))
+    for line in report.comparison_lines(results):
+        print(line)
+    for name, c in checks.items():
+        print(f"{name}: checkpoint restored identical: {c['checkpoint_restored_identical']}; "
+              f"fine-tune changed only adapters: {c.get('finetune_only_adapters_changed')}")
+    print(f"wrote {paths['plot']}, {paths['markdown']}, {paths['json']}")
+    return {"results": results, "checks": checks, "paths": paths, "settings": settings}
+
+
+if __name__ == "__main__":
+    main()
