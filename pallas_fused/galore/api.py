@@ -1,0 +1,412 @@
+"""GaLore Adam(W) as optax transforms, plus an in-place training step. Knows nothing of Pallas internals.
+
+    tx = galore_adamw(1e-3, rank=128, update_proj_gap=200, scale=0.25, weight_decay=0.01)
+    state = tx.init(params)
+    updates, state = tx.update(grads, state, params)          # optax path
+    params = optax.apply_updates(params, updates)
+
+    opt = galore_adamw_inplace(1e-3, rank=128, ...)           # same state, same numbers (fp32: bit-identical)
+    step = jax.jit(opt.step, donate_argnums=(0, 2))           # writes params in the update kernel
+    params, state = step(params, grads, state)
+
+Which leaves are projected: the 2-D leaves selected by `mask` (default: every 2-D leaf whose both dims
+exceed `rank`). Every other leaf gets plain Adam (optax.scale_by_adam's numbers) and the same decoupled
+weight decay.
+
+Semantics (`convention="galore"`, the default) are the reference GaLore (galore-torch `GaLoreAdamW`):
+the projector is recomputed from the current gradient when the step count (before increment) is a
+multiple of `update_proj_gap` (step 0 included); the low-rank moments are kept across refreshes;
+m = b1 m + (1-b1) R, v = b2 v + (1-b2) R^2, R_n = m / (sqrt(v) + eps),
+W <- W - lr sqrt(1-b2^t)/(1-b1^t) scale backproject(R_n) - lr wd W   (decay of the pre-step W, as AdamW
+in optax; galore-torch decays the post-step W, a difference of order lr^2 wd).
+
+`convention="optax"` reproduces optax.contrib.galore (with its default scale_by_adam base): its projector
+side (proj_type "reverse_std": the smaller dimension is kept) and its eps placement
+m_hat / (sqrt(v_hat) + eps); the learning rate is applied after scale and weight decay as there.
+
+Non-finite gradients: on a refresh step whose gradient (of a projected leaf) is not finite, that leaf
+keeps its previous projector and moments and its update is zero (the step is skipped for that leaf, the
+step count still advances) and every projector is refreshed again on the next step. On other steps a
+non-finite gradient propagates as in optax's Adam (wrap in `optax.apply_if_finite` to skip those).
+
+Hyperparameters learning_rate (float or schedule), b1, b2, eps, weight_decay and scale are runtime
+values: under `optax.inject_hyperparams(galore_adamw, static_args=GALORE_STATIC_ARGS)` changing them does
+not recompile.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+
+from pallas_fused import _backend
+from pallas_fused.galore import kernel, projector, reference
+from pallas_fused.galore.reference import Scalars
+
+CONVENTIONS = ("galore", "optax")
+PROJECTORS = ("svd", "randomized")
+KERNELS = ("auto", "fused", "hybrid")
+# Arguments that are structure, not numbers: pass them to optax.inject_hyperparams as static_args.
+GALORE_STATIC_ARGS = ("rank", "update_proj_gap", "proj_type", "mask", "weight_decay_mask", "projector",
+                      "oversample", "power_iters", "seed", "convention", "mu_dtype", "nu_dtype", "implementation",
+                      "kernel")
+
+_masked_node = optax.MaskedNode
+_is_masked = lambda x: isinstance(x, optax.MaskedNode)
+
+
+class GaLoreAdamState(NamedTuple):
+    """Plain pytree state (checkpointable with orbax).
+
+    count: int32 steps taken. pending_refresh: bool, refresh every projector on the next step (set when a
+    refresh saw a non-finite gradient). mu, nu: low-rank moments of projected leaves (MaskedNode
+    elsewhere). projector: P of projected leaves ((r, N) on side "right", (M, r) on side "left"; MaskedNode
+    elsewhere). dense: the Adam state of the other leaves."""
+
+    count: jax.Array
+    pending_refresh: jax.Array
+    mu: Any
+    nu: Any
+    projector: Any
+    dense: Any
+
+
+class GaLoreInplace(NamedTuple):
+    """`init(params) -> state`; `step(params, grads, state) -> (params, state)`: jit it with
+    donate_argnums=(0, 2) so the update kernels write params and moments in place."""
+
+    init: Callable
+    step: Callable
+
+
+def _dense_adam(b1, b2, eps, mu_dtype):
+    """Adam for the leaves that are not projected (one line to switch to the fused kernel)."""
+    return optax.scale_by_adam(b1=b1, b2=b2, eps=eps, mu_dtype=mu_dtype)
+
+
+def choose_kernel(shape: tuple[int, int], rank: int, side: str) -> str:
+    """"fused" or "hybrid" for one leaf: the measured winner (benchmarks/bench_galore.py) where known.
+
+    The fused down-projection gives one program all r columns of BM rows of the kept dimension (no
+    split-K, so the Adam epilogue sees finished sums); it wins only when the kept dimension gives enough
+    programs to fill the GPU. Otherwise XLA's (split-K) GEMM + the elementwise kernel is faster."""
+    m, n = shape
+    kept = m if side == "right" else n
+    blocks = -(-kept // kernel._blocks_down(shape, rank, side, 4)[0])
+    return "fused" if blocks >= 2 * _backend.num_sms() else "hybrid"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    rank: int
+    update_proj_gap: int
+    proj_type: str
+    convention: str
+    mask: Any
+    weight_decay_mask: Any
+    projector: str
+    oversample: int
+    power_iters: int
+    seed: int
+    mu_dtype: Any
+    nu_dtype: Any
+    implementation: str
+    kernel: str
+
+
+def _check_int(name, value, minimum):
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be a Python int (with optax.inject_hyperparams pass "
+                         f"static_args=GALORE_STATIC_ARGS), got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+def _make_config(rank, update_proj_gap, proj_type, convention, mask, weight_decay_mask, projector_, oversample,
+                 power_iters, seed, mu_dtype, nu_dtype, implementation, kernel_) -> _Config:
+    _check_int("rank", rank, 1)
+    _check_int("update_proj_gap", update_proj_gap, 1)
+    _check_int("oversample", oversample, 0)
+    _check_int("power_iters", power_iters, 0)
+    if convention not in CONVENTIONS:
+        raise ValueError(f"convention must be one of {CONVENTIONS}, got {convention!r}")
+    if proj_type is None:
+        proj_type = "std" if convention == "galore" else "reverse_std"
+    if proj_type not in reference.PROJ_TYPES:
+        raise ValueError(f"proj_type must be one of {reference.PROJ_TYPES}, got {proj_type!r}")
+    if projector_ not in PROJECTORS:
+        raise ValueError(f"projector must be one of {PROJECTORS}, got {projector_!r}")
+    if kernel_ not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel_!r}")
+    impl = _backend.resolve_implementation(implementation, op="galore")
+    return _Config(rank, update_proj_gap, proj_type, convention, mask, weight_decay_mask, projector_, oversample,
+                   power_iters, seed, mu_dtype, nu_dtype, impl, kernel_)
+
+
+def _resolve_mask(mask, params, default):
+    if mask is None:
+        return jax.tree.map(default, params)
+    return mask(params) if callable(mask) else mask
+
+
+def _leaves(tree):
+    return jax.tree.leaves(tree, is_leaf=_is_masked)
+
+
+class _GaLore:
+    """The shared core of the optax transforms and the in-place step."""
+
+    def __init__(self, cfg: _Config, learning_rate, b1, b2, eps, weight_decay, scale):
+        self.cfg = cfg
+        self.lr, self.b1, self.b2, self.eps, self.wd, self.scale = learning_rate, b1, b2, eps, weight_decay, scale
+        self.dense = _dense_adam(b1, b2, eps, cfg.mu_dtype)
+
+    # ---------------------------------------------------------------------------------------------- init
+    def _projected(self, params):
+        cfg = self.cfg
+        flags = _resolve_mask(cfg.mask, params, lambda p: p.ndim == 2 and min(p.shape) > cfg.rank)
+        flat_p, treedef = jax.tree.flatten(params)
+        flat_f = treedef.flatten_up_to(flags)
+        for path_leaf, p, f in zip(jax.tree_util.tree_leaves_with_path(params), flat_p, flat_f):
+            if f and (p.ndim != 2 or cfg.rank >= min(p.shape)):
+                where = jax.tree_util.keystr(path_leaf[0])
+                raise ValueError(f"rank={cfg.rank} must be < min(M, N) of every projected (2-D) leaf; leaf {where} "
+                                 f"has shape {p.shape} (exclude it with `mask`)")
+        return [bool(f) for f in flat_f], treedef
+
+    def init(self, params) -> GaLoreAdamState:
+        cfg = self.cfg
+        flags, treedef = self._projected(params)
+        flat = treedef.flatten_up_to(params)
+        mu, nu, proj = [], [], []
+        for p, f in zip(flat, flags):
+            if not f:
+                mu.append(_masked_node()), nu.append(_masked_node()), proj.append(_masked_node())
+                continue
+            side = reference.projector_side(p.shape, cfg.proj_type)
+            low = reference.lowrank_shape(p.shape, cfg.rank, side)
+            mu.append(jnp.zeros(low, cfg.mu_dtype or jnp.float32))
+            nu.append(jnp.zeros(low, cfg.nu_dtype or jnp.float32))
+            proj.append(jnp.zeros(reference.projector_shape(p.shape, cfg.rank, side), p.dtype))
+        dense_mask = treedef.unflatten([not f for f in flags])
+        return GaLoreAdamState(
+            count=jnp.zeros([], jnp.int32),
+            pending_refresh=jnp.zeros([], jnp.bool_),
+            mu=treedef.unflatten(mu), nu=treedef.unflatten(nu), projector=treedef.unflatten(proj),
+            dense=optax.masked(self.dense, dense_mask).init(params),
+        )
+
+    # ------------------------------------------------------------------------------------------ refresh
+    def _refresh(self, g, p_old, side, key):
+        cfg = self.cfg
+        finite = jnp.all(jnp.isfinite(g))
+        if cfg.projector == "svd":
+            p_new = reference.svd_projector(g, cfg.rank, side, p_old.dtype)
+        else:
+            kw = dict(oversample=cfg.oversample, power_iters=cfg.power_iters, dtype=p_old.dtype)
+            g_safe = jnp.where(finite, g, 0).astype(g.dtype)
+            p_new = lax.cond(jnp.all(p_old == 0),
+                             lambda: projector.randomized_projector(g_safe, cfg.rank, side, key, **kw),
+                             lambda: projector.randomized_projector(g_safe, cfg.rank, side, key, prev=p_old, **kw))
+        return jnp.where(finite, p_new, p_old), finite
+
+    # ---------------------------------------------------------------------------------------- the step
+    def _scalars(self, count, lr, with_lr: bool):
+        f32 = jnp.float32
+        b1, b2 = jnp.asarray(self.b1, f32), jnp.asarray(self.b2, f32)
+        t = (count + 1).astype(f32)
+        bc1, bc2 = 1 - b1**t, 1 - b2**t
+        scale = jnp.asarray(self.scale, f32)
+        sign_lr = -lr if with_lr else jnp.asarray(1.0, f32)
+        if self.cfg.convention == "galore":
+            alpha = beta = jnp.asarray(1.0, f32)
+            c = sign_lr * scale * jnp.sqrt(bc2) / bc1
+        else:
+            alpha, beta = 1 / bc1, 1 / jnp.sqrt(bc2)
+            c = sign_lr * scale
+        return b1, b2, jnp.asarray(self.eps, f32), alpha, beta, c
+
+    def _leaf(self, w, g, m, v, p, side, s: Scalars, inplace):
+        cfg = self.cfg
+        if cfg.implementation == "xla":
+            if w is None:
+                w = jnp.zeros(g.shape, g.dtype)
+            return reference.galore_adam_step(w, g, m, v, p, side, s, inplace=inplace)
+        interpret = cfg.implementation == "interpret"
+        variant = cfg.kernel if cfg.kernel != "auto" else choose_kernel(g.shape, cfg.rank, side)
+        packed = s.pack()
+        if variant == "fused":
+            m, v, n = kernel.down_adam_fused(g, p, m, v, packed, side=side, interpret=interpret)
+        else:
+            m, v, n = kernel.lowrank_adam(reference.project(g, p, side), m, v, packed, interpret=interpret)
+        if w is None:
+            w = jnp.zeros(g.shape, g.dtype)  # a == 0: W only enters as a * W
+        out = kernel.up_update(w, n, p, packed, side=side, inplace=inplace, interpret=interpret)
+        return out, m, v
+
+    def _update(self, updates, state: GaLoreAdamState, params, inplace: bool):
+        cfg = self.cfg
+        with_lr = self.lr is not None
+        if (self.wd is not None or inplace) and params is None:
+            raise ValueError("galore: `params` are required (weight decay / the in-place step)")
+        count = state.count
+        lr = jnp.asarray(self.lr(count) if callable(self.lr) else (self.lr if with_lr else 1.0), jnp.float32)
+        b1, b2, eps, alpha, beta, c = self._scalars(count, lr, with_lr)
+        has_wd = self.wd is not None
+        wd = jnp.asarray(self.wd if has_wd else 0.0, jnp.float32)
+        refresh = (count % cfg.update_proj_gap == 0) | state.pending_refresh
+
+        treedef = jax.tree.structure(updates)
+        flat_g = treedef.flatten_up_to(updates)
+        flat_w = treedef.flatten_up_to(params) if params is not None else [None] * len(flat_g)
+        flat_mu, flat_nu, flat_p = (_leaves(x) for x in (state.mu, state.nu, state.projector))
+        if has_wd:
+            wd_flags = treedef.flatten_up_to(_resolve_mask(cfg.weight_decay_mask, params, lambda _: True))
+        else:
+            wd_flags = [False] * len(flat_g)
+
+        # the leaves that are not projected: Adam through optax.masked, then lr and decoupled weight decay
+        dense_mask = treedef.unflatten([_is_masked(p) for p in flat_p])
+        dense_u, dense_state = optax.masked(self.dense, dense_mask).update(updates, state.dense, params)
+        flat_du = treedef.flatten_up_to(dense_u)
+
+        key = jax.random.fold_in(jax.random.key(cfg.seed), count)
+        outs, mus, nus, projs, oks = [], [], [], [], []
+        for i, (g, w, m, v, p, du, decay) in enumerate(zip(flat_g, flat_w, flat_mu, flat_nu, flat_p, flat_du,
+                                                          wd_flags)):
+            a = -lr * wd if decay else jnp.asarray(0.0, jnp.float32)
+            if _is_masked(p):
+                u = du.astype(jnp.float32)
+                if with_lr:
+                    u = -lr * u
+                if decay:
+                    u = u + a * w.astype(jnp.float32)
+                outs.append((w.astype(jnp.float32) + u).astype(w.dtype) if inplace else u.astype(g.dtype))
+                mus.append(m), nus.append(v), projs.append(p)
+                continue
+            side = reference.projector_side(g.shape, cfg.proj_type)
+            p, ok = lax.cond(refresh, lambda g=g, p=p, side=side, i=i: self._refresh(g, p, side,
+                                                                                   jax.random.fold_in(key, i)),
+                             lambda p=p: (p, jnp.asarray(True)))
+            s = Scalars(b1, b2, eps, alpha, beta, a, c, ok.astype(jnp.float32))
+            out, m, v = self._leaf(w if decay or inplace else None, g, m, v, p, side, s, inplace)
+            outs.append(out), mus.append(m), nus.append(v), projs.append(p), oks.append(ok)
+        all_ok = jnp.all(jnp.stack(oks)) if oks else jnp.asarray(True)
+        new_state = GaLoreAdamState(
+            count=optax.safe_int32_increment(count),
+            pending_refresh=jnp.where(refresh, ~all_ok, state.pending_refresh),
+            mu=treedef.unflatten(mus), nu=treedef.unflatten(nus), projector=treedef.unflatten(projs),
+            dense=dense_state,
+        )
+        return treedef.unflatten(outs), new_state
+
+    def update(self, updates, state, params=None, **extra_args):
+        del extra_args
+        return self._update(updates, state, params, inplace=False)
+
+    def step(self, params, grads, state):
+        return self._update(grads, state, params, inplace=True)
+
+
+def _build(learning_rate, weight_decay, *, b1, b2, eps, scale, rank, update_proj_gap, proj_type, convention, mask,
+           weight_decay_mask, projector, oversample, power_iters, seed, mu_dtype, nu_dtype, implementation, kernel):
+    cfg = _make_config(rank, update_proj_gap, proj_type, convention, mask, weight_decay_mask, projector, oversample,
+                       power_iters, seed, mu_dtype, nu_dtype, implementation, kernel)
+    return _GaLore(cfg, learning_rate, b1, b2, eps, weight_decay, scale)
+
+
+_DOC_ARGS = """
+    Args:
+      learning_rate: float or optax schedule (called with the step count).
+      rank: projection rank r (a Python int, < min(M, N) of each projected leaf).
+      update_proj_gap: steps between projector refreshes (step 0 refreshes).
+      scale: GaLore's update scale (alpha in the paper).
+      proj_type: "std" | "reverse_std" | "right" | "left" (default "std"; "reverse_std" under
+        convention="optax").
+      b1, b2, eps: Adam's; weight_decay: decoupled (AdamW) decay, applied as -lr * wd * W.
+      mask: which leaves are projected: pytree of bools or callable(params) -> pytree (default: 2-D leaves
+        whose both dims exceed rank). Other leaves get plain Adam(W).
+      weight_decay_mask: which leaves decay (pytree of bools or callable; default all).
+      projector: "svd" (exact, jnp.linalg.svd) or "randomized" (range finder with `oversample` extra
+        columns and `power_iters` subspace iterations, warm-started from the previous projector; `seed`).
+      convention: "galore" (reference GaLore, the default) or "optax" (optax.contrib.galore's numbers).
+      mu_dtype, nu_dtype: moment dtypes (default fp32).
+      implementation: None | "pallas" | "xla" | "interpret" (see pallas_fused._backend).
+      kernel: "auto" | "fused" | "hybrid": the down-projection variant (auto: choose_kernel's table).
+"""
+
+
+def galore_adamw(learning_rate, *, rank: int = 128, update_proj_gap: int = 200, scale: float = 0.25,
+                 proj_type: str | None = None, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-6,
+                 weight_decay: float = 0.0, mask=None, weight_decay_mask=None, projector: str = "svd",
+                 oversample: int = 8, power_iters: int = 2, seed: int = 0, convention: str = "galore",
+                 mu_dtype=None, nu_dtype=None, implementation: str | None = None,
+                 kernel: str = "auto") -> optax.GradientTransformationExtraArgs:
+    """GaLore AdamW (reference GaLore semantics; see the module docstring): the full update, lr included.
+
+    Projected leaves go through the fused Pallas kernels (down-projection + low-rank Adam, then the
+    up-projection with the update in its epilogue); `update` requires params (for weight decay)."""
+    core = _build(learning_rate, weight_decay, b1=b1, b2=b2, eps=eps, scale=scale, rank=rank,
+                  update_proj_gap=update_proj_gap, proj_type=proj_type, convention=convention, mask=mask,
+                  weight_decay_mask=weight_decay_mask, projector=projector, oversample=oversample,
+                  power_iters=power_iters, seed=seed, mu_dtype=mu_dtype, nu_dtype=nu_dtype,
+                  implementation=implementation, kernel=kernel)
+    return optax.GradientTransformationExtraArgs(core.init, core.update)
+
+
+def galore_adam(learning_rate, *, rank: int = 128, update_proj_gap: int = 200, scale: float = 0.25,
+                proj_type: str | None = None, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-6, mask=None,
+                projector: str = "svd", oversample: int = 8, power_iters: int = 2, seed: int = 0,
+                convention: str = "galore", mu_dtype=None, nu_dtype=None, implementation: str | None = None,
+                kernel: str = "auto") -> optax.GradientTransformationExtraArgs:
+    """GaLore Adam without weight decay (params not needed by `update`)."""
+    core = _build(learning_rate, None, b1=b1, b2=b2, eps=eps, scale=scale, rank=rank,
+                  update_proj_gap=update_proj_gap, proj_type=proj_type, convention=convention, mask=mask,
+                  weight_decay_mask=None, projector=projector, oversample=oversample, power_iters=power_iters,
+                  seed=seed, mu_dtype=mu_dtype, nu_dtype=nu_dtype, implementation=implementation, kernel=kernel)
+    return optax.GradientTransformationExtraArgs(core.init, core.update)
+
+
+def scale_by_galore_adam(*, rank: int = 128, update_proj_gap: int = 200, scale: float = 0.25,
+                         proj_type: str | None = None, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-6,
+                         mask=None, projector: str = "svd", oversample: int = 8, power_iters: int = 2, seed: int = 0,
+                         convention: str = "galore", mu_dtype=None, nu_dtype=None, implementation: str | None = None,
+                         kernel: str = "auto") -> optax.GradientTransformationExtraArgs:
+    """The GaLore Adam direction without learning rate or weight decay, for `optax.chain` (like
+    optax.scale_by_adam: positive sign; chain with optax.add_decayed_weights / scale_by_learning_rate).
+    Under convention="galore" the bias correction sqrt(1-b2^t)/(1-b1^t) is included."""
+    core = _build(None, None, b1=b1, b2=b2, eps=eps, scale=scale, rank=rank,
+                  update_proj_gap=update_proj_gap, proj_type=proj_type, convention=convention, mask=mask,
+                  weight_decay_mask=None, projector=projector, oversample=oversample, power_iters=power_iters,
+                  seed=seed, mu_dtype=mu_dtype, nu_dtype=nu_dtype, implementation=implementation, kernel=kernel)
+    return optax.GradientTransformationExtraArgs(core.init, core.update)
+
+
+def galore_adamw_inplace(learning_rate, *, rank: int = 128, update_proj_gap: int = 200, scale: float = 0.25,
+                         proj_type: str | None = None, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-6,
+                         weight_decay: float = 0.0, mask=None, weight_decay_mask=None, projector: str = "svd",
+                         oversample: int = 8, power_iters: int = 2, seed: int = 0, convention: str = "galore",
+                         mu_dtype=None, nu_dtype=None, implementation: str | None = None,
+                         kernel: str = "auto") -> GaLoreInplace:
+    """galore_adamw as one in-place step: `step(params, grads, state) -> (params, state)`.
+
+    Same arguments, state and numbers as `galore_adamw` (fp32: bit-identical to update + apply_updates).
+    The up-projection kernel writes each projected weight over its own buffer (input_output_aliases) and
+    the down-projection kernel its moments: jit `step` with donate_argnums=(0, 2) to save the extra
+    passes over W that `optax.apply_updates` costs."""
+    core = _build(learning_rate, weight_decay, b1=b1, b2=b2, eps=eps, scale=scale, rank=rank,
+                  update_proj_gap=update_proj_gap, proj_type=proj_type, convention=convention, mask=mask,
+                  weight_decay_mask=weight_decay_mask, projector=projector, oversample=oversample,
+                  power_iters=power_iters, seed=seed, mu_dtype=mu_dtype, nu_dtype=nu_dtype,
+                  implementation=implementation, kernel=kernel)
+    return GaLoreInplace(core.init, core.step)
+
+
+for _f in (galore_adamw, galore_adam, scale_by_galore_adam, galore_adamw_inplace):
+    _f.__doc__ += _DOC_ARGS
