@@ -1,0 +1,232 @@
+"""Public DoRA functions: argument checks, implementation choice, the custom_vjp."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_fused import _backend
+from pallas_fused.dora import kernel as K
+from pallas_fused.dora import reference
+from pallas_fused.dora.quant import NF4_CODEBOOK, Int8Kernel, NF4Kernel, dequantize, is_quantized
+
+GEMMS = ("pallas", "xla", "xla_concat")
+
+
+def _check(x, kernel, lora_a, lora_b, magnitude, bias, scale):
+    """Validate shapes/dtypes; returns (in_features, out_features, rank)."""
+    x_dtype = getattr(x, "dtype", None)
+    if x_dtype is None or not jnp.issubdtype(x_dtype, jnp.floating):
+        raise ValueError(f"dora_dense: x must be a floating-point array, got dtype {x_dtype}")
+    if len(x.shape) < 1:
+        raise ValueError("dora_dense: x must have at least one dimension (..., in_features)")
+    if is_quantized(kernel):
+        fin, fout = kernel.shape
+    else:
+        if jnp.ndim(kernel) != 2 or not jnp.issubdtype(kernel.dtype, jnp.floating):
+            raise ValueError(f"dora_dense: kernel must be a 2-D float (in, out) array or an Int8Kernel/NF4Kernel, "
+                             f"got shape {jnp.shape(kernel)} dtype {getattr(kernel, 'dtype', None)}")
+        fin, fout = kernel.shape
+    if x.shape[-1] != fin:
+        raise ValueError(f"dora_dense: x has {x.shape[-1]} input features but kernel expects {fin} "
+                         f"(kernel shape {(fin, fout)})")
+    if jnp.ndim(lora_a) != 2 or lora_a.shape[0] != fin:
+        raise ValueError(f"dora_dense: lora_a must have shape ({fin}, rank), got {jnp.shape(lora_a)}")
+    rank = lora_a.shape[1]
+    if rank < 1 or rank > min(fin, fout):
+        raise ValueError(f"dora_dense: lora_a rank must be in [1, min(in, out) = {min(fin, fout)}], got {rank}")
+    if jnp.shape(lora_b) != (rank, fout):
+        raise ValueError(f"dora_dense: lora_b must have shape ({rank}, {fout}), got {jnp.shape(lora_b)}")
+    if jnp.shape(magnitude) != (fout,):
+        raise ValueError(f"dora_dense: magnitude must have shape ({fout},), got {jnp.shape(magnitude)}")
+    if bias is not None and jnp.shape(bias) != (fout,):
+        raise ValueError(f"dora_dense: bias must have shape ({fout},) or be None, got {jnp.shape(bias)}")
+    if jnp.ndim(scale) != 0:
+        raise ValueError(f"dora_dense: scale must be a scalar, got shape {jnp.shape(scale)}")
+    for name, v in (("lora_a", lora_a), ("lora_b", lora_b), ("magnitude", magnitude), ("bias", bias)):
+        if v is not None and not jnp.issubdtype(v.dtype, jnp.floating):
+            raise ValueError(f"dora_dense: {name} must be floating point, got dtype {v.dtype}")
+    return fin, fout, rank
+
+
+def _weight_ops(kernel, dtype):
+    """(kind, operand tuple) for the kernels; dense weights are cast to the compute dtype."""
+    if isinstance(kernel, Int8Kernel):
+        return "int8", (kernel.q, kernel.scale.astype(jnp.float32))
+    if isinstance(kernel, NF4Kernel):
+        return "nf4", (kernel.packed, kernel.absmax.astype(jnp.float32), jnp.asarray(NF4_CODEBOOK))
+    return "dense", (kernel.astype(dtype),)
+
+
+def _zero_cotangent(a):
+    if jnp.issubdtype(a.dtype, jnp.floating):
+        return jnp.zeros_like(a)
+    return np.zeros(a.shape, dtype=jax.dtypes.float0)
+
+
+def _pad_rank(lora_a, lora_b):
+    r = lora_a.shape[1]
+    rp = K._pow2(r)
+    return jnp.pad(lora_a, ((0, 0), (0, rp - r))), jnp.pad(lora_b, ((0, rp - r), (0, 0)))
+
+
+def _dense_w(kind, ops, dtype):
+    """Full-precision W for the XLA GEMM variants (dense kernels only)."""
+    if kind != "dense":
+        raise ValueError("dora_dense: gemm='xla'/'xla_concat' supports dense kernels only; use gemm='pallas' for "
+                         "Int8Kernel/NF4Kernel")
+    return ops[0].astype(dtype)
+
+
+def _forward(statics, x, ops, a, b, m, bias, scale):
+    kind, gemm, interpret, config = statics[:4]
+    dt = x.dtype
+    ap, bp = _pad_rank(a, b)
+    n = jnp.sqrt(K.column_sumsq(ops, kind, ap, bp, scale, interpret=interpret, config=config))
+    g = m.astype(jnp.float32) / n
+    xa = jnp.dot(x, ap, preferred_element_type=jnp.float32).astype(dt)
+    if gemm == "pallas":
+        y = K.forward_gemm(x, ops, kind, xa, bp, g, scale, bias, interpret=interpret, config=config)
+    else:
+        w = _dense_w(kind, ops, dt)
+        wg = (w.astype(jnp.float32) * g[None, :]).astype(dt)
+        bg = (bp.astype(jnp.float32) * (scale * g)[None, :]).astype(dt)
+        if gemm == "xla_concat":
+            y = jnp.dot(jnp.concatenate([x, xa], axis=1), jnp.concatenate([wg, bg], axis=0),
+                        preferred_element_type=jnp.float32)
+        else:
+            y = jnp.dot(x, wg, preferred_element_type=jnp.float32) + jnp.dot(xa, bg, preferred_element_type=jnp.float32)
+        if bias is not None:
+            y = y + bias.astype(jnp.float32)
+        y = y.astype(dt)
+    return y, (ap, bp, n, g, xa)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _dora_2d(statics, x, ops, a, b, m, bias, scale):
+    return _forward(statics, x, ops, a, b, m, bias, scale)[0]
+
+
+def _dora_2d_fwd(statics, x, ops, a, b, m, bias, scale):
+    y, (ap, bp, n, g, xa) = _forward(statics, x, ops, a, b, m, bias, scale)
+    return y, (x, ops, ap, bp, m, bias, scale, n, g, xa, y)
+
+
+def _dora_2d_bwd(statics, res, dy):
+    kind, gemm, interpret, config, exact, rank, fin = statics
+    x, ops, ap, bp, m, bias, scale, n, g, xa, y = res
+    dt = x.dtype
+    gs = g * scale
+    # us = s (dy * g) B^T, with g folded into the tiny B instead of the big dy.
+    us = jnp.dot(dy, (bp.astype(jnp.float32) * gs[None, :]).astype(dt).T, preferred_element_type=jnp.float32).astype(dt)
+    if gemm == "pallas":
+        gw = g * ops[1] if kind == "int8" else g
+        dx = K.backward_dx(dy, gw, ops, kind, us, ap, interpret=interpret, config=config)
+    else:
+        w = _dense_w(kind, ops, dt)
+        dyg = (dy.astype(jnp.float32) * g[None, :]).astype(dt)
+        dx = (jnp.dot(dyg, w.T, preferred_element_type=jnp.float32)
+              + jnp.dot(us, ap.T, preferred_element_type=jnp.float32)).astype(dt)
+    p, dmz, db = K.backward_columns(dy, y, xa, bias, interpret=interpret, config=config)
+    da = jnp.dot(x.T, us, preferred_element_type=jnp.float32)
+    dbm = p * gs[None, :]
+    dm = dmz / m.astype(jnp.float32)
+    if exact:
+        # Through n: dL/dV = V * c, c = -g dm / n, V = W + s A B (V is never formed: two passes over W).
+        c = -g * dm / n
+        w = _dequant_ops(kind, ops, fin)
+        a32, b32 = ap.astype(jnp.float32), bp.astype(jnp.float32)
+        bc = b32 * c[None, :]
+        da = da + scale * (w @ bc.T) + scale * scale * (a32 @ (bc @ b32.T))
+        dbm = dbm + scale * (a32.T @ w) * c[None, :] + scale * scale * ((a32.T @ a32) @ bc)
+    cot_ops = tuple(_zero_cotangent(o) for o in ops)
+    dbias = None if bias is None else db.astype(bias.dtype)
+    return (dx, cot_ops, da[:, :rank].astype(ap.dtype), dbm[:rank].astype(bp.dtype), dm.astype(m.dtype), dbias,
+            jnp.zeros_like(scale))
+
+
+def _dequant_ops(kind, ops, fin):
+    """W in float32 from kernel operands (only the exact-norm-gradient path needs it)."""
+    if kind == "int8":
+        return Int8Kernel(ops[0], ops[1]).dequantize()
+    if kind == "nf4":
+        return NF4Kernel(ops[0], ops[1], fin).dequantize()
+    return ops[0].astype(jnp.float32)
+
+
+_dora_2d.defvjp(_dora_2d_fwd, _dora_2d_bwd)
+
+
+def dora_dense(x, kernel, lora_a, lora_b, magnitude, bias=None, *, scale, exact_norm_grad: bool = False,
+               implementation: str | None = None, gemm: str = "pallas", config: K.Config | None = None):
+    """DoRA dense layer: ``y = (x W + s (x A) B) * (m / ||W + s A B||) + bias``.
+
+    Args:
+      x: input (..., in), floating point; the compute dtype (params are cast to it, as flax does).
+      kernel: the frozen base weight W (in, out), or a quantised `Int8Kernel` / `NF4Kernel` (QDoRA).
+      lora_a: A (in, rank); lora_b: B (rank, out); magnitude: m (out,); bias: (out,) or None.
+      scale: s, e.g. alpha / rank (a runtime operand: changing it does not recompile).
+      exact_norm_grad: differentiate through the column norm (default: treat it as a constant, as the
+        DoRA paper section 4.3 and peft do).
+      implementation: None (Pallas on a GPU, XLA elsewhere), "pallas", "xla" or "interpret".
+      gemm: which big GEMM the Pallas path uses: "pallas" (fused-epilogue kernel), or the XLA
+        formulations "xla" (x (W g) + (x A)(s B g)) and "xla_concat" ([x, xA] @ [W g; s B g]).
+      config: tile sizes of the Pallas kernels (advanced).
+
+    Gradients flow to x, lora_a, lora_b, magnitude and bias; W (and `scale`) get zero cotangents.
+    """
+    fin, fout, rank = _check(x, kernel, lora_a, lora_b, magnitude, bias, scale)
+    impl = _backend.resolve_implementation(implementation, op="dora_dense")
+    if gemm not in GEMMS:
+        raise ValueError(f"dora_dense: gemm must be one of {GEMMS}, got {gemm!r}")
+    dt = x.dtype
+    a, b = lora_a.astype(dt), lora_b.astype(dt)
+    bias_c = None if bias is None else bias.astype(dt)
+    if impl == "xla":
+        return reference.dora_dense_reference(x, kernel, a, b, magnitude, bias_c, scale=scale,
+                                              exact_norm_grad=exact_norm_grad)
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, fin)
+    if x2.shape[0] == 0:
+        return jnp.zeros((*lead, fout), dt)
+    kind, ops = _weight_ops(kernel, dt)
+    statics = (kind, gemm, impl == "interpret", config or K.DEFAULT, bool(exact_norm_grad), rank, fin)
+    y = _dora_2d(statics, x2, ops, a, b, magnitude, bias_c, jnp.asarray(scale, jnp.float32))
+    return y.reshape(*lead, fout)
+
+
+def dora_dense_dropout(x, x_dropped, kernel, lora_a, lora_b, magnitude, bias=None, *, scale,
+                       exact_norm_grad: bool = False, implementation: str | None = None, **kw):
+    """peft's dropout form: ``y = x W + bias + (g - 1) (x_d W) + g s (x_d A) B`` (x_d = dropout(x)).
+
+    Computed as ``dora_dense(x_d, ...) + (x - x_d) W``: the fused layer on the dropped input plus one
+    plain matmul of the dropped-out part (XLA; for quantised kernels W is dequantised for that matmul).
+    """
+    if jnp.shape(x_dropped) != jnp.shape(x):
+        raise ValueError(f"dora_dense_dropout: x_dropped must have x's shape {jnp.shape(x)}, "
+                         f"got {jnp.shape(x_dropped)}")
+    y = dora_dense(x_dropped, kernel, lora_a, lora_b, magnitude, bias, scale=scale, exact_norm_grad=exact_norm_grad,
+                   implementation=implementation, **kw)
+    w = jax.lax.stop_gradient(dequantize(kernel, x.dtype))
+    rest = jnp.dot(x - x_dropped, w, preferred_element_type=jnp.float32)
+    return (y.astype(jnp.float32) + rest).astype(y.dtype)
+
+
+def column_scale(kernel, lora_a, lora_b, magnitude, *, scale, implementation: str | None = None,
+                 config: K.Config | None = None):
+    """g = m / ||W + s A B|| (float32, (out,)) with the fused column-norm kernel (no A B materialised)."""
+    fin, fout = kernel.shape
+    x_probe = jax.ShapeDtypeStruct((1, fin), jnp.float32)
+    _check(x_probe, kernel, lora_a, lora_b, magnitude, None, scale)
+    impl = _backend.resolve_implementation(implementation, op="column_scale")
+    dt = kernel.dtype if not is_quantized(kernel) else lora_a.dtype
+    if impl == "xla":
+        return reference.column_scale_reference(kernel, lora_a, lora_b, magnitude, scale, dt)
+    kind, ops = _weight_ops(kernel, dt)
+    ap, bp = _pad_rank(lora_a.astype(dt), lora_b.astype(dt))
+    sumsq = K.column_sumsq(ops, kind, ap, bp, jnp.asarray(scale, jnp.float32), interpret=impl == "interpret",
+                           config=config or K.DEFAULT)
+    return magnitude.astype(jnp.float32) / jnp.sqrt(sumsq)

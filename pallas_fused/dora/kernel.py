@@ -1,0 +1,429 @@
+"""DoRA Pallas kernels (Triton lowering): column norm, output GEMM with fused epilogue, backward.
+
+Shapes (Flax layout): x (M, K=in), W (K, N=out), A (K, R), B (R, N), g/m/bias (N,). The rank is
+zero-padded to R >= 16 (a Triton dot needs every dimension >= 16); padded rows/columns contribute 0.
+
+The base weight arrives as one of three "weight kinds", dequantised tile by tile in registers:
+  "dense": (w,)                          W itself, any float dtype
+  "int8":  (q, wscale)                   W = q * wscale[None, :] (per output column)
+  "nf4":   (packed, absmax, codebook)    see quant.py: rows i and i + in_padded/2 share a byte; blocks
+                                         of 64 input rows share an absmax. Tiles along the input axis
+                                         are exactly one block (64), so the absmax of a tile is a row.
+Every launch goes through `_backend.triton_call`; all reductions accumulate in float32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_fused import _backend
+
+NF4_TILE = 64  # = quant.NF4_BLOCK: one absmax row per tile
+
+
+def _pow2(n: int, lo: int = 16) -> int:
+    return max(lo, int(pl.next_power_of_2(int(n))))
+
+
+def _tile(dim: int, cap: int, lo: int = 16) -> int:
+    """The configured tile, shrunk (to a power of two >= lo) for small dimensions."""
+    return min(cap, _pow2(dim, lo))
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _mask(rows=None, cols=None, shape=None):
+    """2-D mask from optional row/column masks (None means all in bounds); None if nothing to mask."""
+    if rows is None and cols is None:
+        return None
+    if rows is None:
+        return jnp.broadcast_to(cols[None, :], shape)
+    if cols is None:
+        return jnp.broadcast_to(rows[:, None], shape)
+    return rows[:, None] & cols[None, :]
+
+
+def _in_bounds(start, size: int, bound: int, aligned: bool):
+    """Mask of start + arange(size) < bound, or None when the caller knows it is always true."""
+    if aligned:
+        return None
+    return start + jnp.arange(size) < bound
+
+
+def _load(ref, mask, other=0):
+    if mask is None:
+        return _backend.load(ref)
+    return _backend.load(ref, mask=mask, other=other)
+
+
+def _store(ref, val, mask):
+    if mask is None:
+        _backend.store(ref, val)
+    else:
+        _backend.store(ref, val, mask=mask)
+
+
+def _num_weight_refs(kind: str) -> int:
+    return {"dense": 1, "int8": 2, "nf4": 3}[kind]
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Tile sizes and launch parameters (GPU defaults; small inputs shrink the tiles)."""
+
+    bm: int = 128  # GEMM tile over tokens
+    bn: int = 128  # GEMM tile over output columns
+    bk: int = 64  # GEMM reduction tile
+    group_m: int = 8  # grouped program order for L2 reuse
+    num_warps: int = 8
+    num_stages: int = 3
+    norm_bn: int = 128  # column norm: columns per program
+    norm_bk: int = 64  # column norm: rows per loop step
+    norm_rows: int = 256  # column norm: rows per program (split-K; partial sums reduced after)
+    norm_warps: int = 4
+    cols_bn: int = 128  # backward column reductions: columns per program
+    cols_bt: int = 64  # ... tokens per loop step
+    cols_rows: int = 512  # ... tokens per program
+    cols_warps: int = 4
+
+
+DEFAULT = Config()
+
+
+def _grouped_pid(pid, num_m: int, num_n: int, group_m: int):
+    """Map a 1-D program id to (pid_m, pid_n), walking group_m rows of tiles at a time (L2 reuse of W)."""
+    width = group_m * num_n
+    group = pid // width
+    first_m = group * group_m
+    size = jnp.minimum(num_m - first_m, group_m)
+    pid_m = first_m + (pid % width) % size
+    pid_n = (pid % width) // size
+    return pid_m, pid_n
+
+
+# ----------------------------------------------------------------------------------------------------
+# Column norm: partial sums of squares of W + s A B, never materialising A B.
+# ----------------------------------------------------------------------------------------------------
+
+
+def _colnorm_kernel(*refs, kind, K, N, R, bk, bn, rows_per_prog, kloop):
+    nw = _num_weight_refs(kind)
+    w_refs = refs[:nw]
+    a_ref, b_ref, s_ref, out_ref = refs[nw:]
+    j, split = pl.program_id(0), pl.program_id(1)
+    n0 = pl.multiple_of(j * bn, bn)
+    cmask = _in_bounds(n0, bn, N, N % bn == 0)
+    s = s_ref[0]
+    b_t = _load(b_ref.at[:, pl.ds(n0, bn)], _mask(None, cmask, (R, bn)))
+    k_start = split * rows_per_prog
+
+    if kind == "int8":
+        wscale = _load(w_refs[1].at[pl.ds(n0, bn)], cmask, 1.0)
+
+    def a_tile(k0):
+        rmask = _in_bounds(k0, bk, K, False)
+        return _load(a_ref.at[pl.ds(k0, bk), :], _mask(rmask, None, (bk, R)))
+
+    if kind in ("dense", "int8"):
+        def body(i, acc):
+            k0 = pl.multiple_of(k_start + i * bk, bk)
+            rmask = _in_bounds(k0, bk, K, False)
+            w = _load(w_refs[0].at[pl.ds(k0, bk), pl.ds(n0, bn)], _mask(rmask, cmask, (bk, bn))).astype(jnp.float32)
+            if kind == "int8":
+                w = w * wscale[None, :]
+            v = w + s * _backend.dot(a_tile(k0), b_t)
+            return acc + jnp.sum(v * v, axis=0)
+    else:
+        packed_ref, absmax_ref, code_ref = w_refs
+
+        def body(i, acc):
+            # rows_per_prog divides kloop for NF4 (see column_sumsq): no row masks on packed/absmax.
+            k0 = pl.multiple_of(k_start + i * bk, bk)
+            p = _load(packed_ref.at[pl.ds(k0, bk), pl.ds(n0, bn)], _mask(None, cmask, (bk, bn))).astype(jnp.int32)
+            blk = k0 // NF4_TILE
+            am_hi = _load(absmax_ref.at[pl.ds(blk, 1), pl.ds(n0, bn)], _mask(None, cmask, (1, bn)))
+            am_lo = _load(absmax_ref.at[pl.ds(blk + kloop // NF4_TILE, 1), pl.ds(n0, bn)], _mask(None, cmask, (1, bn)))
+            w_hi = _backend.load(code_ref.at[p >> 4]) * am_hi
+            w_lo = _backend.load(code_ref.at[p & 15]) * am_lo
+            v_hi = w_hi + s * _backend.dot(a_tile(k0), b_t)
+            v_lo = w_lo + s * _backend.dot(a_tile(kloop + k0), b_t)
+            return acc + jnp.sum(v_hi * v_hi, axis=0) + jnp.sum(v_lo * v_lo, axis=0)
+
+    acc = lax.fori_loop(0, rows_per_prog // bk, body, jnp.zeros((bn,), jnp.float32))
+    _store(out_ref.at[split, pl.ds(n0, bn)], acc, cmask)
+
+
+def column_sumsq(weight, kind: str, lora_a, lora_b, scale, *, interpret: bool, config: Config = DEFAULT):
+    """sum over the input axis of (W + s A B)^2, float32 (out,). `lora_a` (K, R), `lora_b` (R, N), R padded."""
+    K, R = lora_a.shape
+    N = lora_b.shape[1]
+    if kind == "nf4":
+        bk = NF4_TILE
+        kloop = weight[0].shape[0]  # in_padded // 2
+    else:
+        bk = _tile(K, config.norm_bk)
+        kloop = K
+    bn = _tile(N, config.norm_bn)
+    if kind == "nf4":
+        rows_per_prog = NF4_TILE * math.gcd(kloop // NF4_TILE, max(1, config.norm_rows // NF4_TILE))
+    else:
+        rows_per_prog = max(bk, min(config.norm_rows, _pow2(kloop, bk)))
+    nsplit = _cdiv(kloop, rows_per_prog)
+    kernel = functools.partial(_colnorm_kernel, kind=kind, K=K, N=N, R=R, bk=bk, bn=bn,
+                               rows_per_prog=rows_per_prog, kloop=kloop)
+    partial_sums = _backend.triton_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((nsplit, N), jnp.float32),
+        grid=(_cdiv(N, bn), nsplit),
+        name="pallas_fused_dora_colnorm",
+        interpret=interpret,
+        num_warps=config.norm_warps,
+        num_stages=2,
+    )(*weight, lora_a, lora_b, jnp.reshape(jnp.asarray(scale, jnp.float32), (1,)))
+    return jnp.sum(partial_sums, axis=0)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Forward GEMM: y = (x W [* wscale] + s (x A) B) * g + bias, one pass, epilogue fused.
+# ----------------------------------------------------------------------------------------------------
+
+
+def _fwd_kernel(*refs, kind, M, K, N, R, bm, bn, bk, group_m, has_bias, kloop):
+    nw = _num_weight_refs(kind)
+    x_ref = refs[0]
+    w_refs = refs[1:1 + nw]
+    xa_ref, b_ref, g_ref, s_ref = refs[1 + nw:5 + nw]
+    bias_ref = refs[5 + nw] if has_bias else None
+    o_ref = refs[-1]
+    pid_m, pid_n = _grouped_pid(pl.program_id(0), _cdiv(M, bm), _cdiv(N, bn), group_m)
+    m0 = pl.multiple_of(pid_m * bm, bm)
+    n0 = pl.multiple_of(pid_n * bn, bn)
+    rmask = _in_bounds(m0, bm, M, M % bm == 0)
+    cmask = _in_bounds(n0, bn, N, N % bn == 0)
+    dt = x_ref.dtype
+
+    def x_tile(k0, aligned):
+        kmask = _in_bounds(k0, bk, K, aligned)
+        return _load(x_ref.at[pl.ds(m0, bm), pl.ds(k0, bk)], _mask(rmask, kmask, (bm, bk)))
+
+    if kind in ("dense", "int8"):
+        def body(i, acc):
+            k0 = pl.multiple_of(i * bk, bk)
+            kmask = _in_bounds(k0, bk, K, K % bk == 0)
+            w = _load(w_refs[0].at[pl.ds(k0, bk), pl.ds(n0, bn)], _mask(kmask, cmask, (bk, bn)))
+            return acc + _backend.dot(x_tile(k0, K % bk == 0), w.astype(dt))
+    else:
+        packed_ref, absmax_ref, code_ref = w_refs
+
+        def body(i, acc):
+            k0 = pl.multiple_of(i * bk, bk)
+            p = _load(packed_ref.at[pl.ds(k0, bk), pl.ds(n0, bn)], _mask(None, cmask, (bk, bn))).astype(jnp.int32)
+            blk = k0 // NF4_TILE
+            am_hi = _load(absmax_ref.at[pl.ds(blk, 1), pl.ds(n0, bn)], _mask(None, cmask, (1, bn)))
+            am_lo = _load(absmax_ref.at[pl.ds(blk + kloop // NF4_TILE, 1), pl.ds(n0, bn)], _mask(None, cmask, (1, bn)))
+            w_hi = (_backend.load(code_ref.at[p >> 4]) * am_hi).astype(dt)
+            w_lo = (_backend.load(code_ref.at[p & 15]) * am_lo).astype(dt)
+            acc = acc + _backend.dot(x_tile(k0, False), w_hi)
+            return acc + _backend.dot(x_tile(kloop + k0, False), w_lo)
+
+    acc = lax.fori_loop(0, _cdiv(kloop, bk), body, jnp.zeros((bm, bn), jnp.float32))
+    # Epilogue: per-column dequant scale, low-rank term, magnitude scale, bias; one rounding.
+    if kind == "int8":
+        acc = acc * _load(w_refs[1].at[pl.ds(n0, bn)], cmask, 1.0)[None, :]
+    xa = _load(xa_ref.at[pl.ds(m0, bm), :], _mask(rmask, None, (bm, R)))
+    b = _load(b_ref.at[:, pl.ds(n0, bn)], _mask(None, cmask, (R, bn)))
+    acc = acc + s_ref[0] * _backend.dot(xa, b)
+    acc = acc * _load(g_ref.at[pl.ds(n0, bn)], cmask)[None, :]
+    if has_bias:
+        acc = acc + _load(bias_ref.at[pl.ds(n0, bn)], cmask).astype(jnp.float32)[None, :]
+    _store(o_ref.at[pl.ds(m0, bm), pl.ds(n0, bn)], acc.astype(o_ref.dtype), _mask(rmask, cmask, (bm, bn)))
+
+
+def forward_gemm(x, weight, kind: str, xa, lora_b, g, scale, bias, *, interpret: bool, config: Config = DEFAULT):
+    """(x W + s xa B) * g + bias for 2-D x (M, K); xa = x A (M, R) and B (R, N) rank-padded; g float32 (N,)."""
+    M, K = x.shape
+    R, N = lora_b.shape
+    if kind == "nf4":
+        bk = NF4_TILE
+        kloop = weight[0].shape[0]
+    else:
+        bk = _tile(K, config.bk)
+        kloop = K
+    bm, bn = _tile(M, config.bm), _tile(N, config.bn)
+    kernel = functools.partial(_fwd_kernel, kind=kind, M=M, K=K, N=N, R=R, bm=bm, bn=bn, bk=bk,
+                               group_m=config.group_m, has_bias=bias is not None, kloop=kloop)
+    args = (x, *weight, xa, lora_b, g, jnp.reshape(jnp.asarray(scale, jnp.float32), (1,)))
+    if bias is not None:
+        args = args + (bias,)
+    return _backend.triton_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((M, N), x.dtype),
+        grid=(_cdiv(M, bm) * _cdiv(N, bn),),
+        name="pallas_fused_dora_fwd",
+        interpret=interpret,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )(*args)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Backward, column reductions over tokens: P = xa^T dy (R, N), sum dy * (y - bias), sum dy.
+# (dB = s * g * P and dm = sum(dy * (y - bias)) / m follow in XLA on (N,)-sized data.)
+# ----------------------------------------------------------------------------------------------------
+
+
+def _cols_kernel(*refs, M, N, R, bt, bn, rows_per_prog, has_bias):
+    dy_ref, y_ref, xa_ref = refs[:3]
+    bias_ref = refs[3] if has_bias else None
+    p_ref, dmz_ref, db_ref = refs[-3:]
+    j, split = pl.program_id(0), pl.program_id(1)
+    n0 = pl.multiple_of(j * bn, bn)
+    cmask = _in_bounds(n0, bn, N, N % bn == 0)
+    bias = _load(bias_ref.at[pl.ds(n0, bn)], cmask).astype(jnp.float32) if has_bias else None
+    t_start = split * rows_per_prog
+    dt = dy_ref.dtype
+
+    def body(i, carry):
+        p, dmz, db = carry
+        t0 = pl.multiple_of(t_start + i * bt, bt)
+        rmask = _in_bounds(t0, bt, M, False)
+        m2 = _mask(rmask, cmask, (bt, bn))
+        dy = _load(dy_ref.at[pl.ds(t0, bt), pl.ds(n0, bn)], m2)
+        y = _load(y_ref.at[pl.ds(t0, bt), pl.ds(n0, bn)], m2).astype(jnp.float32)
+        xa = _load(xa_ref.at[pl.ds(t0, bt), :], _mask(rmask, None, (bt, R)))
+        p = p + _backend.dot(xa, dy.astype(dt), trans_a=True)
+        dy = dy.astype(jnp.float32)
+        z = y - bias[None, :] if has_bias else y
+        return p, dmz + jnp.sum(dy * z, axis=0), db + jnp.sum(dy, axis=0)
+
+    zeros = jnp.zeros((bn,), jnp.float32)
+    p, dmz, db = lax.fori_loop(0, rows_per_prog // bt, body, (jnp.zeros((R, bn), jnp.float32), zeros, zeros))
+    _store(p_ref.at[split, :, pl.ds(n0, bn)], p, _mask(None, cmask, (R, bn)))
+    _store(dmz_ref.at[split, pl.ds(n0, bn)], dmz, cmask)
+    _store(db_ref.at[split, pl.ds(n0, bn)], db, cmask)
+
+
+def backward_columns(dy, y, xa, bias, *, interpret: bool, config: Config = DEFAULT):
+    """(xa^T dy (R, N), sum_t dy*(y - bias) (N,), sum_t dy (N,)), all float32."""
+    M, N = dy.shape
+    R = xa.shape[1]
+    bt, bn = _tile(M, config.cols_bt), _tile(N, config.cols_bn)
+    rows_per_prog = max(bt, min(config.cols_rows, _pow2(M, bt)))
+    nsplit = _cdiv(M, rows_per_prog)
+    kernel = functools.partial(_cols_kernel, M=M, N=N, R=R, bt=bt, bn=bn, rows_per_prog=rows_per_prog,
+                               has_bias=bias is not None)
+    args = (dy, y, xa) + ((bias,) if bias is not None else ())
+    p, dmz, db = _backend.triton_call(
+        kernel,
+        out_shape=(jax.ShapeDtypeStruct((nsplit, R, N), jnp.float32),
+                   jax.ShapeDtypeStruct((nsplit, N), jnp.float32),
+                   jax.ShapeDtypeStruct((nsplit, N), jnp.float32)),
+        grid=(_cdiv(N, bn), nsplit),
+        name="pallas_fused_dora_bwd_cols",
+        interpret=interpret,
+        num_warps=config.cols_warps,
+        num_stages=2,
+    )(*args)
+    return jnp.sum(p, axis=0), jnp.sum(dmz, axis=0), jnp.sum(db, axis=0)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Backward dx = (dy * gw) W^T + us A^T, gw = g (times the int8 column scale), us = s (dy * g) B^T.
+# dy * gw is applied in the prologue of each tile; the low-rank term in the epilogue.
+# ----------------------------------------------------------------------------------------------------
+
+
+def _dx_kernel(*refs, kind, M, K, N, R, bm, bn, bk, group_m, khalf):
+    # Here the GEMM is (M, N=out) x (N=out, K=in): the reduction runs over the output features.
+    nw = _num_weight_refs(kind)
+    dy_ref, gw_ref = refs[:2]
+    w_refs = refs[2:2 + nw]
+    us_ref, a_ref, dx_ref = refs[2 + nw:]
+    dt = dy_ref.dtype
+    ncols = khalf if kind == "nf4" else K  # dx columns addressed by one program index
+    pid_m, pid_n = _grouped_pid(pl.program_id(0), _cdiv(M, bm), _cdiv(ncols, bn), group_m)
+    m0 = pl.multiple_of(pid_m * bm, bm)
+    c0 = pl.multiple_of(pid_n * bn, bn)
+    rmask = _in_bounds(m0, bm, M, M % bm == 0)
+
+    def dyg_tile(j0):
+        nmask = _in_bounds(j0, bk, N, N % bk == 0)
+        dy = _load(dy_ref.at[pl.ds(m0, bm), pl.ds(j0, bk)], _mask(rmask, nmask, (bm, bk)))
+        gw = _load(gw_ref.at[pl.ds(j0, bk)], nmask)
+        return (dy.astype(jnp.float32) * gw[None, :]).astype(dt), nmask
+
+    def lowrank(c_start):
+        kmask = _in_bounds(c_start, bn, K, False)
+        us = _load(us_ref.at[pl.ds(m0, bm), :], _mask(rmask, None, (bm, R)))
+        a = _load(a_ref.at[pl.ds(c_start, bn), :], _mask(kmask, None, (bn, R)))
+        return _backend.dot(us, a, trans_b=True), kmask
+
+    if kind in ("dense", "int8"):
+        cmask = _in_bounds(c0, bn, K, K % bn == 0)
+
+        def body(i, acc):
+            j0 = pl.multiple_of(i * bk, bk)
+            dyg, nmask = dyg_tile(j0)
+            w = _load(w_refs[0].at[pl.ds(c0, bn), pl.ds(j0, bk)], _mask(cmask, nmask, (bn, bk)))
+            return acc + _backend.dot(dyg, w.astype(dt), trans_b=True)
+
+        acc = lax.fori_loop(0, _cdiv(N, bk), body, jnp.zeros((bm, bn), jnp.float32))
+        low, kmask = lowrank(c0)
+        _store(dx_ref.at[pl.ds(m0, bm), pl.ds(c0, bn)], (acc + low).astype(dx_ref.dtype), _mask(rmask, kmask, (bm, bn)))
+        return
+
+    packed_ref, absmax_ref, code_ref = w_refs
+    blk = c0 // NF4_TILE
+
+    def body(i, accs):
+        acc_hi, acc_lo = accs
+        j0 = pl.multiple_of(i * bk, bk)
+        dyg, nmask = dyg_tile(j0)
+        p = _load(packed_ref.at[pl.ds(c0, bn), pl.ds(j0, bk)], _mask(None, nmask, (bn, bk))).astype(jnp.int32)
+        am_hi = _load(absmax_ref.at[pl.ds(blk, 1), pl.ds(j0, bk)], _mask(None, nmask, (1, bk)))
+        am_lo = _load(absmax_ref.at[pl.ds(blk + khalf // NF4_TILE, 1), pl.ds(j0, bk)], _mask(None, nmask, (1, bk)))
+        w_hi = (_backend.load(code_ref.at[p >> 4]) * am_hi).astype(dt)
+        w_lo = (_backend.load(code_ref.at[p & 15]) * am_lo).astype(dt)
+        return acc_hi + _backend.dot(dyg, w_hi, trans_b=True), acc_lo + _backend.dot(dyg, w_lo, trans_b=True)
+
+    zeros = jnp.zeros((bm, bn), jnp.float32)
+    acc_hi, acc_lo = lax.fori_loop(0, _cdiv(N, bk), body, (zeros, zeros))
+    for acc, start in ((acc_hi, c0), (acc_lo, khalf + c0)):
+        low, kmask = lowrank(start)
+        out = (acc + low).astype(dx_ref.dtype)
+        _store(dx_ref.at[pl.ds(m0, bm), pl.ds(start, bn)], out, _mask(rmask, kmask, (bm, bn)))
+
+
+def backward_dx(dy, gw, weight, kind: str, us, lora_a, *, interpret: bool, config: Config = DEFAULT):
+    """dx (M, K) = (dy * gw) W^T + us A^T, dy (M, N), gw float32 (N,), us (M, R), A (K, R)."""
+    M, N = dy.shape
+    K, R = lora_a.shape
+    bm, bk = _tile(M, config.bm), _tile(N, config.bk)
+    if kind == "nf4":
+        bn = NF4_TILE
+        khalf = weight[0].shape[0]
+        ncols = khalf
+    else:
+        bn = _tile(K, config.bn)
+        khalf = 0
+        ncols = K
+    kernel = functools.partial(_dx_kernel, kind=kind, M=M, K=K, N=N, R=R, bm=bm, bn=bn, bk=bk,
+                               group_m=config.group_m, khalf=khalf)
+    return _backend.triton_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((M, K), dy.dtype),
+        grid=(_cdiv(M, bm) * _cdiv(ncols, bn),),
+        name="pallas_fused_dora_bwd_dx",
+        interpret=interpret,
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )(dy, gw, *weight, us, lora_a)
