@@ -155,10 +155,6 @@ def _resolve_mask(mask, params, default):
     return mask(params) if callable(mask) else mask
 
 
-def _leaves(tree):
-    return jax.tree.leaves(tree, is_leaf=_is_masked)
-
-
 class _GaLore:
     """The shared core of the optax transforms and the in-place step."""
 
@@ -265,7 +261,7 @@ class _GaLore:
         treedef = jax.tree.structure(updates)
         flat_g = treedef.flatten_up_to(updates)
         flat_w = treedef.flatten_up_to(params) if params is not None else [None] * len(flat_g)
-        flat_mu, flat_nu, flat_p = (_leaves(x) for x in (state.mu, state.nu, state.projector))
+        flat_mu, flat_nu, flat_p = (treedef.flatten_up_to(x) for x in (state.mu, state.nu, state.projector))
         if has_wd:
             wd_flags = treedef.flatten_up_to(_resolve_mask(cfg.weight_decay_mask, params, lambda _: True))
         else:

@@ -1,0 +1,111 @@
+"""The GaLore kernels against the plain-jnp reference and a float64 ground truth (CPU: interpret mode)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_fused.galore import kernel, reference
+from tests.helpers import assert_all_written, assert_close, rand
+
+SHAPES = [((48, 80), 8), ((37, 53), 5), ((70, 33), 16)]
+DTYPES = [jnp.float32, jnp.bfloat16]
+CASES = [(sh, r, side, dt) for (sh, r) in SHAPES for side in ("right", "left") for dt in DTYPES
+         if dt == jnp.float32 or sh == SHAPES[1][0]]  # bf16 on one (odd) shape: interpret mode is slow
+
+
+def _inputs(shape, rank, side, dtype, seed=0):
+    g = rand(seed, shape, dtype)
+    w = rand(seed + 1, shape, dtype)
+    p = reference.svd_projector(g, rank, side)  # in g's dtype, like the optimizer state
+    low = reference.lowrank_shape(shape, rank, side)
+    m = rand(seed + 2, low, jnp.float32, scale=0.1)
+    v = jnp.abs(rand(seed + 3, low, jnp.float32, scale=0.1)) + 0.01
+    s = reference.Scalars(0.9, 0.999, 1e-6, 1.1, 0.9, -1e-3 * 0.1, -2.5e-3, 1.0)
+    return g, w, p, m, v, s
+
+
+def _exact(g, w, p, m, v, side, s):
+    """float64 numpy: R, m', v', N, out."""
+    g, w, p, m, v = (np.asarray(jnp.asarray(x, jnp.float32), np.float64) for x in (g, w, p, m, v))
+    r = g @ p.T if side == "right" else p.T @ g
+    m2 = s.b1 * m + (1 - s.b1) * r
+    v2 = s.b2 * v + (1 - s.b2) * r * r
+    n = s.alpha * m2 / (s.beta * np.sqrt(v2) + s.eps)
+    back = n @ p if side == "right" else p @ n
+    return r, m2, v2, n, s.a * w + s.c * back
+
+
+@pytest.mark.parametrize("shape,rank,side,dtype", CASES)
+def test_down_adam_fused_and_hybrid(kernel_impl, shape, rank, side, dtype):
+    g, w, p, m, v, s = _inputs(shape, rank, side, dtype)
+    _, m_ex, v_ex, n_ex, _ = _exact(g, w, p, m, v, side, s)
+    m_x, v_x, n_x = reference.lowrank_adam(reference.project(g, p, side), m, v, s)
+    interpret = kernel_impl == "interpret"
+    fused = kernel.down_adam_fused(g, p, m, v, s.pack(), side=side, interpret=interpret)
+    hybrid = kernel.lowrank_adam(reference.project(g, p, side), m, v, s.pack(), interpret=interpret)
+    for name, (m_k, v_k, n_k) in [("fused", fused), ("hybrid", hybrid)]:
+        assert m_k.shape == m.shape and n_k.dtype == jnp.float32
+        for what, out, ex, base in [("m", m_k, m_ex, m_x), ("v", v_k, v_ex, v_x), ("N", n_k, n_ex, n_x)]:
+            assert_all_written(out, what)
+            assert_close(out, ex, baseline=base, floor=2e-5, what=f"{name} {what} {side} {dtype.__name__}")
+
+
+@pytest.mark.parametrize("shape,rank,side,dtype", CASES)
+@pytest.mark.parametrize("inplace", [False, True])
+def test_up_update(kernel_impl, shape, rank, side, dtype, inplace):
+    g, w, p, m, v, s = _inputs(shape, rank, side, dtype, seed=3)
+    _, _, _, n, _ = _exact(g, w, p, m, v, side, s)
+    n = jnp.asarray(n, jnp.float32)
+    # exact out from the fp32 N (the kernel's input)
+    w64, p64, n64 = (np.asarray(jnp.asarray(x, jnp.float32), np.float64) for x in (w, p, n))
+    out_ex = s.a * w64 + s.c * (n64 @ p64 if side == "right" else p64 @ n64)
+    base = reference.full_update(w, n, p, side, s)
+    if inplace:
+        out_ex, base = w64 + out_ex, w.astype(jnp.float32) + base
+    out = kernel.up_update(w, n, p, s.pack(), side=side, inplace=inplace, interpret=kernel_impl == "interpret")
+    assert out.dtype == w.dtype and out.shape == w.shape
+    assert_all_written(out)
+    floor = 8e-3 if dtype == jnp.bfloat16 else (1e-6 if inplace else 2e-5)
+    assert_close(out, out_ex, baseline=base.astype(dtype), floor=floor, what=f"up {side} {dtype.__name__}")
+
+
+def test_skip_step_keeps_moments(kernel_impl):
+    """ok = 0 (a non-finite gradient on a refresh step): moments unchanged, update zero, nothing NaN."""
+    g, w, p, m, v, s = _inputs((48, 80), 8, "right", jnp.float32)
+    g = g.at[3, 4].set(jnp.nan)
+    s = s._replace(ok=0.0)
+    interpret = kernel_impl == "interpret"
+    m2, v2, n = kernel.down_adam_fused(g, p, m, v, s.pack(), side="right", interpret=interpret)
+    np.testing.assert_array_equal(m2, m)
+    np.testing.assert_array_equal(v2, v)
+    out = kernel.up_update(w, n, p, s.pack(), side="right", interpret=interpret)
+    np.testing.assert_array_equal(out, jnp.zeros_like(w))
+
+
+def test_runtime_scalars_do_not_recompile(kernel_impl):
+    g, w, p, m, v, s = _inputs((48, 80), 8, "left", jnp.float32)
+    f = jax.jit(lambda w, n, p, sc: kernel.up_update(w, n, p, sc, side="left",
+                                                     interpret=kernel_impl == "interpret"))
+    n = jnp.ones((8, 80), jnp.float32)
+    a = f(w, n, p, s.pack())
+    b = f(w, n, p, s._replace(c=2 * s.c).pack())
+    assert f._cache_size() == 1
+    assert not np.allclose(a, b)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(4096, 4096), (4096, 11008), (11008, 4096)])
+@pytest.mark.parametrize("rank", [32, 128, 512])
+def test_large_shapes_gpu(shape, rank):
+    side = reference.projector_side(shape, "std")
+    g, w, p, m, v, s = _inputs(shape, rank, side, jnp.float32)
+    hi = jax.lax.Precision.HIGHEST
+    m_x, v_x, n_x = reference.lowrank_adam(reference.project(g, p, side, precision=hi), m, v, s)
+    for m_k, v_k, n_k in [kernel.down_adam_fused(g, p, m, v, s.pack(), side=side),
+                          kernel.lowrank_adam(reference.project(g, p, side), m, v, s.pack())]:
+        assert_close(m_k, m_x, floor=5e-3, what="m (TF32)")
+        assert_close(v_k, v_x, floor=5e-3, what="v (TF32)")
+        assert_close(n_k, n_x, floor=5e-3, what="N (TF32)")
+    out = kernel.up_update(w, n_x, p, s.pack(), side=side)
+    assert_close(out, reference.full_update(w, n_x, p, side, s, precision=hi), floor=5e-3, what="update (TF32)")
