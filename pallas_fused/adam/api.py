@@ -189,13 +189,15 @@ def _leaf(grad, mu, nu, param, s, *, inplace: bool, implementation: str):
         else:
             out, mc, ma, vc, va = _kernel.adam_q8(
                 s, flat(grad), mu.codes, mu.absmax, nu.codes, nu.absmax, flat(param),
-                inplace=inplace, interpret=implementation == "interpret")
+                inplace=inplace, interpret=implementation == "interpret", rows=_kernel.QROWS,
+                num_warps=_kernel.Q_NUM_WARPS)
         return out.reshape(shape), QuantizedMoment(mc, ma), QuantizedMoment(vc, va)
     if implementation == "xla":
         out, m, v = _ref.adam_leaf_reference(flat(grad), flat(mu), flat(nu), s, flat(param), inplace=inplace)
     else:
         out, m, v = _kernel.adam_fp32(s, flat(grad), flat(mu), flat(nu), flat(param), inplace=inplace,
-                                      interpret=implementation == "interpret")
+                                      interpret=implementation == "interpret", block=_kernel.BLOCK,
+                                      num_warps=_kernel.NUM_WARPS)
     return out.reshape(shape), m.reshape(shape), v.reshape(shape)
 
 

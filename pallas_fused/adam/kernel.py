@@ -75,12 +75,15 @@ def _fp32_kernel(*refs, n, block, has_p, inplace):
         store(u_out.at[idx], u.astype(u_out.dtype), mask=mask)
 
 
-@functools.partial(jax.jit, static_argnames=("inplace", "interpret", "block"))
-def adam_fp32(s, g, m, v, p=None, *, inplace: bool, interpret: bool, block: int = BLOCK):
+@functools.partial(jax.jit, static_argnames=("inplace", "interpret", "block", "num_warps"))
+def adam_fp32(s, g, m, v, p=None, *, inplace: bool, interpret: bool, block: int | None = None,
+              num_warps: int | None = None):
     """Fused step for fp32/bf16 states. Flat 1-D operands of one length n.
 
     inplace=False: returns (update in g's dtype, m, v); p (optional) enables weight decay.
     inplace=True: returns (p, m, v), written over the p, m, v operands (donate them under jit).
+    block / num_warps default to the module's BLOCK / NUM_WARPS (read at call time, so a benchmark can
+    sweep them).
     """
     n = g.shape[0]
     has_p = p is not None
@@ -94,7 +97,7 @@ def adam_fp32(s, g, m, v, p=None, *, inplace: bool, interpret: bool, block: int 
         out_shape = (jax.ShapeDtypeStruct(g.shape, g.dtype), jax.ShapeDtypeStruct(m.shape, m.dtype),
                      jax.ShapeDtypeStruct(v.shape, v.dtype))
         aliases = {}
-    block = min(block, max(128, _next_pow2(n)))
+    block = min(block or BLOCK, max(128, _next_pow2(n)))
     kernel = functools.partial(_fp32_kernel, n=n, block=block, has_p=has_p, inplace=inplace)
     return _backend.triton_call(
         kernel,
@@ -102,7 +105,7 @@ def adam_fp32(s, g, m, v, p=None, *, inplace: bool, interpret: bool, block: int 
         grid=(_cdiv(n, block),),
         name="pallas_fused_adam_step" if inplace else "pallas_fused_adam_update",
         interpret=interpret,
-        num_warps=NUM_WARPS if block >= 2048 else 4,
+        num_warps=(num_warps or NUM_WARPS) if block >= 2048 else min(num_warps or NUM_WARPS, 4),
         input_output_aliases=aliases,
     )(*operands)
 
@@ -160,15 +163,17 @@ def _q8_kernel(*refs, n, nb, rows, has_p, inplace):
         store(out_ref.at[idx], u.astype(out_ref.dtype), mask=mask)
 
 
-@functools.partial(jax.jit, static_argnames=("inplace", "interpret", "rows"))
-def adam_q8(s, g, mc, ma, vc, va, p=None, *, inplace: bool, interpret: bool, rows: int = QROWS):
+@functools.partial(jax.jit, static_argnames=("inplace", "interpret", "rows", "num_warps"))
+def adam_q8(s, g, mc, ma, vc, va, p=None, *, inplace: bool, interpret: bool, rows: int | None = None,
+            num_warps: int | None = None):
     """Fused step for 8-bit blockwise states. g, p flat (n,); mc, vc uint8 (blocks*256,); ma, va (blocks,).
 
     Returns (update or p, mc, ma, vc, va); with inplace=True the outputs are written over p and the
-    state operands (donate them under jit).
+    state operands (donate them under jit). rows / num_warps default to QROWS / Q_NUM_WARPS.
     """
     n = g.shape[0]
     nb = ma.shape[0]
+    rows = rows or QROWS
     has_p = p is not None
     smap = jnp.asarray(SIGNED_MAP.table)
     umap = jnp.asarray(UNSIGNED_MAP.table)
@@ -188,7 +193,7 @@ def adam_q8(s, g, mc, ma, vc, va, p=None, *, inplace: bool, interpret: bool, row
         grid=(_cdiv(nb, rows),),
         name="pallas_fused_adam8bit_step" if inplace else "pallas_fused_adam8bit_update",
         interpret=interpret,
-        num_warps=Q_NUM_WARPS,
+        num_warps=num_warps or Q_NUM_WARPS,
         input_output_aliases=aliases,
     )(*operands)
 
