@@ -136,9 +136,7 @@ def apply_rotary_with_config(q, k=None, positions=None, *, rotary_dim=None, inte
                          f"got {type(scaling).__name__}")
     if not isinstance(interleaved, bool | np.bool_):
         raise ValueError(f"interleaved: expected a bool, got {interleaved!r}")
-    if positions is None:
-        positions = default_positions(seq_len)
-    else:
+    if positions is not None:
         if not hasattr(positions, "dtype") or not jnp.issubdtype(positions.dtype, jnp.integer):
             got = getattr(positions, "dtype", type(positions).__name__)
             raise ValueError(f"positions: expected an integer array (int32), got {got}")
@@ -149,6 +147,8 @@ def apply_rotary_with_config(q, k=None, positions=None, *, rotary_dim=None, inte
 
     impl = _backend.resolve_implementation(implementation, op="apply_rotary")
     if impl == "xla" or q.size == 0:
+        if positions is None:
+            positions = default_positions(seq_len)
         return reference_rotary(q, k, positions, rotary_dim=rotary_dim, interleaved=bool(interleaved),
                                 base=float(base), scaling=scaling, layout=layout)
     st = _Static(rotary_dim, bool(interleaved), float(base), scaling, layout, impl == "interpret", config)

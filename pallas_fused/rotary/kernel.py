@@ -5,6 +5,9 @@ heads do not fit one tile, a slice of its heads: `num_chunks` > 1). It loads the
 computes angle = position * inv_freq and cos/sin in fp32 once, and applies them to all q heads and all
 k heads of those tokens: the sin/cos work is shared by Hq + Hk heads, and q and k cost one launch.
 
+Masked-off lanes are loaded without an `other` value (their contents are never stored), which also keeps
+the loads free of constant-type conversions in the Triton lowering.
+
 Rotary pairs are addressed by a pair index i < rotary_dim/2 (padded to a power of two and masked, since
 every in-kernel array dimension must be a power of two): x[i] and x[i + rotary_dim/2] (half-split) or
 x[2i] and x[2i+1] (interleaved). Features from rotary_dim to head_dim are copied.
@@ -86,20 +89,25 @@ def choose_config(batch: int, seq_len: int, n_q_heads: int, n_k_heads: int, feat
     return LaunchConfig(bt, hq, hk, chunks, num_warps)
 
 
-def _kernel(*refs, seq_len, head_dim, rotary_dim, n_heads, has_k, layout, interleaved, pos_batched,
+def _kernel(*refs, seq_len, head_dim, rotary_dim, n_heads, has_k, layout, interleaved, pos_mode,
             scale, sign, cfg: LaunchConfig, pairs, passthrough):
+    refs = list(refs)
+    pos_ref = refs.pop(0) if pos_mode != "none" else None
+    inv_ref = refs.pop(0)
     if has_k:
-        pos_ref, inv_ref, q_ref, k_ref, oq_ref, ok_ref = refs
+        q_ref, k_ref, oq_ref, ok_ref = refs
     else:
-        pos_ref, inv_ref, q_ref, oq_ref = refs
+        (q_ref, oq_ref), k_ref, ok_ref = refs, None, None
     bt = cfg.block_tokens
     s_blk, b, chunk = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     half = rotary_dim // 2
 
     s = s_blk * bt + jnp.arange(bt, dtype=jnp.int32)
     s_mask = (s < seq_len) if seq_len % bt else None
-    pos_idx = (b, s) if pos_batched else (s,)
-    pos = _backend.load(pos_ref.at[pos_idx], mask=s_mask, other=0)
+    if pos_mode == "none":  # positions = arange(S): nothing to read
+        pos = s
+    else:
+        pos = _backend.load(pos_ref.at[(b, s) if pos_mode == "batched" else (s,)], mask=s_mask)
     inv_freq = _backend.load(inv_ref.at[jnp.arange(pairs, dtype=jnp.int32)])  # zero-padded on the host
     angle = pos.astype(jnp.float32)[:, None] * inv_freq[None, :]  # fp32, as the reference
     cos, sin = jnp.cos(angle), jnp.sin(angle)
@@ -111,18 +119,15 @@ def _kernel(*refs, seq_len, head_dim, rotary_dim, n_heads, has_k, layout, interl
 
     i = jnp.arange(pairs, dtype=jnp.int32)[None, None, :]
     i_mask = (i < half) if pairs != half else None
-    if interleaved:
-        d1, d2 = 2 * i, 2 * i + 1
-    else:
-        d1, d2 = i, i + half
+    d1, d2 = (2 * i, 2 * i + 1) if interleaved else (i, i + half)
+    j = rotary_dim + jnp.arange(max(passthrough, 1), dtype=jnp.int32)[None, None, :]
+    j_mask = (j < head_dim) if rotary_dim + passthrough != head_dim else None
     s3 = s[:, None, None]
     s_mask3 = None if s_mask is None else s_mask[:, None, None]
 
     def both(*masks):
         masks = [m for m in masks if m is not None]
-        if not masks:
-            return None
-        out = masks[0]
+        out = masks[0] if masks else None
         for m in masks[1:]:
             out = out & m
         return out
@@ -130,30 +135,29 @@ def _kernel(*refs, seq_len, head_dim, rotary_dim, n_heads, has_k, layout, interl
     def index(h3, d):
         return (b, s3, h3, d) if layout == "bshd" else (b, h3, s3, d)
 
-    def rotate(x_ref, o_ref, total_heads, hb):
+    def load(x_ref, total_heads, hb):
         h3 = (chunk * hb + jnp.arange(hb, dtype=jnp.int32))[None, :, None]
-        h_mask = (h3 < total_heads) if cfg.num_chunks * hb != total_heads else None
-        row_mask = both(s_mask3, h_mask)
-        mask = both(row_mask, i_mask)
-        other = None if mask is None else 0
-        x1 = _backend.load(x_ref.at[index(h3, d1)], mask=mask, other=other, eviction_policy="evict_first")
-        x2 = _backend.load(x_ref.at[index(h3, d2)], mask=mask, other=other, eviction_policy="evict_first")
-        if passthrough:
-            j = rotary_dim + jnp.arange(passthrough, dtype=jnp.int32)[None, None, :]
-            p_mask = both(row_mask, (j < head_dim) if rotary_dim + passthrough != head_dim else None)
-            xp = _backend.load(x_ref.at[index(h3, j)], mask=p_mask, other=None if p_mask is None else 0,
-                               eviction_policy="evict_first")
+        row_mask = both(s_mask3, (h3 < total_heads) if cfg.num_chunks * hb != total_heads else None)
+        mask, p_mask = both(row_mask, i_mask), both(row_mask, j_mask)
+        x1 = _backend.load(x_ref.at[index(h3, d1)], mask=mask, eviction_policy="evict_first")
+        x2 = _backend.load(x_ref.at[index(h3, d2)], mask=mask, eviction_policy="evict_first")
+        xp = _backend.load(x_ref.at[index(h3, j)], mask=p_mask, eviction_policy="evict_first") if passthrough else None
+        return h3, mask, p_mask, x1, x2, xp
+
+    def rotate_and_store(o_ref, h3, mask, p_mask, x1, x2, xp):
         x1, x2 = x1.astype(jnp.float32), x2.astype(jnp.float32)
-        o1 = x1 * cos - x2 * sin
-        o2 = x2 * cos + x1 * sin
-        _backend.store(o_ref.at[index(h3, d1)], o1.astype(o_ref.dtype), mask=mask)
-        _backend.store(o_ref.at[index(h3, d2)], o2.astype(o_ref.dtype), mask=mask)
+        _backend.store(o_ref.at[index(h3, d1)], (x1 * cos - x2 * sin).astype(o_ref.dtype), mask=mask)
+        _backend.store(o_ref.at[index(h3, d2)], (x2 * cos + x1 * sin).astype(o_ref.dtype), mask=mask)
         if passthrough:
             _backend.store(o_ref.at[index(h3, j)], xp, mask=p_mask)
 
-    rotate(q_ref, oq_ref, n_heads[0], cfg.q_heads)
+    # Every load is issued before any store: stores may alias loads as far as the compiler knows, so
+    # this order is what lets all of a program's reads be in flight at once.
+    q_tile = load(q_ref, n_heads[0], cfg.q_heads)
+    k_tile = load(k_ref, n_heads[1], cfg.k_heads) if has_k else None
+    rotate_and_store(oq_ref, *q_tile)
     if has_k:
-        rotate(k_ref, ok_ref, n_heads[1], cfg.k_heads)
+        rotate_and_store(ok_ref, *k_tile)
 
 
 def rotary_pallas(q, k, positions, inv_freq: np.ndarray, *, rotary_dim: int, interleaved: bool, layout: str,
@@ -162,7 +166,8 @@ def rotary_pallas(q, k, positions, inv_freq: np.ndarray, *, rotary_dim: int, int
     """Rotate q and k (k may be None) in one pallas_call; returns (q_rot, k_rot).
 
     q: (B, S, Hq, D) for layout "bshd" or (B, Hq, S, D) for "bhsd"; k likewise with Hk heads.
-    positions: int32 (S,) or (B, S). inv_freq: host float array of rotary_dim // 2 frequencies.
+    positions: int32 (S,) or (B, S), or None for arange(S) (then nothing is read).
+    inv_freq: host float array of rotary_dim // 2 frequencies.
     scale multiplies cos and sin (YaRN's attention factor); sign=-1 gives the inverse rotation.
     Arguments are assumed validated (see api.py).
     """
@@ -177,14 +182,15 @@ def rotary_pallas(q, k, positions, inv_freq: np.ndarray, *, rotary_dim: int, int
     passthrough = _next_pow2(head_dim - rotary_dim) if head_dim > rotary_dim else 0
     if config is None:
         config = choose_config(batch, seq_len, n_q, n_k, 2 * pairs + passthrough, _backend.num_sms())
+    pos_mode = "none" if positions is None else ("batched" if positions.ndim == 2 else "shared")
     inv = np.zeros((pairs,), np.float32)
     inv[:half] = np.asarray(inv_freq, np.float64).astype(np.float32)
     kernel = functools.partial(
         _kernel, seq_len=seq_len, head_dim=head_dim, rotary_dim=rotary_dim, n_heads=(n_q, n_k), has_k=has_k,
-        layout=layout, interleaved=interleaved, pos_batched=positions.ndim == 2, scale=float(scale),
+        layout=layout, interleaved=interleaved, pos_mode=pos_mode, scale=float(scale),
         sign=float(sign), cfg=config, pairs=pairs, passthrough=passthrough)
     out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
-    args = [positions.astype(jnp.int32), jnp.asarray(inv), q]
+    args = ([] if positions is None else [positions.astype(jnp.int32)]) + [jnp.asarray(inv), q]
     if has_k:
         out_shape.append(jax.ShapeDtypeStruct(k.shape, k.dtype))
         args.append(k)
