@@ -21,16 +21,21 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import pathlib
 import shlex
 import sys
+import zlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # the `llama` package beside this file
+HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))  # the `llama` package beside this file
+if importlib.util.find_spec("pallas_fused") is None:  # run from a checkout without `pip install -e .`
+    sys.path.insert(1, str(HERE.parent))
 
 from llama import data, report  # noqa: E402
 from llama.model import Llama, ModelConfig, block_kernel_mask, count_params  # noqa: E402
@@ -77,8 +82,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dora-rank", type=int, help="rank of the DoRA adapters for the fine-tune")
     p.add_argument("--compare", action="store_true", help="also run the plain jnp/flax/optax baseline")
     p.add_argument("--out", type=pathlib.Path, default=None, help="output dir (default runs/<timestamp>)")
+    p.add_argument("--ckpt-dir", type=pathlib.Path, default=None, help="checkpoint dir (default <out>/checkpoints)")
     p.add_argument("--projector", choices=["svd", "randomized"], default="randomized",
                    help="GaLore projector refresh for pallas_fused (the baseline uses optax.contrib.galore's SVD)")
+    p.add_argument("--optax-path", action="store_true",
+                   help="use galore_adamw's optax update + apply_updates instead of its in-place step")
     p.add_argument("--attention", choices=["xla", "cudnn"], default=None,
                    help="jax.nn.dot_product_attention implementation, the same for both runs (default: XLA)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -110,39 +118,35 @@ def schedule(lr: float, warmup: int, steps: int):
     return optax.warmup_cosine_decay_schedule(0.0, lr, max(1, min(warmup, steps - 1)), max(steps, 2), lr * 0.1)
 
 
-def pretrain_optimizer(s: dict, params, *, baseline: bool, implementation, projector: str):
-    """GaLore on the block projection kernels, plain Adam on everything else; the same numbers for both runs."""
+def pretrain_optimizer(s: dict, params, *, baseline: bool, implementation, projector: str, inplace: bool):
+    """GaLore on the block projection kernels, plain Adam on everything else; the same numbers for both runs.
+
+    pallas_fused runs `galore_adamw` with convention="optax" (optax.contrib.galore's projector side and eps
+    placement), so the two runs differ only in the kernels and, with projector="randomized", in how the
+    projector is refreshed. With `inplace`, the optimizer writes the params itself (galore_adamw_inplace).
+    """
     lr = schedule(s["lr"], s["warmup"], s["steps"])
-    mask = block_kernel_mask(params)
-    common = dict(rank=s["galore_rank"], update_proj_gap=s["update_proj_gap"], scale=0.25)
+    mask = block_kernel_mask(params, s["galore_rank"])
+    common = dict(rank=s["galore_rank"], update_proj_gap=s["update_proj_gap"], scale=0.25, weight_decay=0.0)
     if baseline:
         from optax.contrib import GaLoreDimensionNumbers
 
         dims = jax.tree.map(lambda m: GaLoreDimensionNumbers() if m else None, mask)
         return optax.contrib.galore(lr, **common, base_optimizer=optax.scale_by_adam(b1=0.9, b2=0.999, eps=1e-8),
-                                    weight_decay=0.0, weight_dimension_numbers=lambda _: dims)
-    galore_adamw = _galore_adamw()
-    # "reverse_std" keeps the same (smaller) side as optax.contrib.galore, so both runs hold the same state.
-    return galore_adamw(lr, **common, proj_type="reverse_std", b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0,
-                        mask=mask, projector=projector, implementation=implementation)
+                                    weight_dimension_numbers=lambda _: dims)
+    from pallas_fused.galore import galore_adamw, galore_adamw_inplace
 
-
-def _galore_adamw():
-    try:
-        from pallas_fused.optim import galore_adamw
-    except ImportError:
-        from pallas_fused.galore import galore_adamw
-    return galore_adamw
+    make = galore_adamw_inplace if inplace else galore_adamw
+    return make(lr, **common, b1=0.9, b2=0.999, eps=1e-8, mask=mask, projector=projector, convention="optax",
+                implementation=implementation)
 
 
 def finetune_optimizer(s: dict, *, baseline: bool, implementation):
     lr = schedule(s["finetune_lr"], s["warmup"], s["finetune_steps"])
     if baseline:
         return optax.adamw(lr, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0)
-    try:
-        from pallas_fused.optim import adamw
-    except ImportError:
-        from pallas_fused.adam import adamw
+    from pallas_fused.adam import adamw
+
     return adamw(lr, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0, implementation=implementation)
 
 
@@ -166,15 +170,21 @@ def trees_equal(a, b) -> bool:
     return jax.tree.structure(a) == jax.tree.structure(b) and all(jax.tree.leaves(same))
 
 
-def dora_params(pretrained, dora_model, tokens, rng):
-    """Pretrained Dense params -> DoRA params: same kernels, fresh adapters (lora_b = 0), magnitude = ||W||."""
-    from pallas_fused import dora
+def dora_params(pretrained, rank: int, alpha: float, key):
+    """Pretrained params -> DoRA fine-tune params: every block projection {kernel} becomes
+    {kernel, lora_a, lora_b = 0, magnitude = ||W||} (pallas_fused.dora.dense_to_dora_params), so the
+    DoRA model starts out computing exactly what the pretrained one did."""
+    from pallas_fused.dora.flax import dense_to_dora_params
 
-    fresh = dora_model.init(rng, tokens)["params"]
-    convert = getattr(dora, "dense_to_dora_params", None) or getattr(dora, "convert_dense_params", None)
-    if convert is None:
-        raise RuntimeError("pallas_fused.dora has no Dense -> DoRA params helper yet")
-    return convert(pretrained, fresh)
+    def convert(tree, path=()):
+        if isinstance(tree, dict) and "kernel" in tree and path and path[0].startswith("block_"):
+            return dense_to_dora_params(tree, rank, key=jax.random.fold_in(key, zlib.crc32("/".join(path).encode())),
+                                        alpha=alpha)
+        if isinstance(tree, dict):
+            return {k: convert(v, path + (k,)) for k, v in tree.items()}
+        return tree
+
+    return convert(pretrained)
 
 
 def fingerprints(params):
@@ -201,13 +211,14 @@ def run_variant(name: str, args, s: dict, init_params, batches: dict) -> tuple[l
     cfg = model_config(s, implementation=implementation, fp8=fp8, attention=args.attention)
     model = Llama(cfg)
     params = jax.tree.map(jnp.copy, init_params)  # the same initial params for both variants
-    tx = pretrain_optimizer(s, params, baseline=baseline, implementation=implementation, projector=args.projector)
+    tx = pretrain_optimizer(s, params, baseline=baseline, implementation=implementation, projector=args.projector,
+                            inplace=not args.optax_path)
     params, pre = train(name=name, phase="pretrain", model=model, params=params, tx=tx, is_trainable=lambda k: True,
                         batches=batches["pretrain"], val_batches=batches["pretrain_val"], eval_every=s["eval_every"],
                         progress=progress)
     results = [pre]
 
-    ckpt = args.out / "checkpoints" / name / "pretrain"
+    ckpt = (args.ckpt_dir or args.out / "checkpoints") / name / "pretrain"
     save_checkpoint(ckpt, params)
     restored = restore_checkpoint(ckpt, params)
     checks["checkpoint"] = str(ckpt)
@@ -217,8 +228,7 @@ def run_variant(name: str, args, s: dict, init_params, batches: dict) -> tuple[l
     if s["finetune_steps"] > 0 and s["dora_rank"]:
         ft_cfg = model_config(s, implementation=implementation, dora_rank=s["dora_rank"], attention=args.attention)
         ft_model = Llama(ft_cfg)
-        sample = jnp.asarray(batches["finetune"][0][:1, :-1])
-        ft_params = dora_params(restored, ft_model, sample, jax.random.PRNGKey(args.seed + 1))
+        ft_params = dora_params(restored, s["dora_rank"], s["dora_alpha"], jax.random.PRNGKey(args.seed + 1))
         tx = finetune_optimizer(s, baseline=baseline, implementation=implementation)
         before = fingerprints(ft_params)
         ft_params, ft = train(name=name, phase="dora finetune", model=ft_model, params=ft_params, tx=tx,
@@ -240,7 +250,7 @@ def make_batches(s: dict, seed: int) -> dict:
     ft = data.Batches(streams["finetune"], b, sl, seed + 1)
     return {
         "pretrain": np.stack([next(pre) for _ in range(s["steps"])]),
-        "finetune": np.stack([next(ft) for _ in range(max(s["finetune_steps"], 1))])[: s["finetune_steps"] or 1],
+        "finetune": np.stack([next(ft) for _ in range(s["finetune_steps"])]) if s["finetune_steps"] else None,
         "pretrain_val": data.eval_batches(streams["pretrain_val"], batch_size=b, seq_len=sl,
                                           num_batches=s["val_batches"]),
         "finetune_val": data.eval_batches(streams["finetune_val"], batch_size=b, seq_len=sl,

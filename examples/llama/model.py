@@ -57,7 +57,7 @@ class ModelConfig:
     def dense(self, features: int, name: str) -> nn.Module:
         """The factory for every projection in the blocks (see the module docstring)."""
         if self.dora_rank is not None:
-            from pallas_fused.dora import DoRADense
+            from pallas_fused.dora.flax import DoRADense
 
             return DoRADense(
                 features,
@@ -140,7 +140,9 @@ def count_params(params) -> int:
     return sum(int(x.size) for x in jax.tree.leaves(params))
 
 
-def block_kernel_mask(params):
-    """True for the projection kernels inside the blocks (what GaLore projects), False elsewhere."""
+def block_kernel_mask(params, rank: int):
+    """True for the block projection kernels GaLore can project at `rank` (both dims larger), else False."""
     flat = traverse_util.flatten_dict(params)
-    return traverse_util.unflatten_dict({k: k[0].startswith("block_") and k[-1] == "kernel" for k in flat})
+    return traverse_util.unflatten_dict(
+        {k: k[0].startswith("block_") and k[-1] == "kernel" and min(v.shape) > rank for k, v in flat.items()}
+    )

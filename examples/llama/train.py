@@ -52,8 +52,12 @@ def loss_fn(model, params, batch):
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
 
 
-def make_train_step(model, tx: optax.GradientTransformation):
-    """The whole step (forward, backward, optimizer, apply) as one jitted function; the state is donated."""
+def make_train_step(model, tx):
+    """The whole step (forward, backward, optimizer, apply) as one jitted function; the state is donated.
+
+    `tx` is an optax transformation (update + apply_updates) or an in-place optimizer with
+    `step(params, grads, state) -> (params, state)` (pallas_fused.galore.galore_adamw_inplace).
+    """
 
     def objective(trainable, frozen, batch):
         return loss_fn(model, merge_params(trainable, frozen), batch)
@@ -61,8 +65,11 @@ def make_train_step(model, tx: optax.GradientTransformation):
     @functools.partial(jax.jit, donate_argnums=0)
     def train_step(state: TrainState, batch):
         loss, grads = jax.value_and_grad(objective)(state.trainable, state.frozen, batch)
-        updates, opt_state = tx.update(grads, state.opt_state, state.trainable)
-        trainable = optax.apply_updates(state.trainable, updates)
+        if hasattr(tx, "step"):  # an in-place optimizer (e.g. galore_adamw_inplace): writes params itself
+            trainable, opt_state = tx.step(state.trainable, grads, state.opt_state)
+        else:
+            updates, opt_state = tx.update(grads, state.opt_state, state.trainable)
+            trainable = optax.apply_updates(state.trainable, updates)
         return state.replace(step=state.step + 1, trainable=trainable, opt_state=opt_state), loss
 
     return train_step
@@ -95,6 +102,7 @@ class RunResult:
     compile_s: float = 0.0
     train_s: float = 0.0  # wall time of every step after the first, evaluation excluded
     timed_steps: int = 0
+    windows: list[tuple[int, float]] = dataclasses.field(default_factory=list)  # (steps, seconds) per log window
     tokens_per_step: int = 0
     num_params: int = 0
     num_trainable: int = 0
@@ -103,6 +111,12 @@ class RunResult:
     @property
     def step_ms(self) -> float:
         return 1000.0 * self.train_s / max(self.timed_steps, 1)
+
+    @property
+    def median_step_ms(self) -> float:
+        """Median over log windows of ms per step: the typical step, a projector refresh's window aside."""
+        per_step = [1000.0 * sec / n for n, sec in self.windows if n > 0]
+        return float(np.median(per_step)) if per_step else 0.0
 
     @property
     def tokens_per_s(self) -> float:
@@ -117,6 +131,7 @@ class RunResult:
             "initial_val_loss": self.val_loss[0] if self.val_loss else None,
             "final_val_loss": self.val_loss[-1] if self.val_loss else None,
             "step_ms": self.step_ms,
+            "median_step_ms": self.median_step_ms,
             "tokens_per_s": self.tokens_per_s,
             "compile_s": self.compile_s,
             "num_params": self.num_params,
@@ -141,7 +156,7 @@ def train(
     phase: str,
     model,
     params,
-    tx: optax.GradientTransformation,
+    tx,
     is_trainable: Callable[[tuple[str, ...]], bool],
     batches: np.ndarray,
     val_batches: np.ndarray,
@@ -193,6 +208,7 @@ def train(
             elapsed = time.perf_counter() - window_start
             result.train_s += elapsed
             result.timed_steps += window_steps
+            result.windows.append((window_steps, elapsed))
             for step, value in pending:
                 result.train_steps.append(step)
                 result.train_loss.append(float(value))
