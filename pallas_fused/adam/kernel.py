@@ -42,12 +42,8 @@ Q_NUM_WARPS = 8
 
 
 def _scalars(s_ref):
-    return load(s_ref.at[jnp.arange(16)], mask=jnp.arange(16) < NUM_SCALARS, other=0.0)
-
-
-def _split(s):
-    # Pull the scalars out of the small vector (a masked sum per entry is a reduction Triton lowers).
-    return [jnp.sum(jnp.where(jnp.arange(16) == i, s, 0.0)) for i in range(NUM_SCALARS)]
+    # Scalar loads (every thread reads the same word, as jax's paged_attention reads lengths_ref[0]).
+    return [s_ref[i] for i in range(NUM_SCALARS)]
 
 
 def _fp32_kernel(*refs, n, block, has_p, inplace):
@@ -60,7 +56,7 @@ def _fp32_kernel(*refs, n, block, has_p, inplace):
         p_ref = None
     idx = pl.program_id(0) * block + jnp.arange(block)
     mask = idx < n
-    s = _split(_scalars(s_ref))
+    s = _scalars(s_ref)
     g = load(g_ref.at[idx], mask=mask, other=0.0).astype(jnp.float32)
     m = load(m_ref.at[idx], mask=mask, other=0.0).astype(jnp.float32)
     v = load(v_ref.at[idx], mask=mask, other=0.0).astype(jnp.float32)
@@ -133,7 +129,7 @@ def _q8_kernel(*refs, n, nb, rows, has_p, inplace):
     idx = row[:, None] * QBLOCK + jnp.arange(QBLOCK)[None, :]
     rmask = row < nb
     mask = idx < n
-    s = _split(_scalars(s_ref))
+    s = _scalars(s_ref)
     g = load(g_ref.at[idx], mask=mask, other=0.0).astype(jnp.float32)
     mc = load(mc_ref.at[idx], mask=mask, other=0).astype(jnp.int32)
     vc = load(vc_ref.at[idx], mask=mask, other=0).astype(jnp.int32)

@@ -92,7 +92,7 @@ class DynamicMap(NamedTuple):
     table: np.ndarray  # (256,) fp32: the value of each byte code
     # Encoding constants, one row per decade (lowest first): lower boundary (fp32 midpoint to the
     # decade below; the first row's is the midpoint to zero), A, C, lo, hi with
-    # code = clip(floor(a * A + C), lo, hi).
+    # code = min(floor(a * A + C), hi) (>= lo by construction).
     bounds: tuple[float, ...]
     coef_a: tuple[float, ...]
     coef_c: tuple[float, ...]
@@ -138,16 +138,15 @@ def encode(a, dmap: DynamicMap):
     """Byte code (int32) of the map value nearest to each magnitude `a` in [0, 1] (fp32)."""
     coef_a = jnp.full_like(a, dmap.coef_a[0])
     coef_c = jnp.full_like(a, dmap.coef_c[0])
-    lo = jnp.full(a.shape, dmap.lo[0], jnp.int32)
     hi = jnp.full(a.shape, dmap.hi[0], jnp.int32)
     for i in range(1, len(dmap.bounds)):
         up = a >= dmap.bounds[i]
         coef_a = jnp.where(up, dmap.coef_a[i], coef_a)
         coef_c = jnp.where(up, dmap.coef_c[i], coef_c)
-        lo = jnp.where(up, dmap.lo[i], lo)
         hi = jnp.where(up, dmap.hi[i], hi)
-    code = jnp.floor(a * coef_a + coef_c).astype(jnp.int32)
-    code = jnp.minimum(jnp.maximum(code, lo), hi)
+    # No lower clip: at a decade's lower boundary a * A + C is already >= 0.2 (the midpoint to the decade
+    # below lies 0.3 of a step under the first value); the upper boundary lies 1.5 steps over the last.
+    code = jnp.minimum(jnp.floor(a * coef_a + coef_c).astype(jnp.int32), hi)
     code = jnp.where(a < dmap.bounds[0], 0, code)
     return jnp.where(a >= dmap.one_bound, dmap.one_code, code)
 
