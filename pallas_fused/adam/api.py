@@ -111,7 +111,7 @@ def _check_hparams(learning_rate, b1, b2, eps, eps_root, weight_decay):
         if value is None or callable(value):
             continue
         if not (_is_concrete_number(value) or isinstance(value, jax.Array)):
-            raise ValueError(f"{name} must be a number, a scalar array or (learning_rate only) a schedule, "
+            raise ValueError(f"{name} must be a number, a scalar array or (learning_rate, weight_decay) a schedule, "
                              f"got {type(value).__name__}")
         if isinstance(value, jax.Array) and value.ndim != 0:
             raise ValueError(f"{name} must be a scalar, got an array of shape {value.shape}")
@@ -242,8 +242,9 @@ def _decay_tree(weight_decay, mask, params):
     return jax.tree.map(lambda mk, sub: jax.tree.map(lambda _: weight_decay if mk else 0.0, sub), mask_tree, params)
 
 
-def _lr_at(learning_rate, count):
-    return learning_rate(count) if callable(learning_rate) else learning_rate
+def _lr_at(value, count):
+    """A hyperparameter's value at this step: schedules are evaluated at the count before increment."""
+    return value(count) if callable(value) else value
 
 
 def _tree_step(grads, state: FusedAdamState, params, *, learning_rate, b1, b2, eps, eps_root, weight_decay, mask,
@@ -252,6 +253,7 @@ def _tree_step(grads, state: FusedAdamState, params, *, learning_rate, b1, b2, e
     count_inc = optax.safe_increment(state.count)
     lr = _lr_at(learning_rate, state.count)
     neg_lr = 1.0 if lr is None else -lr
+    weight_decay = _lr_at(weight_decay, state.count)  # a schedule too, as optax.add_decayed_weights
     g_leaves, treedef = jax.tree.flatten(grads)
     mu_leaves = treedef.flatten_up_to(state.mu)
     nu_leaves = treedef.flatten_up_to(state.nu)
@@ -325,9 +327,10 @@ def adamw(learning_rate: ScalarOrSchedule, b1=0.9, b2=0.999, eps=1e-8, eps_root=
     """Fused `optax.adamw`: -lr * (direction + weight_decay * params) from one kernel pass per leaf
     (reads g, m, v, p; writes the update, m, v), then `optax.apply_updates` as usual.
 
-    mask: as optax (a pytree of bools, a prefix of the params, or a callable returning one): weight decay
-    only where True. Usable in optax.chain / multi_transform / MultiSteps / inject_hyperparams: every
-    hyperparameter is a runtime kernel operand. For the fastest step see `adamw_step`.
+    learning_rate, weight_decay: numbers or optax schedules. mask: as optax (a pytree of bools, a prefix of
+    the params, or a callable returning one): weight decay only where True. Usable in optax.chain /
+    multi_transform / MultiSteps / inject_hyperparams: every hyperparameter is a runtime kernel operand.
+    For the fastest step see `adamw_step`.
     """
     return _fused(learning_rate, b1, b2, eps, eps_root, weight_decay, mask, mu_dtype, state_bits, implementation)
 

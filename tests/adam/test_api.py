@@ -129,6 +129,10 @@ def test_schedule_mask_and_clipping_in_chain(kernel_impl):
     got2, _, _ = train(optax.chain(optax.clip_by_global_norm(0.5), A.adamw(
         sched, weight_decay=0.1, mask=callable_mask, implementation=kernel_impl)), params, 30)
     assert tree_rel_err(got2, want) < 1e-5
+    wd_sched = optax.linear_schedule(0.2, 0.0, 30)
+    want, _, _ = train(optax.adamw(1e-2, weight_decay=wd_sched), params, 30)
+    got, _, _ = train(A.adamw(1e-2, weight_decay=wd_sched, implementation=kernel_impl), params, 30)
+    assert tree_rel_err(got, want) < 1e-5
 
 
 def test_multi_transform_and_multisteps(kernel_impl):
