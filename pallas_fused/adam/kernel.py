@@ -57,10 +57,11 @@ def _fp32_kernel(*refs, n, block, has_p, inplace):
     idx = pl.program_id(0) * block + jnp.arange(block)
     mask = idx < n
     s = _scalars(s_ref)
-    g = load(g_ref.at[idx], mask=mask, other=0.0).astype(jnp.float32)
-    m = load(m_ref.at[idx], mask=mask, other=0.0).astype(jnp.float32)
-    v = load(v_ref.at[idx], mask=mask, other=0.0).astype(jnp.float32)
-    p = None if p_ref is None else load(p_ref.at[idx], mask=mask, other=0.0).astype(jnp.float32)
+    g = load(g_ref.at[idx], mask=mask, other=0.0, eviction_policy="evict_first").astype(jnp.float32)
+    m = load(m_ref.at[idx], mask=mask, other=0.0, eviction_policy="evict_first").astype(jnp.float32)
+    v = load(v_ref.at[idx], mask=mask, other=0.0, eviction_policy="evict_first").astype(jnp.float32)
+    p = None if p_ref is None else load(p_ref.at[idx], mask=mask, other=0.0, eviction_policy="evict_first").astype(
+        jnp.float32)
     u, m_new, v_new, ok = adam_math(g, m, v, p, s)
     u = jnp.where(ok, u, 0.0)
     store(m_out.at[idx], jnp.where(ok, m_new, m).astype(m_out.dtype), mask=mask)
@@ -130,15 +131,16 @@ def _q8_kernel(*refs, n, nb, rows, has_p, inplace):
     rmask = row < nb
     mask = idx < n
     s = _scalars(s_ref)
-    g = load(g_ref.at[idx], mask=mask, other=0.0).astype(jnp.float32)
-    mc = load(mc_ref.at[idx], mask=mask, other=0).astype(jnp.int32)
-    vc = load(vc_ref.at[idx], mask=mask, other=0).astype(jnp.int32)
+    g = load(g_ref.at[idx], mask=mask, other=0.0, eviction_policy="evict_first").astype(jnp.float32)
+    mc = load(mc_ref.at[idx], mask=mask, other=0, eviction_policy="evict_first").astype(jnp.int32)
+    vc = load(vc_ref.at[idx], mask=mask, other=0, eviction_policy="evict_first").astype(jnp.int32)
     ma = load(ma_ref.at[row], mask=rmask, other=0.0)
     va = load(va_ref.at[row], mask=rmask, other=0.0)
     # Dequantize: a 256-entry table lookup (the table stays in L1) times the block's absmax.
-    m = load(smap_ref.at[mc]) * ma[:, None]
-    v = load(umap_ref.at[vc]) * va[:, None]
-    p = None if p_ref is None else load(p_ref.at[idx], mask=mask, other=0.0).astype(jnp.float32)
+    m = load(smap_ref.at[mc], eviction_policy="evict_last") * ma[:, None]
+    v = load(umap_ref.at[vc], eviction_policy="evict_last") * va[:, None]
+    p = None if p_ref is None else load(p_ref.at[idx], mask=mask, other=0.0, eviction_policy="evict_first").astype(
+        jnp.float32)
     u, m_new, v_new, ok = adam_math(g, m, v, p, s)
     ok = ok & mask
     m_new = jnp.where(ok, m_new, jnp.where(mask, m, 0.0))

@@ -182,6 +182,17 @@ def test_inject_hyperparams_runtime_operands_no_recompile(kernel_impl):
     assert "1e-02" not in str(jaxpr) and "0.01" not in str(jaxpr)
 
 
+def test_inject_hyperparams_with_8bit_states():
+    params = mlp_params(hidden=512)
+    with pytest.raises(ValueError, match="static_args"):
+        optax.inject_hyperparams(A.adamw)(learning_rate=1e-2, state_bits=8).init(params)
+    opt = optax.inject_hyperparams(A.adamw, static_args=("state_bits",))(
+        learning_rate=1e-2, state_bits=8, implementation="xla")
+    _, state, loss = train(opt, params, 5)
+    assert isinstance(state.inner_state.mu["w1"], A.QuantizedMoment)
+    assert float(loss) < float(loss_fn(params))
+
+
 def test_state_bits_8_converges_like_fp32(kernel_impl):
     """A model with 4096-element weights (quantized) trained 200 steps converges like fp32 states (within 1%)."""
     params = mlp_params(hidden=512, inputs=8)
