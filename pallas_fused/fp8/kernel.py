@@ -1,12 +1,13 @@
 """Triton-lowered Pallas kernels for FP8: the quantize passes and a portable scaled matmul.
 
-Quantize (x ~= q * scale, saturating):
-  * axiswise: one program owns a block of rows (or columns) and loops over the other axis twice: the
-    first loop takes the amax, the second casts and stores (the block is still in L2 when re-read).
-    The per-row (per-column) fp32 scales are stored by the same program.
-  * tensorwise: a global amax needs all of x first, so XLA takes the amax and one Pallas pass casts.
-  Both can write the transposed copy q^T in the same pass (the K-major operand the backward GEMMs
-  need), so the fp8 tensor is produced in both layouts from a single read of x.
+Quantize (x ~= q * scale, saturating), two methods (see `quantize_2d`):
+  * "fused" (axiswise): one program owns a block of rows (or columns) and loops over the other axis
+    twice: the first loop takes the amax, the second casts and stores (the block is still in L2 when
+    re-read). The per-row (per-column) fp32 scales are stored by the same program.
+  * "two_phase" (any; the only choice for tensorwise, whose global amax must finish first): XLA
+    reduces the amax, then one Pallas pass over a 2-D grid of tiles casts.
+  Both write the transposed copy q^T in the same pass when asked (the K-major operand the backward
+  GEMMs need), so an fp8 tensor is produced in both layouts from one cast pass.
 
 Scaled matmul (`scaled_matmul_nt`): out = (a * a_scale) @ (bt * b_scale)^T, a (M, K) and bt (N, K)
 both K-major, with per-row/per-column fp32 scale vectors applied to the fp32 accumulator in the
@@ -81,18 +82,25 @@ def _quantize_axis_kernel(x_ref, *refs, shape, block, reduce_axis, dtype, power_
     _backend.store(s_ref.at[pl.ds(start, block[keep])], scale, mask=kept_mask)
 
 
-def _cast_kernel(x_ref, s_ref, *refs, shape, block, dtype, emit_n, emit_t):
-    """One program: one (block) tile of x, cast with the scalar scale s_ref[0]."""
+def _cast_kernel(x_ref, s_ref, *refs, shape, block, dtype, scale_axis, emit_n, emit_t):
+    """One program: one `block` tile of x, cast with the scalar scale (scale_axis=None), the per-row
+    scales (scale_axis=1: the amax was taken along axis 1) or the per-column scales (scale_axis=0)."""
     refs = list(refs)
     o_ref = refs.pop(0) if emit_n else None
     ot_ref = refs.pop(0) if emit_t else None
     r0, c0 = pl.program_id(0) * block[0], pl.program_id(1) * block[1]
     rows, cols = r0 + jnp.arange(block[0]), c0 + jnp.arange(block[1])
-    mask = (rows < shape[0])[:, None] & (cols < shape[1])[None, :]
+    row_mask, col_mask = rows < shape[0], cols < shape[1]
+    mask = row_mask[:, None] & col_mask[None, :]
     idx = (pl.ds(r0, block[0]), pl.ds(c0, block[1]))
     x = _backend.load(x_ref.at[idx], mask=mask, other=0.0).astype(jnp.float32)
-    scale = _backend.load(s_ref.at[pl.ds(0, 1)])
-    q = _cast(x, scale[:, None], dtype)
+    if scale_axis is None:
+        scale = _backend.load(s_ref.at[pl.ds(0, 1)])[:, None]
+    elif scale_axis == 1:
+        scale = _backend.load(s_ref.at[pl.ds(r0, block[0])], mask=row_mask, other=1.0)[:, None]
+    else:
+        scale = _backend.load(s_ref.at[pl.ds(c0, block[1])], mask=col_mask, other=1.0)[None, :]
+    q = _cast(x, scale, dtype)
     if emit_n:
         _backend.store(o_ref.at[idx], q.astype(dtype), mask=mask)
     if emit_t:
@@ -108,32 +116,29 @@ def _outs(shape, dtype, emit_n, emit_t):
     return outs
 
 
-@functools.partial(jax.jit, static_argnames=("dtype", "axis", "power_of_2", "emit_n", "emit_t", "interpret"))
-def quantize_2d(x, *, dtype, axis, power_of_2, emit_n=True, emit_t=False, interpret=False):
+CAST_BLOCK = (64, 128)  # (rows, columns) of x per program of the cast pass
+FUSED_BLOCK = {1: (16, 256), 0: (256, 16)}  # fused axiswise kernel: (kept, looped) extents per axis
+
+
+@functools.partial(jax.jit, static_argnames=("dtype", "axis", "power_of_2", "emit_n", "emit_t", "interpret", "method",
+                                             "block", "num_warps"))
+def quantize_2d(x, *, dtype, axis, power_of_2, emit_n=True, emit_t=False, interpret=False, method="two_phase",
+                block=None, num_warps=4):
     """Quantize a 2-D x: returns (q or None, q^T or None, scale).
 
     axis=None: tensorwise (scale shape ()); axis=1: one scale per row ((R, 1)); axis=0: one per
     column ((1, C)). The transposed copy q^T has the same scale, transposed.
+
+    method="two_phase": XLA reduces the amax (one read of x), then one Pallas pass over a 2-D grid of
+    tiles casts and writes q and/or q^T (a second read of x): bytes = 2 reads + the writes, but every
+    tile runs in parallel. method="fused" (axiswise only): one Pallas program per block of rows
+    (columns) takes the amax and casts in the same kernel (the second read mostly hits L2), with
+    fewer, longer programs. Tensorwise is always two-phase (a global amax must finish first).
     """
     dtype = jnp.dtype(dtype)
     shape = x.shape
-    if axis is None:
-        amax = jnp.max(jnp.abs(x)).astype(jnp.float32)  # the global amax: XLA's reduction, one read
-        scale = _scale(amax, dtype, power_of_2)
-        block = (64, 64) if interpret else (64, 128)
-        outs = _backend.triton_call(
-            functools.partial(_cast_kernel, shape=shape, block=block, dtype=dtype, emit_n=emit_n, emit_t=emit_t),
-            out_shape=_outs(shape, dtype, emit_n, emit_t),
-            grid=(pl.cdiv(shape[0], block[0]), pl.cdiv(shape[1], block[1])),
-            name="pallas_fused_fp8_quantize_tensorwise",
-            interpret=interpret,
-            num_warps=4,
-        )(x, scale.reshape(1))
-    else:
-        if axis == 1:
-            block = (16, 256) if not interpret else (16, 64)
-        else:
-            block = (256, 16) if not interpret else (64, 16)
+    if axis is not None and method == "fused":
+        block = block or ((16, 64) if axis == 1 else (64, 16)) if interpret else (block or FUSED_BLOCK[axis])
         keep = 1 - axis
         outs = _backend.triton_call(
             functools.partial(_quantize_axis_kernel, shape=shape, block=block, reduce_axis=axis, dtype=dtype,
@@ -142,10 +147,25 @@ def quantize_2d(x, *, dtype, axis, power_of_2, emit_n=True, emit_t=False, interp
             grid=(pl.cdiv(shape[keep], block[keep]),),
             name=f"pallas_fused_fp8_quantize_axis{axis}",
             interpret=interpret,
-            num_warps=4,
+            num_warps=num_warps,
         )(x)
         *outs, scale = outs
         scale = scale[:, None] if axis == 1 else scale[None, :]
+    else:
+        # Phase 1: the amax (XLA's reduction fuses abs, max and the scale arithmetic into one read of x).
+        amax = jnp.max(jnp.abs(x), axis=axis, keepdims=axis is not None).astype(jnp.float32)
+        scale = _scale(amax, dtype, power_of_2)
+        # Phase 2: the cast, tile by tile.
+        block = block or ((32, 32) if interpret else CAST_BLOCK)
+        outs = _backend.triton_call(
+            functools.partial(_cast_kernel, shape=shape, block=block, dtype=dtype, scale_axis=axis, emit_n=emit_n,
+                              emit_t=emit_t),
+            out_shape=_outs(shape, dtype, emit_n, emit_t),
+            grid=(pl.cdiv(shape[0], block[0]), pl.cdiv(shape[1], block[1])),
+            name="pallas_fused_fp8_quantize_" + ("tensorwise" if axis is None else f"axis{axis}"),
+            interpret=interpret,
+            num_warps=num_warps,
+        )(x, scale.reshape(-1))
     outs = list(outs)
     q = outs.pop(0) if emit_n else None
     qt = outs.pop(0) if emit_t else None

@@ -442,3 +442,16 @@ def test_gpu_dense_matches_xla(recipe):
     (y0, v0), (y1, v1) = outs
     for a, b in zip((y0, *v0(dy)), (y1, *v1(dy))):
         assert sqnr(b, a) >= 35
+
+
+@pytest.mark.parametrize("axis", [0, 1])
+def test_quantize_fused_method_matches_reference(kernel_impl, axis):
+    from pallas_fused.fp8 import kernel
+
+    x = rand(25, (37, 53), jnp.bfloat16, scale=3.0)
+    q, qt, s = kernel.quantize_2d(x, dtype=E4, axis=axis, power_of_2=True, emit_n=True, emit_t=True,
+                                  interpret=kernel_impl == "interpret", method="fused")
+    qr, sr = ref.quantize_reference(x, E4, axis, True)
+    np.testing.assert_array_equal(np.asarray(s), np.asarray(sr))
+    np.testing.assert_array_equal(np.asarray(q.astype(jnp.float32)), np.asarray(qr.astype(jnp.float32)))
+    np.testing.assert_array_equal(np.asarray(qt.astype(jnp.float32)), np.asarray(qr.T.astype(jnp.float32)))

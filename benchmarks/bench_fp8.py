@@ -1,0 +1,150 @@
+"""FP8 benchmarks: scaled matmul, the quantize passes, and Dense forward+backward per recipe.
+
+scaled_matmul (e4m3 x e4m3 -> bf16, fast accumulation), rowwise and tensorwise scales, TFLOP/s with
+flops = 2 M N K, % of the datasheet dense fp8 peak (1979 TFLOP/s on H100/H200, `peak_tflops`):
+  pallas:sm90          our Mosaic GPU kernel, operands K-major (a (M, K), bt (N, K): the layout the
+                       Dense path provides)
+  pallas:triton        our Triton-lowered kernel (the portable fallback)
+  xla                  our reference: XLA's fp8 dot (fp32 out) + fp32 rescale, b (K, N)
+  peer:torch_scaled_mm torch._scaled_mm, use_fast_accum=True (cuBLAS / CUTLASS rowwise)
+  peer:bf16_xla        XLA bf16 matmul, same shape
+
+Dense forward+backward: 16384 tokens, n -> n, bf16 params and activations, ANCHORS.md's method:
+  jax.vjp(apply, params, x)[1](g) timed under jit. Only the gradients are returned, so XLA drops
+  the forward GEMM (y is unused): what is timed is the two backward GEMMs plus every quantize pass,
+  for ours and the peers alike. The "+y" cases also return y (all three GEMMs).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks.common import bench_torch, rnd
+
+FP8_PEAK = 1979.0  # datasheet dense fp8 TFLOP/s (H100 SXM / H200)
+E4 = jnp.float8_e4m3fn
+
+
+def _matmul(rec, quick):
+    from pallas_fused.fp8 import api, kernel, kernel_sm90, quantize
+
+    shapes = [(8192, 8192, 8192), (16384, 4096, 11008)] if quick else [
+        (4096, 4096, 4096), (8192, 8192, 8192), (16384, 16384, 16384),
+        (16384, 4096, 11008), (16384, 11008, 4096), (16384, 4096, 4096)]
+    n_rep = dict(n=10, reps=3) if quick else {}
+    for m, k, n in shapes:
+        a, b = rnd(1, (m, k), jnp.bfloat16), rnd(2, (k, n), jnp.bfloat16)
+        flops = 2 * m * n * k
+        for gran in ("rowwise", "tensorwise"):
+            axes = (1, 0) if gran == "rowwise" else (None, None)
+            a8, sa = quantize(a, E4, axes[0], implementation="xla")
+            b8, sb = quantize(b, E4, axes[1], implementation="xla")
+            bt8 = b8.T.copy()
+            sav = jnp.broadcast_to(sa.reshape(-1), (m,))
+            sbv = jnp.broadcast_to(sb.reshape(-1), (n,))
+            case = f"{m}x{k}x{n} {gran}"
+            kw = dict(flops=flops, matmul_ceiling="fp8_peak", peak_tflops=FP8_PEAK, **n_rep)
+            sm90 = jax.jit(lambda a, bt, sa, sb: api._mm_nt(a, bt, sa, sb, jnp.bfloat16, True, "pallas:sm90"))
+            rec.time("fp8_mm", case, "pallas:sm90", sm90, a8, bt8, sav, sbv, layout="a (M,K), bt (N,K)",
+                     tile=str(kernel_sm90.DEFAULT), **kw)
+            if not quick or m == 8192:
+                tri = jax.jit(functools.partial(kernel.scaled_matmul_nt, out_dtype=jnp.bfloat16))
+                rec.time("fp8_mm", case, "pallas:triton", tri, a8, bt8, sav, sbv, **kw)
+            xla = jax.jit(functools.partial(api.scaled_matmul, implementation="xla"))
+            rec.time("fp8_mm", case, "xla", xla, a8, b8, sa, sb, **kw)
+            _torch_scaled_mm(rec, case, a8, bt8, sa, sb, gran, kw)
+            if gran == "rowwise":
+                rec.time("fp8_mm", case, "peer:bf16_xla", jax.jit(jnp.matmul), a, b, flops=flops, **n_rep)
+
+
+def _torch_scaled_mm(rec, case, a8, bt8, sa, sb, gran, kw):
+    try:
+        import numpy as np
+        import torch
+
+        dev = "cuda"
+        ta = torch.from_numpy(np.asarray(a8.astype(jnp.float32))).to(dev).to(torch.float8_e4m3fn)
+        tbt = torch.from_numpy(np.asarray(bt8.astype(jnp.float32))).to(dev).to(torch.float8_e4m3fn)
+        tb = tbt.t()  # column-major (K, N), what _scaled_mm wants for b
+        if gran == "rowwise":
+            tsa = torch.from_numpy(np.asarray(sa)).to(dev).reshape(-1, 1).contiguous()
+            tsb = torch.from_numpy(np.asarray(sb)).to(dev).reshape(1, -1).contiguous()
+        else:
+            tsa = torch.tensor(float(sa), device=dev)
+            tsb = torch.tensor(float(sb), device=dev)
+
+        def fn():
+            return torch._scaled_mm(ta, tb, scale_a=tsa, scale_b=tsb, out_dtype=torch.bfloat16, use_fast_accum=True)
+
+        n_rep = {k: kw[k] for k in ("n", "reps") if k in kw}
+        ms = bench_torch(fn, **n_rep)
+        extra = {k: v for k, v in kw.items() if k not in ("n", "reps")}
+        rec.add("fp8_mm", case, "peer:torch_scaled_mm", ms, **extra)
+    except Exception as e:  # noqa: BLE001 - a missing peer is a recorded result
+        rec.add("fp8_mm", case, "peer:torch_scaled_mm", None, error=f"{type(e).__name__}: {str(e)[:300]}")
+
+
+def _quantize(rec, quick):
+    from pallas_fused.fp8 import kernel, reference
+
+    r, c = 16384, 8192
+    x = rnd(3, (r, c), jnp.bfloat16)
+    for axis in (None, 1, 0):
+        for emit_t in (False, True):
+            case = f"{r}x{c} bf16 axis={axis} {'q+qT' if emit_t else 'q'}"
+            written = r * c * (2 if emit_t else 1)
+            nbytes = 2 * r * c + written  # the floor: read x once, write the fp8 copies
+            for method in ("two_phase", "fused") if axis is not None else ("two_phase",):
+                f = jax.jit(functools.partial(kernel.quantize_2d, dtype=E4, axis=axis, power_of_2=True,
+                                              emit_t=emit_t, method=method))
+                rec.time("fp8_quantize", case, f"pallas:{method}", f, x, nbytes=nbytes,
+                         bytes_moved=nbytes + 2 * r * c, note="two reads of x (amax, cast)")
+
+            def ref(x, axis=axis, emit_t=emit_t):
+                q, s = reference.quantize_reference(x, E4, axis, True)
+                return (q, q.T, s) if emit_t else (q, s)
+
+            rec.time("fp8_quantize", case, "xla", jax.jit(ref), x, nbytes=nbytes)
+
+
+def _dense(rec, quick):
+    import flax.linen as nn
+    from flax.linen import fp8_ops
+
+    from pallas_fused.fp8 import Float8DotGeneral
+
+    tokens = 16384
+    for n in (8192,) if quick else (4096, 8192):
+        x, g = rnd(4, (tokens, n), jnp.bfloat16), rnd(5, (tokens, n), jnp.bfloat16)
+        flops = 2 * 2 * tokens * n * n  # the two GEMMs that survive (see the module docstring)
+        impls = [(f"pallas:{r}", functools.partial(Float8DotGeneral, config=r)) for r in
+                 ("tensorwise", "rowwise", "rowwise_with_gw_hp")]
+        impls += [(f"xla:{r}", functools.partial(Float8DotGeneral, config=r, implementation="xla"))
+                  for r in ("tensorwise", "rowwise")]
+        impls += [("peer:bf16_dense", None), ("peer:flax_fp8_direct", fp8_ops.Fp8DirectDotGeneralOp)]
+        for name, cls in impls:
+            m = nn.Dense(n, use_bias=False, dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, dot_general_cls=cls)
+            v = m.init(jax.random.key(0), x[:8])
+
+            def fb(v, x, m=m, g=g):
+                _, vjp = jax.vjp(lambda v, x: m.apply(v, x), v, x)
+                return vjp(g)
+
+            def fby(v, x, m=m, g=g):
+                y, vjp = jax.vjp(lambda v, x: m.apply(v, x), v, x)
+                return y, vjp(g)
+
+            n_rep = dict(n=10, reps=3) if quick else dict(n=20, reps=5)
+            rec.time("fp8_dense", f"{tokens}x{n}->{n} fwd+bwd", name, jax.jit(fb), v, x, flops=flops, **n_rep)
+            if not quick or name in ("pallas:tensorwise", "peer:bf16_dense"):
+                rec.time("fp8_dense", f"{tokens}x{n}->{n} fwd+bwd +y", name, jax.jit(fby), v, x,
+                         flops=flops * 3 // 2, **n_rep)
+
+
+def run(rec, quick: bool):
+    _matmul(rec, quick)
+    _quantize(rec, quick)
+    _dense(rec, quick)
