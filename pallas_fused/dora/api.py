@@ -13,7 +13,7 @@ from pallas_fused.dora import kernel as K
 from pallas_fused.dora import reference
 from pallas_fused.dora.quant import NF4_CODEBOOK, Int8Kernel, NF4Kernel, dequantize, is_quantized
 
-GEMMS = ("pallas", "xla", "xla_concat")
+GEMMS = ("auto", "pallas", "xla", "xla_concat")
 
 
 def _check(x, kernel, lora_a, lora_b, magnitude, bias, scale):
@@ -76,8 +76,8 @@ def _pad_rank(lora_a, lora_b):
 def _dense_w(kind, ops, dtype):
     """Full-precision W for the XLA GEMM variants (dense kernels only)."""
     if kind != "dense":
-        raise ValueError("dora_dense: gemm='xla'/'xla_concat' supports dense kernels only; use gemm='pallas' for "
-                         "Int8Kernel/NF4Kernel")
+        raise ValueError("dora_dense: gemm='xla'/'xla_concat' supports dense kernels only; use gemm='auto' or "
+                         "'pallas' for Int8Kernel/NF4Kernel")
     return ops[0].astype(dtype)
 
 
@@ -88,7 +88,7 @@ def _forward(statics, x, ops, a, b, m, bias, scale):
     n = jnp.sqrt(K.column_sumsq(ops, kind, ap, bp, scale, interpret=interpret, config=config))
     g = m.astype(jnp.float32) / n
     xa = jnp.dot(x, ap, preferred_element_type=jnp.float32).astype(dt)
-    if gemm == "pallas":
+    if gemm in ("pallas", "auto"):
         y = K.forward_gemm(x, ops, kind, xa, bp, g, scale, bias, interpret=interpret, config=config)
     else:
         w = _dense_w(kind, ops, dt)
@@ -122,14 +122,17 @@ def _dora_2d_bwd(statics, res, dy):
     gs = g * scale
     # us = s (dy * g) B^T, with g folded into the tiny B instead of the big dy.
     us = jnp.dot(dy, (bp.astype(jnp.float32) * gs[None, :]).astype(dt).T, preferred_element_type=jnp.float32).astype(dt)
-    if gemm == "pallas":
+    if gemm == "pallas" or (gemm == "auto" and kind != "dense"):
         gw = g * ops[1] if kind == "int8" else g
         dx = K.backward_dx(dy, gw, ops, kind, us, ap, interpret=interpret, config=config)
     else:
+        # cuBLAS: g goes on whichever of dy (M, out) and W (in, out) is smaller.
         w = _dense_w(kind, ops, dt)
-        dyg = (dy.astype(jnp.float32) * g[None, :]).astype(dt)
-        dx = (jnp.dot(dyg, w.T, preferred_element_type=jnp.float32)
-              + jnp.dot(us, ap.T, preferred_element_type=jnp.float32)).astype(dt)
+        if dy.shape[0] >= w.shape[0]:
+            dx = jnp.dot(dy, (w.astype(jnp.float32) * g[None, :]).astype(dt).T, preferred_element_type=jnp.float32)
+        else:
+            dx = jnp.dot((dy.astype(jnp.float32) * g[None, :]).astype(dt), w.T, preferred_element_type=jnp.float32)
+        dx = (dx + jnp.dot(us, ap.T, preferred_element_type=jnp.float32)).astype(dt)
     p, dmz, db = K.backward_columns(dy, y, xa, bias, interpret=interpret, config=config)
     da = jnp.dot(x.T, us, preferred_element_type=jnp.float32)
     dbm = p * gs[None, :]
@@ -161,7 +164,7 @@ _dora_2d.defvjp(_dora_2d_fwd, _dora_2d_bwd)
 
 
 def dora_dense(x, kernel, lora_a, lora_b, magnitude, bias=None, *, scale, exact_norm_grad: bool = False,
-               implementation: str | None = None, gemm: str = "pallas", config: K.Config | None = None):
+               implementation: str | None = None, gemm: str = "auto", config: K.Config | None = None):
     """DoRA dense layer: ``y = (x W + s (x A) B) * (m / ||W + s A B||) + bias``.
 
     Args:
@@ -172,8 +175,11 @@ def dora_dense(x, kernel, lora_a, lora_b, magnitude, bias=None, *, scale, exact_
       exact_norm_grad: differentiate through the column norm (default: treat it as a constant, as the
         DoRA paper section 4.3 and peft do).
       implementation: None (Pallas on a GPU, XLA elsewhere), "pallas", "xla" or "interpret".
-      gemm: which big GEMM the Pallas path uses: "pallas" (fused-epilogue kernel), or the XLA
-        formulations "xla" (x (W g) + (x A)(s B g)) and "xla_concat" ([x, xA] @ [W g; s B g]).
+      gemm: which big GEMMs the Pallas path uses. "auto" (default): the fused-epilogue Pallas kernel
+        forward, cuBLAS (XLA) for the backward dx of dense weights (faster on an H200), Pallas dx for
+        quantised ones; "pallas": Pallas kernels both ways; "xla": XLA GEMMs on g-scaled weights,
+        x (W g) + (x A)(s B g); "xla_concat": one forward GEMM over the concatenated K,
+        [x, xA] @ [W g; s B g]. The XLA variants take dense kernels only.
       config: tile sizes of the Pallas kernels (advanced).
 
     Gradients flow to x, lora_a, lora_b, magnitude and bias; W (and `scale`) get zero cotangents.

@@ -1,0 +1,179 @@
+"""Flax drop-ins: linen `DoRADense` (for nn.Dense), NNX `DoRALinear` (for nnx.Linear), param converters.
+
+These modules only hold parameters and call `pallas_fused.dora.api`; they know nothing of Pallas.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from pallas_fused.dora.api import dora_dense, dora_dense_dropout
+from pallas_fused.dora.quant import dequantize, quantize_int8, quantize_nf4
+from pallas_fused.dora.reference import column_norm_reference
+
+Dtype = Any
+_QUANTIZERS = {None: None, "int8": quantize_int8, "nf4": quantize_nf4}
+_HE_UNIFORM = nn.initializers.he_uniform()  # nnx.LoRA's default for the fan-in matrix
+_ZEROS = nn.initializers.zeros_init()
+
+
+def lora_scale(rank: int, alpha: float | None = None, use_rslora: bool = False) -> float:
+    """s = alpha / rank, or alpha / sqrt(rank) with rsLoRA; alpha=None means alpha = rank."""
+    if rank < 1:
+        raise ValueError(f"rank must be >= 1, got {rank}")
+    alpha = float(rank) if alpha is None else float(alpha)
+    return alpha / (rank ** 0.5 if use_rslora else rank)
+
+
+def _check_quantize(quantize):
+    if quantize not in _QUANTIZERS:
+        raise ValueError(f"quantize must be None, 'int8' or 'nf4', got {quantize!r}")
+
+
+class DoRADense(nn.Module):
+    """A DoRA drop-in for `flax.linen.Dense`.
+
+    Params: ``kernel`` (in, features) and ``bias`` (features,) exactly as nn.Dense (so pretrained Dense
+    params load unchanged; train them frozen), plus ``lora_a`` (in, rank), ``lora_b`` (rank, features,
+    zero-initialised) and ``magnitude`` (features,) initialised to ||W + s A B|| per output feature.
+    With ``quantize="int8"|"nf4"`` the ``kernel`` param is an `Int8Kernel` / `NF4Kernel` (QDoRA).
+
+    Dropout (``dropout > 0`` and not deterministic) follows peft:
+    ``y = x W + b + (g - 1) (x_d W) + g s (x_d A) B``; it needs a 'dropout' rng.
+    """
+
+    features: int
+    rank: int
+    alpha: float | None = None
+    use_rslora: bool = False
+    use_bias: bool = True
+    dropout: float = 0.0
+    deterministic: bool | None = None
+    dtype: Dtype | None = None
+    param_dtype: Dtype = jnp.float32
+    kernel_init: Any = nn.linear.default_kernel_init
+    bias_init: Any = nn.initializers.zeros_init()
+    lora_a_init: Any = _HE_UNIFORM
+    lora_b_init: Any = _ZEROS
+    quantize: str | None = None
+    exact_norm_grad: bool = False
+    implementation: str | None = None
+    gemm: str = "auto"
+
+    @nn.compact
+    def __call__(self, inputs: jax.Array, deterministic: bool | None = None) -> jax.Array:
+        _check_quantize(self.quantize)
+        fin = jnp.shape(inputs)[-1]
+        if self.rank < 1 or self.rank > min(fin, self.features):
+            raise ValueError(f"DoRADense: rank must be in [1, min(in, features) = {min(fin, self.features)}], "
+                             f"got {self.rank}")
+        s = lora_scale(self.rank, self.alpha, self.use_rslora)
+        quantizer = _QUANTIZERS[self.quantize]
+
+        def kernel_init(key, shape, dtype):
+            w = self.kernel_init(key, shape, dtype)
+            return w if quantizer is None else quantizer(w)
+
+        kernel = self.param("kernel", kernel_init, (fin, self.features), self.param_dtype)
+        lora_a = self.param("lora_a", self.lora_a_init, (fin, self.rank), self.param_dtype)
+        lora_b = self.param("lora_b", self.lora_b_init, (self.rank, self.features), self.param_dtype)
+        magnitude = self.param(
+            "magnitude",
+            lambda _: column_norm_reference(kernel, lora_a, lora_b, s, jnp.float32).astype(self.param_dtype),
+        )
+        bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype) if self.use_bias else None
+
+        dtype = self.dtype or jnp.result_type(inputs, self.param_dtype)
+        x = jnp.asarray(inputs, dtype)
+        if quantizer is None:
+            kernel = jnp.asarray(kernel, dtype)
+        kw = dict(scale=s, exact_norm_grad=self.exact_norm_grad, implementation=self.implementation, gemm=self.gemm)
+        deterministic = nn.merge_param("deterministic", self.deterministic, deterministic) \
+            if self.dropout > 0 else True
+        if self.dropout > 0 and not deterministic:
+            x_d = nn.Dropout(rate=self.dropout, deterministic=False)(x)
+            return dora_dense_dropout(x, x_d, kernel, lora_a, lora_b, magnitude, bias, **kw)
+        return dora_dense(x, kernel, lora_a, lora_b, magnitude, bias, **kw)
+
+
+def dense_to_dora_params(dense_params, rank: int, *, key: jax.Array, alpha: float | None = None,
+                         use_rslora: bool = False, lora_a_init=_HE_UNIFORM,
+                         quantize: str | None = None) -> dict:
+    """Params of an nn.Dense ({'kernel', 'bias'?}) -> params of a DoRADense (B = 0, so outputs match)."""
+    _check_quantize(quantize)
+    kernel = dense_params["kernel"]
+    if jnp.ndim(kernel) != 2:
+        raise ValueError(f"dense_params['kernel'] must be 2-D (in, out), got shape {jnp.shape(kernel)}")
+    fin, fout = kernel.shape
+    if rank < 1 or rank > min(fin, fout):
+        raise ValueError(f"rank must be in [1, min(in, out) = {min(fin, fout)}], got {rank}")
+    dt = kernel.dtype
+    lora_a = lora_a_init(key, (fin, rank), dt)
+    lora_b = jnp.zeros((rank, fout), dt)
+    s = lora_scale(rank, alpha, use_rslora)
+    stored = kernel if quantize is None else _QUANTIZERS[quantize](kernel)
+    out = dict(dense_params)
+    out.update(kernel=stored, lora_a=lora_a, lora_b=lora_b,
+               magnitude=column_norm_reference(stored, lora_a, lora_b, s, jnp.float32).astype(dt))
+    return out
+
+
+def merge(dora_params, *, alpha: float | None = None, use_rslora: bool = False) -> dict:
+    """DoRADense params -> nn.Dense params for inference: kernel = (W + s A B) * m / ||W + s A B||.
+
+    `alpha` / `use_rslora` must match the module's (the rank is read from ``lora_a``).
+    """
+    a, b, m = dora_params["lora_a"], dora_params["lora_b"], dora_params["magnitude"]
+    s = lora_scale(a.shape[1], alpha, use_rslora)
+    w = dequantize(dora_params["kernel"], jnp.float32)
+    v = w + s * (a.astype(jnp.float32) @ b.astype(jnp.float32))
+    g = m.astype(jnp.float32) / jnp.sqrt(jnp.sum(v * v, axis=0))
+    out_dtype = a.dtype
+    merged = {"kernel": (v * g[None, :]).astype(out_dtype)}
+    if "bias" in dora_params:
+        merged["bias"] = dora_params["bias"]
+    return merged
+
+
+class DoRALinear(nnx.Linear):
+    """An `nnx.Linear` with DoRA, in the style of `nnx.LoRALinear` (state compatible with nnx.Linear).
+
+    ``lora_a``, ``lora_b`` and ``magnitude`` are `nnx.LoRAParam`s, so
+    ``nnx.Optimizer(model, tx, wrt=nnx.LoRAParam)`` trains only them; ``kernel``/``bias`` stay `nnx.Param`.
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, rank: int, alpha: float | None = None,
+                 use_rslora: bool = False, dropout: float = 0.0, a_initializer=_HE_UNIFORM,
+                 b_initializer=_ZEROS, exact_norm_grad: bool = False,
+                 implementation: str | None = None, gemm: str = "auto", rngs: nnx.Rngs, **kwargs):
+        super().__init__(in_features, out_features, rngs=rngs, **kwargs)
+        if rank < 1 or rank > min(in_features, out_features):
+            raise ValueError(f"DoRALinear: rank must be in [1, min(in, out) = {min(in_features, out_features)}], "
+                             f"got {rank}")
+        pdt = self.param_dtype
+        self.scale = lora_scale(rank, alpha, use_rslora)
+        self.lora_a = nnx.LoRAParam(a_initializer(rngs.params(), (in_features, rank), pdt))
+        self.lora_b = nnx.LoRAParam(b_initializer(rngs.params(), (rank, out_features), pdt))
+        norm = column_norm_reference(self.kernel[...], self.lora_a[...], self.lora_b[...], self.scale, jnp.float32)
+        self.magnitude = nnx.LoRAParam(norm.astype(pdt))
+        self.dropout = nnx.Dropout(dropout, rngs=rngs) if dropout > 0 else None
+        self.exact_norm_grad = exact_norm_grad
+        self.implementation = implementation
+        self.gemm = gemm
+
+    def __call__(self, inputs: jax.Array, out_sharding=None) -> jax.Array:
+        del out_sharding
+        dtype = self.dtype or jnp.result_type(inputs, self.param_dtype)
+        x = jnp.asarray(inputs, dtype)
+        bias = self.bias[...] if self.bias is not None else None
+        args = (jnp.asarray(self.kernel[...], dtype), self.lora_a[...], self.lora_b[...], self.magnitude[...], bias)
+        kw = dict(scale=self.scale, exact_norm_grad=self.exact_norm_grad, implementation=self.implementation,
+                  gemm=self.gemm)
+        if self.dropout is not None and not self.dropout.deterministic:
+            return dora_dense_dropout(x, self.dropout(x), *args, **kw)
+        return dora_dense(x, *args, **kw)

@@ -1,0 +1,365 @@
+"""DoRA: kernels vs the plain-jnp reference (forward and every gradient), QDoRA, Flax drop-ins."""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from pallas_fused.dora import (
+    Int8Kernel,
+    NF4Kernel,
+    column_scale,
+    column_scale_reference,
+    dequantize,
+    dora_dense,
+    dora_dense_dropout,
+    dora_dense_reference,
+    quantize_int8,
+    quantize_nf4,
+)
+from pallas_fused.dora.flax import DoRADense, DoRALinear, dense_to_dora_params, lora_scale, merge
+from pallas_fused.dora.reference import dora_dense_dropout_reference
+from tests.helpers import assert_all_written, assert_close, rand
+
+NAMES = ("x", "lora_a", "lora_b", "magnitude", "bias")
+
+
+def make(seed, lead, fin, fout, r, dtype, w_dtype=None):
+    """x in `dtype`, W in `w_dtype` (default dtype), adapters / magnitude / bias in float32 (flax's param_dtype)."""
+    x = rand(seed, (*lead, fin), dtype)
+    w = rand(seed + 1, (fin, fout), w_dtype or dtype, scale=fin ** -0.5)
+    a = rand(seed + 2, (fin, r), scale=fin ** -0.5)
+    b = rand(seed + 3, (r, fout), scale=0.3)
+    m = jnp.abs(rand(seed + 4, (fout,))) + 0.5
+    bias = rand(seed + 5, (fout,), scale=0.1)
+    dy = rand(seed + 6, (*lead, fout), dtype)
+    return x, w, a, b, m, bias, dy
+
+
+def vjp_all(fn, args, dy):
+    y, pull = jax.vjp(fn, *args)
+    return y, pull(dy)
+
+
+def check_against_reference(kernel, x, a, b, m, bias, dy, *, scale, impl, exact=False, gemm="auto", what=""):
+    """Forward and all 5 gradients: error vs the float32 reference <= 2x the same-dtype XLA reference's."""
+    dt = x.dtype
+    ours_fn = lambda x, a, b, m, bias: dora_dense(x, kernel, a, b, m, bias, scale=scale, exact_norm_grad=exact,  # noqa: E731
+                                                  implementation=impl, gemm=gemm)
+    base_fn = lambda x, a, b, m, bias: dora_dense(x, kernel, a, b, m, bias, scale=scale, exact_norm_grad=exact,  # noqa: E731
+                                                  implementation="xla")
+    w32 = dequantize(kernel, dt).astype(jnp.float32)
+    exact_fn = lambda x, a, b, m, bias: dora_dense_reference(x, w32, a, b, m, bias, scale=scale,  # noqa: E731
+                                                             exact_norm_grad=exact)
+    args = (x, a, b, m, bias)
+    with jax.default_matmul_precision("highest"):
+        y_ex, g_ex = vjp_all(exact_fn, (x.astype(jnp.float32), a, b, m, bias), dy.astype(jnp.float32))
+    y_base, g_base = vjp_all(base_fn, args, dy)
+    y, g = vjp_all(ours_fn, args, dy)
+    assert y.dtype == dt and y.shape == y_ex.shape
+    assert_all_written(y, what)
+    assert_close(y, y_ex, baseline=y_base, dtype=dt, what=f"{what} y")
+    for name, ours, base, ex in zip(NAMES, g, g_base, g_ex):
+        assert ours.dtype == base.dtype, (name, ours.dtype, base.dtype)
+        assert_close(ours, ex, baseline=base, dtype=dt, what=f"{what} d{name}")
+
+
+# (lead, in, out, rank), dtype. Interpret-mode compiles dominate CI time, so the shapes are shared
+# across tests (the compiled kernels are cached per shape).
+BASE = ((37,), 45, 29, 5)
+CASES = [
+    (BASE, jnp.float32),
+    (BASE, jnp.bfloat16),
+    (BASE, jnp.float16),
+    (((2, 3), 17, 33, 1), jnp.bfloat16),
+    (((19,), 70, 40, 16), jnp.float16),
+]
+
+
+@pytest.mark.parametrize("shape, dtype", CASES, ids=lambda v: getattr(v, "__name__", str(v)))
+def test_forward_and_grads(kernel_impl, dtype, shape):
+    lead, fin, fout, r = shape
+    x, w, a, b, m, bias, dy = make(10, lead, fin, fout, r, dtype)
+    check_against_reference(w, x, a, b, m, bias, dy, scale=0.75, impl=kernel_impl, what=f"{dtype.__name__}{shape}")
+
+
+def test_large_rank_no_bias(kernel_impl):
+    x, w, a, b, m, _, dy = make(20, (23,), 130, 96, 64, jnp.bfloat16)
+    fn = lambda x, a, b, m: dora_dense(x, w, a, b, m, None, scale=0.25, implementation=kernel_impl)  # noqa: E731
+    ref = lambda x, a, b, m: dora_dense(x, w, a, b, m, None, scale=0.25, implementation="xla")  # noqa: E731
+    w32 = w.astype(jnp.float32)
+    ex = lambda x, a, b, m: dora_dense_reference(x, w32, a, b, m, None, scale=0.25)  # noqa: E731
+    y, g = vjp_all(fn, (x, a, b, m), dy)
+    yb, gb = vjp_all(ref, (x, a, b, m), dy)
+    ye, ge = vjp_all(ex, (x.astype(jnp.float32), a, b, m), dy.astype(jnp.float32))
+    assert_close(y, ye, baseline=yb, what="y")
+    for name, o, bb, e in zip(NAMES, g, gb, ge):
+        assert_close(o, e, baseline=bb, dtype=jnp.bfloat16, what=name)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_exact_norm_grad(kernel_impl, dtype):
+    x, w, a, b, m, bias, dy = make(30, *BASE, dtype)
+    check_against_reference(w, x, a, b, m, bias, dy, scale=1.3, impl=kernel_impl, exact=True, what="exact")
+    # and it really differs from the constant-norm gradient
+    g_const = jax.grad(lambda a: jnp.sum(dora_dense(x, w, a, b, m, bias, scale=1.3, implementation=kernel_impl)
+                                         .astype(jnp.float32) * dy))(a)
+    g_exact = jax.grad(lambda a: jnp.sum(dora_dense(x, w, a, b, m, bias, scale=1.3, exact_norm_grad=True,
+                                                    implementation=kernel_impl).astype(jnp.float32) * dy))(a)
+    assert float(jnp.max(jnp.abs(g_const - g_exact))) > 1e-3
+
+
+@pytest.mark.parametrize("gemm", ["pallas", "xla", "xla_concat"])
+def test_gemm_variants(kernel_impl, gemm):
+    x, w, a, b, m, bias, dy = make(40, *BASE, jnp.bfloat16)
+    check_against_reference(w, x, a, b, m, bias, dy, scale=0.5, impl=kernel_impl, gemm=gemm, what=gemm)
+
+
+@pytest.mark.parametrize("kind, dtype, exact", [("int8", jnp.bfloat16, False), ("nf4", jnp.bfloat16, False),
+                                                ("int8", jnp.float32, True), ("nf4", jnp.float32, True)])
+def test_qdora_matches_dequantized_reference(kernel_impl, kind, dtype, exact):
+    x, w, a, b, m, bias, dy = make(50, (27,), 150, 36, 6, dtype, w_dtype=jnp.float32)
+    qw = quantize_int8(w) if kind == "int8" else quantize_nf4(w)
+    check_against_reference(qw, x, a, b, m, bias, dy, scale=0.6, impl=kernel_impl, exact=exact, what=kind)
+
+
+def test_quantizers():
+    w = rand(60, (200, 40), scale=0.05)
+    q8 = quantize_int8(w)
+    assert q8.q.dtype == jnp.int8 and q8.shape == (200, 40)
+    assert float(jnp.max(jnp.abs(q8.dequantize() - w) / q8.scale[None, :])) <= 0.5 + 1e-5
+    q4 = quantize_nf4(w)
+    assert q4.packed.dtype == jnp.uint8 and q4.shape == (200, 40) and q4.absmax.shape == (256 // 64, 40)
+    err = float(jnp.linalg.norm(q4.dequantize() - w) / jnp.linalg.norm(w))
+    assert 0.0 < err < 0.12, err  # NF4 on Gaussian weights: ~8-10 % relative error
+    # every code is representable exactly: quantising a dequantised weight is lossless
+    again = quantize_nf4(q4.dequantize())
+    np.testing.assert_allclose(again.dequantize(), q4.dequantize(), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("kind", ["dense", "int8", "nf4"])
+def test_column_scale(kernel_impl, kind):
+    w = rand(70, (150, 36), scale=0.1)
+    kernel = {"dense": w, "int8": quantize_int8(w), "nf4": quantize_nf4(w)}[kind]
+    a, b = rand(71, (150, 6), scale=0.1), rand(72, (6, 36), scale=0.1)
+    m = jnp.abs(rand(73, (36,))) + 0.5
+    g = column_scale(kernel, a, b, m, scale=2.0, implementation=kernel_impl)
+    with jax.default_matmul_precision("highest"):
+        ref = column_scale_reference(kernel, a, b, m, 2.0, jnp.float32)
+    np.testing.assert_allclose(g, ref, rtol=2e-5)
+
+
+def test_scale_is_runtime_operand(kernel_impl):
+    x, w, a, b, m, bias, _ = make(80, *BASE, jnp.float32)
+    f = jax.jit(lambda s: dora_dense(x, w, a, b, m, bias, scale=s, implementation=kernel_impl))
+    for s in (0.5, 2.0):
+        assert_close(f(s), dora_dense_reference(x, w, a, b, m, bias, scale=s), what=f"s={s}")
+    assert f._cache_size() == 1
+
+
+def test_jit_vmap_remat(kernel_impl):
+    x, w, a, b, m, bias, dy = make(90, (4, 11), 24, 20, 3, jnp.float32)
+    f = lambda x, a: dora_dense(x, w, a, b, m, bias, scale=0.5, implementation=kernel_impl)  # noqa: E731
+    ref = dora_dense_reference(x, w, a, b, m, bias, scale=0.5)
+    assert_close(jax.jit(f)(x, a), ref, what="jit")
+    assert_close(jax.vmap(f, in_axes=(0, None))(x, a), ref, what="vmap x")
+    a_batch = jnp.stack([a, 2 * a])
+    yb = jax.vmap(f, in_axes=(None, 0))(x, a_batch)
+    assert_close(yb[1], dora_dense_reference(x, w, 2 * a, b, m, bias, scale=0.5), what="vmap lora_a")
+    loss = lambda x, a: jnp.sum(f(x, a) * dy)  # noqa: E731
+    g_plain = jax.grad(loss, argnums=(0, 1))(x, a)
+    g_remat = jax.jit(jax.grad(jax.checkpoint(loss), argnums=(0, 1)))(x, a)
+    for p, r in zip(g_plain, g_remat):
+        assert_close(r, p, what="remat")
+
+
+def test_dropout_function_semantics(kernel_impl):
+    x, w, a, b, m, bias, dy = make(100, *BASE, jnp.float32)
+    keep = jax.random.bernoulli(jax.random.key(1), 0.7, x.shape)
+    x_d = jnp.where(keep, x / 0.7, 0.0)
+    fn = lambda x, a, b, m, bias: dora_dense_dropout(x, x_d, w, a, b, m, bias, scale=0.8,  # noqa: E731
+                                                     implementation=kernel_impl)
+    ref = lambda x, a, b, m, bias: dora_dense_dropout_reference(x, x_d, w, a, b, m, bias, scale=0.8)  # noqa: E731
+    y, g = vjp_all(fn, (x, a, b, m, bias), dy)
+    yr, gr = vjp_all(ref, (x, a, b, m, bias), dy)
+    assert_close(y, yr, what="dropout y")
+    for name, o, r in zip(NAMES, g, gr):
+        assert_close(o, r, what=f"dropout d{name}")
+    # with nothing dropped it is the plain layer
+    y0 = dora_dense_dropout(x, x, w, a, b, m, bias, scale=0.8, implementation=kernel_impl)
+    assert_close(y0, dora_dense_reference(x, w, a, b, m, bias, scale=0.8), what="no drop")
+
+
+def test_linen_dropout_train_vs_eval(kernel_impl):
+    x = rand(110, (6, 16), jnp.float32)
+    layer = DoRADense(12, rank=4, dropout=0.5, implementation=kernel_impl, lora_b_init=nn.initializers.normal(0.5))
+    params = layer.init(jax.random.key(0), x, deterministic=True)
+    y_eval = layer.apply(params, x, deterministic=True)
+    y_train = layer.apply(params, x, deterministic=False, rngs={"dropout": jax.random.key(3)})
+    assert_all_written(y_train)
+    assert float(jnp.max(jnp.abs(y_train - y_eval))) > 1e-3
+    nodrop = DoRADense(12, rank=4, implementation=kernel_impl)
+    assert_close(y_eval, nodrop.apply(params, x), what="eval == no dropout")
+
+
+@pytest.mark.parametrize("impl", ["xla", "interpret"])
+def test_zero_lora_b_equals_dense(impl):
+    x = rand(120, (3, 7, 24), jnp.float32)
+    dense = nn.Dense(20)
+    dparams = dense.init(jax.random.key(0), x)["params"]
+    dparams = dict(dparams, bias=rand(121, (20,), scale=0.1))
+    y_dense = dense.apply({"params": dparams}, x)
+    params = dense_to_dora_params(dparams, 4, key=jax.random.key(1), alpha=8.0)
+    layer = DoRADense(20, rank=4, alpha=8.0, implementation=impl)
+    y = layer.apply({"params": params}, x)
+    if impl == "xla":
+        np.testing.assert_array_equal(y, y_dense)
+    else:
+        np.testing.assert_allclose(y, y_dense, rtol=2e-6, atol=2e-6)
+    # a freshly initialised DoRADense has the same param names / shapes as nn.Dense plus the adapters
+    fresh = layer.init(jax.random.key(2), x)["params"]
+    assert set(fresh) == {"kernel", "bias", "lora_a", "lora_b", "magnitude"}
+    assert fresh["kernel"].shape == dparams["kernel"].shape
+    np.testing.assert_array_equal(fresh["lora_b"], 0.0)
+    np.testing.assert_allclose(fresh["magnitude"], jnp.linalg.norm(fresh["kernel"], axis=0), rtol=1e-6)
+
+
+def test_merge_round_trip(kernel_impl):
+    x = rand(130, (9, 24), jnp.float32)
+    layer = DoRADense(20, rank=3, alpha=6.0, use_rslora=True, implementation=kernel_impl,
+                      lora_b_init=nn.initializers.normal(0.3))
+    params = layer.init(jax.random.key(0), x)["params"]
+    params = dict(params, magnitude=params["magnitude"] * 1.5)
+    y = layer.apply({"params": params}, x)
+    merged = merge(params, alpha=6.0, use_rslora=True)
+    assert set(merged) == {"kernel", "bias"}
+    y_dense = nn.Dense(20).apply({"params": merged}, x)
+    np.testing.assert_allclose(y, y_dense, rtol=1e-5, atol=1e-5)
+    assert lora_scale(3, 6.0, True) == pytest.approx(6.0 / 3 ** 0.5)
+
+
+def test_linen_bf16_and_qdora(kernel_impl):
+    x = rand(140, (2, 5, 64), jnp.bfloat16)
+    for quantize in (None, "int8", "nf4"):
+        layer = DoRADense(48, rank=8, dtype=jnp.bfloat16, quantize=quantize, implementation=kernel_impl,
+                          lora_b_init=nn.initializers.normal(0.1))
+        params = layer.init(jax.random.key(0), x)["params"]
+        if quantize == "int8":
+            assert isinstance(params["kernel"], Int8Kernel)
+        if quantize == "nf4":
+            assert isinstance(params["kernel"], NF4Kernel)
+        y = layer.apply({"params": params}, x)
+        assert y.dtype == jnp.bfloat16 and y.shape == (2, 5, 48)
+        w32 = dequantize(params["kernel"], jnp.bfloat16).astype(jnp.float32)
+        ref = dora_dense_reference(x.astype(jnp.float32), w32, params["lora_a"], params["lora_b"],
+                                   params["magnitude"], params["bias"], scale=1.0)
+        base = DoRADense(48, rank=8, dtype=jnp.bfloat16, quantize=quantize, implementation="xla").apply(
+            {"params": params}, x)
+        assert_close(y, ref, baseline=base, what=f"linen {quantize}")
+        adapters = {k: params[k] for k in ("lora_a", "lora_b", "magnitude", "bias")}
+        loss = lambda p, layer=layer, params=params: jnp.sum(  # noqa: E731
+            layer.apply({"params": {**params, **p}}, x).astype(jnp.float32))
+        grads = jax.grad(loss)(adapters)
+        assert grads["lora_a"].dtype == jnp.float32
+        assert_all_written(grads["magnitude"])
+
+
+def test_nnx_optimizer_trains_only_adapters(kernel_impl):
+    model = DoRALinear(16, 12, rank=4, implementation=kernel_impl, rngs=nnx.Rngs(0),
+                       b_initializer=nnx.initializers.normal(0.2))
+    assert isinstance(model.lora_a, nnx.LoRAParam) and isinstance(model.magnitude, nnx.LoRAParam)
+    assert type(model.kernel) is nnx.Param
+    x = rand(150, (8, 16), jnp.float32)
+    target = rand(151, (8, 12), jnp.float32)
+    y_ref = dora_dense_reference(x, model.kernel[...], model.lora_a[...], model.lora_b[...], model.magnitude[...],
+                                 model.bias[...], scale=1.0)
+    assert_close(model(x), y_ref, what="nnx forward")
+    before = jax.tree.map(lambda v: jnp.array(v), nnx.state(model, nnx.Param))
+    opt = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.LoRAParam)
+
+    @nnx.jit
+    def step(model, opt, x, target):
+        loss_fn = lambda m: jnp.mean((m(x) - target) ** 2)  # noqa: E731
+        loss, grads = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, nnx.LoRAParam))(model)
+        opt.update(model, grads)
+        return loss
+
+    loss0 = step(model, opt, x, target)
+    loss1 = step(model, opt, x, target)
+    assert float(loss1) < float(loss0)
+    after = nnx.state(model, nnx.Param)
+    changed = jax.tree.map(lambda u, v: bool(jnp.any(u != v)), before, after)
+    flat = dict(jax.tree_util.tree_flatten_with_path(changed)[0])
+    by_name = {jax.tree_util.keystr(k): v for k, v in flat.items()}
+    for key, did_change in by_name.items():
+        adapter = any(n in key for n in ("lora_a", "lora_b", "magnitude"))
+        assert did_change == adapter, (key, did_change)
+
+
+@pytest.mark.parametrize(
+    "change, match",
+    [
+        (dict(x=jnp.ones((4, 10), jnp.int32)), "x must be a floating"),
+        (dict(x=jnp.ones((4, 11))), "x has 11 input features"),
+        (dict(kernel=jnp.ones((10,))), "kernel must be a 2-D"),
+        (dict(lora_a=jnp.ones((10, 0)), lora_b=jnp.ones((0, 8))), "rank must be in"),
+        (dict(lora_a=jnp.ones((10, 9)), lora_b=jnp.ones((9, 8))), "rank must be in"),
+        (dict(lora_a=jnp.ones((9, 2))), "lora_a must have shape"),
+        (dict(lora_b=jnp.ones((3, 8))), "lora_b must have shape"),
+        (dict(magnitude=jnp.ones((7,))), "magnitude must have shape"),
+        (dict(bias=jnp.ones((9,))), "bias must have shape"),
+        (dict(scale=jnp.ones((2,))), "scale must be a scalar"),
+    ],
+)
+def test_bad_input(change, match):
+    args = dict(x=jnp.ones((4, 10)), kernel=jnp.ones((10, 8)), lora_a=jnp.ones((10, 2)), lora_b=jnp.ones((2, 8)),
+                magnitude=jnp.ones((8,)), bias=jnp.ones((8,)), scale=1.0)
+    args.update(change)
+    scale = args.pop("scale")
+    with pytest.raises(ValueError, match=match):
+        dora_dense(**args, scale=scale, implementation="xla")
+
+
+def test_bad_module_args():
+    x = jnp.ones((2, 6))
+    with pytest.raises(ValueError, match="rank"):
+        DoRADense(4, rank=0).init(jax.random.key(0), x)
+    with pytest.raises(ValueError, match="rank"):
+        DoRADense(4, rank=5).init(jax.random.key(0), x)
+    with pytest.raises(ValueError, match="quantize"):
+        DoRADense(4, rank=2, quantize="int4").init(jax.random.key(0), x)
+    with pytest.raises(ValueError, match="gemm"):
+        dora_dense(x, jnp.ones((6, 4)), jnp.ones((6, 2)), jnp.ones((2, 4)), jnp.ones((4,)), scale=1.0, gemm="cublas")
+
+
+# ---------------------------------------------------------------------------------------------------- GPU
+BIG = [((512,), 4096, 4096, 16), ((256,), 4096, 11008, 64)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", BIG, ids=str)
+@pytest.mark.parametrize("gemm", ["auto", "pallas"])
+def test_gpu_big_shapes(shape, gemm):
+    lead, fin, fout, r = shape
+    x, w, a, b, m, bias, dy = make(200, lead, fin, fout, r, jnp.bfloat16)
+    check_against_reference(w, x, a, b, m, bias, dy, scale=0.5, impl="pallas", gemm=gemm, what=f"gpu {shape}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["int8", "nf4"])
+def test_gpu_qdora(kind):
+    x, w, a, b, m, bias, dy = make(210, (300,), 4096, 1024, 16, jnp.bfloat16, w_dtype=jnp.float32)
+    qw = quantize_int8(w) if kind == "int8" else quantize_nf4(w)
+    check_against_reference(qw, x, a, b, m, bias, dy, scale=0.5, impl="pallas", what=f"gpu {kind}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16])
+def test_gpu_odd_shapes(dtype):
+    x, w, a, b, m, bias, dy = make(220, (333,), 517, 389, 7, dtype)
+    check_against_reference(w, x, a, b, m, bias, dy, scale=0.5, impl="pallas", what="gpu odd")
