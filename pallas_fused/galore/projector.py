@@ -10,11 +10,14 @@ singular subspace, which a randomized range finder gets from a few tall-skinny G
 
 where A = G for side "left" (P spans the column space) and A = G^T for side "right". Orthonormalisation
 is CholeskyQR2 by default (two rounds of Y R^-1 with R = chol(Y^T Y + shift): two small GEMMs and an
-(l x l) Cholesky instead of a Householder QR of a tall matrix, which is slow on GPUs), or `qr="householder"`
-(jnp.linalg.qr). All in fp32 with HIGHEST matmul precision so the basis stays orthonormal.
+(l x l) Cholesky instead of a Householder QR of a tall matrix, which is slow on GPUs; Householder is the
+fallback when Y is numerically rank-deficient), or `qr="householder"` (jnp.linalg.qr) throughout.
+All in fp32 with HIGHEST matmul precision so the basis stays orthonormal.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -40,11 +43,18 @@ def _chol_qr(y: jax.Array) -> jax.Array:
 
 
 def orthonormalize(y: jax.Array, qr: str = "cholesky") -> jax.Array:
+    """An orthonormal basis of y's columns. CholeskyQR2, falling back to Householder QR (under lax.cond, so
+    only paid then) when y is numerically rank-deficient: the Cholesky then fails (NaN) or leaves columns
+    far from unit norm."""
     if qr == "householder":
         return jnp.linalg.qr(y)[0]
-    return _chol_qr(_chol_qr(y))
+    q = _chol_qr(_chol_qr(y))
+    norms = jnp.sum(q * q, axis=0)
+    good = jnp.all(jnp.abs(norms - 1.0) < 1e-2)  # NaN compares False
+    return lax.cond(good, lambda: q, lambda: jnp.linalg.qr(y)[0])
 
 
+@functools.partial(jax.jit, static_argnames=("rank", "side", "oversample", "power_iters", "qr", "dtype"))
 def randomized_projector(g: jax.Array, rank: int, side: str, key: jax.Array, prev: jax.Array | None = None, *,
                          oversample: int = 8, power_iters: int = 2, qr: str = "cholesky", dtype=None) -> jax.Array:
     """A rank-`rank` projector (same shape/side as `reference.svd_projector`) from a randomized range finder.
@@ -76,12 +86,14 @@ def randomized_projector(g: jax.Array, rank: int, side: str, key: jax.Array, pre
     return p.astype(dtype or g.dtype)
 
 
+@functools.partial(jax.jit, static_argnames=("side",))
 def captured_energy(g: jax.Array, p: jax.Array, p_exact: jax.Array, side: str) -> jax.Array:
     """||P G||^2 / ||P_exact G||^2: the fraction of the best rank-r energy a projector keeps."""
     e = lambda q: jnp.sum(jnp.square(reference.project(g.astype(jnp.float32), q.astype(jnp.float32), side, HI)))
     return e(p) / e(p_exact)
 
 
+@functools.partial(jax.jit, static_argnames=("shape", "true_rank", "decay", "noise"))
 def low_rank_plus_noise(key: jax.Array, shape: tuple[int, int], true_rank: int = 64, decay: float = 0.95,
                         noise: float = 0.05) -> jax.Array:
     """A gradient-like test matrix with a decaying spectrum (a Gaussian matrix has a flat one, on which no

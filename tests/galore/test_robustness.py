@@ -1,0 +1,111 @@
+"""Bad arguments, non-finite gradients on a refresh step, and orbax checkpoint resume."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from pallas_fused.galore import galore_adamw, galore_adamw_inplace, scale_by_galore_adam
+from tests.helpers import rand
+
+
+def _params():
+    return {"w": rand(0, (48, 80)), "u": rand(1, (80, 48)), "b": rand(2, (7,))}
+
+
+def _grads(step):
+    return {k: rand(1000 + 10 * step + i, p.shape) for i, (k, p) in enumerate(sorted(_params().items()))}
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(rank=0), "rank"), (dict(rank=-3), "rank"), (dict(rank=2.5), "rank"), (dict(rank=True), "rank"),
+    (dict(proj_type="middle"), "proj_type"), (dict(update_proj_gap=0), "update_proj_gap"),
+    (dict(projector="qr"), "projector"), (dict(convention="torch"), "convention"), (dict(kernel="x"), "kernel"),
+    (dict(implementation="cuda"), "implementation"),
+])
+def test_bad_arguments_at_construction(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        galore_adamw(1e-3, **kwargs)
+    with pytest.raises(ValueError, match=match):
+        scale_by_galore_adam(**kwargs)
+
+
+def test_rank_too_large_for_a_projected_leaf_at_init():
+    params = _params()
+    with pytest.raises(ValueError, match=r"rank=48 .*\['w'\].*\(48, 80\)"):
+        galore_adamw(1e-3, rank=48, mask={"w": True, "u": False, "b": False}).init(params)
+    with pytest.raises(ValueError, match="rank"):
+        galore_adamw(1e-3, rank=4, mask={"w": True, "u": False, "b": True}).init(params)  # 1-D leaf
+    # the default mask leaves out what cannot be projected
+    state = galore_adamw(1e-3, rank=48).init(params)
+    assert isinstance(state.projector["w"], optax.MaskedNode) and isinstance(state.projector["u"], optax.MaskedNode)
+
+
+def test_params_required_for_weight_decay():
+    tx = galore_adamw(1e-3, rank=8, weight_decay=0.1, implementation="xla")
+    with pytest.raises(ValueError, match="params"):
+        tx.update(_grads(0), tx.init(_params()))
+
+
+@pytest.mark.parametrize("projector", ["svd", "randomized"])
+def test_nonfinite_gradient_on_refresh_keeps_projector_and_moments(projector, kernel_impl):
+    impl = "xla" if projector == "randomized" else kernel_impl
+    tx = galore_adamw(1e-2, rank=8, update_proj_gap=2, weight_decay=0.1, projector=projector, implementation=impl)
+    params = _params()
+    state = tx.init(params)
+    upd = jax.jit(tx.update)
+    u, state = upd(_grads(0), state, params)
+    params = optax.apply_updates(params, u)
+    u, state = upd(_grads(1), state, params)
+    params = optax.apply_updates(params, u)
+    bad = _grads(2)
+    bad["w"] = bad["w"].at[5, 7].set(jnp.inf)
+    u, new = upd(bad, state, params)  # step 2: a refresh step
+    np.testing.assert_array_equal(new.projector["w"], state.projector["w"])
+    np.testing.assert_array_equal(new.mu["w"], state.mu["w"])
+    np.testing.assert_array_equal(new.nu["w"], state.nu["w"])
+    np.testing.assert_array_equal(u["w"], jnp.zeros_like(u["w"]))  # skipped, weight decay included
+    assert np.all(np.isfinite(u["u"])) and np.all(np.isfinite(u["b"]))
+    assert not np.array_equal(new.projector["u"], state.projector["u"])  # the finite leaf refreshed
+    assert bool(new.pending_refresh)
+    params = optax.apply_updates(params, u)
+    u, newer = upd(_grads(3), new, params)  # step 3 is not a multiple of the gap but refreshes (pending)
+    assert not bool(newer.pending_refresh)
+    assert not np.array_equal(newer.projector["w"], new.projector["w"])
+    assert all(np.all(np.isfinite(np.asarray(x))) for x in jax.tree.leaves((u, newer)))
+
+
+def test_nonfinite_first_refresh_retries_next_step():
+    tx = galore_adamw(1e-2, rank=8, update_proj_gap=100, implementation="xla")
+    params = _params()
+    bad = _grads(0)
+    bad["u"] = bad["u"].at[0, 0].set(jnp.nan)
+    upd = jax.jit(tx.update)
+    u, state = upd(bad, tx.init(params), params)
+    assert np.all(np.asarray(state.projector["u"]) == 0) and bool(state.pending_refresh)
+    u, state = upd(_grads(1), state, params)
+    assert np.any(np.asarray(state.projector["u"]) != 0) and not bool(state.pending_refresh)
+
+
+@pytest.mark.parametrize("projector", ["svd", "randomized"])
+def test_orbax_checkpoint_resume_is_bit_identical(tmp_path, projector):
+    import orbax.checkpoint as ocp
+
+    opt = galore_adamw_inplace(1e-2, rank=8, update_proj_gap=3, weight_decay=0.1, projector=projector,
+                               implementation="xla")
+    step = jax.jit(opt.step)
+    params = _params()
+    state = opt.init(params)
+    for t in range(4):
+        params, state = step(params, _grads(t), state)
+    ckpt = ocp.StandardCheckpointer()
+    ckpt.save(tmp_path / "ckpt", {"params": params, "state": state})
+    ckpt.wait_until_finished()
+    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, {"params": params, "state": state})
+    restored = ckpt.restore(tmp_path / "ckpt", abstract)
+    a, b = (params, state), (restored["params"], restored["state"])
+    for t in range(4, 8):  # crosses the refresh at step 6
+        a = step(a[0], _grads(t), a[1])
+        b = step(b[0], _grads(t), b[1])
+    jax.tree.map(np.testing.assert_array_equal, a, b)
