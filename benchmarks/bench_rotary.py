@@ -39,18 +39,20 @@ def _positions(batch, seq_len, kind):
 
 
 def _variants(batch, seq_len, hq, hk, d, quick):
-    """Launch configs to time beside the heuristic: a smaller and a larger tile, and 4 warps."""
+    """Launch configs to time beside the heuristic (tokens per program x2 and /2, half the warps), so a
+    GPU run shows whether the heuristic's choice is the best one."""
     from pallas_fused import _backend
 
     sms = _backend.num_sms()
-    base = choose_config(batch, seq_len, hq, hk, d, sms)
+    pick = lambda **kw: choose_config(batch, seq_len, hq, hk, d // 2, 0, 2, sms, **kw)  # noqa: E731
+    base = pick()
     out = {"pallas": None}
     if quick:
         return out
-    for name, cfg in (("pallas:tile8k", choose_config(batch, seq_len, hq, hk, d, sms, tile_elements=8192)),
-                      ("pallas:tile32k", choose_config(batch, seq_len, hq, hk, d, sms, tile_elements=32768)),
-                      ("pallas:warps4", choose_config(batch, seq_len, hq, hk, d, sms, num_warps=4))):
-        if cfg != base:
+    for name, cfg in ((f"pallas:bt{base.block_tokens * 2}", pick(block_tokens=base.block_tokens * 2)),
+                      (f"pallas:bt{max(base.block_tokens // 2, 1)}", pick(block_tokens=max(base.block_tokens // 2, 1))),
+                      (f"pallas:warps{max(base.num_warps // 2, 1)}", pick(num_warps=max(base.num_warps // 2, 1)))):
+        if cfg != base and cfg not in out.values():
             out[name] = cfg
     return out
 

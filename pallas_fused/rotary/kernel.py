@@ -30,8 +30,9 @@ from jax.experimental import pallas as pl
 
 from pallas_fused import _backend
 
-# Elements (q and k, all features) one program holds at once; 16K keeps a tile in registers at 8 warps.
-DEFAULT_TILE_ELEMENTS = 16384
+# Most elements (q and k tiles, all features) one thread holds: more spills registers (checked with ptxas
+# for sm_90: 4 tokens x 40 heads x 128 features over 8 warps = 80 per thread uses 79 registers, no spills).
+MAX_ELEMENTS_PER_THREAD = 96
 
 
 def _next_pow2(n: int) -> int:
@@ -57,36 +58,45 @@ class LaunchConfig:
     num_warps: int
 
 
-def choose_config(batch: int, seq_len: int, n_q_heads: int, n_k_heads: int, features_per_head: int,
-                  num_sms: int, tile_elements: int = DEFAULT_TILE_ELEMENTS,
+def choose_config(batch: int, seq_len: int, n_q_heads: int, n_k_heads: int, pairs: int, passthrough: int,
+                  itemsize: int, num_sms: int, *, block_tokens: int | None = None,
                   num_warps: int | None = None) -> LaunchConfig:
-    """Pick tokens-per-program and heads-per-program so a tile holds about `tile_elements` elements
-    and the grid has enough programs to fill the GPU (>= 4 per SM where the problem allows)."""
+    """Pick the launch geometry.
+
+    Why this shape: Triton lays a (tokens, heads, pairs) tile out with 16-byte vectors along pairs, then
+    lanes along tokens, then warps along heads. With tokens x pairs / vector = 32 (one warp), every thread
+    holds one (token, 8 pairs) slice for several heads, so its cos/sin (computed per thread) serve all of
+    them, and the q and k tiles share one layout, so cos/sin are computed once for both. Heads are split
+    over programs (chunks) only when a tile would not fit in registers; tokens shrink and chunks grow when
+    the grid would not fill the GPU (decode).
+    """
+    vector = max(16 // itemsize, 1)
+    bt = block_tokens or max(1, min(64, 32 // max(pairs // vector, 1)))
+    bt = min(bt, _next_pow2(seq_len))
+    features = 2 * pairs + passthrough
 
     def heads_for(n):
         return _next_pow2(_cdiv(n_q_heads, n)), (_next_pow2(_cdiv(n_k_heads, n)) if n_k_heads else 0)
 
-    chunks = 1
-    hq, hk = heads_for(chunks)
-    while (hq + hk) * features_per_head > tile_elements and max(hq, hk) > 1:
-        chunks *= 2
-        hq, hk = heads_for(chunks)
-    per_token = (hq + hk) * features_per_head
-    bt = min(_next_pow2(seq_len), _prev_pow2(max(tile_elements // per_token, 1)), 64)
-
     def programs():
         return _cdiv(seq_len, bt) * batch * chunks
 
-    while bt > 1 and programs() < 4 * num_sms:
+    warps = num_warps or 8
+    chunks = 1
+    hq, hk = heads_for(chunks)
+    while bt * (hq + hk) * features > MAX_ELEMENTS_PER_THREAD * 32 * warps and max(hq, hk) > 1:
+        chunks *= 2
+        hq, hk = heads_for(chunks)
+    while block_tokens is None and bt > 1 and programs() < 4 * num_sms:
         bt //= 2
     # Few tokens (decode): spread a token's heads over more programs instead.
     while programs() < 2 * num_sms and max(hq, hk) > 1 and chunks < max(n_q_heads, n_k_heads):
         chunks *= 2
         hq, hk = heads_for(chunks)
-    tile = bt * (hq + hk) * features_per_head
-    if num_warps is None:
-        num_warps = 8 if tile >= 8192 else 4 if tile >= 1024 else 2 if tile >= 256 else 1
-    return LaunchConfig(bt, hq, hk, chunks, num_warps)
+    if num_warps is None:  # at least ~16 elements per thread
+        while warps > 1 and bt * (hq + hk) * features < 16 * 32 * warps:
+            warps //= 2
+    return LaunchConfig(bt, hq, hk, chunks, warps)
 
 
 def _kernel(*refs, seq_len, head_dim, rotary_dim, n_heads, has_k, layout, interleaved, pos_mode,
@@ -115,15 +125,10 @@ def _kernel(*refs, seq_len, head_dim, rotary_dim, n_heads, has_k, layout, interl
         cos, sin = cos * scale, sin * scale
     if sign < 0:
         sin = -sin
-    cos, sin = cos[:, None, :], sin[:, None, :]  # (bt, 1, pairs): broadcast over heads
 
-    i = jnp.arange(pairs, dtype=jnp.int32)[None, None, :]
-    i_mask = (i < half) if pairs != half else None
-    d1, d2 = (2 * i, 2 * i + 1) if interleaved else (i, i + half)
-    j = rotary_dim + jnp.arange(max(passthrough, 1), dtype=jnp.int32)[None, None, :]
-    j_mask = (j < head_dim) if rotary_dim + passthrough != head_dim else None
-    s3 = s[:, None, None]
-    s_mask3 = None if s_mask is None else s_mask[:, None, None]
+    def at(v, axis, ndim):
+        """1-D `v` placed on `axis` of an ndim-D broadcastable array (None stays None)."""
+        return None if v is None else v[(None,) * axis + (slice(None),) + (None,) * (ndim - axis - 1)]
 
     def both(*masks):
         masks = [m for m in masks if m is not None]
@@ -132,24 +137,52 @@ def _kernel(*refs, seq_len, head_dim, rotary_dim, n_heads, has_k, layout, interl
             out = out & m
         return out
 
-    def index(h3, d):
-        return (b, s3, h3, d) if layout == "bshd" else (b, h3, s3, d)
+    def index(h, d, ndim):
+        s_, h_ = at(s, 0, ndim), at(h, 1, ndim)
+        return (b, s_, h_, d) if layout == "bshd" else (b, h_, s_, d)
+
+    pair = jnp.arange(pairs, dtype=jnp.int32)
+    pair_mask = (pair < half) if pairs != half else None
+    j = rotary_dim + jnp.arange(max(passthrough, 1), dtype=jnp.int32)
+    j_mask = (j < head_dim) if rotary_dim + passthrough != head_dim else None
+    cos3, sin3 = cos[:, None, :], sin[:, None, :]  # (bt, 1, pairs): broadcast over heads
+    if interleaved:
+        # Load the rotated features as one contiguous (tokens, heads, 2 * pairs) tile (16-byte vectors), then
+        # split even/odd in registers (reshape + unstack: Triton's split) and join them back for the store.
+        rot = jnp.arange(2 * pairs, dtype=jnp.int32)
+        rot_d, rot_mask = at(rot, 2, 3), at((rot < rotary_dim) if pairs != half else None, 2, 3)
+    else:
+        x1_d, x2_d = at(pair, 2, 3), at(pair, 2, 3) + half
+        rot_mask = at(pair_mask, 2, 3)
 
     def load(x_ref, total_heads, hb):
-        h3 = (chunk * hb + jnp.arange(hb, dtype=jnp.int32))[None, :, None]
-        row_mask = both(s_mask3, (h3 < total_heads) if cfg.num_chunks * hb != total_heads else None)
-        mask, p_mask = both(row_mask, i_mask), both(row_mask, j_mask)
-        x1 = _backend.load(x_ref.at[index(h3, d1)], mask=mask, eviction_policy="evict_first")
-        x2 = _backend.load(x_ref.at[index(h3, d2)], mask=mask, eviction_policy="evict_first")
-        xp = _backend.load(x_ref.at[index(h3, j)], mask=p_mask, eviction_policy="evict_first") if passthrough else None
-        return h3, mask, p_mask, x1, x2, xp
-
-    def rotate_and_store(o_ref, h3, mask, p_mask, x1, x2, xp):
-        x1, x2 = x1.astype(jnp.float32), x2.astype(jnp.float32)
-        _backend.store(o_ref.at[index(h3, d1)], (x1 * cos - x2 * sin).astype(o_ref.dtype), mask=mask)
-        _backend.store(o_ref.at[index(h3, d2)], (x2 * cos + x1 * sin).astype(o_ref.dtype), mask=mask)
+        h = chunk * hb + jnp.arange(hb, dtype=jnp.int32)
+        h_mask = (h < total_heads) if cfg.num_chunks * hb != total_heads else None
+        mask = both(at(s_mask, 0, 3), at(h_mask, 1, 3), rot_mask)
+        if interleaved:
+            xs = (_backend.load(x_ref.at[index(h, rot_d, 3)], mask=mask, eviction_policy="evict_first"),)
+        else:
+            xs = tuple(_backend.load(x_ref.at[index(h, d, 3)], mask=mask, eviction_policy="evict_first")
+                       for d in (x1_d, x2_d))
+        p_mask = both(at(s_mask, 0, 3), at(h_mask, 1, 3), at(j_mask, 2, 3))
+        xp = None
         if passthrough:
-            _backend.store(o_ref.at[index(h3, j)], xp, mask=p_mask)
+            xp = _backend.load(x_ref.at[index(h, at(j, 2, 3), 3)], mask=p_mask, eviction_policy="evict_first")
+        return h, mask, p_mask, xs, xp
+
+    def rotate_and_store(o_ref, h, mask, p_mask, xs, xp):
+        if interleaved:
+            x = xs[0].astype(jnp.float32)
+            tile = x.shape[:2]
+            x1, x2 = jax.lax.unstack(x.reshape(*tile, pairs, 2), axis=3)
+            out = jax.lax.stack([x1 * cos3 - x2 * sin3, x2 * cos3 + x1 * sin3], axis=3).reshape(*tile, 2 * pairs)
+            _backend.store(o_ref.at[index(h, rot_d, 3)], out.astype(o_ref.dtype), mask=mask)
+        else:
+            x1, x2 = xs[0].astype(jnp.float32), xs[1].astype(jnp.float32)
+            _backend.store(o_ref.at[index(h, x1_d, 3)], (x1 * cos3 - x2 * sin3).astype(o_ref.dtype), mask=mask)
+            _backend.store(o_ref.at[index(h, x2_d, 3)], (x2 * cos3 + x1 * sin3).astype(o_ref.dtype), mask=mask)
+        if passthrough:
+            _backend.store(o_ref.at[index(h, at(j, 2, 3), 3)], xp, mask=p_mask)
 
     # Every load is issued before any store: stores may alias loads as far as the compiler knows, so
     # this order is what lets all of a program's reads be in flight at once.
@@ -181,7 +214,8 @@ def rotary_pallas(q, k, positions, inv_freq: np.ndarray, *, rotary_dim: int, int
     pairs = _next_pow2(half)
     passthrough = _next_pow2(head_dim - rotary_dim) if head_dim > rotary_dim else 0
     if config is None:
-        config = choose_config(batch, seq_len, n_q, n_k, 2 * pairs + passthrough, _backend.num_sms())
+        itemsize = max(q.dtype.itemsize, k.dtype.itemsize if has_k else 0)
+        config = choose_config(batch, seq_len, n_q, n_k, pairs, passthrough, itemsize, _backend.num_sms())
     pos_mode = "none" if positions is None else ("batched" if positions.ndim == 2 else "shared")
     inv = np.zeros((pairs,), np.float32)
     inv[:half] = np.asarray(inv_freq, np.float64).astype(np.float32)

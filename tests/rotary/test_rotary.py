@@ -360,16 +360,21 @@ def test_bhsd_shape_checks_use_the_layout():
 
 
 def test_choose_config_shapes():
-    # The benchmark shape: whole heads in one program, several tokens per program, plenty of programs.
-    cfg = choose_config(4, 4096, 32, 8, 128, num_sms=132)
-    assert (cfg.q_heads, cfg.k_heads, cfg.num_chunks) == (32, 8, 1)
-    assert cfg.block_tokens >= 2 and cfg.num_warps in (4, 8)
+    # The benchmark shape: one warp spans 4 tokens x 64 pairs (16-byte vectors), warps over heads, all heads
+    # of q and k in one program (80 elements per thread), thousands of programs.
+    cfg = choose_config(4, 4096, 32, 8, 64, 0, 2, num_sms=132)
+    assert cfg == LaunchConfig(block_tokens=4, q_heads=32, k_heads=8, num_chunks=1, num_warps=8)
+    # fp32: 4-element vectors, so 2 tokens per warp.
+    assert choose_config(4, 4096, 32, 8, 64, 0, 4, num_sms=132).block_tokens == 2
     # Decode (S=1): heads split over programs so a 64-row batch still fills the GPU.
-    cfg = choose_config(64, 1, 32, 8, 128, num_sms=132)
+    cfg = choose_config(64, 1, 32, 8, 64, 0, 2, num_sms=132)
     assert cfg.block_tokens == 1 and 64 * cfg.num_chunks >= 2 * 132
-    # Very wide tokens: heads split so a tile stays near the budget.
-    cfg = choose_config(1, 4096, 128, 128, 256, num_sms=132)
-    assert (cfg.q_heads + cfg.k_heads) * 256 * cfg.block_tokens <= 16384
+    # Very wide tokens: heads split so a thread's share stays within the register budget.
+    cfg = choose_config(1, 4096, 128, 128, 128, 0, 2, num_sms=132)
+    assert cfg.block_tokens * (cfg.q_heads + cfg.k_heads) * 256 <= 96 * 32 * cfg.num_warps
+    # Explicit overrides are honoured.
+    cfg = choose_config(4, 4096, 32, 8, 64, 0, 2, num_sms=132, block_tokens=2, num_warps=4)
+    assert (cfg.block_tokens, cfg.num_warps) == (2, 4)
     for c in (cfg,):
         for v in (c.block_tokens, c.q_heads, c.k_heads):
             assert v & (v - 1) == 0
