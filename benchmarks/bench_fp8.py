@@ -66,8 +66,11 @@ def _torch_scaled_mm(rec, case, a8, bt8, sa, sb, gran, kw):
         import torch
 
         dev = "cuda"
-        ta = torch.from_numpy(np.asarray(a8.astype(jnp.float32))).to(dev).to(torch.float8_e4m3fn)
-        tbt = torch.from_numpy(np.asarray(bt8.astype(jnp.float32))).to(dev).to(torch.float8_e4m3fn)
+        def to_torch(x8):  # the fp8 bytes, moved as uint8 and reinterpreted (no float round trip)
+            raw = np.asarray(jax.lax.bitcast_convert_type(x8, jnp.uint8))
+            return torch.from_numpy(raw).to(dev).view(torch.float8_e4m3fn)
+
+        ta, tbt = to_torch(a8), to_torch(bt8)
         tb = tbt.t()  # column-major (K, N), what _scaled_mm wants for b
         if gran == "rowwise":
             tsa = torch.from_numpy(np.asarray(sa)).to(dev).reshape(-1, 1).contiguous()

@@ -163,7 +163,15 @@ def supported(m: int, n: int, k: int, a_dtype, b_dtype, config: TileConfig = DEF
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "config"))
 def scaled_matmul_nt(a, bt, a_scale, b_scale, *, out_dtype, config: TileConfig = DEFAULT):
-    """(a * a_scale[:, None]) @ (bt * b_scale[:, None])^T on Hopper; shapes must be tile multiples."""
+    """(a * a_scale[:, None]) @ (bt * b_scale[:, None])^T on Hopper; shapes must be tile multiples.
+
+    Under vmap the batch runs as a loop of kernel launches (the Mosaic GPU kernel has no batching rule).
+    """
+    fn = jax.custom_batching.sequential_vmap(functools.partial(_scaled_matmul_nt, out_dtype=out_dtype, config=config))
+    return fn(a, bt, a_scale, b_scale)
+
+
+def _scaled_matmul_nt(a, bt, a_scale, b_scale, *, out_dtype, config: TileConfig = DEFAULT):
     plgpu = _backend.mosaic_gpu()
     m, k = a.shape
     n = bt.shape[0]
