@@ -182,22 +182,27 @@ def _leaf(grad, mu, nu, param, s, *, inplace: bool, implementation: str):
         return (param if inplace else grad), mu, nu
     flat = lambda x: None if x is None else x.reshape(-1)  # noqa: E731
     shape = grad.shape
+    # The update's dtype follows optax's promotion: fp32 params with bf16 grads give fp32 updates.
+    moment_dtype = jnp.float32 if isinstance(mu, QuantizedMoment) else jnp.promote_types(mu.dtype, nu.dtype)
+    u_dtype = None if inplace else jnp.promote_types(grad.dtype, param.dtype if param is not None else moment_dtype)
     if isinstance(mu, QuantizedMoment):
         if implementation == "xla":
             out, mc, ma, vc, va = _ref.adam_leaf_reference_q8(
-                flat(grad), mu.codes, mu.absmax, nu.codes, nu.absmax, s, flat(param), inplace=inplace)
+                flat(grad), mu.codes, mu.absmax, nu.codes, nu.absmax, s, flat(param), inplace=inplace,
+                u_dtype=u_dtype)
         else:
             out, mc, ma, vc, va = _kernel.adam_q8(
                 s, flat(grad), mu.codes, mu.absmax, nu.codes, nu.absmax, flat(param),
                 inplace=inplace, interpret=implementation == "interpret", rows=_kernel.QROWS,
-                num_warps=_kernel.Q_NUM_WARPS)
+                num_warps=_kernel.Q_NUM_WARPS, u_dtype=u_dtype)
         return out.reshape(shape), QuantizedMoment(mc, ma), QuantizedMoment(vc, va)
     if implementation == "xla":
-        out, m, v = _ref.adam_leaf_reference(flat(grad), flat(mu), flat(nu), s, flat(param), inplace=inplace)
+        out, m, v = _ref.adam_leaf_reference(flat(grad), flat(mu), flat(nu), s, flat(param), inplace=inplace,
+                                             u_dtype=u_dtype)
     else:
         out, m, v = _kernel.adam_fp32(s, flat(grad), flat(mu), flat(nu), flat(param), inplace=inplace,
                                       interpret=implementation == "interpret", block=_kernel.BLOCK,
-                                      num_warps=_kernel.NUM_WARPS)
+                                      num_warps=_kernel.NUM_WARPS, u_dtype=u_dtype)
     return out.reshape(shape), m.reshape(shape), v.reshape(shape)
 
 
@@ -208,7 +213,8 @@ def adam_leaf_direction(grad, mu, nu, count, *, b1=0.9, b2=0.999, eps=1e-8, eps_
     count: the step number *after* incrementing (1 on the first step), for the bias corrections.
     With learning_rate=None the update is the Adam direction (as optax.scale_by_adam); otherwise it is
     -learning_rate * (direction + weight_decay * param) (as optax.adamw; param needed if weight_decay).
-    mu / nu: arrays or `QuantizedMoment`s (see `init_adam_leaf_state`). Update in grad's dtype.
+    mu / nu: arrays or `QuantizedMoment`s (see `init_adam_leaf_state`). The update's dtype promotes the
+    grad's with the param's (or, without param, the moments'), as optax's arithmetic does.
     """
     if learning_rate is None and param is not None:
         raise ValueError("param: only used with learning_rate (for the weight decay); got learning_rate=None")

@@ -72,12 +72,12 @@ def _fp32_kernel(*refs, n, block, has_p, inplace):
         store(u_out.at[idx], u.astype(u_out.dtype), mask=mask)
 
 
-@functools.partial(jax.jit, static_argnames=("inplace", "interpret", "block", "num_warps"))
+@functools.partial(jax.jit, static_argnames=("inplace", "interpret", "block", "num_warps", "u_dtype"))
 def adam_fp32(s, g, m, v, p=None, *, inplace: bool, interpret: bool, block: int | None = None,
-              num_warps: int | None = None):
+              num_warps: int | None = None, u_dtype=None):
     """Fused step for fp32/bf16 states. Flat 1-D operands of one length n.
 
-    inplace=False: returns (update in g's dtype, m, v); p (optional) enables weight decay.
+    inplace=False: returns (update in u_dtype (default g's dtype), m, v); p (optional) enables weight decay.
     inplace=True: returns (p, m, v), written over the p, m, v operands (donate them under jit).
     block / num_warps default to the module's BLOCK / NUM_WARPS (read at call time, so a benchmark can
     sweep them).
@@ -91,7 +91,7 @@ def adam_fp32(s, g, m, v, p=None, *, inplace: bool, interpret: bool, block: int 
         aliases = {1: 0, 3: 1, 4: 2}
     else:
         operands = (s, g, m, v) + ((p,) if has_p else ())
-        out_shape = (jax.ShapeDtypeStruct(g.shape, g.dtype), jax.ShapeDtypeStruct(m.shape, m.dtype),
+        out_shape = (jax.ShapeDtypeStruct(g.shape, u_dtype or g.dtype), jax.ShapeDtypeStruct(m.shape, m.dtype),
                      jax.ShapeDtypeStruct(v.shape, v.dtype))
         aliases = {}
     block = min(block or BLOCK, max(128, _next_pow2(n)))
@@ -161,9 +161,9 @@ def _q8_kernel(*refs, n, nb, rows, has_p, inplace):
         store(out_ref.at[idx], u.astype(out_ref.dtype), mask=mask)
 
 
-@functools.partial(jax.jit, static_argnames=("inplace", "interpret", "rows", "num_warps"))
+@functools.partial(jax.jit, static_argnames=("inplace", "interpret", "rows", "num_warps", "u_dtype"))
 def adam_q8(s, g, mc, ma, vc, va, p=None, *, inplace: bool, interpret: bool, rows: int | None = None,
-            num_warps: int | None = None):
+            num_warps: int | None = None, u_dtype=None):
     """Fused step for 8-bit blockwise states. g, p flat (n,); mc, vc uint8 (blocks*256,); ma, va (blocks,).
 
     Returns (update or p, mc, ma, vc, va); with inplace=True the outputs are written over p and the
@@ -182,7 +182,7 @@ def adam_q8(s, g, mc, ma, vc, va, p=None, *, inplace: bool, interpret: bool, row
         aliases = {3: 0, 5: 1, 6: 2, 7: 3, 8: 4}
     else:
         operands = (s, smap, umap, g, mc, ma, vc, va) + ((p,) if has_p else ())
-        out_shape = (jax.ShapeDtypeStruct(g.shape, g.dtype),) + state_shapes
+        out_shape = (jax.ShapeDtypeStruct(g.shape, u_dtype or g.dtype),) + state_shapes
         aliases = {}
     kernel = functools.partial(_q8_kernel, n=n, nb=nb, rows=rows, has_p=has_p, inplace=inplace)
     return _backend.triton_call(

@@ -66,11 +66,11 @@ def _f32(x):
     return x.astype(jnp.float32)
 
 
-def adam_leaf_reference(g, m, v, s, p=None, *, inplace=False):
+def adam_leaf_reference(g, m, v, s, p=None, *, inplace=False, u_dtype=None):
     """The fp32-state leaf step in jnp: (update or new param, new m, new v) in the callers' dtypes.
 
-    inplace=False returns the update (grad dtype); inplace=True returns p + update rounded once to p's
-    dtype. Elements whose new moments would be non-finite keep p, m and v (update 0).
+    inplace=False returns the update (in u_dtype, default the grad's); inplace=True returns p + update
+    rounded once to p's dtype. Elements whose new moments would be non-finite keep p, m and v (update 0).
     """
     u, m_new, v_new, ok = adam_math(_f32(g), _f32(m), _f32(v), None if p is None else _f32(p), s)
     m_out = jnp.where(ok, m_new, _f32(m)).astype(m.dtype)
@@ -78,7 +78,7 @@ def adam_leaf_reference(g, m, v, s, p=None, *, inplace=False):
     u = jnp.where(ok, u, 0.0)
     if inplace:
         return (_f32(p) + u).astype(p.dtype), m_out, v_out
-    return u.astype(g.dtype), m_out, v_out
+    return u.astype(u_dtype or g.dtype), m_out, v_out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -188,7 +188,7 @@ def dequantize_blockwise(codes, absmax, shape, signed: bool):
     return vals.reshape(-1)[:n].reshape(shape)
 
 
-def adam_leaf_reference_q8(g, mc, ma, vc, va, s, p=None, *, inplace=False):
+def adam_leaf_reference_q8(g, mc, ma, vc, va, s, p=None, *, inplace=False, u_dtype=None):
     """The 8-bit-state leaf step in jnp (dequantize, step, requantize), mirroring the kernel.
 
     Returns (update or new param, m_codes, m_absmax, v_codes, v_absmax).
@@ -222,6 +222,6 @@ def adam_leaf_reference_q8(g, mc, ma, vc, va, s, p=None, *, inplace=False):
     if inplace:
         out = (_f32(p) + u).astype(p.dtype)
     else:
-        out = u.astype(g.dtype)
+        out = u.astype(u_dtype or g.dtype)
     return out, mc_new, ma_new, vc_new, va_new
 

@@ -104,6 +104,19 @@ def test_mu_dtype_bf16(kernel_impl):
     assert tree_rel_err(got, want) < 2e-2
 
 
+def test_update_dtype_promotes_like_optax(kernel_impl):
+    """fp32 params with bf16 grads: optax's update is fp32 (promotion with the fp32 moments); ours too."""
+    params = {"w": rand(0, (40, 50))}
+    grads = {"w": rand(1, (40, 50), jnp.bfloat16)}
+    for opt, ref in ((A.adamw(**HP, implementation=kernel_impl), optax.adamw(**HP)),
+                     (A.scale_by_adam(implementation=kernel_impl), optax.scale_by_adam())):
+        got, _ = opt.update(grads, opt.init(params), params)
+        baseline, _ = ref.update(grads, ref.init(params), params)  # optax rounds (1 - b1) * g to bf16
+        exact, _ = ref.update(jax.tree.map(lambda g: g.astype(jnp.float32), grads), ref.init(params), params)
+        assert got["w"].dtype == baseline["w"].dtype == jnp.float32
+        assert_close(got["w"], np.asarray(exact["w"], np.float64), baseline=baseline["w"], what="bf16 grads")
+
+
 def test_adam_and_scale_by_adam_match_optax(kernel_impl):
     params = mlp_params()
     want, _, _ = train(optax.adam(1e-2, b1=0.8, b2=0.95, eps=1e-6, eps_root=1e-10), params, 20)
