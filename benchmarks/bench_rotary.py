@@ -5,6 +5,8 @@ check the heuristic), "xla" (our jnp reference under jit: the same math as the p
 ../shared/peers/peers_jax.py, which is what a JAX user writes), "peer:torch_compile" (the same rotary in
 torch, torch.compile'd; forward, and forward+backward through autograd).
 
+fwd+bwd returns the rotated q, k and their gradients (the forward output is used, as in training).
+
 Bytes: the fewest an implementation must move: read q and k, write q_rot and k_rot (+ the int32
 positions); forward+backward counts that twice (the backward reads the two cotangents and writes the two
 gradients). cos/sin are computed from the positions, so no table is counted.
@@ -62,8 +64,10 @@ def _jax_fns(positions, config, impl):
         return apply_rotary_with_config(q, k, positions, implementation=impl, config=config)
 
     def fwdbwd(q, k, gq, gk):
-        _, vjp = jax.vjp(fwd, q, k)
-        return vjp((gq, gk))
+        # Return the forward outputs too: in training they feed attention, so the forward kernel must run
+        # (returning only the gradients would let XLA drop it, and the time would be the backward alone).
+        out, vjp = jax.vjp(fwd, q, k)
+        return out, vjp((gq, gk))
 
     return jax.jit(fwd), jax.jit(fwdbwd)
 
