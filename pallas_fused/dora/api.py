@@ -11,7 +11,7 @@ import numpy as np
 from pallas_fused import _backend
 from pallas_fused.dora import kernel as K
 from pallas_fused.dora import reference
-from pallas_fused.dora.quant import NF4_CODEBOOK, Int8Kernel, NF4Kernel, dequantize, is_quantized
+from pallas_fused.dora.quant import Int8Kernel, NF4Kernel, dequantize, is_quantized
 
 GEMMS = ("auto", "pallas", "xla", "xla_concat")
 
@@ -57,7 +57,7 @@ def _weight_ops(kernel, dtype):
     if isinstance(kernel, Int8Kernel):
         return "int8", (kernel.q, kernel.scale.astype(jnp.float32))
     if isinstance(kernel, NF4Kernel):
-        return "nf4", (kernel.packed, kernel.absmax.astype(jnp.float32), jnp.asarray(NF4_CODEBOOK))
+        return "nf4", (kernel.packed, kernel.absmax.astype(jnp.float32))
     return "dense", (kernel.astype(dtype),)
 
 
