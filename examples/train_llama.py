@@ -90,13 +90,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--attention", choices=["xla", "cudnn"], default=None,
                    help="jax.nn.dot_product_attention implementation, the same for both runs (default: XLA)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="compute dtype (params stay fp32)")
     for key in ("batch_size", "seq_len", "lr", "galore_rank", "update_proj_gap", "eval_every", "n_layers", "d_model"):
         p.add_argument("--" + key.replace("_", "-"), type=type(PRESETS["cpu"][key]), default=None,
                        help="override the preset")
     args = p.parse_args(argv)
     args.preset = args.preset or ("gpu" if has_gpu() else "cpu")
     settings = dict(PRESETS[args.preset])
-    overrides = {"steps": args.steps, "finetune_steps": args.finetune_steps, "dora_rank": args.dora_rank}
+    overrides = {"steps": args.steps, "finetune_steps": args.finetune_steps, "dora_rank": args.dora_rank,
+                 "dtype": args.dtype}
     overrides.update({k: getattr(args, k) for k in ("batch_size", "seq_len", "lr", "galore_rank", "update_proj_gap",
                                                    "eval_every", "n_layers", "d_model")})
     settings.update({k: v for k, v in overrides.items() if v is not None})

@@ -71,3 +71,20 @@ def test_compare_runs_baseline(train_llama, tmp_path):
     assert out["checks"]["baseline"]["finetune_only_adapters_changed"] is True
     text = out["paths"]["markdown"].read_text()
     assert "| pretrain | baseline |" in text and "- pretrain: val loss" in text
+
+
+@pytest.mark.gpu
+def test_gpu_pallas_compare_fp8(train_llama, tmp_path):
+    """The GPU path end to end at a small size: Pallas kernels everywhere, FP8 tensorwise, bf16, --compare."""
+    out = train_llama.main(["--preset", "gpu", "--d-model", "256", "--n-layers", "2", "--seq-len", "256",
+                            "--batch-size", "8", "--galore-rank", "32", "--update-proj-gap", "20", "--steps", "60",
+                            "--finetune-steps", "20", "--eval-every", "20", "--implementation", "pallas",
+                            "--fp8", "tensorwise", "--compare", "--no-progress", "--out", str(tmp_path)])
+    runs = {(r.phase, r.name): r for r in out["results"]}
+    ours, base = runs[("pretrain", "pallas_fused")], runs[("pretrain", "baseline")]
+    assert ours.val_loss[-1] < ours.val_loss[0] - 1.0
+    assert abs(ours.val_loss[-1] - base.val_loss[-1]) / base.val_loss[-1] < 0.05, (ours.val_loss, base.val_loss)
+    ft = runs[("dora finetune", "pallas_fused")]
+    assert ft.val_loss[-1] < ft.val_loss[0]
+    for checks in out["checks"].values():
+        assert checks["checkpoint_restored_identical"] and checks["finetune_only_adapters_changed"]
