@@ -141,7 +141,7 @@ def _q8_kernel(*refs, n, nb, rows, has_p, inplace):
     v = load(umap_ref.at[vc], eviction_policy="evict_last") * va[:, None]
     p = None if p_ref is None else load(p_ref.at[idx], mask=mask, other=0.0, eviction_policy="evict_first").astype(
         jnp.float32)
-    u, m_new, v_new, ok = adam_math(g, m, v, p, s)
+    u, m_new, v_new, ok = adam_math(g, m, v, p, s, exact_division=False)
     ok = ok & mask
     m_new = jnp.where(ok, m_new, jnp.where(mask, m, 0.0))
     v_new = jnp.where(ok, v_new, jnp.where(mask, v, 0.0))

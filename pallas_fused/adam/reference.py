@@ -43,18 +43,24 @@ MIN_QUANTIZED_SIZE = 4096  # smaller tensors keep fp32 moments (as bitsandbytes 
 # Adam math, one element at a time (fp32 in, fp32 out)
 
 
-def adam_math(g, m, v, p, s):
+def adam_math(g, m, v, p, s, *, exact_division=True):
     """One Adam(W) step on fp32 values. Returns (update, m_new, v_new, ok).
 
     `update` already includes -lr and the decoupled weight decay (when `p` is given), in optax's
     order of operations: u = -lr * (mhat / (sqrt(vhat + eps_root) + eps) + wd * p).
+    exact_division=False multiplies by the reciprocals of the bias corrections (computed once per
+    program) instead of dividing each element: one ulp off optax, two divisions fewer per element;
+    the 8-bit kernels use it (their quantization error dwarfs an ulp).
     `ok` is False where the new moments are not finite (a non-finite gradient, or g*g overflowing):
     callers keep the old parameter and moments there, so a bad gradient never poisons the state.
     """
     neg_lr, b1, omb1, b2, omb2, eps, eps_root, wd, bc1, bc2 = (s[i] for i in range(NUM_SCALARS))
     m_new = omb1 * g + b1 * m
     v_new = omb2 * (g * g) + b2 * v
-    u = (m_new / bc1) / (jnp.sqrt(v_new / bc2 + eps_root) + eps)
+    if exact_division:
+        u = (m_new / bc1) / (jnp.sqrt(v_new / bc2 + eps_root) + eps)
+    else:
+        u = (m_new * (1.0 / bc1)) / (jnp.sqrt(v_new * (1.0 / bc2) + eps_root) + eps)
     if p is not None:
         u = u + wd * p
     u = neg_lr * u
@@ -206,7 +212,7 @@ def adam_leaf_reference_q8(g, mc, ma, vc, va, s, p=None, *, inplace=False, u_dty
     m = sm[mc.astype(jnp.int32).reshape(nb, QBLOCK)] * ma[:, None]
     v = um[vc.astype(jnp.int32).reshape(nb, QBLOCK)] * va[:, None]
     pb = None if p is None else blocks(p)
-    u, m_new, v_new, ok = adam_math(blocks(g), m, v, pb, s)
+    u, m_new, v_new, ok = adam_math(blocks(g), m, v, pb, s, exact_division=False)
     ok = ok & valid
     m_new = jnp.where(ok, m_new, jnp.where(valid, m, 0.0))
     v_new = jnp.where(ok, v_new, jnp.where(valid, v, 0.0))
