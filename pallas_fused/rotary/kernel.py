@@ -9,8 +9,15 @@ Masked-off lanes are loaded without an `other` value (their contents are never s
 the loads free of constant-type conversions in the Triton lowering.
 
 Rotary pairs are addressed by a pair index i < rotary_dim/2 (padded to a power of two and masked, since
-every in-kernel array dimension must be a power of two): x[i] and x[i + rotary_dim/2] (half-split) or
-x[2i] and x[2i+1] (interleaved). Features from rotary_dim to head_dim are copied.
+every in-kernel array dimension must be a power of two). Half-split: x[i] and x[i + rotary_dim/2] are two
+contiguous loads. Interleaved: the leading rotary_dim features are one contiguous load, split into
+even/odd in registers (reshape + unstack, Triton's split) and joined back for one contiguous store, so
+both conventions move 16-byte vectors. Features from rotary_dim to head_dim are copied.
+
+Why the tile is (tokens, heads, pairs) with ~4 tokens: Triton vectorizes along pairs, puts lanes on tokens
+next and warps on heads (see `choose_config`), so each thread computes cos/sin for one (token, 8 pairs)
+slice and reuses them for all of its heads of q and of k (checked in the generated PTX for sm_90: 8 sinf
+and 8 cosf per thread for 80 elements, 16-byte loads and stores, no spills).
 
 Layouts: refs keep their 4-D shape and are indexed with broadcast index arrays, so "bshd" and "bhsd"
 are the same kernel with the (s, h) index order swapped: no transpose is ever made.
