@@ -6,6 +6,7 @@ Cases: tokens x in -> out, rank, bf16. Implementations:
   pallas:all_pallas  as pallas, with the Pallas dx GEMM too (gemm="pallas")
   pallas:xla_gemm    Pallas column norm + XLA GEMMs on g-scaled weights: x (W g) + (x A)(s B g)
   pallas:xla_concat  Pallas column norm + one XLA GEMM over the concatenated K: [x, xA] @ [W g; s B g]
+  pallas:xla_epilogue Pallas column norm + cuBLAS x W + s (x A) B, g-scale and bias fused by XLA after
   xla                the plain-jnp reference under jit (what ANCHORS' "XLA" column measures)
   peer:base_matmul   x @ W alone (the forward target is <= 1.10x this)
 """
@@ -21,7 +22,8 @@ from pallas_fused.dora import column_scale, column_scale_reference, dora_dense, 
 CASES = [(512, 4096, 4096, 16), (4096, 4096, 4096, 16), (8192, 4096, 4096, 16),
          (512, 4096, 11008, 64), (4096, 4096, 11008, 64), (8192, 4096, 11008, 64)]
 QUICK = [(4096, 4096, 4096, 16), (4096, 4096, 11008, 64)]
-GEMMS = {"pallas": "auto", "pallas:xla_gemm": "xla", "pallas:xla_concat": "xla_concat"}
+GEMMS = {"pallas": "auto", "pallas:xla_gemm": "xla", "pallas:xla_concat": "xla_concat",
+         "pallas:xla_epilogue": "xla_epilogue"}
 
 
 def _data(tokens, fin, fout, r):

@@ -13,7 +13,7 @@ from pallas_fused.dora import kernel as K
 from pallas_fused.dora import reference
 from pallas_fused.dora.quant import Int8Kernel, NF4Kernel, dequantize, is_quantized
 
-GEMMS = ("auto", "pallas", "xla", "xla_concat")
+GEMMS = ("auto", "pallas", "xla", "xla_concat", "xla_epilogue")
 
 
 def _check(x, kernel, lora_a, lora_b, magnitude, bias, scale):
@@ -92,13 +92,20 @@ def _forward(statics, x, ops, a, b, m, bias, scale):
         y = K.forward_gemm(x, ops, kind, xa, bp, g, scale, bias, interpret=interpret, config=config)
     else:
         w = _dense_w(kind, ops, dt)
-        wg = (w.astype(jnp.float32) * g[None, :]).astype(dt)
-        bg = (bp.astype(jnp.float32) * (scale * g)[None, :]).astype(dt)
-        if gemm == "xla_concat":
-            y = jnp.dot(jnp.concatenate([x, xa], axis=1), jnp.concatenate([wg, bg], axis=0),
-                        preferred_element_type=jnp.float32)
+        if gemm == "xla_epilogue":
+            # cuBLAS x W and (x A) B, the scale + bias left to an XLA elementwise fusion (what the
+            # jnp reference does, with the Pallas column norm).
+            z = jnp.dot(x, w) + (scale * jnp.dot(xa, bp, preferred_element_type=jnp.float32)).astype(dt)
+            y = z.astype(jnp.float32) * g[None, :]
         else:
-            y = jnp.dot(x, wg, preferred_element_type=jnp.float32) + jnp.dot(xa, bg, preferred_element_type=jnp.float32)
+            wg = (w.astype(jnp.float32) * g[None, :]).astype(dt)
+            bg = (bp.astype(jnp.float32) * (scale * g)[None, :]).astype(dt)
+            if gemm == "xla_concat":
+                y = jnp.dot(jnp.concatenate([x, xa], axis=1), jnp.concatenate([wg, bg], axis=0),
+                            preferred_element_type=jnp.float32)
+            else:
+                y = (jnp.dot(x, wg, preferred_element_type=jnp.float32)
+                     + jnp.dot(xa, bg, preferred_element_type=jnp.float32))
         if bias is not None:
             y = y + bias.astype(jnp.float32)
         y = y.astype(dt)
@@ -179,7 +186,8 @@ def dora_dense(x, kernel, lora_a, lora_b, magnitude, bias=None, *, scale, exact_
         forward, cuBLAS (XLA) for the backward dx of dense weights (faster on an H200), Pallas dx for
         quantised ones; "pallas": Pallas kernels both ways; "xla": XLA GEMMs on g-scaled weights,
         x (W g) + (x A)(s B g); "xla_concat": one forward GEMM over the concatenated K,
-        [x, xA] @ [W g; s B g]. The XLA variants take dense kernels only.
+        [x, xA] @ [W g; s B g]; "xla_epilogue": cuBLAS x W + s (x A) B with the g-scale and bias
+        fused by XLA afterwards. The XLA variants take dense kernels only.
       config: tile sizes of the Pallas kernels (advanced).
 
     Gradients flow to x, lora_a, lora_b, magnitude and bias; W (and `scale`) get zero cotangents.

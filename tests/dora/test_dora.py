@@ -114,7 +114,7 @@ def test_exact_norm_grad(kernel_impl, dtype):
     assert float(jnp.max(jnp.abs(g_const - g_exact))) > 1e-3
 
 
-@pytest.mark.parametrize("gemm", ["pallas", "xla", "xla_concat"])
+@pytest.mark.parametrize("gemm", ["pallas", "xla", "xla_concat", "xla_epilogue"])
 def test_gemm_variants(kernel_impl, gemm):
     x, w, a, b, m, bias, dy = make(40, *BASE, jnp.bfloat16)
     check_against_reference(w, x, a, b, m, bias, dy, scale=0.5, impl=kernel_impl, gemm=gemm, what=gemm)
