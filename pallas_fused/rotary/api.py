@@ -79,8 +79,8 @@ def apply_rotary(q, k=None, positions=None, *, rotary_dim: int | None = None, in
     Args:
       q: queries, (B, S, Hq, D) for layout "bshd" or (B, Hq, S, D) for "bhsd"; float32, bfloat16 or float16.
       k: keys with the same B, S and D and any number of heads Hk (GQA, MQA), or None (then k_rot is None).
-      positions: integer position ids, shape (S,) (shared by the batch) or (B, S) (packed sequences,
-        KV-cache offsets, arbitrary ids); None means arange(S).
+      positions: integer position ids, shape (S,) or (1, S) (shared by the batch) or (B, S) (packed
+        sequences, KV-cache offsets, arbitrary ids); None means arange(S).
       rotary_dim: rotate the leading `rotary_dim` features (even, <= D); the rest pass through. Default D.
       interleaved: False pairs (x[i], x[i + rotary_dim/2]) (GPT-NeoX / Llama "rotate_half");
         True pairs (x[2i], x[2i+1]) (GPT-J).
@@ -140,10 +140,12 @@ def apply_rotary_with_config(q, k=None, positions=None, *, rotary_dim=None, inte
         if not hasattr(positions, "dtype") or not jnp.issubdtype(positions.dtype, jnp.integer):
             got = getattr(positions, "dtype", type(positions).__name__)
             raise ValueError(f"positions: expected an integer array (int32), got {got}")
-        if positions.shape not in ((seq_len,), (batch, seq_len)):
-            raise ValueError(f"positions: expected shape (S,)={(seq_len,)} or (B, S)={(batch, seq_len)}, "
-                             f"got {positions.shape}")
+        if positions.shape not in ((seq_len,), (1, seq_len), (batch, seq_len)):
+            raise ValueError(f"positions: expected shape (S,)={(seq_len,)} or (B, S)={(batch, seq_len)} "
+                             f"(or (1, S)), got {positions.shape}")
         positions = jnp.asarray(positions).astype(jnp.int32)
+        if positions.shape == (1, seq_len) and batch != 1:
+            positions = positions[0]  # HF-style (1, S) position ids: shared by the batch
 
     impl = _backend.resolve_implementation(implementation, op="apply_rotary")
     if impl == "xla" or q.size == 0:

@@ -91,6 +91,15 @@ def test_positions_forms(kernel_impl, positions):
     check(kernel_impl, q, k, pos, what=f"positions={positions}")
 
 
+def test_positions_1s_is_shared():
+    q, k = make(33, 3, 6, 2, 1, 32)
+    pos = rand_positions(34, (6,))
+    a = apply_rotary(q, k, pos[None], implementation="xla")
+    b = apply_rotary(q, k, pos, implementation="xla")
+    for x, y in zip(a, b):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
 @pytest.mark.parametrize("hq,hk", [(4, 4), (6, 2), (5, 1), (3, None)], ids=["mha", "gqa", "mqa", "k_none"])
 def test_heads(kernel_impl, hq, hk):
     q, k = make(10, 2, 5, hq, hk, 64, jnp.bfloat16)
