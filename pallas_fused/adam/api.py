@@ -269,8 +269,11 @@ def _tree_step(grads, state: FusedAdamState, params, *, learning_rate, b1, b2, e
         p_leaves = treedef.flatten_up_to(params)
         wd_leaves = treedef.flatten_up_to(_decay_tree(weight_decay, mask, params))
     outs, mus, nus = [], [], []
+    operands = {}  # one scalar operand per distinct weight decay (masked leaves get 0), shared by leaves
     for g, m, v, p, wd in zip(g_leaves, mu_leaves, nu_leaves, p_leaves, wd_leaves):
-        s = _scalars(neg_lr, b1, b2, eps, eps_root, wd, count_inc)
+        if id(wd) not in operands:
+            operands[id(wd)] = (wd, _scalars(neg_lr, b1, b2, eps, eps_root, wd, count_inc))
+        s = operands[id(wd)][1]
         o, m, v = _leaf(g, m, v, p, s, inplace=inplace, implementation=impl)
         outs.append(o)
         mus.append(m)
