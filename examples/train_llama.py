@@ -47,7 +47,7 @@ PRESETS = {
     # Tiny: the whole job (pretrain, checkpoint, fine-tune, plot) in a few minutes on 2 CPU cores.
     "cpu": dict(
         d_model=128, n_layers=4, n_heads=4, n_kv_heads=2, d_ff=384, seq_len=128, batch_size=16,
-        steps=200, finetune_steps=100, lr=3e-3, finetune_lr=3e-3, warmup=20, galore_rank=32,
+        steps=200, finetune_steps=80, lr=3e-3, finetune_lr=3e-3, warmup=20, galore_rank=32,
         update_proj_gap=50, dora_rank=8, dora_alpha=16.0, eval_every=25, val_batches=8,
         max_bytes=4_000_000, dtype="float32",
     ),
@@ -55,7 +55,7 @@ PRESETS = {
     "gpu": dict(
         d_model=1024, n_layers=24, n_heads=8, n_kv_heads=4, d_ff=3072, seq_len=1024, batch_size=16,
         steps=300, finetune_steps=100, lr=3e-3, finetune_lr=1e-3, warmup=30, galore_rank=128,
-        update_proj_gap=200, dora_rank=16, dora_alpha=32.0, eval_every=50, val_batches=16,
+        update_proj_gap=200, dora_rank=16, dora_alpha=32.0, eval_every=50, val_batches=8,
         max_bytes=None, dtype="bfloat16",
     ),
 }
@@ -230,7 +230,8 @@ def run_variant(name: str, args, s: dict, init_params, batches: dict) -> tuple[l
     if s["finetune_steps"] > 0 and s["dora_rank"]:
         ft_cfg = model_config(s, implementation=implementation, dora_rank=s["dora_rank"], attention=args.attention)
         ft_model = Llama(ft_cfg)
-        ft_params = dora_params(restored, s["dora_rank"], s["dora_alpha"], jax.random.PRNGKey(args.seed + 1))
+        convert = jax.jit(lambda p, key: dora_params(p, s["dora_rank"], s["dora_alpha"], key))
+        ft_params = convert(restored, jax.random.PRNGKey(args.seed + 1))
         tx = finetune_optimizer(s, baseline=baseline, implementation=implementation)
         before = fingerprints(ft_params)
         ft_params, ft = train(name=name, phase="dora finetune", model=ft_model, params=ft_params, tx=tx,
@@ -281,7 +282,8 @@ def main(argv=None) -> dict:
     print("corpus (bytes): " + ", ".join(f"{k} {v:,}" for k, v in batches["bytes"].items()))
 
     cfg = model_config(s, implementation="xla")
-    init_params = Llama(cfg).init(jax.random.PRNGKey(args.seed), jnp.asarray(batches["pretrain"][0][:1, :-1]))["params"]
+    init = jax.jit(lambda key, tokens: Llama(cfg).init(key, tokens)["params"])  # one compile, not one per op
+    init_params = init(jax.random.PRNGKey(args.seed), jnp.asarray(batches["pretrain"][0][:1, :-1]))
     print(f"model: {count_params(init_params) / 1e6:.1f}M params, {s['n_layers']} layers, d_model {s['d_model']}, "
           f"seq {s['seq_len']}, batch {s['batch_size']}, {s['dtype']}; fp8={args.fp8}, dora rank {s['dora_rank']}")
 
@@ -290,8 +292,17 @@ def main(argv=None) -> dict:
         runs, checks[name] = run_variant(name, args, s, init_params, batches)
         results += runs
 
-    settings = {**s, "preset": args.preset, "seed": args.seed, "implementation": args.implementation,
-                "fp8": args.fp8, "projector": args.projector, "attention": args.attention, "compare": args.compare,
+    variants = {
+        "pallas_fused": f"pallas_fused kernels (implementation={args.implementation or 'auto'}): rotary, "
+                        f"galore_adamw ({'optax path' if args.optax_path else 'in-place step'}, {args.projector} "
+                        f"projector), fused AdamW, DoRADense" + (f", FP8 {args.fp8} block projections" if args.fp8
+                                                                 else ", bf16/fp32 nn.Dense block projections"),
+        "baseline": "plain jnp/flax/optax: implementation='xla' for rotary and DoRA, optax.contrib.galore (SVD "
+                    "projector), optax.adamw, nn.Dense",
+    }
+    settings = {**s, "preset": args.preset, "variants": variants, "seed": args.seed,
+                "implementation": args.implementation, "fp8": args.fp8, "optax_path": args.optax_path,
+                "projector": args.projector, "attention": args.attention, "compare": args.compare,
                 "corpus_bytes": batches["bytes"], "num_params": count_params(init_params), "checks": checks}
     paths = report.write(args.out, results, command=command, settings=settings, environment=env)
     print()

@@ -95,6 +95,9 @@ def write(out: pathlib.Path, results: list[RunResult], *, command: str, settings
         f"Device: {environment.get('device')}; jax {environment.get('jax')}, flax {environment.get('flax')}, "
         f"optax {environment.get('optax')}.",
         "",
+        *[f"- **{name}**: {text}" for name, text in settings.get("variants", {}).items()
+          if any(r.name == name for r in results)],
+        "",
         table(results),
         "",
         *[f"- {line}" for line in comparison_lines(results)],

@@ -172,9 +172,13 @@ def train(
     state = TrainState(step=jnp.zeros((), jnp.int32), trainable=trainable, frozen=frozen,
                        opt_state=tx.init(trainable))
     del params, trainable, frozen  # the state owns them now (it is donated to every step)
+    # Commit everything to one device: jit keys its cache on committed-ness, so a state of fresh
+    # (uncommitted) arrays would compile the step a second time when its committed outputs come back.
+    device = jax.devices()[0]
+    state = jax.device_put(state, device)
     train_step = make_train_step(model, tx)
     evaluate = make_evaluate(model)
-    val_batches = jnp.asarray(val_batches)
+    val_batches = jax.device_put(val_batches, device)
     result = RunResult(name=name, phase=phase, tokens_per_step=int(batches.shape[1] * (batches.shape[2] - 1)),
                        num_params=sum(x.size for x in jax.tree.leaves((state.trainable, state.frozen))),
                        num_trainable=sum(x.size for x in jax.tree.leaves(state.trainable)),
@@ -193,13 +197,13 @@ def train(
     for i in range(steps):
         if i == 0:
             start = time.perf_counter()
-            state, loss = train_step(state, jnp.asarray(batches[0]))
+            state, loss = train_step(state, jax.device_put(batches[0], device))
             loss.block_until_ready()
             result.compile_s = time.perf_counter() - start
             pending.append((1, loss))
             window_start = time.perf_counter()
         else:
-            state, loss = train_step(state, jnp.asarray(batches[i]))
+            state, loss = train_step(state, jax.device_put(batches[i], device))
             pending.append((i + 1, loss))
             window_steps += 1
         done = i + 1
