@@ -10,8 +10,9 @@
     params, state = step(params, grads, state)
 
 Which leaves are projected: the 2-D leaves selected by `mask` (default: every 2-D leaf whose both dims
-exceed `rank`). Every other leaf gets plain Adam (optax.scale_by_adam's numbers) and the same decoupled
-weight decay.
+exceed `rank`). Every other leaf gets plain Adam(W) from pallas_fused.adam's fused kernel (optax.adamw's
+numbers, m_hat / (sqrt(v_hat) + eps); its non-finite policy: such elements are skipped) and the same
+decoupled weight decay.
 
 Semantics (`convention="galore"`, the default) are the reference GaLore (galore-torch `GaLoreAdamW`):
 the projector is recomputed from the current gradient when the step count (before increment) is a
@@ -46,6 +47,7 @@ import optax
 from jax import lax
 
 from pallas_fused import _backend
+from pallas_fused import adam as fused_adam
 from pallas_fused.galore import kernel, projector, reference
 from pallas_fused.galore.reference import Scalars
 
@@ -65,16 +67,15 @@ class GaLoreAdamState(NamedTuple):
     """Plain pytree state (checkpointable with orbax).
 
     count: int32 steps taken. pending_refresh: bool, refresh every projector on the next step (set when a
-    refresh saw a non-finite gradient). mu, nu: low-rank moments of projected leaves (MaskedNode
-    elsewhere). projector: P of projected leaves ((r, N) on side "right", (M, r) on side "left"; MaskedNode
-    elsewhere). dense: the Adam state of the other leaves."""
+    refresh saw a non-finite gradient). projector: P of projected leaves ((r, N) on side "right", (M, r) on
+    side "left"); MaskedNode for the other leaves. mu, nu: the low-rank moments of projected leaves, and
+    the full-size Adam moments (pallas_fused.adam's layout) of the other leaves."""
 
     count: jax.Array
     pending_refresh: jax.Array
     mu: Any
     nu: Any
     projector: Any
-    dense: Any
 
 
 class GaLoreInplace(NamedTuple):
@@ -83,11 +84,6 @@ class GaLoreInplace(NamedTuple):
 
     init: Callable
     step: Callable
-
-
-def _dense_adam(b1, b2, eps, mu_dtype):
-    """Adam for the leaves that are not projected (one line to switch to the fused kernel)."""
-    return optax.scale_by_adam(b1=b1, b2=b2, eps=eps, mu_dtype=mu_dtype)
 
 
 def choose_kernel(shape: tuple[int, int], rank: int, side: str) -> str:
@@ -161,7 +157,6 @@ class _GaLore:
     def __init__(self, cfg: _Config, learning_rate, b1, b2, eps, weight_decay, scale):
         self.cfg = cfg
         self.lr, self.b1, self.b2, self.eps, self.wd, self.scale = learning_rate, b1, b2, eps, weight_decay, scale
-        self.dense = _dense_adam(b1, b2, eps, cfg.mu_dtype)
 
     # ---------------------------------------------------------------------------------------------- init
     def _projected(self, params):
@@ -182,20 +177,19 @@ class _GaLore:
         flat = treedef.flatten_up_to(params)
         mu, nu, proj = [], [], []
         for p, f in zip(flat, flags):
-            if not f:
-                mu.append(_masked_node()), nu.append(_masked_node()), proj.append(_masked_node())
+            if not f:  # plain Adam(W): pallas_fused.adam's per-leaf state (nu in the param's dtype, as optax)
+                m, v = fused_adam.init_adam_leaf_state(p, mu_dtype=cfg.mu_dtype or jnp.float32)
+                mu.append(m), nu.append(v), proj.append(_masked_node())
                 continue
             side = reference.projector_side(p.shape, cfg.proj_type)
             low = reference.lowrank_shape(p.shape, cfg.rank, side)
             mu.append(jnp.zeros(low, cfg.mu_dtype or jnp.float32))
             nu.append(jnp.zeros(low, cfg.nu_dtype or jnp.float32))
             proj.append(jnp.zeros(reference.projector_shape(p.shape, cfg.rank, side), p.dtype))
-        dense_mask = treedef.unflatten([not f for f in flags])
         return GaLoreAdamState(
             count=jnp.zeros([], jnp.int32),
             pending_refresh=jnp.zeros([], jnp.bool_),
             mu=treedef.unflatten(mu), nu=treedef.unflatten(nu), projector=treedef.unflatten(proj),
-            dense=optax.masked(self.dense, dense_mask).init(params),
         )
 
     # ------------------------------------------------------------------------------------------ refresh
@@ -267,24 +261,23 @@ class _GaLore:
         else:
             wd_flags = [False] * len(flat_g)
 
-        # the leaves that are not projected: Adam through optax.masked, then lr and decoupled weight decay
-        dense_mask = treedef.unflatten([_is_masked(p) for p in flat_p])
-        dense_u, dense_state = optax.masked(self.dense, dense_mask).update(updates, state.dense, params)
-        flat_du = treedef.flatten_up_to(dense_u)
-
         key = jax.random.fold_in(jax.random.key(cfg.seed), count)
         outs, mus, nus, projs, oks = [], [], [], [], []
-        for i, (g, w, m, v, p, du, decay) in enumerate(zip(flat_g, flat_w, flat_mu, flat_nu, flat_p, flat_du,
-                                                          wd_flags)):
+        count_inc = optax.safe_int32_increment(count)
+        for i, (g, w, m, v, p, decay) in enumerate(zip(flat_g, flat_w, flat_mu, flat_nu, flat_p, wd_flags)):
             a = -lr * wd if decay else jnp.asarray(0.0, jnp.float32)
-            if _is_masked(p):
-                u = du.astype(jnp.float32)
-                if with_lr:
-                    u = -lr * u
-                if decay:
-                    u = u + a * w.astype(jnp.float32)
-                outs.append((w.astype(jnp.float32) + u).astype(w.dtype) if inplace else u.astype(g.dtype))
-                mus.append(m), nus.append(v), projs.append(p)
+            if _is_masked(p):  # not projected: one fused Adam(W) kernel pass (pallas_fused.adam)
+                hp = dict(b1=b1, b2=b2, eps=eps, implementation=cfg.implementation)
+                if inplace:
+                    out, m, v = fused_adam.adam_leaf_update(w, g, m, v, count_inc, learning_rate=lr,
+                                                            weight_decay=wd if decay else 0.0, **hp)
+                elif with_lr:
+                    out, m, v = fused_adam.adam_leaf_direction(g, m, v, count_inc, learning_rate=lr,
+                                                               param=w if decay else None,
+                                                               weight_decay=wd if decay else 0.0, **hp)
+                else:
+                    out, m, v = fused_adam.adam_leaf_direction(g, m, v, count_inc, **hp)
+                outs.append(out), mus.append(m), nus.append(v), projs.append(p)
                 continue
             side = reference.projector_side(g.shape, cfg.proj_type)
             p, ok = lax.cond(refresh, lambda g=g, p=p, side=side, i=i: self._refresh(g, p, side,
@@ -295,10 +288,9 @@ class _GaLore:
             outs.append(out), mus.append(m), nus.append(v), projs.append(p), oks.append(ok)
         all_ok = jnp.all(jnp.stack(oks)) if oks else jnp.asarray(True)
         new_state = GaLoreAdamState(
-            count=optax.safe_int32_increment(count),
+            count=count_inc,
             pending_refresh=jnp.where(refresh, ~all_ok, state.pending_refresh),
             mu=treedef.unflatten(mus), nu=treedef.unflatten(nus), projector=treedef.unflatten(projs),
-            dense=dense_state,
         )
         return treedef.unflatten(outs), new_state
 

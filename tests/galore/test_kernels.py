@@ -95,11 +95,16 @@ def test_runtime_scalars_do_not_recompile(kernel_impl):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape", [(4096, 4096), (4096, 11008), (11008, 4096)])
+@pytest.mark.parametrize("shape", [(4096, 4096), (4096, 11008)])
 @pytest.mark.parametrize("rank", [32, 128, 512])
 def test_large_shapes_gpu(shape, rank):
     side = reference.projector_side(shape, "std")
-    g, w, p, m, v, s = _inputs(shape, rank, side, jnp.float32)
+    g, w = rand(0, shape), rand(1, shape)
+    q = jnp.linalg.qr(rand(2, (shape[1] if side == "right" else shape[0], rank)))[0]  # orthonormal, no SVD
+    p = q.T if side == "right" else q
+    low = reference.lowrank_shape(shape, rank, side)
+    m, v = rand(3, low, scale=0.1), jnp.abs(rand(4, low, scale=0.1)) + 0.01
+    s = reference.Scalars(0.9, 0.999, 1e-6, 1.0, 1.0, -1e-5, -2.5e-4, 1.0)
     hi = jax.lax.Precision.HIGHEST
     m_x, v_x, n_x = reference.lowrank_adam(reference.project(g, p, side, precision=hi), m, v, s)
     for m_k, v_k, n_k in [kernel.down_adam_fused(g, p, m, v, s.pack(), side=side),
