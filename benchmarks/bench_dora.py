@@ -9,6 +9,8 @@ Cases: tokens x in -> out, rank, bf16. Implementations:
   pallas:xla_epilogue Pallas column norm + cuBLAS x W + s (x A) B, g-scale and bias fused by XLA after
   xla                the plain-jnp reference under jit (what ANCHORS' "XLA" column measures)
   peer:base_matmul   x @ W alone (the forward target is <= 1.10x this)
+QDoRA rows: pallas:<fmt> (dequantised in-kernel, the default), pallas:<fmt>_swapab (Config(quant_swap_ab=True):
+dequantised W as the left MMA operand), xla:<fmt> (reference: dequantises W in full, for comparison only).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.common import Recorder, rnd
-from pallas_fused.dora import column_scale, column_scale_reference, dora_dense, quantize_int8, quantize_nf4
+from pallas_fused.dora import Config, column_scale, column_scale_reference, dora_dense, quantize_int8, quantize_nf4
 
 CASES = [(512, 4096, 4096, 16), (4096, 4096, 4096, 16), (8192, 4096, 4096, 16),
          (512, 4096, 11008, 64), (4096, 4096, 11008, 64), (8192, 4096, 11008, 64)]
@@ -85,6 +87,9 @@ def run(rec: Recorder, quick: bool) -> None:
             rec.time("qdora_fwd", case, f"pallas:{name}", jax.jit(lambda x, qw, a, b, m: dora_dense(
                 x, qw, a, b, m, scale=scale, implementation="pallas")), x, qw, a, b, m,
                 nbytes=(tokens * fin + tokens * fout) * item + wbytes, flops=fwd_flops)
+            rec.time("qdora_fwd", case, f"pallas:{name}_swapab", jax.jit(lambda x, qw, a, b, m: dora_dense(
+                x, qw, a, b, m, scale=scale, implementation="pallas", config=Config(quant_swap_ab=True))),
+                x, qw, a, b, m, nbytes=(tokens * fin + tokens * fout) * item + wbytes, flops=fwd_flops)
             rec.time("qdora_fwd", case, f"xla:{name}", jax.jit(lambda x, qw, a, b, m: dora_dense(
                 x, qw, a, b, m, scale=scale, implementation="xla")), x, qw, a, b, m,
                 nbytes=(tokens * fin + tokens * fout) * item + wbytes, flops=fwd_flops)

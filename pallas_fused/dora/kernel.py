@@ -106,6 +106,7 @@ class Config:
     dx_bk: int = 64
     dx_warps: int = 4
     dx_stages: int = 4
+    quant_swap_ab: bool = False  # int8/NF4 forward: dequantised W as the left MMA operand (untimed option)
     norm_bn: int = 64  # column norm: columns per program
     norm_bk: int = 64  # column norm: rows per loop step
     norm_rows: int = 128  # column norm: rows per program (split-K; partial sums reduced after)
@@ -219,7 +220,7 @@ def column_sumsq(weight, kind: str, lora_a, lora_b, scale, *, interpret: bool, c
 # ----------------------------------------------------------------------------------------------------
 
 
-def _fwd_kernel(*refs, kind, M, K, N, R, bm, bn, bk, group_m, has_bias, kloop):
+def _fwd_kernel(*refs, kind, M, K, N, R, bm, bn, bk, group_m, has_bias, kloop, swap_ab):
     nw = _num_weight_refs(kind)
     x_ref = refs[0]
     w_refs = refs[1:1 + nw]
@@ -237,12 +238,19 @@ def _fwd_kernel(*refs, kind, M, K, N, R, bm, bn, bk, group_m, has_bias, kloop):
         kmask = _in_bounds(k0, bk, K, aligned)
         return _load(x_ref.at[pl.ds(m0, bm), pl.ds(k0, bk)], _mask(rmask, kmask, (bm, bk)))
 
+    def mma(x, w):
+        # swap_ab: accumulate (W^T x^T), so the dequantised W (computed in registers) is the left operand,
+        # which Hopper's wgmma may read from registers; the right one must come from shared memory.
+        if swap_ab:
+            return _backend.dot(w, x, trans_a=True, trans_b=True)
+        return _backend.dot(x, w)
+
     if kind in ("dense", "int8"):
         def body(i, acc):
             k0 = pl.multiple_of(i * bk, bk)
             kmask = _in_bounds(k0, bk, K, K % bk == 0)
             w = _load(w_refs[0].at[pl.ds(k0, bk), pl.ds(n0, bn)], _mask(kmask, cmask, (bk, bn)))
-            return acc + _backend.dot(x_tile(k0, K % bk == 0), w.astype(dt))
+            return acc + mma(x_tile(k0, K % bk == 0), w.astype(dt))
     else:
         packed_ref, absmax_ref = w_refs
 
@@ -254,10 +262,13 @@ def _fwd_kernel(*refs, kind, M, K, N, R, bm, bn, bk, group_m, has_bias, kloop):
             am_lo = _load(absmax_ref.at[pl.ds(blk + kloop // NF4_TILE, 1), pl.ds(n0, bn)], _mask(None, cmask, (1, bn)))
             w_hi = (_nf4_values(p >> 4) * am_hi).astype(dt)
             w_lo = (_nf4_values(p & 15) * am_lo).astype(dt)
-            acc = acc + _backend.dot(x_tile(k0, False), w_hi)
-            return acc + _backend.dot(x_tile(kloop + k0, False), w_lo)
+            acc = acc + mma(x_tile(k0, False), w_hi)
+            return acc + mma(x_tile(kloop + k0, False), w_lo)
 
-    acc = lax.fori_loop(0, _cdiv(kloop, bk), body, jnp.zeros((bm, bn), jnp.float32))
+    acc_shape = (bn, bm) if swap_ab else (bm, bn)
+    acc = lax.fori_loop(0, _cdiv(kloop, bk), body, jnp.zeros(acc_shape, jnp.float32))
+    if swap_ab:
+        acc = acc.T
     # Epilogue: per-column dequant scale, low-rank term, magnitude scale, bias; one rounding.
     if kind == "int8":
         acc = acc * _load(w_refs[1].at[pl.ds(n0, bn)], cmask, 1.0)[None, :]
@@ -282,7 +293,8 @@ def forward_gemm(x, weight, kind: str, xa, lora_b, g, scale, bias, *, interpret:
         kloop = K
     bm, bn = _tile(M, config.bm), _tile(N, config.bn)
     kernel = functools.partial(_fwd_kernel, kind=kind, M=M, K=K, N=N, R=R, bm=bm, bn=bn, bk=bk,
-                               group_m=config.group_m, has_bias=bias is not None, kloop=kloop)
+                               group_m=config.group_m, has_bias=bias is not None, kloop=kloop,
+                               swap_ab=config.quant_swap_ab and kind != "dense")
     args = (x, *weight, xa, lora_b, g, jnp.reshape(jnp.asarray(scale, jnp.float32), (1,)))
     if bias is not None:
         args = args + (bias,)

@@ -11,6 +11,7 @@ import pytest
 from flax import nnx
 
 from pallas_fused.dora import (
+    Config,
     Int8Kernel,
     NF4Kernel,
     column_scale,
@@ -128,6 +129,18 @@ def test_qdora_matches_dequantized_reference(kernel_impl, kind, dtype, exact):
     x, w, a, b, m, bias, dy = make(50, (27,), 150, 36, 6, dtype, w_dtype=jnp.float32)
     qw = quantize_int8(w) if kind == "int8" else quantize_nf4(w)
     check_against_reference(qw, x, a, b, m, bias, dy, scale=0.6, impl=kernel_impl, exact=exact, what=kind)
+
+
+@pytest.mark.parametrize("kind", ["int8", "nf4"])
+def test_qdora_swap_ab_forward(kernel_impl, kind):
+    x, w, a, b, m, bias, _ = make(55, (27,), 150, 36, 6, jnp.bfloat16, w_dtype=jnp.float32)
+    qw = quantize_int8(w) if kind == "int8" else quantize_nf4(w)
+    y = jax.jit(lambda x: dora_dense(x, qw, a, b, m, bias, scale=0.6, implementation=kernel_impl,
+                                     config=Config(quant_swap_ab=True)))(x)
+    base = dora_dense(x, qw, a, b, m, bias, scale=0.6, implementation="xla")
+    w32 = dequantize(qw, jnp.bfloat16).astype(jnp.float32)
+    ref = dora_dense_reference(x.astype(jnp.float32), w32, a, b, m, bias, scale=0.6)
+    assert_close(y, ref, baseline=base, what=f"{kind} swap_ab")
 
 
 def test_quantizers():
@@ -356,10 +369,19 @@ def test_gpu_big_shapes(shape, gemm):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["int8", "nf4"])
-def test_gpu_qdora(kind):
+@pytest.mark.parametrize("swap_ab", [False, True])
+def test_gpu_qdora(kind, swap_ab):
     x, w, a, b, m, bias, dy = make(210, (300,), 4096, 1024, 16, jnp.bfloat16, w_dtype=jnp.float32)
     qw = quantize_int8(w) if kind == "int8" else quantize_nf4(w)
-    check_against_reference(qw, x, a, b, m, bias, dy, scale=0.5, impl="pallas", what=f"gpu {kind}")
+    fn = lambda x, a, b, m, bias: dora_dense(x, qw, a, b, m, bias, scale=0.5, implementation="pallas",  # noqa: E731
+                                             config=Config(quant_swap_ab=swap_ab))
+    if swap_ab:  # forward only (the option only changes the forward GEMM)
+        w32 = dequantize(qw, jnp.bfloat16).astype(jnp.float32)
+        ref = dora_dense_reference(x.astype(jnp.float32), w32, a, b, m, bias, scale=0.5)
+        base = dora_dense(x, qw, a, b, m, bias, scale=0.5, implementation="xla")
+        assert_close(fn(x, a, b, m, bias), ref, baseline=base, what=f"gpu {kind} swap_ab")
+    else:
+        check_against_reference(qw, x, a, b, m, bias, dy, scale=0.5, impl="pallas", what=f"gpu {kind}")
 
 
 @pytest.mark.gpu
