@@ -86,7 +86,10 @@ def write(out: pathlib.Path, results: list[RunResult], *, command: str, settings
     """Write loss.png, report.md and report.json under `out`; returns the paths."""
     out.mkdir(parents=True, exist_ok=True)
     paths = {"plot": out / "loss.png", "markdown": out / "report.md", "json": out / "report.json"}
-    plot(results, paths["plot"], title=command)
+    try:
+        plot(results, paths["plot"], title=command)
+    except ImportError as err:  # matplotlib is optional (pip install '.[bench]'); the report is written anyway
+        print(f"no plot: {err}")
     text = [
         "# train_llama report",
         "",

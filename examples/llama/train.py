@@ -150,6 +150,33 @@ def tree_bytes(tree) -> int:
     return sum(int(x.size) * x.dtype.itemsize for x in jax.tree.leaves(tree) if hasattr(x, "dtype"))
 
 
+class _PlainProgress:
+    """A stand-in for tqdm where it is not installed: one line per log window."""
+
+    def __init__(self, total, desc, disable=False, **_):
+        self.total, self.desc, self.disable, self.n, self.postfix = total, desc, disable, 0, {}
+
+    def set_postfix(self, **kw):
+        self.postfix = kw
+
+    def update(self, k):
+        self.n += k
+        if not self.disable:
+            print(f"{self.desc} {self.n}/{self.total} " + " ".join(f"{k}={v}" for k, v in self.postfix.items()),
+                  flush=True)
+
+    def close(self):
+        pass
+
+
+def _progress_bar_class():
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return _PlainProgress
+    return tqdm
+
+
 def train(
     *,
     name: str,
@@ -165,8 +192,7 @@ def train(
     progress: bool = True,
 ) -> tuple[Any, RunResult]:
     """Train `params` on `batches` (steps, B, S + 1); returns the final params and the run's record."""
-    from tqdm.auto import tqdm
-
+    tqdm = _progress_bar_class()
     steps = len(batches)
     trainable, frozen = split_params(params, is_trainable)
     state = TrainState(step=jnp.zeros((), jnp.int32), trainable=trainable, frozen=frozen,
