@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import textwrap
 
 import numpy as np
 
@@ -41,7 +42,7 @@ def plot(results: list[RunResult], path: pathlib.Path, title: str) -> None:
         ax.set_ylabel("loss (nats / byte)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(title, fontsize=10)
+    fig.suptitle(textwrap.fill(title, 130 * len(phases) // 2), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
