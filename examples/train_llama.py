@@ -276,6 +276,9 @@ def main(argv=None) -> dict:
     s = args.settings
     command = "python examples/train_llama.py " + " ".join(shlex.quote(a) for a in (sys.argv[1:] if argv is None
                                                                                    else argv))
+    from pallas_fused import _backend
+
+    _backend.resolve_implementation(args.implementation, op="train_llama")  # fail now, not after loading data
     env = environment()
     print(f"preset {args.preset} on {env['device']} (jax {env['jax']}); output in {args.out}")
     batches = make_batches(s, args.seed)
