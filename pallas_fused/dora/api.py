@@ -143,6 +143,8 @@ def _dora_2d_bwd(statics, res, dy):
     p, dmz, db = K.backward_columns(dy, y, xa, bias, interpret=interpret, config=config)
     da = jnp.dot(x.T, us, preferred_element_type=jnp.float32)
     dbm = p * gs[None, :]
+    # dm = sum_t dy z / n with z = x W + s (x A) B; since y - bias = z m / n, it is sum_t dy (y - bias) / m
+    # from the saved output (no z kept). Undefined for a magnitude of exactly 0.
     dm = dmz / m.astype(jnp.float32)
     if exact:
         # Through n: dL/dV = V * c, c = -g dm / n, V = W + s A B (V is never formed: two passes over W).

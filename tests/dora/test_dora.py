@@ -182,12 +182,12 @@ def test_jit_vmap_remat(kernel_impl):
     f = lambda x, a: dora_dense(x, w, a, b, m, bias, scale=0.5, implementation=kernel_impl)  # noqa: E731
     ref = dora_dense_reference(x, w, a, b, m, bias, scale=0.5)
     assert_close(jax.jit(f)(x, a), ref, what="jit")
-    assert_close(jax.vmap(f, in_axes=(0, None))(x, a), ref, what="vmap x")
+    assert_close(jax.jit(jax.vmap(f, in_axes=(0, None)))(x, a), ref, what="vmap x")
     a_batch = jnp.stack([a, 2 * a])
-    yb = jax.vmap(f, in_axes=(None, 0))(x, a_batch)
+    yb = jax.jit(jax.vmap(f, in_axes=(None, 0)))(x, a_batch)
     assert_close(yb[1], dora_dense_reference(x, w, 2 * a, b, m, bias, scale=0.5), what="vmap lora_a")
     loss = lambda x, a: jnp.sum(f(x, a) * dy)  # noqa: E731
-    g_plain = jax.grad(loss, argnums=(0, 1))(x, a)
+    g_plain = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, a)
     g_remat = jax.jit(jax.grad(jax.checkpoint(loss), argnums=(0, 1)))(x, a)
     for p, r in zip(g_plain, g_remat):
         assert_close(r, p, what="remat")
