@@ -11,6 +11,7 @@ import importlib.util
 import json
 import pathlib
 
+import numpy as np
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -57,8 +58,9 @@ def test_pretrain_checkpoint_finetune_report(train_llama, tmp_path):
 
 
 def test_compare_runs_baseline(train_llama, tmp_path):
+    # --optax-path: galore_adamw's update + apply_updates (the first test covers the in-place step).
     out = train_llama.main(TINY + ["--steps", "6", "--finetune-steps", "3", "--eval-every", "3", "--compare",
-                                   "--out", str(tmp_path)])
+                                   "--optax-path", "--out", str(tmp_path)])
     runs = {(r.phase, r.name): r for r in out["results"]}
     assert set(runs) == {(p, n) for p in ("pretrain", "dora finetune") for n in ("pallas_fused", "baseline")}
     ours, base = runs[("pretrain", "pallas_fused")], runs[("pretrain", "baseline")]
@@ -71,6 +73,25 @@ def test_compare_runs_baseline(train_llama, tmp_path):
     assert out["checks"]["baseline"]["finetune_only_adapters_changed"] is True
     text = out["paths"]["markdown"].read_text()
     assert "| pretrain | baseline |" in text and "- pretrain: val loss" in text
+
+
+def test_corpus_splits_are_disjoint_and_deterministic(train_llama):
+    data = train_llama.data
+    files = data.list_files()
+    names = {split: {p.as_posix() for p in paths} for split, paths in files.items()}
+    assert all(names[s] for s in data.SPLITS)
+    for i, a in enumerate(data.SPLITS):
+        for b in data.SPLITS[i + 1:]:
+            assert not names[a] & names[b], (a, b)
+    assert data.list_files() == files  # sorted, same every call
+    stream = data.load_split("pretrain_val")
+    assert stream.dtype == np.uint8 and (stream == data.SEPARATOR).sum() >= len(files["pretrain_val"])
+    first = next(data.Batches(stream, 4, 32, seed=3))
+    again = next(data.Batches(stream, 4, 32, seed=3))
+    np.testing.assert_array_equal(first, again)
+    assert first.shape == (4, 33) and not np.array_equal(first, next(data.Batches(stream, 4, 32, seed=4)))
+    with pytest.raises(ValueError, match="split"):
+        data.load_split("nope")
 
 
 @pytest.mark.gpu
