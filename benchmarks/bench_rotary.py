@@ -53,7 +53,8 @@ def _variants(batch, seq_len, hq, hk, d, quick):
         return out
     for name, cfg in ((f"pallas:bt{base.block_tokens * 2}", pick(block_tokens=base.block_tokens * 2)),
                       (f"pallas:bt{max(base.block_tokens // 2, 1)}", pick(block_tokens=max(base.block_tokens // 2, 1))),
-                      (f"pallas:warps{max(base.num_warps // 2, 1)}", pick(num_warps=max(base.num_warps // 2, 1)))):
+                      (f"pallas:warps{max(base.num_warps // 2, 1)}", pick(num_warps=max(base.num_warps // 2, 1))),
+                      (f"pallas:warps{min(base.num_warps * 2, 8)}", pick(num_warps=min(base.num_warps * 2, 8)))):
         if cfg != base and cfg not in out.values():
             out[name] = cfg
     return out
