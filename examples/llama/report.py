@@ -53,15 +53,16 @@ def table(results: list[RunResult]) -> str:
     base = {r.phase: r for r in results if r.name == "baseline"}
     lines = [
         "| phase | run | val loss start -> end | final train loss | ms / step (mean) | ms / step (median) "
-        "| tokens / s | speedup vs baseline |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| tokens / s | optimizer state (MB) | speedup vs baseline |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in results:
         b = base.get(r.phase)
         speedup = f"{b.step_ms / r.step_ms:.2f}x" if b is not None and r is not b and r.step_ms > 0 else "-"
         lines.append(
             f"| {r.phase} | {r.name} | {r.val_loss[0]:.4f} -> {r.val_loss[-1]:.4f} | {r.train_loss[-1]:.4f} | "
-            f"{r.step_ms:.2f} | {r.median_step_ms:.2f} | {r.tokens_per_s:,.0f} | {speedup} |"
+            f"{r.step_ms:.2f} | {r.median_step_ms:.2f} | {r.tokens_per_s:,.0f} | {r.opt_state_bytes / 2**20:.1f} | "
+            f"{speedup} |"
         )
     return "\n".join(lines)
 
