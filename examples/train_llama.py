@@ -89,7 +89,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="use galore_adamw's optax update + apply_updates instead of its in-place step")
     p.add_argument("--attention", choices=["xla", "cudnn"], default=None,
                    help="jax.nn.dot_product_attention implementation, the same for both runs (default: XLA)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.add_argument("--no-progress", action="store_true", help="plain progress lines instead of a tqdm bar (for logs)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="compute dtype (params stay fp32)")
     for key in ("batch_size", "seq_len", "lr", "galore_rank", "update_proj_gap", "eval_every", "n_layers", "d_model"):
         p.add_argument("--" + key.replace("_", "-"), type=type(PRESETS["cpu"][key]), default=None,

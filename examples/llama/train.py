@@ -151,19 +151,18 @@ def tree_bytes(tree) -> int:
 
 
 class _PlainProgress:
-    """A stand-in for tqdm where it is not installed: one line per log window."""
+    """Plain progress lines (one per log window): for logs, or where tqdm is not installed."""
 
-    def __init__(self, total, desc, disable=False, **_):
-        self.total, self.desc, self.disable, self.n, self.postfix = total, desc, disable, 0, {}
+    def __init__(self, total, desc, **_):
+        self.total, self.desc, self.n, self.postfix = total, desc, 0, {}
 
     def set_postfix(self, **kw):
         self.postfix = kw
 
     def update(self, k):
         self.n += k
-        if not self.disable:
-            print(f"{self.desc} {self.n}/{self.total} " + " ".join(f"{k}={v}" for k, v in self.postfix.items()),
-                  flush=True)
+        print(f"{self.desc} {self.n}/{self.total} " + " ".join(f"{k}={v}" for k, v in self.postfix.items()),
+              flush=True)
 
     def close(self):
         pass
@@ -189,10 +188,10 @@ def train(
     val_batches: np.ndarray,
     eval_every: int,
     log_every: int = 10,
-    progress: bool = True,
+    progress: bool = True,  # False: plain log lines instead of a tqdm bar
 ) -> tuple[Any, RunResult]:
     """Train `params` on `batches` (steps, B, S + 1); returns the final params and the run's record."""
-    tqdm = _progress_bar_class()
+    bar_class = _progress_bar_class() if progress else _PlainProgress
     steps = len(batches)
     trainable, frozen = split_params(params, is_trainable)
     state = TrainState(step=jnp.zeros((), jnp.int32), trainable=trainable, frozen=frozen,
@@ -217,7 +216,7 @@ def train(
         return loss
 
     val = validate(0)
-    bar = tqdm(total=steps, desc=f"{phase}:{name}", disable=not progress, dynamic_ncols=True)
+    bar = bar_class(total=steps, desc=f"{phase}:{name}", dynamic_ncols=True)
     pending: list[tuple[int, jax.Array]] = []
     window_start, window_steps = None, 0
     for i in range(steps):
