@@ -169,6 +169,10 @@ def _up_kernel(w_ref, a_ref, b_ref, s_ref, o_ref, *, M, N, R, BM, BN, BR, inplac
     rows = i * BM + jnp.arange(BM)
     cols = j * BN + jnp.arange(BN)
     rmask, cmask = rows < M, cols < N
+    idx = (pl.ds(i * BM, BM), pl.ds(j * BN, BN))
+    mask = rmask[:, None] & cmask[None, :]
+    # W is the big stream: issue its load before the short K loop so the HBM latency overlaps the GEMM.
+    w = _backend.load(w_ref.at[idx], mask=mask, other=0.0).astype(F32)
 
     def body(k, acc):
         ks = k * BR + jnp.arange(BR)
@@ -181,9 +185,6 @@ def _up_kernel(w_ref, a_ref, b_ref, s_ref, o_ref, *, M, N, R, BM, BN, BR, inplac
 
     acc = lax.fori_loop(0, _cdiv(R, BR), body, jnp.zeros((BM, BN), F32))
     _, _, _, _, _, ca, cc, ok = _scalars(s_ref)
-    idx = (pl.ds(i * BM, BM), pl.ds(j * BN, BN))
-    mask = rmask[:, None] & cmask[None, :]
-    w = _backend.load(w_ref.at[idx], mask=mask, other=0.0).astype(F32)
     out = jnp.where(ok > 0, ca * w + cc * acc, 0.0)
     if inplace:
         out = w + out
