@@ -1,4 +1,4 @@
-"""GaLore Adam(W) as optax transforms, plus an in-place training step. Knows nothing of Pallas internals.
+"""GaLore Adam(W) as optax transforms, plus an in-place training step (kernels via kernel.py; no Pallas here).
 
     tx = galore_adamw(1e-3, rank=128, update_proj_gap=200, scale=0.25, weight_decay=0.01)
     state = tx.init(params)
