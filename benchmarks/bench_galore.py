@@ -164,6 +164,13 @@ def tuning(rec, quick):
             reference.project(g, p, side), m, v, s, interpret=INTERPRET))
         rec.time(OP, f"tune down {M}x{N} r{r}", "pallas:hybrid_down", f, g, p, m, v, s, n=20,
                  nbytes=(M * N + 4 * r * max(M, N)) * 4)
+        # the same two halves in XLA (breakdown: where the step's time goes)
+        f = jax.jit(lambda g, p, side=side: reference.project(g, p, side))
+        rec.time(OP, f"tune down {M}x{N} r{r}", "xla:down_gemm_only", f, g, p, n=20, nbytes=(M * N + r * max(M, N)) * 4)
+        f = jax.jit(lambda w, n, p, s, side=side: w + reference.full_update(w, n, p, side, reference.Scalars(*s)),
+                    donate_argnums=(0,))
+        ms = bench_carry(lambda w, n, p, s, f=f: (f(w, n, p, s), n, p, s), (jnp.copy(w), n, p, s), n=20)
+        rec.add(OP, f"tune up {M}x{N} r{r}", "xla:up_gemm_update", ms, nbytes=2 * M * N * 4)
         for blocks in ups:
             f = jax.jit(lambda w, n, p, s, b=blocks, side=side: kernel.up_update(
                 w, n, p, s, side=side, inplace=True, interpret=INTERPRET, blocks=b), donate_argnums=(0,))
