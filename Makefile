@@ -17,7 +17,7 @@ $(VENV)/.installed: pyproject.toml
 setup: $(VENV)/.installed
 
 demo: setup
-	$(PY) examples/demo.py
+	$(PY) examples/train_llama.py $(DEMO_ARGS)
 
 lint: setup
 	$(PY) -m ruff check .
