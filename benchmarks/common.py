@@ -163,13 +163,15 @@ def write_results(rec: Recorder, ops: list[str], out_dir: str | os.PathLike | No
     path = RESULTS_DIR / f"{device_slug()}.json"
     old = json.loads(path.read_text()) if path.exists() else {"rows": []}
     kept = [r for r in old.get("rows", []) if r["op"] not in ops]
+    run = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "jax": jax.__version__, "ops": list(ops),
+           "ceilings": asdict(rec.ceilings)}
+    # Each run's ceilings are kept beside the ops it measured: rows' % figures are of their own run's.
+    runs = [r for r in old.get("runs", []) if set(r["ops"]) - set(ops)] + [run]
     doc = {
         "device": jax.devices()[0].device_kind,
-        "jax": jax.__version__,
-        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "method": "median of reps of mean wall time of n async calls (peers_jax.py method)",
-        "ceilings": asdict(rec.ceilings),
-        "rows": kept + [asdict(r) for r in rec.rows],
+        "runs": runs,
+        "rows": kept + [{**asdict(r), "run": run["date"]} for r in rec.rows],
     }
     path.write_text(json.dumps(doc, indent=1))
     plot_results(doc, path.with_suffix(".png"))

@@ -9,12 +9,17 @@ from __future__ import annotations
 import argparse
 import importlib
 import pkgutil
+import signal
 import sys
 import time
 import traceback
 
 import benchmarks
 from benchmarks.common import Ceilings, Recorder, write_results
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
 
 
 def available_ops() -> list[str]:
@@ -42,17 +47,26 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  HBM {ceilings.hbm_gbps:.0f} GB/s, bf16 {ceilings.bf16_tflops:.0f} TFLOP/s, "
           f"tf32 {ceilings.tf32_tflops:.0f} TFLOP/s", flush=True)
     rec = Recorder(ceilings)
-    failed = []
-    for op in tqdm(ops, desc="ops", file=sys.stdout):
-        start = time.time()
-        print(f"== {op}", flush=True)
-        try:
-            importlib.import_module(f"benchmarks.bench_{op}").run(rec, args.quick)
-        except Exception:  # noqa: BLE001 - one op's failure must not lose the others' numbers
-            traceback.print_exc()
-            failed.append(op)
-        print(f"== {op} took {time.time() - start:.1f}s", flush=True)
-    path = write_results(rec, ops, args.out)
+    failed, started = [], []
+    # `timeout` sends SIGTERM: turn it into an exception so what was measured is still written.
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        for op in tqdm(ops, desc="ops", file=sys.stdout):
+            start = time.time()
+            started.append(op)
+            print(f"== {op}", flush=True)
+            try:
+                importlib.import_module(f"benchmarks.bench_{op}").run(rec, args.quick)
+            except Exception:  # noqa: BLE001 - one op's failure must not lose the others' numbers
+                traceback.print_exc()
+                failed.append(op)
+            print(f"== {op} took {time.time() - start:.1f}s", flush=True)
+            # Written after every op, so a run cut off by a time limit keeps what it measured.
+            path = write_results(rec, started, args.out)
+    except KeyboardInterrupt:
+        print(f"interrupted during {started[-1] if started else 'setup'}: writing the rows measured so far")
+        failed.append("interrupted")
+        path = write_results(rec, started, args.out)
     print(f"results: {path}")
     if failed:
         print(f"FAILED ops: {failed}")
