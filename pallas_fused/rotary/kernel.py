@@ -71,13 +71,14 @@ def choose_config(batch: int, seq_len: int, n_q_heads: int, n_k_heads: int, pair
     """Pick the launch geometry.
 
     One token per program by default, with all of its q and k heads, so the token's cos/sin are computed
-    once and serve every head; warps are chosen for ~64-128 elements per thread. Heads are split over
+    once and serve every head; warps are chosen for ~32-64 elements per thread. Heads are split over
     programs (chunks) only when a tile would not fit in registers, or when the grid would not fill the
     GPU (decode). `itemsize` is kept for callers; the geometry no longer depends on it.
     """
     del itemsize
-    # Measured on an H200 (B4 S4096 Hq32 Hk8 D128 bf16): one token per program and ~64-128 elements per
-    # thread ran 2.7x faster than 4 tokens x 8 warps (0.099 vs 0.27 ms); larger tiles lost bandwidth.
+    # Measured on an H200 (benchmarks/results/logs/*rotary*): one token per program ran 2.7x faster than
+    # 4 tokens x 8 warps (0.10 vs 0.27 ms fwd, B4 S4096 Hq32 Hk8 D128 bf16); with one token, 4 warps beat 2
+    # there (40 elements per thread) and 8 beat 4 for Hq=Hk=32 (32 per thread).
     bt = block_tokens or 1
     bt = min(bt, _next_pow2(seq_len))
     features = 2 * pairs + passthrough
@@ -100,8 +101,8 @@ def choose_config(batch: int, seq_len: int, n_q_heads: int, n_k_heads: int, pair
     while programs() < 2 * num_sms and max(hq, hk) > 1 and chunks < max(n_q_heads, n_k_heads):
         chunks *= 2
         hq, hk = heads_for(chunks)
-    if num_warps is None:  # ~64 elements or more per thread (see the measurement above)
-        while warps > 1 and bt * (hq + hk) * features < 64 * 32 * warps:
+    if num_warps is None:  # ~32-64 elements per thread (see the measurement above)
+        while warps > 1 and bt * (hq + hk) * features < 32 * 32 * warps:
             warps //= 2
     return LaunchConfig(bt, hq, hk, chunks, warps)
 

@@ -369,12 +369,12 @@ def test_bhsd_shape_checks_use_the_layout():
 
 
 def test_choose_config_shapes():
-    # The benchmark shape: one token per program, all heads of q and k in it, 2 warps (80 elements per
+    # The benchmark shape: one token per program, all heads of q and k in it, 4 warps (40 elements per
     # thread): the fastest geometry measured on an H200.
     cfg = choose_config(4, 4096, 32, 8, 64, 0, 2, num_sms=132)
-    assert cfg == LaunchConfig(block_tokens=1, q_heads=32, k_heads=8, num_chunks=1, num_warps=2)
-    # MHA: twice the heads, twice the warps.
-    assert choose_config(8, 2048, 32, 32, 64, 0, 2, num_sms=132).num_warps == 4
+    assert cfg == LaunchConfig(block_tokens=1, q_heads=32, k_heads=8, num_chunks=1, num_warps=4)
+    # MHA: more heads, more warps.
+    assert choose_config(8, 2048, 32, 32, 64, 0, 2, num_sms=132).num_warps == 8
     # Decode (S=1): heads split over programs so a 64-row batch still fills the GPU.
     cfg = choose_config(64, 1, 32, 8, 64, 0, 2, num_sms=132)
     assert cfg.block_tokens == 1 and 64 * cfg.num_chunks >= 2 * 132
