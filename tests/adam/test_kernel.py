@@ -7,7 +7,7 @@ import pytest
 
 from pallas_fused.adam import kernel as K
 from pallas_fused.adam import reference as R
-from tests.helpers import assert_all_written, rand
+from tests.helpers import assert_all_written, rand, rel_err
 
 
 def _scalars(t=3, lr=1e-2, b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, wd=0.05):
@@ -169,8 +169,9 @@ def test_gpu_fp32_kernel_large(n):
     ref = jax.jit(lambda *a: R.adam_leaf_reference(*a, inplace=True))(g, m, v, s, p)
     for o, r in zip(out, ref):
         assert_all_written(o)
-        # Triton's fp32 division and sqrt may be a few ulps off XLA's.
-        np.testing.assert_allclose(np.asarray(o), np.asarray(r), rtol=2e-5, atol=1e-8)
+        # Triton's fp32 division and sqrt may be a few ulps off XLA's, and FMA contraction differs: compare
+        # norm-wise (an elementwise rtol fails on the few m = b1 m + (1-b1) g that cancel to near zero).
+        assert rel_err(o, np.asarray(r, np.float64)) < 1e-6
 
 
 @pytest.mark.gpu
