@@ -26,47 +26,41 @@ import numpy as np
 RESULTS_DIR = Path(__file__).parent / "results"
 
 
-def bench(fn: Callable, *args, n: int = 50, reps: int = 5) -> float:
-    """Median over `reps` of the mean wall time (ms) of `n` asynchronous calls, after a warm-up call."""
-    jax.block_until_ready(fn(*args))
+def _median_of_means(call: Callable, sync: Callable, n: int, reps: int) -> float:
+    """Median over `reps` of the mean wall time (ms) of `n` asynchronous `call()`s, after a warm-up call;
+    `sync` waits for the device once per rep."""
+    sync(call())
     times = []
     for _ in range(reps):
         start = time.perf_counter()
         for _ in range(n):
-            out = fn(*args)
-        jax.block_until_ready(out)
+            out = call()
+        sync(out)
         times.append((time.perf_counter() - start) / n * 1e3)
     return float(np.median(times))
+
+
+def bench(fn: Callable, *args, n: int = 50, reps: int = 5) -> float:
+    """Time `fn(*args)`: median over `reps` of the mean of `n` asynchronous calls (ms)."""
+    return _median_of_means(lambda: fn(*args), jax.block_until_ready, n, reps)
 
 
 def bench_carry(step: Callable, state: tuple, n: int = 50, reps: int = 5) -> float:
     """Like `bench` for a step that donates its inputs: `state = step(*state)` each call."""
-    state = step(*state)
-    jax.block_until_ready(state)
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        for _ in range(n):
-            state = step(*state)
-        jax.block_until_ready(state)
-        times.append((time.perf_counter() - start) / n * 1e3)
-    return float(np.median(times))
+    carry = [state]
+
+    def call():
+        carry[0] = step(*carry[0])
+        return carry[0]
+
+    return _median_of_means(call, jax.block_until_ready, n, reps)
 
 
 def bench_torch(fn: Callable, n: int = 50, reps: int = 5) -> float:
     """The same method for a torch peer (synchronising the CUDA device instead of blocking on arrays)."""
     import torch
 
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        for _ in range(n):
-            fn()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - start) / n * 1e3)
-    return float(np.median(times))
+    return _median_of_means(fn, lambda _: torch.cuda.synchronize(), n, reps)
 
 
 def rnd(seed: int, shape, dtype=jnp.float32, scale: float = 1.0) -> jax.Array:
