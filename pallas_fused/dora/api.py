@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_fused import _backend
+from pallas_fused import _backend, _sharding
 from pallas_fused.dora import kernel as K
 from pallas_fused.dora import reference
 from pallas_fused.dora.quant import Int8Kernel, NF4Kernel, dequantize, is_quantized
@@ -73,6 +73,23 @@ def _pad_rank(lora_a, lora_b):
     return jnp.pad(lora_a, ((0, 0), (0, rp - r))), jnp.pad(lora_b, ((0, rp - r), (0, 0)))
 
 
+def _shard(launch, kind, rule, replicated=(), summed=()):
+    """`launch` run per shard under `rule`, where "{w}" stands for the weight operands (see _sharding).
+    NF4 weights are not partitioned (packed layout): their kernels see gathered operands."""
+    if kind == "nf4":
+        return launch
+    w = {"dense": "k n", "int8": "k n, n"}[kind]
+    return _sharding.partitioned(launch, rule.format(w=w), replicated=replicated, summed=summed)
+
+
+def _column_sumsq(ops, kind, ap, bp, scale, interpret, config):
+    """Column sums of squares; sharded: output features split, the input axis summed per shard + psum."""
+    def launch(*a):
+        return K.column_sumsq(a[:-3], kind, *a[-3:], interpret=interpret, config=config)
+
+    return _shard(launch, kind, "{w}, k r, r n, -> n", replicated=("r",), summed=("k",))(*ops, ap, bp, scale)
+
+
 def _dense_w(kind, ops, dtype):
     """Full-precision W for the XLA GEMM variants (dense kernels only)."""
     if kind != "dense":
@@ -85,11 +102,18 @@ def _forward(statics, x, ops, a, b, m, bias, scale):
     kind, gemm, interpret, config = statics[:4]
     dt = x.dtype
     ap, bp = _pad_rank(a, b)
-    n = jnp.sqrt(K.column_sumsq(ops, kind, ap, bp, scale, interpret=interpret, config=config))
+    n = jnp.sqrt(_column_sumsq(ops, kind, ap, bp, scale, interpret, config))
     g = m.astype(jnp.float32) / n
     xa = jnp.dot(x, ap, preferred_element_type=jnp.float32).astype(dt)
     if gemm in ("pallas", "auto"):
-        y = K.forward_gemm(x, ops, kind, xa, bp, g, scale, bias, interpret=interpret, config=config)
+        def fwd(x, *a):  # sharded: tokens and output features split; K and the rank gathered
+            ops_, (xa_, bp_, g_, scale_, *bias_) = a[:len(ops)], a[len(ops):]
+            return K.forward_gemm(x, ops_, kind, xa_, bp_, g_, scale_, bias_[0] if bias_ else None,
+                                  interpret=interpret, config=config)
+
+        rule = "m k, {w}, m r, r n, n, " + ("" if bias is None else ", n") + " -> m n"
+        y = _shard(fwd, kind, rule, replicated=("k", "r"))(x, *ops, xa, bp, g, scale,
+                                                            *(() if bias is None else (bias,)))
     else:
         w = _dense_w(kind, ops, dt)
         if gemm == "xla_epilogue":
@@ -131,7 +155,10 @@ def _dora_2d_bwd(statics, res, dy):
     us = jnp.dot(dy, (bp.astype(jnp.float32) * gs[None, :]).astype(dt).T, preferred_element_type=jnp.float32).astype(dt)
     if gemm == "pallas" or (gemm == "auto" and kind != "dense"):
         gw = g * ops[1] if kind == "int8" else g
-        dx = K.backward_dx(dy, gw, ops, kind, us, ap, interpret=interpret, config=config)
+        def bwd_dx(dy, gw, *a):  # sharded: tokens and input features split; N and the rank gathered
+            return K.backward_dx(dy, gw, a[:-2], kind, *a[-2:], interpret=interpret, config=config)
+
+        dx = _shard(bwd_dx, kind, "m n, n, {w}, m r, k r -> m k", replicated=("n", "r"))(dy, gw, *ops, us, ap)
     else:
         # cuBLAS: g goes on whichever of dy (M, out) and W (in, out) is smaller.
         w = _dense_w(kind, ops, dt)
@@ -140,7 +167,12 @@ def _dora_2d_bwd(statics, res, dy):
         else:
             dx = jnp.dot((dy.astype(jnp.float32) * g[None, :]).astype(dt), w.T, preferred_element_type=jnp.float32)
         dx = (dx + jnp.dot(us, ap.T, preferred_element_type=jnp.float32)).astype(dt)
-    p, dmz, db = K.backward_columns(dy, y, xa, bias, interpret=interpret, config=config)
+    def bwd_cols(dy, y, xa, *bias_):  # sharded: output features split, tokens summed per shard + psum
+        return K.backward_columns(dy, y, xa, bias_[0] if bias_ else None, interpret=interpret, config=config)
+
+    rule = "m n, m n, m r" + ("" if bias is None else ", n") + " -> r n, n, n"
+    p, dmz, db = _shard(bwd_cols, "dense", rule, replicated=("r",), summed=("m",))(
+        dy, y, xa, *(() if bias is None else (bias,)))
     da = jnp.dot(x.T, us, preferred_element_type=jnp.float32)
     dbm = p * gs[None, :]
     # dm = sum_t dy z / n with z = x W + s (x A) B; since y - bias = z m / n, it is sum_t dy (y - bias) / m
@@ -243,6 +275,6 @@ def column_scale(kernel, lora_a, lora_b, magnitude, *, scale, implementation: st
         return reference.column_scale_reference(kernel, lora_a, lora_b, magnitude, scale, dt)
     kind, ops = _weight_ops(kernel, dt)
     ap, bp = _pad_rank(lora_a.astype(dt), lora_b.astype(dt))
-    sumsq = K.column_sumsq(ops, kind, ap, bp, jnp.asarray(scale, jnp.float32), interpret=impl == "interpret",
-                           config=config or K.DEFAULT)
+    sumsq = _column_sumsq(ops, kind, ap, bp, jnp.asarray(scale, jnp.float32), impl == "interpret",
+                          config or K.DEFAULT)
     return magnitude.astype(jnp.float32) / jnp.sqrt(sumsq)

@@ -25,7 +25,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from pallas_fused import _backend
+from pallas_fused import _backend, _sharding
 from pallas_fused.fp8 import reference
 from pallas_fused.fp8.config import FP8_DTYPES, CastConfig, Float8Config, as_config
 
@@ -71,8 +71,19 @@ def _quantize_2d(x, dtype, axis, power_of_2, impl, emit_n=True, emit_t=False):
         return (q if emit_n else None), (q.T if emit_t else None), scale
     from pallas_fused.fp8 import kernel
 
-    return kernel.quantize_2d(x, dtype=jnp.dtype(dtype), axis=axis, power_of_2=power_of_2, emit_n=emit_n,
-                              emit_t=emit_t, interpret=impl == "interpret")
+    def launch(x):
+        q, qt, scale = kernel.quantize_2d(x, dtype=jnp.dtype(dtype), axis=axis, power_of_2=power_of_2, emit_n=emit_n,
+                                          emit_t=emit_t, interpret=impl == "interpret")
+        return tuple(o for o in (q, qt) if o is not None) + (scale,)
+
+    if axis is None:  # tensorwise: the kernel takes a global amax, so a sharded x is gathered
+        out = launch(x)
+    else:  # axiswise: shard-local along the kept axis; the reduced axis is gathered
+        kept, red = ("m", "k") if axis == 1 else ("k", "m")
+        outs = (["m k"] if emit_n else []) + (["k m"] if emit_t else []) + [f"{kept} u" if axis == 1 else f"u {kept}"]
+        out = _sharding.partitioned(launch, "m k -> " + ", ".join(outs), replicated=(red,))(x)
+    out = list(out)
+    return (out.pop(0) if emit_n else None), (out.pop(0) if emit_t else None), out[0]
 
 
 def quantize(x, dtype=jnp.float8_e4m3fn, axis: int | None = None, power_of_2: bool = False, *,
@@ -137,7 +148,6 @@ def sm90_config(m, n, k):
 
 def _mm_nt(a, bt, sa, sb, out_dtype, fast_accum, impl):
     """(a * sa[:, None]) @ (bt * sb[:, None])^T; a (M, K), bt (N, K) fp8; sa (M,), sb (N,) fp32."""
-    m, n = a.shape[0], bt.shape[0]
     same = a.dtype == bt.dtype
     if impl == "pallas":
         impl = "pallas:sm90" if _backend.is_hopper() and same and fast_accum else "xla"
@@ -152,15 +162,24 @@ def _mm_nt(a, bt, sa, sb, out_dtype, fast_accum, impl):
         if not same:
             raise ValueError(f"scaled_matmul: implementation='pallas:sm90' needs one fp8 dtype for both operands, "
                              f"got {a.dtype} and {bt.dtype}")
-        config = sm90_config(m, n, a.shape[1])
-        cm, cn = config.cta_tile
-        out = kernel_sm90.scaled_matmul_nt(
-            _pad_to(a, cm, config.tile_k), _pad_to(bt, cn, config.tile_k), _pad_vec(sa, cm), _pad_vec(sb, cn),
-            out_dtype=jnp.dtype(out_dtype), config=config)
-        return out[:m, :n]
-    from pallas_fused.fp8 import kernel
 
-    return kernel.scaled_matmul_nt(a, bt, sa, sb, out_dtype=jnp.dtype(out_dtype), interpret=impl == "interpret")
+        def launch(a, bt, sa, sb):
+            m, n = a.shape[0], bt.shape[0]
+            config = sm90_config(m, n, a.shape[1])
+            cm, cn = config.cta_tile
+            out = kernel_sm90.scaled_matmul_nt(
+                _pad_to(a, cm, config.tile_k), _pad_to(bt, cn, config.tile_k), _pad_vec(sa, cm), _pad_vec(sb, cn),
+                out_dtype=jnp.dtype(out_dtype), config=config)
+            return out[:m, :n]
+    else:
+        from pallas_fused.fp8 import kernel
+
+        def launch(a, bt, sa, sb):
+            return kernel.scaled_matmul_nt(a, bt, sa, sb, out_dtype=jnp.dtype(out_dtype),
+                                           interpret=impl == "interpret")
+
+    # Sharded: M data parallel, N tensor parallel; the contraction K is gathered.
+    return _sharding.partitioned(launch, "m k, n k, m, n -> m n", replicated=("k",))(a, bt, sa, sb)
 
 
 def _check_out_dtype(out_dtype, op):

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_fused import _backend
+from pallas_fused import _backend, _sharding
 from pallas_fused.rotary import kernel as _kernel
 from pallas_fused.rotary.reference import (
     LAYOUTS,
@@ -37,9 +37,29 @@ class _Static:
 
 def _run_kernel(q, k, positions, st: _Static, inverse: bool):
     inv_freq = inv_frequencies(st.rotary_dim, st.base, st.scaling)
-    return _kernel.rotary_pallas(q, k, positions, inv_freq, rotary_dim=st.rotary_dim, interleaved=st.interleaved,
-                                 layout=st.layout, scale=attention_scale(st.scaling), sign=-1.0 if inverse else 1.0,
-                                 interpret=st.interpret, config=st.config)
+
+    def launch(q, k, positions):
+        return _kernel.rotary_pallas(q, k, positions, inv_freq, rotary_dim=st.rotary_dim,
+                                     interleaved=st.interleaved, layout=st.layout, scale=attention_scale(st.scaling),
+                                     sign=-1.0 if inverse else 1.0, interpret=st.interpret, config=st.config)
+
+    if jax.device_count() == 1:
+        return launch(q, k, positions)
+    # Sharded: each device rotates its own (batch, tokens, heads) shard; head_dim is gathered. Default
+    # positions are materialised so that a shard of the sequence rotates by its global positions.
+    seq_len = q.shape[1] if st.layout == "bshd" else q.shape[2]
+    if positions is None:
+        positions = default_positions(seq_len)
+    x = "b s {} d" if st.layout == "bshd" else "b {} s d"
+    terms = [x.format("h")] + ([] if k is None else [x.format("g")])
+    rule = ", ".join(terms + ["s" if positions.ndim == 1 else "b s"]) + " -> " + ", ".join(terms)
+
+    def local(*args):
+        q_rot, k_rot = launch(args[0], None if k is None else args[1], args[-1])
+        return q_rot if k is None else (q_rot, k_rot)
+
+    out = _sharding.partitioned(local, rule, replicated=("d",))(*([q] if k is None else [q, k]), positions)
+    return (out, None) if k is None else tuple(out)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))

@@ -1,0 +1,203 @@
+"""Sharded-op checks on 8 simulated CPU devices: `python -m tests.sharding._worker <case>`.
+
+Run in a subprocess by test_sharding.py (XLA_FLAGS must be set before jax initialises). Each case
+compares the sharded result with the single-device one, checks the output sharding, and checks that no
+collective in the compiled HLO moves as many elements as a sharded operand (nothing is gathered).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+MESH = None
+
+
+def mesh():
+    global MESH
+    if MESH is None:
+        MESH = Mesh(np.array(jax.devices()).reshape(4, 2), ("data", "model"))
+    return MESH
+
+
+def put(x, *spec):
+    return jax.device_put(x, NamedSharding(mesh(), P(*spec)))
+
+
+def rand(seed, shape, dtype=jnp.float32):
+    return jax.random.normal(jax.random.key(seed), shape, jnp.float32).astype(dtype)
+
+
+def check(fn, args, expect_specs, *, tol=0.0, what=""):
+    """fn under jit on sharded args == fn on unsharded args; output specs; no all-gather in the HLO."""
+    plain = [jax.device_put(np.asarray(a), jax.devices()[0]) if hasattr(a, "shape") else a for a in args]
+    ref = jax.jit(fn)(*plain)
+    jitted = jax.jit(fn)
+    out = jitted(*args)
+    outs, refs = jax.tree.leaves(out), jax.tree.leaves(ref)
+    assert len(outs) == len(refs) == len(expect_specs), (what, len(outs), len(refs), len(expect_specs))
+    for o, r, spec in zip(outs, refs, expect_specs):
+        a, b = np.asarray(o, np.float32), np.asarray(r, np.float32)
+        err = float(np.max(np.abs(a - b))) if a.size else 0.0
+        assert err <= tol * max(1.0, float(np.max(np.abs(b)))), f"{what}: sharded result differs by {err}"
+        got = tuple(o.sharding.spec) + (None,) * (o.ndim - len(o.sharding.spec))
+        want = tuple(spec) + (None,) * (o.ndim - len(spec))
+        assert got == want, f"{what}: output sharding {got}, expected {want}"
+    hlo = jitted.lower(*args).compile().as_text()
+    # No collective may move a sharded operand's worth of data (XLA:CPU replicates a sharded operand with
+    # an all-reduce of a zero-padded buffer rather than an all-gather, so every collective kind and every
+    # element of a combined (tuple) collective counts;
+    # the small all-reduces of per-shard partial sums stay under the bound).
+    sharded = [a.size for a in args if hasattr(a, "sharding") and any(tuple(a.sharding.spec))]
+    bound = min(sharded)
+    for line in hlo.splitlines():
+        op = re.search(r"= (.*?) (all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)(-start)?\(",
+                       line)
+        if op:
+            size = max(int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
+                       for dims in re.findall(r"\w+\[([\d,]*)\]", op.group(1)))
+            assert size < bound, f"{what}: a collective moves {size} elements (sharded operands: {sharded}):\n{line}"
+            # In interpret mode a kernel is plain HLO that XLA could partition itself, gathering inside the
+            # kernel's loop (on a GPU the opaque kernel would get the gathered operands): none of that either.
+            assert "pallas_fused_" not in line, f"{what}: a collective inside the kernel:\n{line}"
+    return hlo
+
+
+CASES = {}
+
+
+def case(fn):
+    CASES[fn.__name__] = fn
+    return fn
+
+
+# ---------------------------------------------------------------------------------------------- rotary
+
+
+@case
+def rotary():
+    from pallas_fused.rotary import apply_rotary
+
+    q, k = rand(0, (4, 8, 4, 16)), rand(1, (4, 8, 2, 16), jnp.bfloat16)
+    pos = jnp.asarray(np.random.default_rng(0).integers(0, 100, (4, 8)), jnp.int32)
+
+    def f(q, k, pos):
+        return apply_rotary(q, k, pos, implementation="interpret")
+
+    # batch on data, heads on model (q and k), positions with the batch
+    check(f, (put(q, "data", None, "model"), put(k, "data", None, "model"), put(pos, "data")),
+          [P("data", None, "model"), P("data", None, "model")], tol=1e-6, what="rotary batch x heads")
+    # sequence on data, default positions (must be the global ones), no k
+    check(lambda q: apply_rotary(q, implementation="interpret")[0], (put(q, None, "data", "model"),),
+          [P(None, "data", "model")], tol=1e-6, what="rotary sequence, default positions")
+    # heads-major layout, partial rotary_dim
+    qh = jnp.swapaxes(q, 1, 2)
+    check(lambda q: apply_rotary(q, rotary_dim=8, layout="bhsd", implementation="interpret")[0],
+          (put(qh, "data", "model"),), [P("data", "model")], tol=1e-6, what="rotary bhsd")
+
+
+@case
+def rotary_grad_vmap():
+    from pallas_fused.rotary import apply_rotary
+
+    q, k = rand(2, (4, 8, 4, 16)), rand(3, (4, 8, 2, 16))
+    w = rand(4, (4, 8, 4, 16))
+
+    def loss(q, k):
+        q_rot, k_rot = apply_rotary(q, k, implementation="interpret")
+        return jnp.sum(q_rot * w) + jnp.sum(k_rot * k_rot)
+
+    check(jax.grad(loss, argnums=(0, 1)), (put(q, "data", "model"), put(k, "data", "model")),
+                [P("data", "model"), P("data", "model")], tol=1e-5, what="rotary grad (backward kernel)")
+    # vmap over a leading axis of a sharded stack still works (and keeps the stack axis sharded)
+    qs = rand(5, (2, 4, 8, 4, 16))
+    check(jax.vmap(lambda q: apply_rotary(q, implementation="interpret")[0]), (put(qs, "model", "data"),),
+          [P("model", "data")], tol=1e-6, what="rotary under vmap")
+    # inside shard_map (all axes manual: the kernel runs as is) and on an Explicit mesh (shard_map by the rule)
+    f = jax.shard_map(lambda q: apply_rotary(q, implementation="interpret")[0], mesh=mesh(),
+                      in_specs=P("data", None, "model"), out_specs=P("data", None, "model"), check_vma=False)
+    ref = apply_rotary(q, implementation="interpret")[0]
+    np.testing.assert_allclose(jax.jit(f)(put(q, "data", None, "model")), ref, rtol=1e-6, atol=1e-6)
+    explicit = jax.make_mesh((4, 2), ("data", "model"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+    with jax.set_mesh(explicit):
+        qe = jax.device_put(q, P("data", None, "model"))
+        out = jax.jit(lambda q: apply_rotary(q, implementation="interpret")[0])(qe)
+        assert tuple(out.sharding.spec)[:3] == ("data", None, "model"), out.sharding
+    np.testing.assert_allclose(out, ref, rtol=1e-6, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------- fp8
+
+
+@case
+def fp8():
+    from pallas_fused.fp8 import api as fp8
+
+    x = rand(6, (16, 32))
+    quant = jax.jit(lambda x, axis: fp8.quantize(x, axis=axis, implementation="interpret"), static_argnums=1)
+    check(lambda x: quant(x, -1), (put(x, "data"),), [P("data"), P("data")], what="quantize rowwise")
+    check(lambda x: quant(x, 0), (put(x, None, "model"),), [P(None, "model"), P(None, "model")],
+          what="quantize columnwise")
+    a, sa = fp8.quantize(x, axis=-1, implementation="xla")
+    bt, sb = fp8.quantize(rand(7, (8, 32)), axis=-1, implementation="xla")
+
+    def mm(a, bt, sa, sb):
+        return fp8.scaled_matmul_nt(a, bt, sa, sb, out_dtype=jnp.float32, implementation="interpret")
+
+    check(mm, (put(a, "data"), put(bt, "model"), put(sa, "data"), put(sb, "model")), [P("data", "model")],
+          tol=1e-6, what="scaled_matmul_nt M x N")
+    # fp8_linear forward, rowwise: tokens on data, output features on model
+    w = rand(8, (32, 8))
+    check(lambda x, w: fp8.fp8_linear(x, w, "rowwise", implementation="interpret"),
+          (put(x, "data"), put(w, None, "model")), [P("data", "model")], tol=1e-6, what="fp8_linear rowwise")
+
+
+# ---------------------------------------------------------------------------------------------- dora
+
+
+@case
+def dora():
+    from pallas_fused.dora import Int8Kernel, column_scale, dora_dense, quantize_int8
+
+    x, w = rand(9, (32, 32)), rand(10, (32, 16))  # x larger than any weight: a gathered x stands out
+    a, b, m, bias = rand(11, (32, 4)), rand(12, (4, 16)), 1.0 + jnp.abs(rand(13, (16,))), rand(14, (16,))
+
+    def f(x, w, a, b, m, bias):
+        return dora_dense(x, w, a, b, m, bias, scale=0.5, implementation="interpret")
+
+    # tokens on data, output features on model (W, B, magnitude, bias split by column)
+    sharded = (put(x, "data"), put(w, None, "model"), put(a), put(b, None, "model"), put(m, "model"),
+               put(bias, "model"))
+    check(f, sharded, [P("data", "model")], tol=1e-5, what="dora_dense forward")
+
+    def loss(x, w, a, b, m, bias):  # gemm="pallas": the backward dx kernel too
+        return jnp.sum(dora_dense(x, w, a, b, m, bias, scale=0.5, gemm="pallas", implementation="interpret") ** 2)
+
+    # backward (dx and column kernels): tokens on data; the column kernel sums tokens per shard + psum
+    check(jax.grad(loss, argnums=(0, 2, 3, 4, 5)), (put(x, "data"), put(w), put(a), put(b), put(m), put(bias)),
+          [P("data"), P(), P(), P(), P()], tol=1e-4, what="dora_dense grad, data parallel")
+    # column norm with W split along both axes (FSDP-like rows): per-shard sums of squares + psum
+    check(lambda w, a, b, m: column_scale(w, a, b, m, scale=0.5, implementation="interpret"),
+          (put(w, "data", "model"), put(a, "data"), put(b, None, "model"), put(m, "model")), [P("model")],
+          tol=1e-5, what="column_scale, W split along in and out")
+    # int8 kernel: forward, tokens x output features
+    wq = quantize_int8(w)
+    check(lambda x, q, s, a, b, m: dora_dense(x, Int8Kernel(q, s), a, b, m, scale=0.5, implementation="interpret"),
+          (put(x, "data"), put(wq.q, None, "model"), put(wq.scale, "model"), put(a), put(b, None, "model"),
+           put(m, "model")), [P("data", "model")], tol=1e-5, what="dora_dense int8 forward")
+
+
+if __name__ == "__main__":
+    # Read when the CPU backend starts (first use of jax below), not at import.
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+    assert jax.device_count() == 8, jax.devices()
+    for name in sys.argv[1:]:
+        CASES[name]()
+        print(f"ok {name}", flush=True)
