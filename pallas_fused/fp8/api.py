@@ -76,12 +76,21 @@ def _quantize_2d(x, dtype, axis, power_of_2, impl, emit_n=True, emit_t=False):
                                           emit_t=emit_t, interpret=impl == "interpret")
         return tuple(o for o in (q, qt) if o is not None) + (scale,)
 
-    if axis is None:  # tensorwise: the kernel takes a global amax, so a sharded x is gathered
-        out = launch(x)
-    else:  # axiswise: shard-local along the kept axis; the reduced axis is gathered
-        kept, red = ("m", "k") if axis == 1 else ("k", "m")
-        outs = (["m k"] if emit_n else []) + (["k m"] if emit_t else []) + [f"{kept} u" if axis == 1 else f"u {kept}"]
-        out = _sharding.partitioned(launch, "m k -> " + ", ".join(outs), replicated=(red,))(x)
+    def collective(mesh_axes):
+        """Per shard when the reduced axis is split: all-reduce the amax, cast with XLA (same formula)."""
+        def run(x):
+            amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=axis, keepdims=axis is not None)
+            scale = reference.scale_from_amax(jax.lax.pmax(amax, mesh_axes), dtype, power_of_2)
+            q = reference.saturating_cast(x, scale, dtype)
+            return tuple(o for o, emit in ((q, emit_n), (q.T, emit_t)) if emit) + (scale,)
+
+        return run
+
+    # Sharded: the kept axis stays split (the kernel per shard); a split reduced axis goes through `collective`.
+    scale_term = {None: "", 1: "m u", 0: "u k"}[axis]
+    outs = (["m k"] if emit_n else []) + (["k m"] if emit_t else []) + [scale_term]
+    out = _sharding.partitioned(launch, "m k -> " + ", ".join(outs), reduced=("m", "k") if axis is None else
+                                ("k" if axis == 1 else "m",), reduced_fn=collective)(x)
     out = list(out)
     return (out.pop(0) if emit_n else None), (out.pop(0) if emit_t else None), out[0]
 
@@ -163,7 +172,7 @@ def _mm_nt(a, bt, sa, sb, out_dtype, fast_accum, impl):
             raise ValueError(f"scaled_matmul: implementation='pallas:sm90' needs one fp8 dtype for both operands, "
                              f"got {a.dtype} and {bt.dtype}")
 
-        def launch(a, bt, sa, sb):
+        def launch(a, bt, sa, sb, out_dtype):
             m, n = a.shape[0], bt.shape[0]
             config = sm90_config(m, n, a.shape[1])
             cm, cn = config.cta_tile
@@ -174,12 +183,14 @@ def _mm_nt(a, bt, sa, sb, out_dtype, fast_accum, impl):
     else:
         from pallas_fused.fp8 import kernel
 
-        def launch(a, bt, sa, sb):
+        def launch(a, bt, sa, sb, out_dtype):
             return kernel.scaled_matmul_nt(a, bt, sa, sb, out_dtype=jnp.dtype(out_dtype),
                                            interpret=impl == "interpret")
 
-    # Sharded: M data parallel, N tensor parallel; the contraction K is gathered.
-    return _sharding.partitioned(launch, "m k, n k, m, n -> m n", replicated=("k",))(a, bt, sa, sb)
+    # Sharded: M data parallel, N tensor parallel; a sharded contraction K (tokens, in the weight-gradient
+    # GEMM of data-parallel training) gives float32 partial products, all-reduced and then rounded once.
+    return _sharding.partitioned(lambda *args: launch(*args, out_dtype), "m k, n k, m, n -> m n", summed=("k",),
+                                 partial_fn=lambda *args: launch(*args, jnp.float32))(a, bt, sa, sb)
 
 
 def _check_out_dtype(out_dtype, op):

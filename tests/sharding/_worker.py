@@ -145,6 +145,11 @@ def fp8():
     check(lambda x: quant(x, -1), (put(x, "data"),), [P("data"), P("data")], what="quantize rowwise")
     check(lambda x: quant(x, 0), (put(x, None, "model"),), [P(None, "model"), P(None, "model")],
           what="quantize columnwise")
+    # the reduced axis split: per-shard amax + pmax, the cast on each shard (tensorwise: every axis reduced)
+    check(lambda x: quant(x, -1), (put(x, "data", "model"),), [P("data", "model"), P("data")],
+          what="quantize rowwise, reduced axis split")
+    check(lambda x: quant(x, None), (put(x, "data", "model"),), [P("data", "model"), P()],
+          what="quantize tensorwise")
     a, sa = fp8.quantize(x, axis=-1, implementation="xla")
     bt, sb = fp8.quantize(rand(7, (8, 32)), axis=-1, implementation="xla")
 
@@ -157,6 +162,18 @@ def fp8():
     w = rand(8, (32, 8))
     check(lambda x, w: fp8.fp8_linear(x, w, "rowwise", implementation="interpret"),
           (put(x, "data"), put(w, None, "model")), [P("data", "model")], tol=1e-6, what="fp8_linear rowwise")
+
+    # fp8_linear gradients, data parallel: the weight-gradient GEMM contracts the sharded tokens (float32
+    # partial products + all-reduce of dW), the input-gradient GEMM keeps tokens on data
+    for recipe in ("rowwise", "tensorwise"):
+        def loss(x, w, recipe=recipe):
+            return jnp.sum(fp8.fp8_linear(x, w, recipe, implementation="interpret").astype(jnp.float32) ** 2)
+
+        check(jax.grad(loss, argnums=(0, 1)), (put(x, "data"), put(w)), [P("data"), P()], tol=1e-5,
+              what=f"fp8_linear grad, data parallel, {recipe}")
+    # scaled_matmul_nt with the contraction K split (row-parallel): partial products + all-reduce
+    check(mm, (put(a, None, "model"), put(bt, None, "model"), put(sa), put(sb)), [P()], tol=1e-5,
+          what="scaled_matmul_nt K split")
 
 
 # ---------------------------------------------------------------------------------------------- dora
