@@ -55,7 +55,8 @@ def check(fn, args, expect_specs, *, tol=0.0, what=""):
     # an all-reduce of a zero-padded buffer rather than an all-gather, so every collective kind and every
     # element of a combined (tuple) collective counts;
     # the small all-reduces of per-shard partial sums stay under the bound).
-    sharded = [a.size for a in args if hasattr(a, "sharding") and any(tuple(a.sharding.spec))]
+    sharded = [a.size for a in args if isinstance(getattr(a, "sharding", None), NamedSharding)
+               and any(tuple(a.sharding.spec))]
     bound = min(sharded)
     for line in hlo.splitlines():
         op = re.search(r"= (.*?) (all-gather|all-reduce|all-to-all|collective-permute|reduce-scatter)(-start)?\(",
@@ -76,6 +77,52 @@ CASES = {}
 def case(fn):
     CASES[fn.__name__] = fn
     return fn
+
+
+# ---------------------------------------------------------------------------------------------- core
+
+
+@case
+def core():
+    """`partitioned` on a toy kernel: summed factors (+ partial_fn), vmap, eager, shard_map, Explicit mesh."""
+    from jax.experimental import pallas as pl
+
+    from pallas_fused._sharding import partitioned
+
+    def scale_and_colsum(x, s, out_dtype):  # (x * s, column sums of x): a pallas_call in interpret mode
+        def kernel(x_ref, s_ref, o_ref, c_ref):
+            o_ref[...] = (x_ref[...] * s_ref[0]).astype(o_ref.dtype)
+            c_ref[...] = jnp.sum(x_ref[...].astype(jnp.float32), axis=0).astype(c_ref.dtype)
+
+        return pl.pallas_call(kernel, out_shape=(jax.ShapeDtypeStruct(x.shape, x.dtype),
+                                                 jax.ShapeDtypeStruct(x.shape[1:], out_dtype)),
+                              interpret=True)(x, s.reshape(1))
+
+    scaled = partitioned(lambda x, s: scale_and_colsum(x, s, x.dtype)[0], "b d, -> b d")
+    colsum = partitioned(lambda x, s: scale_and_colsum(x, s, x.dtype)[1], "b d, -> d", summed=("b",),
+                         partial_fn=lambda x, s: scale_and_colsum(x, s, jnp.float32)[1])
+    x, s = rand(20, (16, 8), jnp.bfloat16), jnp.float32(2.0)
+    want = (x * 2, jnp.sum(x.astype(jnp.float32), axis=0).astype(jnp.bfloat16))
+
+    def f(x, s):
+        return scaled(x, s), colsum(x, s)
+
+    check(f, (put(x, "data", "model"), s), [P("data", "model"), P("model")], tol=1e-2, what="core jit")
+    np.testing.assert_allclose(np.asarray(f(x, s)[1], np.float32), np.asarray(want[1], np.float32), rtol=1e-2)
+    xs = rand(21, (3, 16, 8))
+    check(jax.vmap(f, in_axes=(0, None)), (put(xs, None, "data", "model"), s),
+          [P(None, "data", "model"), P(None, "model")], tol=1e-5, what="core vmap")
+    np.testing.assert_allclose(jax.vmap(jax.vmap(lambda x: f(x, s)[1]))(xs[None]), jnp.sum(xs, axis=1)[None],
+                               rtol=1e-5)
+    np.testing.assert_allclose(f(xs[0], s)[1], jnp.sum(xs[0], axis=0), rtol=1e-5)  # eager, one device
+    sm = jax.shard_map(lambda x: f(x, s)[0], mesh=mesh(), in_specs=P("data"), out_specs=P("data"), check_vma=False)
+    np.testing.assert_allclose(jax.jit(sm)(put(xs[0], "data")), xs[0] * 2)
+    explicit = jax.make_mesh((4, 2), ("data", "model"), axis_types=(jax.sharding.AxisType.Explicit,) * 2)
+    with jax.set_mesh(explicit):
+        out, col = jax.jit(f)(jax.device_put(xs[0], P("data", "model")), s)
+        assert tuple(col.sharding.spec) == ("model",), col.sharding
+    np.testing.assert_allclose(col, jnp.sum(xs[0], axis=0), rtol=1e-5)
+    np.testing.assert_allclose(out, xs[0] * 2)
 
 
 # ---------------------------------------------------------------------------------------------- rotary
