@@ -257,6 +257,12 @@ def dora():
           (put(x, "data"), put(wq.q, None, "model"), put(wq.scale, "model"), put(a), put(b, None, "model"),
            put(m, "model")), [P("data", "model")], tol=1e-5, what="dora_dense int8 forward")
 
+    def loss_q(x, q, s, a, b, m):  # int8 + gemm="auto": the backward dx kernel, tokens on data
+        return jnp.sum(dora_dense(x, Int8Kernel(q, s), a, b, m, scale=0.5, implementation="interpret") ** 2)
+
+    check(jax.grad(loss_q, argnums=(0, 3, 4, 5)), (put(x, "data"), put(wq.q), put(wq.scale), put(a), put(b), put(m)),
+          [P("data"), P(), P(), P()], tol=1e-4, what="dora_dense int8 grad, data parallel")
+
 
 if __name__ == "__main__":
     # Read when the CPU backend starts (first use of jax below), not at import.
