@@ -29,8 +29,7 @@ from pallas_fused.adam.reference import (
     SIGNED_MAP,
     UNSIGNED_MAP,
     adam_math,
-    block_inv_absmax,
-    encode_signed,
+    q8_step,
 )
 
 load, store = _backend.load, _backend.store
@@ -141,16 +140,8 @@ def _q8_kernel(*refs, n, nb, rows, has_p, inplace):
     v = load(umap_ref.at[vc], eviction_policy="evict_last") * va[:, None]
     p = None if p_ref is None else load(p_ref.at[idx], mask=mask, other=0.0, eviction_policy="evict_first").astype(
         jnp.float32)
-    u, m_new, v_new, ok = adam_math(g, m, v, p, s, exact_division=False)
-    ok = ok & mask
-    m_new = jnp.where(ok, m_new, jnp.where(mask, m, 0.0))
-    v_new = jnp.where(ok, v_new, jnp.where(mask, v, 0.0))
-    u = jnp.where(ok, u, 0.0)
-    # Requantize with each block's new absmax.
-    ma_new = jnp.max(jnp.abs(m_new), axis=1)
-    va_new = jnp.max(v_new, axis=1)
-    mc_new = encode_signed(m_new, block_inv_absmax(ma_new)[:, None], SIGNED_MAP)
-    vc_new = encode_signed(v_new, block_inv_absmax(va_new)[:, None], UNSIGNED_MAP)
+    # Step, then requantize with each block's new absmax.
+    u, ma_new, va_new, mc_new, vc_new = q8_step(g, m, v, p, s, mask)
     store(mc_out.at[idx], mc_new.astype(jnp.uint8), mask=mask)
     store(vc_out.at[idx], vc_new.astype(jnp.uint8), mask=mask)
     store(ma_out.at[row], ma_new, mask=rmask)

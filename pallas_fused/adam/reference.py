@@ -194,6 +194,23 @@ def dequantize_blockwise(codes, absmax, shape, signed: bool):
     return vals.reshape(-1)[:n].reshape(shape)
 
 
+def q8_step(g, m, v, p, s, valid):
+    """The 8-bit step on (blocks, 256) fp32 tiles, shared by the kernel and the reference: Adam on the
+    dequantized moments (elements whose new moments are not finite keep the old ones, update 0), then
+    each block's new absmax and codes. `valid` masks elements past the tensor's end.
+    Returns (update, m_absmax, v_absmax, m_codes, v_codes); codes are int32."""
+    u, m_new, v_new, ok = adam_math(g, m, v, p, s, exact_division=False)
+    ok = ok & valid
+    m_new = jnp.where(ok, m_new, jnp.where(valid, m, 0.0))
+    v_new = jnp.where(ok, v_new, jnp.where(valid, v, 0.0))
+    u = jnp.where(ok, u, 0.0)
+    ma_new = jnp.max(jnp.abs(m_new), axis=1)
+    va_new = jnp.max(v_new, axis=1)
+    mc_new = encode_signed(m_new, block_inv_absmax(ma_new)[:, None], SIGNED_MAP)
+    vc_new = encode_signed(v_new, block_inv_absmax(va_new)[:, None], UNSIGNED_MAP)
+    return u, ma_new, va_new, mc_new, vc_new
+
+
 def adam_leaf_reference_q8(g, mc, ma, vc, va, s, p=None, *, inplace=False, u_dtype=None):
     """The 8-bit-state leaf step in jnp (dequantize, step, requantize), mirroring the kernel.
 
@@ -212,15 +229,7 @@ def adam_leaf_reference_q8(g, mc, ma, vc, va, s, p=None, *, inplace=False, u_dty
     m = sm[mc.astype(jnp.int32).reshape(nb, QBLOCK)] * ma[:, None]
     v = um[vc.astype(jnp.int32).reshape(nb, QBLOCK)] * va[:, None]
     pb = None if p is None else blocks(p)
-    u, m_new, v_new, ok = adam_math(blocks(g), m, v, pb, s, exact_division=False)
-    ok = ok & valid
-    m_new = jnp.where(ok, m_new, jnp.where(valid, m, 0.0))
-    v_new = jnp.where(ok, v_new, jnp.where(valid, v, 0.0))
-    u = jnp.where(ok, u, 0.0)
-    ma_new = jnp.max(jnp.abs(m_new), axis=1)
-    va_new = jnp.max(v_new, axis=1)
-    mc_new = encode_signed(m_new, block_inv_absmax(ma_new)[:, None], SIGNED_MAP)
-    vc_new = encode_signed(v_new, block_inv_absmax(va_new)[:, None], UNSIGNED_MAP)
+    u, ma_new, va_new, mc_new, vc_new = q8_step(blocks(g), m, v, pb, s, valid)
     # Codes beyond the tensor's end are left as they were, like the kernel's masked stores.
     mc_new = jnp.where(valid, mc_new, mc.astype(jnp.int32).reshape(nb, QBLOCK)).astype(jnp.uint8).reshape(-1)
     vc_new = jnp.where(valid, vc_new, vc.astype(jnp.int32).reshape(nb, QBLOCK)).astype(jnp.uint8).reshape(-1)
