@@ -64,7 +64,8 @@ def adam_math(g, m, v, p, s, *, exact_division=True):
     if p is not None:
         u = u + wd * p
     u = neg_lr * u
-    ok = jnp.isfinite(m_new) & jnp.isfinite(v_new)
+    # |x| < inf is isfinite(x) (NaN compares false) in two instructions; Triton lowers isfinite to ~10.
+    ok = (jnp.abs(m_new) < jnp.inf) & (jnp.abs(v_new) < jnp.inf)
     return u, m_new, v_new, ok
 
 
