@@ -147,7 +147,8 @@ def test_fast_trig_angle_reduction():
 
 
 @pytest.mark.parametrize("dtype,load_mode", [(jnp.bfloat16, "plain"), (jnp.float16, "volatile"),
-                                             (jnp.bfloat16, "evict_first")], ids=["bf16-plain", "f16-volatile", "bf16-evict"])
+                                             (jnp.bfloat16, "evict_first")],
+                         ids=["bf16-plain", "f16-volatile", "bf16-evict"])
 def test_fast_trig_and_load_modes(kernel_impl, dtype, load_mode):
     """trig="fast" (range reduction + approximate sin/cos) for 16-bit q/k, with each load mode: as accurate as
     the fp32 reference rounded to the dtype, positions up to 1e6 included; forward and backward."""
