@@ -161,10 +161,8 @@ def _sincos(angle, trig: str, interpret: bool):
     r = _reduce_angle(angle)
     if interpret:
         return jnp.cos(r), jnp.sin(r)
-    from jax.experimental.pallas import triton as pl_triton
-
     def approx(op):
-        return pl_triton.elementwise_inline_asm(
+        return _backend.pl_triton.elementwise_inline_asm(
             f"{op}.approx.ftz.f32 $0, $1;", args=[r], constraints="=r,r", pack=1,
             result_shape_dtypes=[jax.ShapeDtypeStruct(r.shape, jnp.float32)])[0]
 
@@ -254,9 +252,11 @@ def _kernel(*refs, seq_len, head_dim, rotary_dim, n_heads, has_k, layout, interl
     # this order is what lets all of a program's reads be in flight at once. The loads also come before the
     # cos/sin code: libdevice's sinf/cosf branch (to their slow path), and ptxas does not hoist loads above
     # those branches, so loading after them (as this kernel once did) made every program wait for its cos/sin
-    # before its first q/k load left (seen in the sm_90 SASS).
-    q_tile = load(q_ref, n_heads[0], cfg.q_heads)
+    # before its first q/k load left (seen in the sm_90 SASS). k before q: with GQA the k tile has its own
+    # layout, and ptxas scheduled k's loads after q's cos/sin math when they came second (with trig="fast");
+    # in this order every load of the program is issued before any math.
     k_tile = load(k_ref, n_heads[1], cfg.k_heads) if has_k else None
+    q_tile = load(q_ref, n_heads[0], cfg.q_heads)
     angle = pos.astype(jnp.float32)[:, None] * inv_freq[None, :]  # fp32, as the reference
     cos, sin = _sincos(angle, cfg.trig, interpret)
     if scale != 1.0:
