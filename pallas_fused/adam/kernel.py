@@ -176,8 +176,11 @@ def _q8_kernel(*refs, n, nb, rows, has_p, inplace, load_mode):
     v = load(umap_ref.at[vc], eviction_policy="evict_last") * va[:, None]
     # Step, then requantize with each block's new absmax.
     u, ma_new, va_new, mc_new, vc_new = q8_step(g, m, v, p, s, mask)
-    store(mc_out.at[idx], mc_new.astype(jnp.uint8), mask=mask)
-    store(vc_out.at[idx], vc_new.astype(jnp.uint8), mask=mask)
+    # Codes are stored for whole blocks: the padding past the tensor's end (zeros, see q8_step) is written
+    # too, so a fresh output buffer never carries uninitialized bytes into the state.
+    block_mask = jnp.broadcast_to(rmask[:, None], idx.shape)
+    store(mc_out.at[idx], mc_new.astype(jnp.uint8), mask=block_mask)
+    store(vc_out.at[idx], vc_new.astype(jnp.uint8), mask=block_mask)
     store(ma_out.at[row], ma_new, mask=rmask)
     store(va_out.at[row], va_new, mask=rmask)
     if inplace:
