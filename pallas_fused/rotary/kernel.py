@@ -52,12 +52,11 @@ MAX_ELEMENTS_PER_THREAD = 96
 # in benchmarks/bench_rotary.py ("pallas:fast*" variants).
 FAST_TRIG_16BIT = False
 TRIGS = ("precise", "fast")
-# How q/k are loaded. "volatile" keeps the loads in program order: ptxas otherwise issues the k tile's loads
-# (and the k layout's inv_freq load) only after the q tile's cos/sin math, a second DRAM round trip per
-# program (seen in the sm_90 SASS of the GQA config). Volatile loads are strong system-scope loads (L2, no
-# L1), which data read once does not mind.
-# "evict_first" (this kernel's first default) also lets LLVM sink the loads below the libdevice cos/sin
-# branches (its cache-policy asm is free to move; seen in the PTX), "plain" does not: the default is "plain".
+# How q/k are loaded. The kernel issues them before any math (see the comment at the loads); "plain" keeps
+# that order in the sm_90 SASS. "evict_first" (this kernel's first default) lets LLVM sink the loads below
+# the libdevice cos/sin branches (its cache-policy asm is free to move; seen in the PTX), so every program
+# computed its cos/sin before its first q/k load left. "volatile" pins the loads in program order whatever
+# the scheduler thinks (strong system-scope loads: L2, no L1, which data read once does not mind).
 _LOAD_KW = {"evict_first": {"eviction_policy": "evict_first"}, "plain": {}, "volatile": {"volatile": True}}
 LOAD_MODE = "plain"
 
@@ -161,6 +160,7 @@ def _sincos(angle, trig: str, interpret: bool):
     r = _reduce_angle(angle)
     if interpret:
         return jnp.cos(r), jnp.sin(r)
+
     def approx(op):
         return _backend.pl_triton.elementwise_inline_asm(
             f"{op}.approx.ftz.f32 $0, $1;", args=[r], constraints="=r,r", pack=1,
