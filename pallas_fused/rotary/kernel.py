@@ -163,7 +163,7 @@ def _sincos(angle, trig: str, interpret: bool):
 
     def approx(op):
         return _backend.pl_triton.elementwise_inline_asm(
-            f"{op}.approx.ftz.f32 $0, $1;", args=[r], constraints="=r,r", pack=1,
+            f"{op}.approx.ftz.f32 $0, $1;", args=[r], constraints="=f,f", pack=1,
             result_shape_dtypes=[jax.ShapeDtypeStruct(r.shape, jnp.float32)])[0]
 
     return approx("cos"), approx("sin")
