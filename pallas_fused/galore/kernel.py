@@ -12,12 +12,16 @@ an (8,) fp32 operand (see `reference.Scalars`):
                     out = a W + c backproject(N), stored as the update (optax path) or added to W and
                     written over W through input_output_aliases (in-place path). One pass over W.
 
-Block sizes are chosen by `_blocks_*` below and can be overridden for tuning.
+Block sizes come from `UP_CONFIG` / `_blocks_down` below (overridable per call with `blocks=` for tuning), and
+`leaf_step` runs one projected leaf through one of `VARIANTS`; `choose_variant` picks it from
+`MEASURED_VARIANT`, the table the tuning sweep in benchmarks/bench_galore.py prints.
 """
 
 from __future__ import annotations
 
 import functools
+import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -25,8 +29,41 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_fused import _backend
+from pallas_fused.galore import reference
 
 F32 = jnp.float32
+
+# How one projected leaf is stepped (see `leaf_step`):
+#   fused    Pallas down-projection GEMM with the low-rank Adam in its epilogue, Pallas up-projection + update
+#   hybrid   XLA down-projection (TF32), elementwise Pallas low-rank Adam, Pallas up-projection + update
+#   xla_up   XLA down-projection, elementwise Pallas low-rank Adam, XLA up-projection with the update as jnp
+#            (XLA may fuse it into its GEMM's epilogue)
+VARIANTS = ("fused", "hybrid", "xla_up")
+
+
+class UpConfig(NamedTuple):
+    """Launch configuration of the up-projection kernel: a (bm, bn) tile of W per program, K (= rank) in
+    chunks of br, and whether W's load is issued before the K loop (overlaps its HBM latency with the GEMM,
+    but holds the tile in registers through the loop) or after it."""
+
+    bm: int = 64
+    bn: int = 128
+    br: int = 32
+    warps: int = 4
+    stages: int = 3
+    w_first: bool = True
+
+
+# The default up-projection configuration: set it from the tuning sweep (benchmarks/bench_galore.py prints
+# the winner as a line to paste here).
+UP_CONFIG = UpConfig()
+
+# Measured winners (H200, fp32, TF32, in-place step): (M, N, rank, side) -> variant. `choose_variant` takes
+# the nearest entry of the same side. Paste the `MEASURED_VARIANT = {...}` line the tuning sweep prints.
+MEASURED_VARIANT: dict[tuple[int, int, int, str], str] = {
+    (4096, 4096, 128, "right"): "hybrid",  # session 1: fused 0.268 ms, hybrid 0.222
+    (4096, 11008, 128, "left"): "hybrid",  # session 1: fused 0.752 ms, hybrid 0.540
+}
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -163,16 +200,22 @@ def lowrank_adam(r, m, v, scalars, *, interpret: bool = False):
 
 
 # ------------------------------------------------------------------------------------ up + full update
-def _up_kernel(w_ref, a_ref, b_ref, s_ref, o_ref, *, M, N, R, BM, BN, BR, inplace):
+def _up_kernel(*refs, M, N, R, BM, BN, BR, inplace, has_w, w_first):
     # acc[BM, BN] = A[rows, :] @ B[:, cols] with K = R; A, B = (N, P) on side right, (P, N) on side left.
+    w_ref, a_ref, b_ref, s_ref, o_ref = refs if has_w else (None, *refs)
     i, j = pl.program_id(0), pl.program_id(1)
     rows = i * BM + jnp.arange(BM)
     cols = j * BN + jnp.arange(BN)
     rmask, cmask = rows < M, cols < N
     idx = (pl.ds(i * BM, BM), pl.ds(j * BN, BN))
     mask = rmask[:, None] & cmask[None, :]
-    # W is the big stream: issue its load before the short K loop so the HBM latency overlaps the GEMM.
-    w = _backend.load(w_ref.at[idx], mask=mask, other=0.0).astype(F32)
+
+    def load_w():
+        return _backend.load(w_ref.at[idx], mask=mask, other=0.0).astype(F32)
+
+    # W is the big stream: with w_first its load is issued before the short K loop so the HBM latency
+    # overlaps the GEMM (at the price of holding the tile in registers through the loop).
+    w = load_w() if has_w and w_first else None
 
     def body(k, acc):
         ks = k * BR + jnp.arange(BR)
@@ -185,31 +228,80 @@ def _up_kernel(w_ref, a_ref, b_ref, s_ref, o_ref, *, M, N, R, BM, BN, BR, inplac
 
     acc = lax.fori_loop(0, _cdiv(R, BR), body, jnp.zeros((BM, BN), F32))
     _, _, _, _, _, ca, cc, ok = _scalars(s_ref)
-    out = jnp.where(ok > 0, ca * w + cc * acc, 0.0)
+    if has_w and not w_first:
+        w = load_w()
+    out = ca * w + cc * acc if has_w else cc * acc
+    out = jnp.where(ok > 0, out, 0.0)
     if inplace:
         out = w + out
     _backend.store(o_ref.at[idx], out.astype(o_ref.dtype), mask=mask)
 
 
-def _blocks_up(shape, rank):
-    rb = _rank_block(rank)
-    return 64, 128, min(rb, 32), 4, 3
+def _blocks_up(shape, rank) -> UpConfig:
+    return UP_CONFIG._replace(br=min(_rank_block(rank), UP_CONFIG.br))
 
 
-@functools.partial(jax.jit, static_argnames=("side", "inplace", "interpret", "blocks"))
-def up_update(w, n, p, scalars, *, side: str, inplace: bool = False, interpret: bool = False, blocks=None):
+@functools.partial(jax.jit, static_argnames=("side", "inplace", "interpret", "blocks", "out_dtype"))
+def up_update(w, n, p, scalars, *, side: str, inplace: bool = False, interpret: bool = False, blocks=None,
+              out_dtype=None):
     """The up-projection GEMM with the full-rank update in its epilogue.
 
     Returns out = a W + c backproject(N) in W's dtype; with `inplace`, W + out written over W's buffer
-    (input_output_aliases: donate W at the jit boundary to update it without a copy)."""
-    M, N = w.shape
-    R = n.shape[1] if side == "right" else n.shape[0]
-    bm, bn, br, warps, stages = blocks or _blocks_up(w.shape, R)
+    (input_output_aliases: donate W at the jit boundary to update it without a copy). `w=None` (no weight
+    decay on the optax path) drops the a W term and never reads a W: out = c backproject(N) in `out_dtype`
+    (default P's dtype). `blocks`: an `UpConfig` (or a tuple of its fields) overriding `UP_CONFIG`."""
+    if w is None and inplace:
+        raise ValueError("up_update: inplace=True needs w (the weight to update)")
+    if side == "right":
+        shape, R = (n.shape[0], p.shape[1]), n.shape[1]
+    else:
+        shape, R = (p.shape[0], n.shape[1]), n.shape[0]
+    M, N = shape
+    cfg = UpConfig(*blocks) if blocks else _blocks_up(shape, R)
     a, b = (n, p) if side == "right" else (p, n)
-    kern = functools.partial(_up_kernel, M=M, N=N, R=R, BM=bm, BN=bn, BR=br, inplace=inplace)
-    call = _backend.triton_call(kern, out_shape=jax.ShapeDtypeStruct(w.shape, w.dtype),
-                                grid=(_cdiv(M, bm), _cdiv(N, bn)),
+    has_w = w is not None
+    dtype = w.dtype if has_w else (out_dtype or p.dtype)
+    kern = functools.partial(_up_kernel, M=M, N=N, R=R, BM=cfg.bm, BN=cfg.bn, BR=cfg.br, inplace=inplace,
+                             has_w=has_w, w_first=cfg.w_first)
+    call = _backend.triton_call(kern, out_shape=jax.ShapeDtypeStruct(shape, dtype),
+                                grid=(_cdiv(M, cfg.bm), _cdiv(N, cfg.bn)),
                                 name="pallas_fused_galore_up_inplace" if inplace else "pallas_fused_galore_up",
-                                interpret=interpret, num_warps=warps, num_stages=stages,
+                                interpret=interpret, num_warps=cfg.warps, num_stages=cfg.stages,
                                 input_output_aliases={0: 0} if inplace else None)
-    return call(w, a, b, scalars)
+    return call(w, a, b, scalars) if has_w else call(a, b, scalars)
+
+
+# ------------------------------------------------------------------------------------------ one leaf
+def leaf_step(variant: str, w, g, m, v, p, scalars, *, side: str, inplace: bool, interpret: bool = False):
+    """One projected leaf through `variant` (one of VARIANTS): returns (out, m', v'), out being the update
+    (in W's dtype, or G's when w is None: no weight decay) or, with `inplace`, the new W."""
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+    if variant == "fused":
+        m, v, n = down_adam_fused(g, p, m, v, scalars, side=side, interpret=interpret)
+    else:
+        m, v, n = lowrank_adam(reference.project(g, p, side), m, v, scalars, interpret=interpret)
+    if variant != "xla_up":
+        return up_update(w, n, p, scalars, side=side, inplace=inplace, interpret=interpret, out_dtype=g.dtype), m, v
+    s = reference.Scalars(*(scalars[i] for i in range(8)))
+    if w is None:
+        out = jnp.where(s.ok > 0, s.c * reference.back_project(n, p, side), 0.0).astype(g.dtype)
+        return out, m, v
+    out = reference.full_update(w, n, p, side, s)
+    return ((w.astype(F32) + out) if inplace else out).astype(w.dtype), m, v
+
+
+def choose_variant(shape: tuple[int, int], rank: int, side: str) -> str:
+    """The default variant for one leaf: the `MEASURED_VARIANT` entry of the same side nearest in size and
+    rank (log scale); with no entry, the fused kernel only where its grid fills the GPU twice over."""
+    table = [(key, val) for key, val in MEASURED_VARIANT.items() if key[3] == side] or list(MEASURED_VARIANT.items())
+    if table:
+        m, n = shape
+
+        def distance(key):
+            return abs(math.log(key[0] * key[1] / (m * n))) + abs(math.log(key[2] / rank))
+
+        return min(table, key=lambda kv: distance(kv[0]))[1]
+    kept = shape[0] if side == "right" else shape[1]
+    blocks = _cdiv(kept, _blocks_down(shape, rank, side, 4)[0])
+    return "fused" if blocks >= 2 * _backend.num_sms() else "hybrid"
