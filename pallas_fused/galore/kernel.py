@@ -241,7 +241,6 @@ def _blocks_up(shape, rank) -> UpConfig:
     return UP_CONFIG._replace(br=min(_rank_block(rank), UP_CONFIG.br))
 
 
-@functools.partial(jax.jit, static_argnames=("side", "inplace", "interpret", "blocks", "out_dtype"))
 def up_update(w, n, p, scalars, *, side: str, inplace: bool = False, interpret: bool = False, blocks=None,
               out_dtype=None):
     """The up-projection GEMM with the full-rank update in its epilogue.
@@ -249,21 +248,28 @@ def up_update(w, n, p, scalars, *, side: str, inplace: bool = False, interpret: 
     Returns out = a W + c backproject(N) in W's dtype; with `inplace`, W + out written over W's buffer
     (input_output_aliases: donate W at the jit boundary to update it without a copy). `w=None` (no weight
     decay on the optax path) drops the a W term and never reads a W: out = c backproject(N) in `out_dtype`
-    (default P's dtype). `blocks`: an `UpConfig` (or a tuple of its fields) overriding `UP_CONFIG`."""
+    (default P's dtype). `blocks`: an `UpConfig` (or a tuple of its fields) overriding `UP_CONFIG` (read
+    here, outside the jit cache, so changing UP_CONFIG takes effect at the next trace)."""
     if w is None and inplace:
         raise ValueError("up_update: inplace=True needs w (the weight to update)")
-    if side == "right":
-        shape, R = (n.shape[0], p.shape[1]), n.shape[1]
-    else:
-        shape, R = (p.shape[0], n.shape[1]), n.shape[0]
-    M, N = shape
+    R = n.shape[1] if side == "right" else n.shape[0]
+    shape = (n.shape[0], p.shape[1]) if side == "right" else (p.shape[0], n.shape[1])
     cfg = UpConfig(*blocks) if blocks else _blocks_up(shape, R)
+    dtype = jnp.dtype(w.dtype if w is not None else (out_dtype or p.dtype))
+    return _up_update(w, n, p, scalars, side=side, inplace=inplace, interpret=interpret, cfg=cfg, dtype=dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("side", "inplace", "interpret", "cfg", "dtype"))
+def _up_update(w, n, p, scalars, *, side, inplace, interpret, cfg: UpConfig, dtype):
+    if side == "right":
+        (M, R), N = n.shape, p.shape[1]
+    else:
+        M, (R, N) = p.shape[0], n.shape
     a, b = (n, p) if side == "right" else (p, n)
     has_w = w is not None
-    dtype = w.dtype if has_w else (out_dtype or p.dtype)
     kern = functools.partial(_up_kernel, M=M, N=N, R=R, BM=cfg.bm, BN=cfg.bn, BR=cfg.br, inplace=inplace,
                              has_w=has_w, w_first=cfg.w_first)
-    call = _backend.triton_call(kern, out_shape=jax.ShapeDtypeStruct(shape, dtype),
+    call = _backend.triton_call(kern, out_shape=jax.ShapeDtypeStruct((M, N), dtype),
                                 grid=(_cdiv(M, cfg.bm), _cdiv(N, cfg.bn)),
                                 name="pallas_fused_galore_up_inplace" if inplace else "pallas_fused_galore_up",
                                 interpret=interpret, num_warps=cfg.warps, num_stages=cfg.stages,
@@ -272,17 +278,21 @@ def up_update(w, n, p, scalars, *, side: str, inplace: bool = False, interpret: 
 
 
 # ------------------------------------------------------------------------------------------ one leaf
-def leaf_step(variant: str, w, g, m, v, p, scalars, *, side: str, inplace: bool, interpret: bool = False):
+def leaf_step(variant: str, w, g, m, v, p, scalars, *, side: str, inplace: bool, interpret: bool = False,
+              up_blocks=None, down_blocks=None):
     """One projected leaf through `variant` (one of VARIANTS): returns (out, m', v'), out being the update
-    (in W's dtype, or G's when w is None: no weight decay) or, with `inplace`, the new W."""
+    (in W's dtype, or G's when w is None: no weight decay) or, with `inplace`, the new W. `up_blocks` /
+    `down_blocks` override the kernels' launch configurations (tuning)."""
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
     if variant == "fused":
-        m, v, n = down_adam_fused(g, p, m, v, scalars, side=side, interpret=interpret)
+        m, v, n = down_adam_fused(g, p, m, v, scalars, side=side, interpret=interpret, blocks=down_blocks)
     else:
         m, v, n = lowrank_adam(reference.project(g, p, side), m, v, scalars, interpret=interpret)
     if variant != "xla_up":
-        return up_update(w, n, p, scalars, side=side, inplace=inplace, interpret=interpret, out_dtype=g.dtype), m, v
+        out = up_update(w, n, p, scalars, side=side, inplace=inplace, interpret=interpret, blocks=up_blocks,
+                        out_dtype=g.dtype)
+        return out, m, v
     s = reference.Scalars(*(scalars[i] for i in range(8)))
     if w is None:
         out = jnp.where(s.ok > 0, s.c * reference.back_project(n, p, side), 0.0).astype(g.dtype)
