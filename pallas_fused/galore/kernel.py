@@ -42,9 +42,9 @@ VARIANTS = ("fused", "hybrid", "xla_up")
 
 
 class UpConfig(NamedTuple):
-    """Launch configuration of the up-projection kernel: a (bm, bn) tile of W per program, K (= rank) in
-    chunks of br, and whether W's load is issued before the K loop (overlaps its HBM latency with the GEMM,
-    but holds the tile in registers through the loop) or after it."""
+    """Launch configuration of the up-projection kernel: (bm, bn) tiles of W, tn of them along N per program,
+    K (= rank) in chunks of br, and whether W's load is issued before the K loop (overlaps its HBM latency
+    with the GEMM, but holds the tile in registers through the loop) or after it."""
 
     bm: int = 64
     bn: int = 128
@@ -52,6 +52,7 @@ class UpConfig(NamedTuple):
     warps: int = 4
     stages: int = 3
     w_first: bool = True
+    tn: int = 1  # column tiles per program (a pipelined loop; with br >= rank the A rows load once)
 
 
 # The default up-projection configuration: set it from the tuning sweep (benchmarks/bench_galore.py prints
@@ -200,41 +201,57 @@ def lowrank_adam(r, m, v, scalars, *, interpret: bool = False):
 
 
 # ------------------------------------------------------------------------------------ up + full update
-def _up_kernel(*refs, M, N, R, BM, BN, BR, inplace, has_w, w_first):
+def _up_kernel(*refs, M, N, R, BM, BN, BR, TN, inplace, has_w, w_first):
     # acc[BM, BN] = A[rows, :] @ B[:, cols] with K = R; A, B = (N, P) on side right, (P, N) on side left.
+    # A program owns BM rows and TN consecutive BN-column tiles (a loop: Triton pipelines its loads).
     w_ref, a_ref, b_ref, s_ref, o_ref = refs if has_w else (None, *refs)
-    i, j = pl.program_id(0), pl.program_id(1)
+    i, jj = pl.program_id(0), pl.program_id(1)
     rows = i * BM + jnp.arange(BM)
-    cols = j * BN + jnp.arange(BN)
-    rmask, cmask = rows < M, cols < N
-    idx = (pl.ds(i * BM, BM), pl.ds(j * BN, BN))
-    mask = rmask[:, None] & cmask[None, :]
-
-    def load_w():
-        return _backend.load(w_ref.at[idx], mask=mask, other=0.0).astype(F32)
-
-    # W is the big stream: with w_first its load is issued before the short K loop so the HBM latency
-    # overlaps the GEMM (at the price of holding the tile in registers through the loop).
-    w = load_w() if has_w and w_first else None
-
-    def body(k, acc):
-        ks = k * BR + jnp.arange(BR)
-        kmask = ks < R
-        a = _backend.load(a_ref.at[pl.ds(i * BM, BM), pl.ds(k * BR, BR)], mask=rmask[:, None] & kmask[None, :],
-                          other=0.0)
-        b = _backend.load(b_ref.at[pl.ds(k * BR, BR), pl.ds(j * BN, BN)], mask=kmask[:, None] & cmask[None, :],
-                          other=0.0)
-        return acc + _backend.dot(a.astype(F32), b.astype(F32), allow_tf32=True)
-
-    acc = lax.fori_loop(0, _cdiv(R, BR), body, jnp.zeros((BM, BN), F32))
+    rmask = rows < M
     _, _, _, _, _, ca, cc, ok = _scalars(s_ref)
-    if has_w and not w_first:
-        w = load_w()
-    out = ca * w + cc * acc if has_w else cc * acc
-    out = jnp.where(ok > 0, out, 0.0)
-    if inplace:
-        out = w + out
-    _backend.store(o_ref.at[idx], out.astype(o_ref.dtype), mask=mask)
+
+    def load_a(k):
+        kmask = k * BR + jnp.arange(BR) < R
+        return _backend.load(a_ref.at[pl.ds(i * BM, BM), pl.ds(k * BR, BR)], mask=rmask[:, None] & kmask[None, :],
+                             other=0.0).astype(F32)
+
+    # One K chunk (BR >= R): the A rows are loaded once for all TN tiles.
+    a_once = load_a(0) if BR >= R else None
+
+    def tile(t, carry):
+        j = jj * TN + t
+        cmask = j * BN + jnp.arange(BN) < N
+        idx = (pl.ds(i * BM, BM), pl.ds(j * BN, BN))
+        mask = rmask[:, None] & cmask[None, :]
+
+        def load_w():
+            return _backend.load(w_ref.at[idx], mask=mask, other=0.0).astype(F32)
+
+        # W is the big stream: with w_first its load is issued before the GEMM so the HBM latency overlaps
+        # it (at the price of holding the tile in registers through the K loop).
+        w = load_w() if has_w and w_first else None
+
+        def body(k, acc):
+            kmask = k * BR + jnp.arange(BR) < R
+            a = a_once if a_once is not None else load_a(k)
+            b = _backend.load(b_ref.at[pl.ds(k * BR, BR), pl.ds(j * BN, BN)], mask=kmask[:, None] & cmask[None, :],
+                              other=0.0)
+            return acc + _backend.dot(a, b.astype(F32), allow_tf32=True)
+
+        acc = lax.fori_loop(0, _cdiv(R, BR), body, jnp.zeros((BM, BN), F32))
+        if has_w and not w_first:
+            w = load_w()
+        out = ca * w + cc * acc if has_w else cc * acc
+        out = jnp.where(ok > 0, out, 0.0)
+        if inplace:
+            out = w + out
+        _backend.store(o_ref.at[idx], out.astype(o_ref.dtype), mask=mask)
+        return carry
+
+    if TN == 1:
+        tile(0, 0)
+    else:
+        lax.fori_loop(0, TN, tile, 0)
 
 
 def _blocks_up(shape, rank) -> UpConfig:
@@ -267,10 +284,10 @@ def _up_update(w, n, p, scalars, *, side, inplace, interpret, cfg: UpConfig, dty
         M, (R, N) = p.shape[0], n.shape
     a, b = (n, p) if side == "right" else (p, n)
     has_w = w is not None
-    kern = functools.partial(_up_kernel, M=M, N=N, R=R, BM=cfg.bm, BN=cfg.bn, BR=cfg.br, inplace=inplace,
-                             has_w=has_w, w_first=cfg.w_first)
+    kern = functools.partial(_up_kernel, M=M, N=N, R=R, BM=cfg.bm, BN=cfg.bn, BR=cfg.br, TN=cfg.tn,
+                             inplace=inplace, has_w=has_w, w_first=cfg.w_first)
     call = _backend.triton_call(kern, out_shape=jax.ShapeDtypeStruct((M, N), dtype),
-                                grid=(_cdiv(M, cfg.bm), _cdiv(N, cfg.bn)),
+                                grid=(_cdiv(M, cfg.bm), _cdiv(_cdiv(N, cfg.bn), cfg.tn)),
                                 name="pallas_fused_galore_up_inplace" if inplace else "pallas_fused_galore_up",
                                 interpret=interpret, num_warps=cfg.warps, num_stages=cfg.stages,
                                 input_output_aliases={0: 0} if inplace else None)
