@@ -218,18 +218,27 @@ def _up_kernel(*refs, M, N, R, BM, BN, BR, TN, inplace, has_w, w_first):
     # One K chunk (BR >= R): the A rows are loaded once for all TN tiles.
     a_once = load_a(0) if BR >= R else None
 
-    def tile(t, carry):
+    def tile_index(t):
         j = jj * TN + t
         cmask = j * BN + jnp.arange(BN) < N
-        idx = (pl.ds(i * BM, BM), pl.ds(j * BN, BN))
-        mask = rmask[:, None] & cmask[None, :]
+        return j, cmask, (pl.ds(i * BM, BM), pl.ds(j * BN, BN)), rmask[:, None] & cmask[None, :]
 
-        def load_w():
-            return _backend.load(w_ref.at[idx], mask=mask, other=0.0).astype(F32)
+    def load_w(t, extra_mask=None):
+        _, _, idx, mask = tile_index(t)
+        mask = mask if extra_mask is None else mask & extra_mask
+        return _backend.load(w_ref.at[idx], mask=mask, other=0.0).astype(F32)
 
-        # W is the big stream: with w_first its load is issued before the GEMM so the HBM latency overlaps
-        # it (at the price of holding the tile in registers through the K loop).
-        w = load_w() if has_w and w_first else None
+    # W is the big stream. w_first: its load is issued before the GEMM so the HBM latency overlaps it (holding
+    # the tile in registers through the K loop); with TN > 1 the next tile's W is loaded during this tile's
+    # work (carried through the loop: two tiles of W in flight per program). Otherwise W loads after the GEMM.
+    prefetch = has_w and w_first and TN > 1
+
+    def tile(t, w_next):
+        j, cmask, idx, mask = tile_index(t)
+        if prefetch:
+            w, w_next = w_next, load_w(t + 1, t + 1 < TN)
+        else:
+            w = load_w(t) if has_w and w_first else None
 
         def body(k, acc):
             kmask = k * BR + jnp.arange(BR) < R
@@ -240,18 +249,18 @@ def _up_kernel(*refs, M, N, R, BM, BN, BR, TN, inplace, has_w, w_first):
 
         acc = lax.fori_loop(0, _cdiv(R, BR), body, jnp.zeros((BM, BN), F32))
         if has_w and not w_first:
-            w = load_w()
+            w = load_w(t)
         out = ca * w + cc * acc if has_w else cc * acc
         out = jnp.where(ok > 0, out, 0.0)
         if inplace:
             out = w + out
         _backend.store(o_ref.at[idx], out.astype(o_ref.dtype), mask=mask)
-        return carry
+        return w_next
 
     if TN == 1:
-        tile(0, 0)
+        tile(0, None)
     else:
-        lax.fori_loop(0, TN, tile, 0)
+        lax.fori_loop(0, TN, tile, load_w(0) if prefetch else jnp.zeros((), F32))
 
 
 def _blocks_up(shape, rank) -> UpConfig:
@@ -271,7 +280,7 @@ def up_update(w, n, p, scalars, *, side: str, inplace: bool = False, interpret: 
         raise ValueError("up_update: inplace=True needs w (the weight to update)")
     R = n.shape[1] if side == "right" else n.shape[0]
     shape = (n.shape[0], p.shape[1]) if side == "right" else (p.shape[0], n.shape[1])
-    cfg = UpConfig(*blocks) if blocks else _blocks_up(shape, R)
+    cfg = UpConfig(*blocks)._replace(br=min(UpConfig(*blocks).br, _rank_block(R))) if blocks else _blocks_up(shape, R)
     dtype = jnp.dtype(w.dtype if w is not None else (out_dtype or p.dtype))
     return _up_update(w, n, p, scalars, side=side, inplace=inplace, interpret=interpret, cfg=cfg, dtype=dtype)
 

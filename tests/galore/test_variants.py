@@ -37,10 +37,11 @@ def test_leaf_step_variants(kernel_impl, variant, side):
         assert_close(v2, v_ex, baseline=v_x, floor=2e-5, what=f"v {what}")
 
 
-# Small configurations covering the code paths: one K chunk (A rows loaded once) with several column tiles
-# per program (the last one past N: masked), W loaded after the GEMM, several K chunks inside the tile loop.
-UP_CONFIGS = [kernel.UpConfig(16, 16, 16, 4, 2, True, 3), kernel.UpConfig(16, 32, 16, 4, 1, False, 2),
-              kernel.UpConfig(32, 16, 16, 4, 3, False, 1)]
+# Small configurations covering the code paths (rank 24 below): several column tiles per program with the
+# next tile's W prefetched (the last tile past N: masked), over 2 K chunks or one (A rows loaded once); W
+# loaded after the GEMM; one tile per program.
+UP_CONFIGS = [kernel.UpConfig(16, 16, 16, 4, 2, True, 3), kernel.UpConfig(32, 16, 32, 4, 2, True, 2),
+              kernel.UpConfig(16, 32, 32, 4, 1, False, 2), kernel.UpConfig(32, 16, 16, 4, 3, False, 1)]
 
 
 @pytest.mark.parametrize("cfg", UP_CONFIGS, ids=lambda c: "_".join(map(str, c)))
