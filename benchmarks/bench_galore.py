@@ -162,20 +162,21 @@ def step_cases(rec, quick):
 
 
 # Candidate launch configurations of the tuning sweep: UpConfig(bm, bn, br, warps, stages, w_first, tn). Offline
-# (triton 3.6, ptxas sm_90a, 4096x4096 r128), none of these spills and all fit the 227 KiB of shared memory:
-#   64x128/4 warps, tn 1: 219-249 registers (2 CTAs/SM); 128x128/8 warps: 219-249 (1 CTA/SM); 64x64/4 and
-#   32x128/4: 120-127 (4 CTAs/SM; 32 rows run mma.sync, not wgmma). L2 -> SM traffic per W tile: the P/N
-#   slices r/bm + r/bn (3x the W tile at 64x128, r128), hence the larger tiles.
-#   tn > 1 with br >= r: A rows loaded once per program, the tile loop pipelined by Triton (W by cp.async):
-#   64x64/4 warps/2 stages 127-136 registers, 112 KiB smem (2 CTAs/SM); 128x64/8/2: 117 registers, 160 KiB;
-#   64x128/8/2: 134 registers, 192 KiB; 32x128/4/2 (mma.sync): 128 registers, 88 KiB.
-# Left out: 128x128/4 warps, 128x256/8, 64x256/4, 256x128/8 (spills); 64x128x128/4/3 tn 4 and 128x128x128/8/2
-# tn 4 (256 KiB of shared memory: they cannot launch).
+# (triton 3.6, ptxas sm_90a, 4096x4096 r128) none of these spills and all fit the 227 KiB of shared memory:
+#   tn 1, 64x128/4 warps: 219-249 registers (2 CTAs/SM); 128x128/8 warps: 219-252 (1 CTA/SM); 64x64/4 and
+#   32x128/4: 120-127 (4 CTAs/SM; 32 rows run mma.sync, not wgmma). Per 64x128 tile the P and N slices read
+#   from L2 are 3x the W tile (r/bm + r/bn at r128), hence the larger tiles.
+#   tn > 1 with br >= r: the A rows load once per program, Triton pipelines the P/N slice (cp.async), and with
+#   w_first the next tile's W is prefetched through the loop carry. 64x64/4 warps/2 stages: 127-162 registers,
+#   112 KiB smem (2 CTAs/SM); 128x64/8/2: 117-162, 160 KiB; 64x128/8/2: 134-162, 192 KiB; 32x128/4/2: 163, 88 KiB.
+# Left out: 128x128/4 warps, 128x256/8, 64x256/4, 256x128/8, 128x128x128/8/1 tn 4 (spills); 64x128x128/4/3 tn 4
+# and 128x128x128/8/2 tn 4 (256 KiB of shared memory: they cannot launch).
+# The fp32 B operand (the P or N slice, r x bn, N-contiguous) loads with 4-byte cp.async: wgmma takes tf32
+# operands K-major only, so Triton transposes it on the way to shared memory.
 UP_CANDIDATES = [
     kernel.UpConfig(64, 128, 32, 4, 3, True, 1),  # the session-1 default
     kernel.UpConfig(64, 128, 32, 4, 3, False, 1),
     kernel.UpConfig(128, 128, 32, 8, 3, True, 1),
-    kernel.UpConfig(128, 128, 32, 8, 3, False, 1),
     kernel.UpConfig(128, 128, 128, 8, 1, False, 1),
     kernel.UpConfig(64, 64, 32, 4, 3, False, 1),
     kernel.UpConfig(32, 128, 32, 4, 3, False, 1),
@@ -184,7 +185,8 @@ UP_CANDIDATES = [
     kernel.UpConfig(128, 64, 128, 8, 2, True, 8),
     kernel.UpConfig(64, 128, 128, 8, 2, True, 8),
     kernel.UpConfig(32, 128, 128, 4, 2, True, 8),
-    kernel.UpConfig(64, 64, 128, 4, 1, True, 16),
+    kernel.UpConfig(128, 64, 128, 8, 1, True, 8),
+    kernel.UpConfig(64, 64, 128, 4, 2, True, 16),
 ]
 # down_adam_fused blocks: (rows or columns of the kept dimension per program, K block, warps, stages)
 DOWN_CANDIDATES = [(64, 64, 8, 3), (32, 64, 4, 3), (32, 128, 4, 3), (16, 128, 4, 4), (128, 32, 8, 3)]
