@@ -6,6 +6,7 @@ Cases (ANCHORS.md): fp32 W and G, TF32 allowed, non-refresh step, proj_type "std
   pallas:hybrid   XLA down-projection + elementwise low-rank Adam kernel, same up kernel, then W + update
   pallas:inplace_<variant>  galore_adamw_inplace's path for each of kernel.VARIANTS (fused, hybrid, xla_up);
                   pallas:inplace is the best of them
+  pallas:inplace_api  galore_adamw_inplace's step (count 1: the refresh lax.cond is taken but skips)
   pallas:tx       the whole optax transform (galore_adamw update + apply_updates, count > 0: lax.cond skipped)
   xla             our plain-jnp reference step (donated), default precision (TF32)
   xla:g_copied    the same with G not donated (peers_jax.py's method: XLA returns G as a 2 x M N x 4 byte copy,
@@ -138,6 +139,23 @@ def step_cases(rec, quick):
                 best = min(inplace, key=inplace.get)
                 rec.add(OP, case, "pallas:inplace", inplace[best], winner=best,
                         auto_choice=api.choose_kernel((M, N), r, side), **kw)
+            # the in-place API step (galore_adamw_inplace: the refresh lax.cond, scalars, the auto variant),
+            # count 1 (no refresh): minus pallas:inplace_<auto_choice> it is the cost of the cond and the rest
+            if r == _r(128):
+                try:
+                    opt = api.galore_adamw_inplace(LR, rank=r, update_proj_gap=10**9, scale=SCALE, eps=EPS)
+                    params, grads = {"w": rnd(3, (M, N))}, {"w": rnd(4, (M, N))}
+                    state = opt.init(params)._replace(count=jnp.ones([], jnp.int32))
+
+                    @partial(jax.jit, donate_argnums=(0, 1, 2))
+                    def api_step(p, g, s, opt=opt):
+                        p, s = opt.step(p, g, s)
+                        return p, g, s
+
+                    ms = bench_carry(api_step, (params, grads, state), n=20 if quick else 30)
+                    rec.add(OP, case, "pallas:inplace_api", ms, auto_choice=api.choose_kernel((M, N), r, side), **kw)
+                except Exception as e:  # noqa: BLE001
+                    rec.add(OP, case, "pallas:inplace_api", None, error=f"{type(e).__name__}: {str(e)[:300]}")
             # the whole optax transforms, count > 0 (no refresh); params, grads and state all donated
             for impl, tx_fn in [("pallas:tx", lambda r=r: api.galore_adamw(LR, rank=r, update_proj_gap=10**9,
                                                                            scale=SCALE, eps=EPS)),
