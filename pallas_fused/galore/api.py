@@ -222,10 +222,19 @@ class _GaLore:
             if w is None:
                 w = jnp.zeros(g.shape, g.dtype)
             return reference.galore_adam_step(w, g, m, v, p, side, s, inplace=inplace)
+        interpret = cfg.implementation == "interpret"
         variant = cfg.kernel if cfg.kernel != "auto" else choose_kernel(g.shape, cfg.rank, side)
-        # w is None without weight decay on the optax path: the kernels then never read a W.
-        return kernel.leaf_step(variant, w, g, m, v, p, s.pack(), side=side, inplace=inplace,
-                                interpret=cfg.implementation == "interpret")
+        if variant == "xla_up":  # XLA's GEMMs around the elementwise Pallas low-rank Adam (kernel.VARIANTS)
+            return kernel.leaf_step(variant, w, g, m, v, p, s.pack(), side=side, inplace=inplace, interpret=interpret)
+        packed = s.pack()
+        if variant == "fused":
+            m, v, n = kernel.down_adam_fused(g, p, m, v, packed, side=side, interpret=interpret)
+        else:
+            m, v, n = kernel.lowrank_adam(reference.project(g, p, side), m, v, packed, interpret=interpret)
+        if w is None:
+            w = jnp.zeros(g.shape, g.dtype)  # a == 0: W only enters as a * W
+        out = kernel.up_update(w, n, p, packed, side=side, inplace=inplace, interpret=interpret)
+        return out, m, v
 
     def _update(self, updates, state: GaLoreAdamState, params, inplace: bool):
         cfg = self.cfg
@@ -235,8 +244,7 @@ class _GaLore:
         count = state.count
         lr = jnp.asarray(self.lr(count) if callable(self.lr) else (self.lr if with_lr else 1.0), jnp.float32)
         b1, b2, eps, alpha, beta, c = self._scalars(count, lr, with_lr)
-        # A literal 0.0 decays nothing: skip it, so the optax path never reads W for it.
-        has_wd = self.wd is not None and not (isinstance(self.wd, (int, float)) and self.wd == 0)
+        has_wd = self.wd is not None
         wd = jnp.asarray(self.wd if has_wd else 0.0, jnp.float32)
         refresh = (count % cfg.update_proj_gap == 0) | state.pending_refresh
 
