@@ -179,7 +179,7 @@ def step_cases(rec, quick):
                     rec.add(OP, case, impl, None, error=f"{type(e).__name__}: {str(e)[:300]}")
 
 
-# Candidate launch configurations of the tuning sweep: UpConfig(bm, bn, br, warps, stages, w_first, tn). Offline
+# Candidate launch configurations of the tuning sweep: UpConfig(bm, bn, br, warps, stages, w_first, tn, tm). Offline
 # (triton 3.6, ptxas sm_90a, 4096x4096 r128) none of these spills and all fit the 227 KiB of shared memory:
 #   tn 1, 64x128/4 warps: 219-249 registers (2 CTAs/SM); 128x128/8 warps: 219-252 (1 CTA/SM); 64x64/4 and
 #   32x128/4: 120-127 (4 CTAs/SM; 32 rows run mma.sync, not wgmma). Per 64x128 tile the P and N slices read
@@ -190,21 +190,24 @@ def step_cases(rec, quick):
 # Left out: 128x128/4 warps, 128x256/8, 64x256/4, 256x128/8, 128x128x128/8/1 tn 4 (spills); 64x128x128/4/3 tn 4
 # and 128x128x128/8/2 tn 4 (256 KiB of shared memory: they cannot launch).
 # The fp32 B operand (the P or N slice, r x bn, N-contiguous) loads with 4-byte cp.async: wgmma takes tf32
-# operands K-major only, so Triton transposes it on the way to shared memory.
+# operands K-major only, so Triton transposes it on the way to shared memory. tm > 1 (a row loop, tn 1) loads
+# that operand once per program and pipelines the K-major A rows instead (16-byte cp.async); bn 128 keeps the
+# A traffic at r/bn = 1x the W tile: 64x128/8 warps/2 stages tm 8: 158 registers, 160 KiB; 32x128/4 (mma.sync):
+# 166, 88 KiB; 64x64/4: 158, 112 KiB. (64x128/4 warps tm 8 and 128x128/8/1 tm 4 spill.)
 UP_CANDIDATES = [
-    kernel.UpConfig(64, 128, 32, 4, 3, True, 1),  # the session-1 default
-    kernel.UpConfig(64, 128, 32, 4, 3, False, 1),
-    kernel.UpConfig(128, 128, 32, 8, 3, True, 1),
-    kernel.UpConfig(128, 128, 128, 8, 1, False, 1),
-    kernel.UpConfig(64, 64, 32, 4, 3, False, 1),
-    kernel.UpConfig(32, 128, 32, 4, 3, False, 1),
-    kernel.UpConfig(64, 64, 128, 4, 2, True, 8),
-    kernel.UpConfig(64, 64, 128, 4, 2, False, 8),
-    kernel.UpConfig(128, 64, 128, 8, 2, True, 8),
-    kernel.UpConfig(64, 128, 128, 8, 2, True, 8),
-    kernel.UpConfig(32, 128, 128, 4, 2, True, 8),
-    kernel.UpConfig(128, 64, 128, 8, 1, True, 8),
-    kernel.UpConfig(64, 64, 128, 4, 2, True, 16),
+    kernel.UpConfig(64, 128, 32, 4, 3, True, 1, 1),  # the session-1 default
+    kernel.UpConfig(128, 128, 32, 8, 3, True, 1, 1),
+    kernel.UpConfig(128, 128, 32, 8, 3, False, 1, 1),
+    kernel.UpConfig(128, 128, 128, 8, 1, False, 1, 1),
+    kernel.UpConfig(32, 128, 32, 4, 3, False, 1, 1),
+    kernel.UpConfig(64, 64, 128, 4, 2, True, 8, 1),
+    kernel.UpConfig(128, 64, 128, 8, 2, True, 8, 1),
+    kernel.UpConfig(64, 128, 128, 8, 2, True, 8, 1),
+    kernel.UpConfig(32, 128, 128, 4, 2, True, 8, 1),
+    kernel.UpConfig(128, 64, 128, 8, 1, True, 8, 1),
+    kernel.UpConfig(64, 128, 128, 8, 2, True, 1, 8),
+    kernel.UpConfig(32, 128, 128, 4, 2, True, 1, 8),
+    kernel.UpConfig(64, 64, 128, 4, 2, True, 1, 8),
 ]
 # down_adam_fused blocks: (rows or columns of the kept dimension per program, K block, warps, stages)
 DOWN_CANDIDATES = [(64, 64, 8, 3), (32, 64, 4, 3), (32, 128, 4, 3), (16, 128, 4, 4), (128, 32, 8, 3)]

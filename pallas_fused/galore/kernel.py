@@ -42,7 +42,8 @@ VARIANTS = ("fused", "hybrid", "xla_up")
 
 
 class UpConfig(NamedTuple):
-    """Launch configuration of the up-projection kernel: (bm, bn) tiles of W, tn of them along N per program,
+    """Launch configuration of the up-projection kernel: (bm, bn) tiles of W, tn of them along N (or tm along
+    M) per program,
     K (= rank) in chunks of br, and whether W's load is issued before the K loop (overlaps its HBM latency
     with the GEMM, but holds the tile in registers through the loop) or after it."""
 
@@ -53,6 +54,7 @@ class UpConfig(NamedTuple):
     stages: int = 3
     w_first: bool = True
     tn: int = 1  # column tiles per program (a pipelined loop; with br >= rank the A rows load once)
+    tm: int = 1  # row tiles per program (with tn == 1 and br >= rank the B columns load once)
 
 
 # The default up-projection configuration: set it from the tuning sweep (benchmarks/bench_galore.py prints
@@ -201,51 +203,64 @@ def lowrank_adam(r, m, v, scalars, *, interpret: bool = False):
 
 
 # ------------------------------------------------------------------------------------ up + full update
-def _up_kernel(*refs, M, N, R, BM, BN, BR, TN, inplace, has_w, w_first):
+def _up_kernel(*refs, M, N, R, BM, BN, BR, TM, TN, inplace, has_w, w_first):
     # acc[BM, BN] = A[rows, :] @ B[:, cols] with K = R; A, B = (N, P) on side right, (P, N) on side left.
-    # A program owns BM rows and TN consecutive BN-column tiles (a loop: Triton pipelines its loads).
+    # A program owns TM x TN tiles (row-major order): a loop whose loads Triton pipelines.
     w_ref, a_ref, b_ref, s_ref, o_ref = refs if has_w else (None, *refs)
-    i, jj = pl.program_id(0), pl.program_id(1)
-    rows = i * BM + jnp.arange(BM)
-    rmask = rows < M
+    ii, jj = pl.program_id(0), pl.program_id(1)
     _, _, _, _, _, ca, cc, ok = _scalars(s_ref)
+    T = TM * TN
 
-    def load_a(k):
+    def tile_index(t):
+        if TN == 1:
+            i, j = ii * TM + t, jj
+        elif TM == 1:
+            i, j = ii, jj * TN + t
+        else:  # lax's truncating div/rem: t >= 0 (jnp's floor versions do not lower here)
+            i, j = ii * TM + lax.div(t, TN), jj * TN + lax.rem(t, TN)
+        rmask = i * BM + jnp.arange(BM) < M
+        cmask = j * BN + jnp.arange(BN) < N
+        return i, j, rmask, cmask, (pl.ds(i * BM, BM), pl.ds(j * BN, BN)), rmask[:, None] & cmask[None, :]
+
+    def load_a(t, k):
+        i, _, rmask, _, _, _ = tile_index(t)
         kmask = k * BR + jnp.arange(BR) < R
         return _backend.load(a_ref.at[pl.ds(i * BM, BM), pl.ds(k * BR, BR)], mask=rmask[:, None] & kmask[None, :],
                              other=0.0).astype(F32)
 
-    # One K chunk (BR >= R): the A rows are loaded once for all TN tiles.
-    a_once = load_a(0) if BR >= R else None
+    def load_b(t, k):
+        _, j, _, cmask, _, _ = tile_index(t)
+        kmask = k * BR + jnp.arange(BR) < R
+        return _backend.load(b_ref.at[pl.ds(k * BR, BR), pl.ds(j * BN, BN)], mask=kmask[:, None] & cmask[None, :],
+                             other=0.0).astype(F32)
 
-    def tile_index(t):
-        j = jj * TN + t
-        cmask = j * BN + jnp.arange(BN) < N
-        return j, cmask, (pl.ds(i * BM, BM), pl.ds(j * BN, BN)), rmask[:, None] & cmask[None, :]
+    # One K chunk (BR >= R): the operand shared by all the program's tiles (A rows along a column loop, B
+    # columns along a row loop) is loaded once.
+    a_once = load_a(0, 0) if BR >= R and TM == 1 else None
+    b_once = load_b(0, 0) if BR >= R and TN == 1 else None
 
     def load_w(t, extra_mask=None):
-        _, _, idx, mask = tile_index(t)
+        *_, idx, mask = tile_index(t)
         mask = mask if extra_mask is None else mask & extra_mask
         return _backend.load(w_ref.at[idx], mask=mask, other=0.0).astype(F32)
 
     # W is the big stream. w_first: its load is issued before the GEMM so the HBM latency overlaps it (holding
-    # the tile in registers through the K loop); with TN > 1 the next tile's W is loaded during this tile's
-    # work (carried through the loop: two tiles of W in flight per program). Otherwise W loads after the GEMM.
-    prefetch = has_w and w_first and TN > 1
+    # the tile in registers through the K loop); with several tiles per program the next tile's W is loaded
+    # during this tile's work (carried through the loop: two tiles of W in flight per program). Otherwise W
+    # loads after the GEMM.
+    prefetch = has_w and w_first and T > 1
 
     def tile(t, w_next):
-        j, cmask, idx, mask = tile_index(t)
+        *_, idx, mask = tile_index(t)
         if prefetch:
-            w, w_next = w_next, load_w(t + 1, t + 1 < TN)
+            w, w_next = w_next, load_w(t + 1, t + 1 < T)
         else:
             w = load_w(t) if has_w and w_first else None
 
         def body(k, acc):
-            kmask = k * BR + jnp.arange(BR) < R
-            a = a_once if a_once is not None else load_a(k)
-            b = _backend.load(b_ref.at[pl.ds(k * BR, BR), pl.ds(j * BN, BN)], mask=kmask[:, None] & cmask[None, :],
-                              other=0.0)
-            return acc + _backend.dot(a, b.astype(F32), allow_tf32=True)
+            a = a_once if a_once is not None else load_a(t, k)
+            b = b_once if b_once is not None else load_b(t, k)
+            return acc + _backend.dot(a, b, allow_tf32=True)
 
         acc = lax.fori_loop(0, _cdiv(R, BR), body, jnp.zeros((BM, BN), F32))
         if has_w and not w_first:
@@ -257,10 +272,10 @@ def _up_kernel(*refs, M, N, R, BM, BN, BR, TN, inplace, has_w, w_first):
         _backend.store(o_ref.at[idx], out.astype(o_ref.dtype), mask=mask)
         return w_next
 
-    if TN == 1:
+    if T == 1:
         tile(0, None)
     else:
-        lax.fori_loop(0, TN, tile, load_w(0) if prefetch else jnp.zeros((), F32))
+        lax.fori_loop(0, T, tile, load_w(0) if prefetch else jnp.zeros((), F32))
 
 
 def _blocks_up(shape, rank) -> UpConfig:
@@ -293,10 +308,10 @@ def _up_update(w, n, p, scalars, *, side, inplace, interpret, cfg: UpConfig, dty
         M, (R, N) = p.shape[0], n.shape
     a, b = (n, p) if side == "right" else (p, n)
     has_w = w is not None
-    kern = functools.partial(_up_kernel, M=M, N=N, R=R, BM=cfg.bm, BN=cfg.bn, BR=cfg.br, TN=cfg.tn,
+    kern = functools.partial(_up_kernel, M=M, N=N, R=R, BM=cfg.bm, BN=cfg.bn, BR=cfg.br, TM=cfg.tm, TN=cfg.tn,
                              inplace=inplace, has_w=has_w, w_first=cfg.w_first)
     call = _backend.triton_call(kern, out_shape=jax.ShapeDtypeStruct((M, N), dtype),
-                                grid=(_cdiv(M, cfg.bm), _cdiv(_cdiv(N, cfg.bn), cfg.tn)),
+                                grid=(_cdiv(_cdiv(M, cfg.bm), cfg.tm), _cdiv(_cdiv(N, cfg.bn), cfg.tn)),
                                 name="pallas_fused_galore_up_inplace" if inplace else "pallas_fused_galore_up",
                                 interpret=interpret, num_warps=cfg.warps, num_stages=cfg.stages,
                                 input_output_aliases={0: 0} if inplace else None)

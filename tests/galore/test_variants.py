@@ -37,11 +37,12 @@ def test_leaf_step_variants(kernel_impl, variant, side):
         assert_close(v2, v_ex, baseline=v_x, floor=2e-5, what=f"v {what}")
 
 
-# Small configurations covering the code paths (rank 24 below): several column tiles per program with the
-# next tile's W prefetched (the last tile past N: masked), over 2 K chunks or one (A rows loaded once); W
-# loaded after the GEMM; one tile per program.
-UP_CONFIGS = [kernel.UpConfig(16, 16, 16, 4, 2, True, 3), kernel.UpConfig(32, 16, 32, 4, 2, True, 2),
-              kernel.UpConfig(16, 32, 32, 4, 1, False, 2), kernel.UpConfig(32, 16, 16, 4, 3, False, 1)]
+# Small configurations covering the code paths (rank 24 below; UpConfig(bm, bn, br, warps, stages, w_first, tn,
+# tm)): a column loop with the next tile's W prefetched over 2 K chunks (the last tile past N: masked); a row
+# loop with the B columns loaded once; a 2 x 2 block of tiles (both operands per tile) with W after the GEMM;
+# one tile per program.
+UP_CONFIGS = [kernel.UpConfig(16, 16, 16, 4, 2, True, 3, 1), kernel.UpConfig(16, 32, 32, 4, 2, True, 1, 3),
+              kernel.UpConfig(16, 16, 32, 4, 1, False, 2, 2), kernel.UpConfig(32, 16, 16, 4, 3, False, 1, 1)]
 
 
 @pytest.mark.parametrize("cfg", UP_CONFIGS, ids=lambda c: "_".join(map(str, c)))
