@@ -217,11 +217,11 @@ TUNING_BUDGET_S = 85.0
 def tuning(rec, quick):
     """The sweep that sets the defaults, bounded to TUNING_BUDGET_S (what is left is recorded as skipped).
 
-    1. r128, both shapes: the up-projection kernel alone (in place, W donated) for each UP_CANDIDATES
-       entry, beside XLA's up-projection + update; the down halves alone (fused kernel per DOWN_CANDIDATES,
-       XLA GEMM + elementwise Adam, XLA GEMM alone).
+    1. r128, both shapes (side right, side left): the up-projection kernel alone (in place, W donated) for
+       each UP_CANDIDATES entry, beside XLA's up-projection + update; the down halves alone (fused kernel
+       per DOWN_CANDIDATES, XLA GEMM + elementwise Adam, XLA GEMM alone).
     2. ranks 128, 32, 512, both shapes: the whole in-place step for every kernel.VARIANTS entry (default
-       configurations and, for the Pallas up kernel, the best of part 1) and the XLA reference.
+       configurations and, for the Pallas up kernel, the side's best of part 1) and the XLA reference.
     Prints the lines to paste into pallas_fused/galore/kernel.py: UP_CONFIG and MEASURED_VARIANT."""
     deadline = time.time() + (TUNING_BUDGET_S if not _CPU else 10 * TUNING_BUDGET_S)
     n = 10 if quick else 20
@@ -233,7 +233,7 @@ def tuning(rec, quick):
         return False
 
     shapes = [_d(4096, 4096), _d(4096, 11008)]
-    up_times = {}  # UpConfig -> [ms per shape]
+    up_times = {}  # side -> {UpConfig: ms}
     for (M, N) in shapes:
         side = reference.projector_side((M, N), "std")
         r = _r(128)
@@ -258,7 +258,7 @@ def tuning(rec, quick):
             try:
                 ms = bench_carry(lambda w, n, p, s, f=f: (f(w, n, p, s), n, p, s), (jnp.copy(w), nl, p, s), n=n)
                 rec.add(OP, case, impl, ms, nbytes=upb)
-                up_times.setdefault(cfg, []).append(ms)
+                up_times.setdefault(side, {})[cfg] = ms
             except Exception as e:  # noqa: BLE001
                 rec.add(OP, case, impl, None, error=f"{type(e).__name__}: {str(e)[:300]}")
         case = f"tune down {M}x{N} r{r}"
@@ -278,14 +278,11 @@ def tuning(rec, quick):
             rec.time(OP, case, "xla:down_gemm_only", f, g, p, n=n, nbytes=(M * N + r * max(M, N)) * 4)
         del w, g, m, v, p
 
-    # the up configuration best over both shapes (sum of time / that shape's best), measured on both
-    full = {cfg: ts for cfg, ts in up_times.items() if len(ts) == len(shapes)}
-    best_up = None
-    if full:
-        mins = [min(ts[i] for ts in full.values()) for i in range(len(shapes))]
-        best_up = min(full, key=lambda cfg: sum(t / b for t, b in zip(full[cfg], mins)))
+    # the up configuration best per side (the sweep's two shapes are one of each side under "std")
+    best_up = {side: min(ts, key=ts.get) for side, ts in up_times.items() if ts}
+    if best_up:
         print(f"  paste into pallas_fused/galore/kernel.py: UP_CONFIG = {best_up!r}", flush=True)
-        rec.add(OP, "tune up best", "pallas:up_best", None, up_config=repr(best_up))
+        rec.add(OP, "tune up best", "info:up_config", None, up_config=repr(best_up))
 
     winners = {}
     for r in [_r(128), _r(32), _r(512)]:
@@ -299,8 +296,8 @@ def tuning(rec, quick):
                 rec.add(OP, case, "reference", None, error=f"{type(e).__name__}: {str(e)[:300]}")
                 continue
             cands = [(f"pallas:inplace_{v}", v, None) for v in kernel.VARIANTS]
-            if best_up is not None and best_up != kernel.UP_CONFIG:
-                cands += [(f"pallas:inplace_{v}+best_up", v, best_up) for v in ("hybrid", "fused")]
+            if side in best_up and best_up[side] != kernel._blocks_up(128, side):
+                cands += [(f"pallas:inplace_{v}+best_up", v, best_up[side]) for v in ("hybrid", "fused")]
             times = {}
             for impl, variant, up in cands:
                 if budget_left(case, impl):
@@ -313,7 +310,7 @@ def tuning(rec, quick):
                 winners[(M, N, r, side)] = min(times, key=times.get)
     if winners:
         print(f"  paste into pallas_fused/galore/kernel.py: MEASURED_VARIANT = {winners!r}", flush=True)
-        rec.add(OP, "tune step winners", "pallas:winners", None, measured_variant=repr(winners))
+        rec.add(OP, "tune step winners", "info:measured_variant", None, measured_variant=repr(winners))
 
 
 def _time_once(fn, *args, reps=3):

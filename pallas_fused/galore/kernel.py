@@ -57,9 +57,9 @@ class UpConfig(NamedTuple):
     tm: int = 1  # row tiles per program (with tn == 1 and br >= rank the B columns load once)
 
 
-# The default up-projection configuration: set it from the tuning sweep (benchmarks/bench_galore.py prints
-# the winner as a line to paste here).
-UP_CONFIG = UpConfig()
+# The default up-projection configuration, one for all or a dict side ("right" / "left") -> UpConfig: set it
+# from the tuning sweep (benchmarks/bench_galore.py prints the winners as a line to paste here).
+UP_CONFIG: UpConfig | dict[str, UpConfig] = UpConfig()
 
 # Measured winners (H200, fp32, TF32, in-place step): (M, N, rank, side) -> variant. `choose_variant` takes
 # the nearest entry of the same side. Paste the `MEASURED_VARIANT = {...}` line the tuning sweep prints.
@@ -278,8 +278,9 @@ def _up_kernel(*refs, M, N, R, BM, BN, BR, TM, TN, inplace, has_w, w_first):
         lax.fori_loop(0, T, tile, load_w(0) if prefetch else jnp.zeros((), F32))
 
 
-def _blocks_up(shape, rank) -> UpConfig:
-    return UP_CONFIG._replace(br=min(_rank_block(rank), UP_CONFIG.br))
+def _blocks_up(rank, side) -> UpConfig:
+    cfg = UP_CONFIG[side] if isinstance(UP_CONFIG, dict) else UP_CONFIG
+    return cfg._replace(br=min(_rank_block(rank), cfg.br))
 
 
 def up_update(w, n, p, scalars, *, side: str, inplace: bool = False, interpret: bool = False, blocks=None,
@@ -294,8 +295,11 @@ def up_update(w, n, p, scalars, *, side: str, inplace: bool = False, interpret: 
     if w is None and inplace:
         raise ValueError("up_update: inplace=True needs w (the weight to update)")
     R = n.shape[1] if side == "right" else n.shape[0]
-    shape = (n.shape[0], p.shape[1]) if side == "right" else (p.shape[0], n.shape[1])
-    cfg = UpConfig(*blocks)._replace(br=min(UpConfig(*blocks).br, _rank_block(R))) if blocks else _blocks_up(shape, R)
+    if blocks:
+        cfg = UpConfig(*blocks)
+        cfg = cfg._replace(br=min(cfg.br, _rank_block(R)))
+    else:
+        cfg = _blocks_up(R, side)
     dtype = jnp.dtype(w.dtype if w is not None else (out_dtype or p.dtype))
     return _up_update(w, n, p, scalars, side=side, inplace=inplace, interpret=interpret, cfg=cfg, dtype=dtype)
 

@@ -136,3 +136,11 @@ def test_variants_and_up_configs_gpu(shape):
     for cfg in UP_CANDIDATES:
         out = kernel.up_update(w, n, p, s.pack(), side=side, blocks=cfg)
         assert_close(out, up_exact, floor=5e-3, what=f"up {cfg} (TF32)")
+
+
+def test_up_config_per_side(monkeypatch):
+    """UP_CONFIG may be a dict side -> UpConfig (the tuning sweep prints one per side)."""
+    monkeypatch.setattr(kernel, "UP_CONFIG", {"right": kernel.UpConfig(32, 16, 64, 4, 2, True, 1, 2),
+                                              "left": kernel.UpConfig(16, 32, 16, 8, 3, False, 2, 1)})
+    assert kernel._blocks_up(24, "right") == kernel.UpConfig(32, 16, 32, 4, 2, True, 1, 2)  # br <= rank block
+    assert kernel._blocks_up(24, "left") == kernel.UpConfig(16, 32, 16, 8, 3, False, 2, 1)
