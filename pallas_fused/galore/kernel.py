@@ -10,7 +10,8 @@ an (8,) fp32 operand (see `reference.Scalars`):
   lowrank_adam      the same epilogue as an elementwise kernel, after an XLA down-projection ("hybrid").
   up_update         the up-projection GEMM (N P or P N, K = r) with the full-rank update in its epilogue:
                     out = a W + c backproject(N), stored as the update (optax path) or added to W and
-                    written over W through input_output_aliases (in-place path). One pass over W.
+                    written over W through input_output_aliases (in-place path). One pass over W; none
+                    when w is None (no weight decay on the optax path). A program may own several tiles.
 
 Block sizes come from `UP_CONFIG` / `_blocks_down` below (overridable per call with `blocks=` for tuning), and
 `leaf_step` runs one projected leaf through one of `VARIANTS`; `choose_variant` picks it from
@@ -42,10 +43,9 @@ VARIANTS = ("fused", "hybrid", "xla_up")
 
 
 class UpConfig(NamedTuple):
-    """Launch configuration of the up-projection kernel: (bm, bn) tiles of W, tn of them along N (or tm along
-    M) per program,
-    K (= rank) in chunks of br, and whether W's load is issued before the K loop (overlaps its HBM latency
-    with the GEMM, but holds the tile in registers through the loop) or after it."""
+    """Launch configuration of the up-projection kernel: (bm, bn) tiles of W, tn x tm of them per program
+    (a loop), K (= rank) in chunks of br, and whether W's load is issued before the GEMM (overlapping its
+    HBM latency; with several tiles, the next tile's W is prefetched) or after it."""
 
     bm: int = 64
     bn: int = 128
