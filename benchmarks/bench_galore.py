@@ -4,10 +4,17 @@
 Cases (ANCHORS.md): fp32 W and G, TF32 allowed, non-refresh step, proj_type "std".
   pallas:fused    fused down-projection + low-rank Adam kernel, up-projection update kernel, then W + update
   pallas:hybrid   XLA down-projection + elementwise low-rank Adam kernel, same up kernel, then W + update
-  pallas:inplace  the best down variant + the up kernel writing W in place (donated): galore_adamw_inplace's path
+  pallas:inplace_<variant>  galore_adamw_inplace's path for each of kernel.VARIANTS (fused, hybrid, xla_up);
+                  pallas:inplace is the best of them
+  pallas:inplace_api  galore_adamw_inplace's step (count 1: the refresh lax.cond is taken but skips)
   pallas:tx       the whole optax transform (galore_adamw update + apply_updates, count > 0: lax.cond skipped)
   xla             our plain-jnp reference step (donated), default precision (TF32)
-  peer:optax_contrib_galore   optax.contrib.galore update + apply_updates (as ../shared/peers/peers_jax.py)
+  xla:g_copied    the same with G not donated (peers_jax.py's method: XLA returns G as a 2 x M N x 4 byte copy,
+                  which ANCHORS.md's XLA and optax.contrib.galore figures include)
+  peer:optax_contrib_galore   optax.contrib.galore update + apply_updates (params, grads, state donated)
+Every step donates everything it carries (see `_steps`).
+The `tuning` section is the sweep that sets kernel.UP_CONFIG and kernel.MEASURED_VARIANT (it prints the lines);
+run it alone with `GALORE_SECTIONS=tuning python -m benchmarks.run galore`.
 nbytes = (3 M N + 2 M r + 4 r N) * 4 (read G and W, write W; moments in/out; P) as in peers_jax.py.
 Refresh energy is measured on a low-rank-plus-noise gradient (decaying spectrum): a Gaussian matrix has a
 flat spectrum on which "captured energy" says nothing about real gradients.
@@ -15,6 +22,7 @@ flat spectrum on which "captured energy" says nothing about real gradients.
 
 from __future__ import annotations
 
+import os
 import time
 from functools import partial
 
@@ -55,28 +63,24 @@ def _state(M, N, r, side, seed=0):
 
 
 def _steps(side):
-    def down(variant, g, p, m, v, s):
-        if variant == "fused":
-            return kernel.down_adam_fused(g, p, m, v, s, side=side, interpret=INTERPRET)
-        return kernel.lowrank_adam(reference.project(g, p, side), m, v, s, interpret=INTERPRET)
-
-    def make(variant, inplace):
-        @partial(jax.jit, donate_argnums=(0, 2, 3))
+    """Jitted in-place / update steps over the carried state (w, g, m, v, p, s), all of it donated: a
+    carried but undonated array comes back as an XLA copy (G: 2 x 64 MB at 4096x4096), which timed the
+    copy along with the step (peers_jax.py's method does: see `xla:g_copied`)."""
+    def make(variant, inplace, up_blocks=None, down_blocks=None):
+        @partial(jax.jit, donate_argnums=(0, 1, 2, 3, 4, 5))
         def step(w, g, m, v, p, s):
-            m, v, n = down(variant, g, p, m, v, s)
-            if inplace:
-                w = kernel.up_update(w, n, p, s, side=side, inplace=True, interpret=INTERPRET)
-            else:
-                w = w + kernel.up_update(w, n, p, s, side=side, interpret=INTERPRET)
-            return w, g, m, v, p, s
+            out, m, v = kernel.leaf_step(variant, w, g, m, v, p, s, side=side, inplace=inplace, interpret=INTERPRET,
+                                         up_blocks=up_blocks, down_blocks=down_blocks)
+            return (out if inplace else w + out), g, m, v, p, s
         return step
 
-    @partial(jax.jit, donate_argnums=(0, 2, 3))
-    def xla(w, g, m, v, p, s):
+    def xla_step(w, g, m, v, p, s):
         w, m, v = reference.galore_adam_step(w, g, m, v, p, side, reference.Scalars(*s), inplace=True)
         return w, g, m, v, p, s
 
-    return make, xla
+    xla = jax.jit(xla_step, donate_argnums=(0, 1, 2, 3, 4, 5))
+    xla_g_copied = jax.jit(xla_step, donate_argnums=(0, 2, 3))  # as peers_jax.py: G, P, s come back as copies
+    return make, xla, xla_g_copied
 
 
 def _check(out, ref):
@@ -85,42 +89,74 @@ def _check(out, ref):
     return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
+def _nbytes(M, N, r):
+    return (3 * M * N + 2 * M * r + 4 * r * N) * 4
+
+
+def _time_step(rec, case, impl, fn, M, N, r, side, delta_ref, n, **extra):
+    """Check one step against the HIGHEST-precision update, time it, record it; None on failure."""
+    kw = dict(nbytes=_nbytes(M, N, r), flops=2 * 2 * M * N * r, matmul_ceiling="tf32_tflops")
+    try:
+        st = _state(M, N, r, side)
+        w0 = jnp.copy(st[0])
+        out = fn(*st)
+        err = _check(out[0] - w0, delta_ref)
+        ms = bench_carry(fn, out, n=n)
+        rec.add(OP, case, impl, ms, rel_err_update=err, **kw, **extra)
+        return ms
+    except Exception as e:  # noqa: BLE001 - a failing kernel is a result
+        rec.add(OP, case, impl, None, error=f"{type(e).__name__}: {str(e)[:300]}")
+        return None
+
+
+def _delta_ref(M, N, r, side):
+    w, g, m, v, p, s = _state(M, N, r, side)
+    ref_w, _, _ = reference.galore_adam_step(w, g, m, v, p, side, reference.Scalars(*s), inplace=True,
+                                             precision=jax.lax.Precision.HIGHEST)
+    return ref_w - w
+
+
 def step_cases(rec, quick):
     shapes = [_d(4096, 4096), _d(4096, 11008)]
     ranks = [_r(r) for r in ([128] if quick else [32, 64, 128, 256, 512])]
     for (M, N) in shapes:
         side = reference.projector_side((M, N), "std")
-        make, xla = _steps(side)
+        make, xla, xla_g_copied = _steps(side)
         for r in ranks:
             case = f"{M}x{N} r{r}"
-            nbytes = (3 * M * N + 2 * M * r + 4 * r * N) * 4
-            flops = 2 * 2 * M * N * r
-            kw = dict(nbytes=nbytes, flops=flops, matmul_ceiling="tf32_tflops")
-            # correctness of the compiled kernels against the HIGHEST-precision reference
-            w, g, m, v, p, s = _state(M, N, r, side)
-            ref_w, _, _ = reference.galore_adam_step(w, g, m, v, p, side, reference.Scalars(*s), inplace=True,
-                                                     precision=jax.lax.Precision.HIGHEST)
-            delta_ref = ref_w - w
+            kw = dict(nbytes=_nbytes(M, N, r), flops=2 * 2 * M * N * r, matmul_ceiling="tf32_tflops")
+            delta_ref = _delta_ref(M, N, r, side)
+            n = 20 if quick else 50
             times = {}
             for impl, fn in [("pallas:fused", make("fused", False)), ("pallas:hybrid", make("hybrid", False)),
-                             ("pallas:inplace_fused", make("fused", True)),
-                             ("pallas:inplace_hybrid", make("hybrid", True)), ("xla", xla)]:
-                try:
-                    st = _state(M, N, r, side)
-                    w0 = jnp.copy(st[0])
-                    out = fn(*st)
-                    err = _check(out[0] - w0, delta_ref)
-                    ms = bench_carry(fn, out, n=20 if quick else 50)
-                    times[impl] = ms
-                    rec.add(OP, case, impl, ms, rel_err_update=err, **kw)
-                    print(f"    {impl}: relative error of the update vs HIGHEST-precision reference {err:.2e}")
-                except Exception as e:  # noqa: BLE001 - a failing kernel is a result
-                    rec.add(OP, case, impl, None, error=f"{type(e).__name__}: {str(e)[:300]}")
-            fused, hybrid = times.get("pallas:inplace_fused"), times.get("pallas:inplace_hybrid")
-            if fused and hybrid:
-                rec.add(OP, case, "pallas:inplace", min(fused, hybrid), winner="fused" if fused < hybrid else "hybrid",
+                             *[(f"pallas:inplace_{v}", make(v, True)) for v in kernel.VARIANTS], ("xla", xla)]:
+                times[impl] = _time_step(rec, case, impl, fn, M, N, r, side, delta_ref, n)
+            if r == _r(128):
+                _time_step(rec, case, "xla:g_copied", xla_g_copied, M, N, r, side, delta_ref, n)
+            inplace = {v: times.get(f"pallas:inplace_{v}") for v in kernel.VARIANTS}
+            inplace = {v: t for v, t in inplace.items() if t}
+            if inplace:
+                best = min(inplace, key=inplace.get)
+                rec.add(OP, case, "pallas:inplace", inplace[best], winner=best,
                         auto_choice=api.choose_kernel((M, N), r, side), **kw)
-            # the whole optax transforms, count > 0 (no refresh)
+            # the in-place API step (galore_adamw_inplace: the refresh lax.cond, scalars, the auto variant),
+            # count 1 (no refresh): minus pallas:inplace_<auto_choice> it is the cost of the cond and the rest
+            if r == _r(128):
+                try:
+                    opt = api.galore_adamw_inplace(LR, rank=r, update_proj_gap=10**9, scale=SCALE, eps=EPS)
+                    params, grads = {"w": rnd(3, (M, N))}, {"w": rnd(4, (M, N))}
+                    state = opt.init(params)._replace(count=jnp.ones([], jnp.int32))
+
+                    @partial(jax.jit, donate_argnums=(0, 1, 2))
+                    def api_step(p, g, s, opt=opt):
+                        p, s = opt.step(p, g, s)
+                        return p, g, s
+
+                    ms = bench_carry(api_step, (params, grads, state), n=20 if quick else 30)
+                    rec.add(OP, case, "pallas:inplace_api", ms, auto_choice=api.choose_kernel((M, N), r, side), **kw)
+                except Exception as e:  # noqa: BLE001
+                    rec.add(OP, case, "pallas:inplace_api", None, error=f"{type(e).__name__}: {str(e)[:300]}")
+            # the whole optax transforms, count > 0 (no refresh); params, grads and state all donated
             for impl, tx_fn in [("pallas:tx", lambda r=r: api.galore_adamw(LR, rank=r, update_proj_gap=10**9,
                                                                            scale=SCALE, eps=EPS)),
                                 ("peer:optax_contrib_galore", lambda r=r: optax.contrib.galore(
@@ -132,7 +168,7 @@ def step_cases(rec, quick):
                     params, grads = {"w": rnd(3, (M, N))}, {"w": rnd(4, (M, N))}
                     state = tx.init(params)
 
-                    @partial(jax.jit, donate_argnums=(0, 2))
+                    @partial(jax.jit, donate_argnums=(0, 1, 2))
                     def step(p, g, s, tx=tx):
                         u, s = tx.update(g, s, p)
                         return optax.apply_updates(p, u), g, s
@@ -143,42 +179,138 @@ def step_cases(rec, quick):
                     rec.add(OP, case, impl, None, error=f"{type(e).__name__}: {str(e)[:300]}")
 
 
+# Candidate launch configurations of the tuning sweep: UpConfig(bm, bn, br, warps, stages, w_first, tn, tm). Offline
+# (triton 3.6, ptxas sm_90a, 4096x4096 r128) none of these spills and all fit the 227 KiB of shared memory:
+#   tn 1, 64x128/4 warps: 219-249 registers (2 CTAs/SM); 128x128/8 warps: 219-252 (1 CTA/SM); 64x64/4 and
+#   32x128/4: 120-127 (4 CTAs/SM; 32 rows run mma.sync, not wgmma). Per 64x128 tile the P and N slices read
+#   from L2 are 3x the W tile (r/bm + r/bn at r128), hence the larger tiles.
+#   tn > 1 with br >= r: the A rows load once per program, Triton pipelines the P/N slice (cp.async), and with
+#   w_first the next tile's W is prefetched through the loop carry. 64x64/4 warps/2 stages: 127-162 registers,
+#   112 KiB smem (2 CTAs/SM); 128x64/8/2: 117-162, 160 KiB; 64x128/8/2: 134-162, 192 KiB; 32x128/4/2: 163, 88 KiB.
+# Left out: 128x128/4 warps, 128x256/8, 64x256/4, 256x128/8, 128x128x128/8/1 tn 4 (spills); 64x128x128/4/3 tn 4
+# and 128x128x128/8/2 tn 4 (256 KiB of shared memory: they cannot launch).
+# The fp32 B operand (the P or N slice, r x bn, N-contiguous) loads with 4-byte cp.async: wgmma takes tf32
+# operands K-major only, so Triton transposes it on the way to shared memory. tm > 1 (a row loop, tn 1) loads
+# that operand once per program and pipelines the K-major A rows instead (16-byte cp.async); bn 128 keeps the
+# A traffic at r/bn = 1x the W tile: 64x128/8 warps/2 stages tm 8: 158 registers, 160 KiB; 32x128/4 (mma.sync):
+# 166, 88 KiB; 64x64/4: 158, 112 KiB. (64x128/4 warps tm 8 and 128x128/8/1 tm 4 spill.)
+UP_CANDIDATES = [
+    kernel.UpConfig(64, 128, 32, 4, 3, True, 1, 1),  # the session-1 default
+    kernel.UpConfig(128, 128, 32, 8, 3, True, 1, 1),
+    kernel.UpConfig(128, 128, 32, 8, 3, False, 1, 1),
+    kernel.UpConfig(128, 128, 128, 8, 1, False, 1, 1),
+    kernel.UpConfig(32, 128, 32, 4, 3, False, 1, 1),
+    kernel.UpConfig(64, 64, 128, 4, 2, True, 8, 1),
+    kernel.UpConfig(128, 64, 128, 8, 2, True, 8, 1),
+    kernel.UpConfig(64, 128, 128, 8, 2, True, 8, 1),
+    kernel.UpConfig(32, 128, 128, 4, 2, True, 8, 1),
+    kernel.UpConfig(128, 64, 128, 8, 1, True, 8, 1),
+    kernel.UpConfig(64, 128, 128, 8, 2, True, 1, 8),
+    kernel.UpConfig(32, 128, 128, 4, 2, True, 1, 8),
+    kernel.UpConfig(64, 64, 128, 4, 2, True, 1, 8),
+]
+# down_adam_fused blocks: (rows or columns of the kept dimension per program, K block, warps, stages)
+DOWN_CANDIDATES = [(64, 64, 8, 3), (32, 64, 4, 3), (32, 128, 4, 3), (16, 128, 4, 4), (128, 32, 8, 3)]
+TUNING_BUDGET_S = 85.0
+
+
 def tuning(rec, quick):
-    """Block configurations of the two GEMM kernels at 4096x4096 r128 (side right) and 4096x11008 (left)."""
-    for (M, N) in [_d(4096, 4096), _d(4096, 11008)]:
+    """The sweep that sets the defaults, bounded to TUNING_BUDGET_S (what is left is recorded as skipped).
+
+    1. r128, both shapes (side right, side left): the up-projection kernel alone (in place, W donated) for
+       each UP_CANDIDATES entry, beside XLA's up-projection + update; the down halves alone (fused kernel
+       per DOWN_CANDIDATES, XLA GEMM + elementwise Adam, XLA GEMM alone).
+    2. ranks 128, 32, 512, both shapes: the whole in-place step for every kernel.VARIANTS entry (default
+       configurations and, for the Pallas up kernel, the side's best of part 1) and the XLA reference.
+    Prints the lines to paste into pallas_fused/galore/kernel.py: UP_CONFIG and MEASURED_VARIANT."""
+    deadline = time.time() + (TUNING_BUDGET_S if not _CPU else 10 * TUNING_BUDGET_S)
+    n = 10 if quick else 20
+
+    def budget_left(case, impl):
+        if time.time() < deadline:
+            return True
+        rec.add(OP, case, impl, None, error="skipped: tuning time budget spent")
+        return False
+
+    shapes = [_d(4096, 4096), _d(4096, 11008)]
+    up_times = {}  # side -> {UpConfig: ms}
+    for (M, N) in shapes:
         side = reference.projector_side((M, N), "std")
         r = _r(128)
         w, g, m, v, p, s = _state(M, N, r, side)
-        n = jnp.ones(m.shape, jnp.float32)
-        downs = [(64, 64, 4, 3), (32, 64, 4, 3), (32, 128, 4, 3), (16, 128, 4, 4), (64, 32, 8, 4)]
-        ups = [(64, 128, 32, 4, 3), (128, 128, 32, 8, 3), (64, 64, 32, 4, 3), (128, 64, 32, 4, 3),
-               (64, 256, 32, 8, 3), (128, 128, 64, 8, 2)]
-        if quick:
-            downs, ups = downs[1:4], ups[:4]
-        for blocks in downs:
-            f = jax.jit(lambda g, p, m, v, s, b=blocks, side=side: kernel.down_adam_fused(
-                g, p, m, v, s, side=side, interpret=INTERPRET, blocks=b))
-            rec.time(OP, f"tune down {M}x{N} r{r}", f"pallas:fused_down{blocks}", f, g, p, m, v, s, n=20,
-                     nbytes=(M * N + 4 * r * max(M, N)) * 4)
-        f = jax.jit(lambda g, p, m, v, s, side=side: kernel.lowrank_adam(
-            reference.project(g, p, side), m, v, s, interpret=INTERPRET))
-        rec.time(OP, f"tune down {M}x{N} r{r}", "pallas:hybrid_down", f, g, p, m, v, s, n=20,
-                 nbytes=(M * N + 4 * r * max(M, N)) * 4)
-        # the same two halves in XLA (breakdown: where the step's time goes)
-        f = jax.jit(lambda g, p, side=side: reference.project(g, p, side))
-        rec.time(OP, f"tune down {M}x{N} r{r}", "xla:down_gemm_only", f, g, p, n=20, nbytes=(M * N + r * max(M, N)) * 4)
-        f = jax.jit(lambda w, n, p, s, side=side: w + reference.full_update(w, n, p, side, reference.Scalars(*s)),
-                    donate_argnums=(0,))
-        ms = bench_carry(lambda w, n, p, s, f=f: (f(w, n, p, s), n, p, s), (jnp.copy(w), n, p, s), n=20)
-        rec.add(OP, f"tune up {M}x{N} r{r}", "xla:up_gemm_update", ms, nbytes=2 * M * N * 4)
-        for blocks in ups:
-            f = jax.jit(lambda w, n, p, s, b=blocks, side=side: kernel.up_update(
-                w, n, p, s, side=side, inplace=True, interpret=INTERPRET, blocks=b), donate_argnums=(0,))
+        nl = jnp.ones(m.shape, jnp.float32)
+        case = f"tune up {M}x{N} r{r}"
+        upb = 2 * M * N * 4
+        if budget_left(case, "xla:up_gemm_update"):
+            f = jax.jit(lambda w, n, p, s, side=side: w + reference.full_update(w, n, p, side, reference.Scalars(*s)),
+                        donate_argnums=(0,))
             try:
-                ms = bench_carry(lambda w, n, p, s, f=f: (f(w, n, p, s), n, p, s), (jnp.copy(w), n, p, s), n=20)
-                rec.add(OP, f"tune up {M}x{N} r{r}", f"pallas:up_inplace{blocks}", ms, nbytes=2 * M * N * 4)
+                ms = bench_carry(lambda w, n, p, s, f=f: (f(w, n, p, s), n, p, s), (jnp.copy(w), nl, p, s), n=n)
+                rec.add(OP, case, "xla:up_gemm_update", ms, nbytes=upb)
             except Exception as e:  # noqa: BLE001
-                rec.add(OP, f"tune up {M}x{N} r{r}", f"pallas:up_inplace{blocks}", None, error=str(e)[:300])
+                rec.add(OP, case, "xla:up_gemm_update", None, error=f"{type(e).__name__}: {str(e)[:300]}")
+        for cfg in UP_CANDIDATES:
+            impl = "pallas:up" + "_".join(map(str, cfg))
+            if not budget_left(case, impl):
+                continue
+            f = jax.jit(lambda w, n, p, s, cfg=cfg, side=side: kernel.up_update(
+                w, n, p, s, side=side, inplace=True, interpret=INTERPRET, blocks=cfg), donate_argnums=(0,))
+            try:
+                ms = bench_carry(lambda w, n, p, s, f=f: (f(w, n, p, s), n, p, s), (jnp.copy(w), nl, p, s), n=n)
+                rec.add(OP, case, impl, ms, nbytes=upb)
+                up_times.setdefault(side, {})[cfg] = ms
+            except Exception as e:  # noqa: BLE001
+                rec.add(OP, case, impl, None, error=f"{type(e).__name__}: {str(e)[:300]}")
+        case = f"tune down {M}x{N} r{r}"
+        downb = (M * N + 4 * r * max(M, N)) * 4
+        for blocks in DOWN_CANDIDATES:
+            impl = "pallas:fused_down" + "_".join(map(str, blocks))
+            if budget_left(case, impl):
+                f = jax.jit(lambda g, p, m, v, s, b=blocks, side=side: kernel.down_adam_fused(
+                    g, p, m, v, s, side=side, interpret=INTERPRET, blocks=b))
+                rec.time(OP, case, impl, f, g, p, m, v, s, n=n, nbytes=downb)
+        if budget_left(case, "pallas:hybrid_down"):
+            f = jax.jit(lambda g, p, m, v, s, side=side: kernel.lowrank_adam(
+                reference.project(g, p, side), m, v, s, interpret=INTERPRET))
+            rec.time(OP, case, "pallas:hybrid_down", f, g, p, m, v, s, n=n, nbytes=downb)
+        if budget_left(case, "xla:down_gemm_only"):
+            f = jax.jit(lambda g, p, side=side: reference.project(g, p, side))
+            rec.time(OP, case, "xla:down_gemm_only", f, g, p, n=n, nbytes=(M * N + r * max(M, N)) * 4)
+        del w, g, m, v, p
+
+    # the up configuration best per side (the sweep's two shapes are one of each side under "std")
+    best_up = {side: min(ts, key=ts.get) for side, ts in up_times.items() if ts}
+    if best_up:
+        print(f"  paste into pallas_fused/galore/kernel.py: UP_CONFIG = {best_up!r}", flush=True)
+        rec.add(OP, "tune up best", "info:up_config", None, up_config=repr(best_up))
+
+    winners = {}
+    for r in [_r(128), _r(32), _r(512)]:
+        for (M, N) in shapes:
+            side = reference.projector_side((M, N), "std")
+            make, xla, _ = _steps(side)
+            case = f"tune step {M}x{N} r{r}"
+            try:
+                delta_ref = _delta_ref(M, N, r, side)
+            except Exception as e:  # noqa: BLE001
+                rec.add(OP, case, "reference", None, error=f"{type(e).__name__}: {str(e)[:300]}")
+                continue
+            cands = [(f"pallas:inplace_{v}", v, None) for v in kernel.VARIANTS]
+            if side in best_up and best_up[side] != kernel._blocks_up(128, side):
+                cands += [(f"pallas:inplace_{v}+best_up", v, best_up[side]) for v in ("hybrid", "fused")]
+            times = {}
+            for impl, variant, up in cands:
+                if budget_left(case, impl):
+                    ms = _time_step(rec, case, impl, make(variant, True, up_blocks=up), M, N, r, side, delta_ref, n)
+                    if ms:
+                        times[variant] = min(ms, times.get(variant, float("inf")))
+            if budget_left(case, "xla"):
+                _time_step(rec, case, "xla", xla, M, N, r, side, delta_ref, n)
+            if times:
+                winners[(M, N, r, side)] = min(times, key=times.get)
+    if winners:
+        print(f"  paste into pallas_fused/galore/kernel.py: MEASURED_VARIANT = {winners!r}", flush=True)
+        rec.add(OP, "tune step winners", "info:measured_variant", None, measured_variant=repr(winners))
 
 
 def _time_once(fn, *args, reps=3):
@@ -243,12 +375,12 @@ def llama_layer(rec, quick):
                 def carry(p, g, s, opt=opt):
                     p, s = opt.step(p, g, s)
                     return p, g, s
-                carry = jax.jit(carry, donate_argnums=(0, 2))
+                carry = jax.jit(carry, donate_argnums=(0, 1, 2))
             else:
                 def carry(p, g, s, opt=opt):
                     u, s = opt.update(g, s, p)
                     return optax.apply_updates(p, u), g, s
-                carry = jax.jit(carry, donate_argnums=(0, 2))
+                carry = jax.jit(carry, donate_argnums=(0, 1, 2))
             p0 = jax.tree.map(jnp.copy, params)
             st = opt.init(p0)
             # start past the refresh (count 1): the refresh is timed below
@@ -295,11 +427,18 @@ def state_memory(rec, quick):
     print(f"  state: galore r128 {nbytes(galore) / 2**20:.1f} MiB vs adamw {nbytes(adamw) / 2**20:.1f} MiB")
 
 
+SECTIONS = ("state_memory", "step_cases", "refresh_cases", "llama_layer", "tuning")
+
+
 def run(rec, quick: bool):
-    for section in (state_memory, step_cases, refresh_cases, llama_layer, tuning):
+    """All sections, or those named (comma-separated) in $GALORE_SECTIONS."""
+    names = [s for s in os.environ.get("GALORE_SECTIONS", ",".join(SECTIONS)).split(",") if s]
+    for name in names:
         start = time.time()
         try:
-            section(rec, quick)
+            if name not in SECTIONS:
+                raise ValueError(f"GALORE_SECTIONS: unknown section {name!r}; known: {SECTIONS}")
+            globals()[name](rec, quick)
         except Exception as e:  # noqa: BLE001 - keep the other sections' numbers
-            rec.add(OP, section.__name__, "error", None, error=f"{type(e).__name__}: {str(e)[:300]}")
-        print(f"  [{section.__name__} {time.time() - start:.1f}s]", flush=True)
+            rec.add(OP, name, "error", None, error=f"{type(e).__name__}: {str(e)[:300]}")
+        print(f"  [{name} {time.time() - start:.1f}s]", flush=True)

@@ -53,7 +53,7 @@ from pallas_fused.galore.reference import Scalars
 
 CONVENTIONS = ("galore", "optax")
 PROJECTORS = ("svd", "randomized")
-KERNELS = ("auto", "fused", "hybrid")
+KERNELS = ("auto", *kernel.VARIANTS)
 # Arguments that are structure, not numbers: pass them to optax.inject_hyperparams as static_args.
 GALORE_STATIC_ARGS = ("rank", "update_proj_gap", "proj_type", "mask", "weight_decay_mask", "projector",
                       "oversample", "power_iters", "seed", "convention", "mu_dtype", "nu_dtype", "implementation",
@@ -87,17 +87,9 @@ class GaLoreInplace(NamedTuple):
 
 
 def choose_kernel(shape: tuple[int, int], rank: int, side: str) -> str:
-    """"fused" or "hybrid" for one leaf: the measured winner (benchmarks/bench_galore.py) where known.
-
-    The fused down-projection gives one program all r columns of BM rows of the kept dimension (no
-    split-K, so the Adam epilogue sees finished sums); it can win only when the kept dimension gives enough
-    programs to fill the GPU. Otherwise XLA's GEMM + the elementwise kernel is faster. Measured on an H200
-    (fp32, TF32, r=128, in-place step, ms): 4096x4096 fused 0.268 / hybrid 0.222; 4096x11008 fused 0.752 /
-    hybrid 0.540 (both cases hybrid, as this rule says)."""
-    m, n = shape
-    kept = m if side == "right" else n
-    blocks = -(-kept // kernel._blocks_down(shape, rank, side, 4)[0])
-    return "fused" if blocks >= 2 * _backend.num_sms() else "hybrid"
+    """The default kernel variant (one of kernel.VARIANTS) for one leaf: the measured winner nearest in
+    shape and rank (`kernel.MEASURED_VARIANT`, printed by the tuning sweep of benchmarks/bench_galore.py)."""
+    return kernel.choose_variant(shape, rank, side)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -232,6 +224,8 @@ class _GaLore:
             return reference.galore_adam_step(w, g, m, v, p, side, s, inplace=inplace)
         interpret = cfg.implementation == "interpret"
         variant = cfg.kernel if cfg.kernel != "auto" else choose_kernel(g.shape, cfg.rank, side)
+        if variant == "xla_up":  # XLA's GEMMs around the elementwise Pallas low-rank Adam (kernel.VARIANTS)
+            return kernel.leaf_step(variant, w, g, m, v, p, s.pack(), side=side, inplace=inplace, interpret=interpret)
         packed = s.pack()
         if variant == "fused":
             m, v, n = kernel.down_adam_fused(g, p, m, v, packed, side=side, interpret=interpret)
@@ -338,7 +332,8 @@ _DOC_ARGS = """
       convention: "galore" (reference GaLore, the default) or "optax" (optax.contrib.galore's numbers).
       mu_dtype, nu_dtype: moment dtypes (default fp32).
       implementation: None | "pallas" | "xla" | "interpret" (see pallas_fused._backend).
-      kernel: "auto" | "fused" | "hybrid": the down-projection variant (auto: choose_kernel's table).
+      kernel: "auto" | "fused" | "hybrid" | "xla_up": how projected leaves are stepped (see
+        pallas_fused.galore.kernel.VARIANTS; auto: choose_kernel's measured table).
 """
 
 

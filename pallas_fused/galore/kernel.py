@@ -10,14 +10,19 @@ an (8,) fp32 operand (see `reference.Scalars`):
   lowrank_adam      the same epilogue as an elementwise kernel, after an XLA down-projection ("hybrid").
   up_update         the up-projection GEMM (N P or P N, K = r) with the full-rank update in its epilogue:
                     out = a W + c backproject(N), stored as the update (optax path) or added to W and
-                    written over W through input_output_aliases (in-place path). One pass over W.
+                    written over W through input_output_aliases (in-place path). One pass over W; none
+                    when w is None (no weight decay on the optax path). A program may own several tiles.
 
-Block sizes are chosen by `_blocks_*` below and can be overridden for tuning.
+Block sizes come from `UP_CONFIG` / `_blocks_down` below (overridable per call with `blocks=` for tuning), and
+`leaf_step` runs one projected leaf through one of `VARIANTS`; `choose_variant` picks it from
+`MEASURED_VARIANT`, the table the tuning sweep in benchmarks/bench_galore.py prints.
 """
 
 from __future__ import annotations
 
 import functools
+import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -25,8 +30,43 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_fused import _backend
+from pallas_fused.galore import reference
 
 F32 = jnp.float32
+
+# How one projected leaf is stepped (see `leaf_step`):
+#   fused    Pallas down-projection GEMM with the low-rank Adam in its epilogue, Pallas up-projection + update
+#   hybrid   XLA down-projection (TF32), elementwise Pallas low-rank Adam, Pallas up-projection + update
+#   xla_up   XLA down-projection, elementwise Pallas low-rank Adam, XLA up-projection with the update as jnp
+#            (XLA may fuse it into its GEMM's epilogue)
+VARIANTS = ("fused", "hybrid", "xla_up")
+
+
+class UpConfig(NamedTuple):
+    """Launch configuration of the up-projection kernel: (bm, bn) tiles of W, tn x tm of them per program
+    (a loop), K (= rank) in chunks of br, and whether W's load is issued before the GEMM (overlapping its
+    HBM latency; with several tiles, the next tile's W is prefetched) or after it."""
+
+    bm: int = 64
+    bn: int = 128
+    br: int = 32
+    warps: int = 4
+    stages: int = 3
+    w_first: bool = True
+    tn: int = 1  # column tiles per program (a pipelined loop; with br >= rank the A rows load once)
+    tm: int = 1  # row tiles per program (with tn == 1 and br >= rank the B columns load once)
+
+
+# The default up-projection configuration, one for all or a dict side ("right" / "left") -> UpConfig: set it
+# from the tuning sweep (benchmarks/bench_galore.py prints the winners as a line to paste here).
+UP_CONFIG: UpConfig | dict[str, UpConfig] = UpConfig()
+
+# Measured winners (H200, fp32, TF32, in-place step): (M, N, rank, side) -> variant. `choose_variant` takes
+# the nearest entry of the same side. Paste the `MEASURED_VARIANT = {...}` line the tuning sweep prints.
+MEASURED_VARIANT: dict[tuple[int, int, int, str], str] = {
+    (4096, 4096, 128, "right"): "hybrid",  # session 1: fused 0.268 ms, hybrid 0.222
+    (4096, 11008, 128, "left"): "hybrid",  # session 1: fused 0.752 ms, hybrid 0.540
+}
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -163,53 +203,160 @@ def lowrank_adam(r, m, v, scalars, *, interpret: bool = False):
 
 
 # ------------------------------------------------------------------------------------ up + full update
-def _up_kernel(w_ref, a_ref, b_ref, s_ref, o_ref, *, M, N, R, BM, BN, BR, inplace):
+def _up_kernel(*refs, M, N, R, BM, BN, BR, TM, TN, inplace, has_w, w_first):
     # acc[BM, BN] = A[rows, :] @ B[:, cols] with K = R; A, B = (N, P) on side right, (P, N) on side left.
-    i, j = pl.program_id(0), pl.program_id(1)
-    rows = i * BM + jnp.arange(BM)
-    cols = j * BN + jnp.arange(BN)
-    rmask, cmask = rows < M, cols < N
-    idx = (pl.ds(i * BM, BM), pl.ds(j * BN, BN))
-    mask = rmask[:, None] & cmask[None, :]
-    # W is the big stream: issue its load before the short K loop so the HBM latency overlaps the GEMM.
-    w = _backend.load(w_ref.at[idx], mask=mask, other=0.0).astype(F32)
-
-    def body(k, acc):
-        ks = k * BR + jnp.arange(BR)
-        kmask = ks < R
-        a = _backend.load(a_ref.at[pl.ds(i * BM, BM), pl.ds(k * BR, BR)], mask=rmask[:, None] & kmask[None, :],
-                          other=0.0)
-        b = _backend.load(b_ref.at[pl.ds(k * BR, BR), pl.ds(j * BN, BN)], mask=kmask[:, None] & cmask[None, :],
-                          other=0.0)
-        return acc + _backend.dot(a.astype(F32), b.astype(F32), allow_tf32=True)
-
-    acc = lax.fori_loop(0, _cdiv(R, BR), body, jnp.zeros((BM, BN), F32))
+    # A program owns TM x TN tiles (row-major order): a loop whose loads Triton pipelines.
+    w_ref, a_ref, b_ref, s_ref, o_ref = refs if has_w else (None, *refs)
+    ii, jj = pl.program_id(0), pl.program_id(1)
     _, _, _, _, _, ca, cc, ok = _scalars(s_ref)
-    out = jnp.where(ok > 0, ca * w + cc * acc, 0.0)
-    if inplace:
-        out = w + out
-    _backend.store(o_ref.at[idx], out.astype(o_ref.dtype), mask=mask)
+    T = TM * TN
+
+    def tile_index(t):
+        if TN == 1:
+            i, j = ii * TM + t, jj
+        elif TM == 1:
+            i, j = ii, jj * TN + t
+        else:  # lax's truncating div/rem: t >= 0 (jnp's floor versions do not lower here)
+            i, j = ii * TM + lax.div(t, TN), jj * TN + lax.rem(t, TN)
+        rmask = i * BM + jnp.arange(BM) < M
+        cmask = j * BN + jnp.arange(BN) < N
+        return i, j, rmask, cmask, (pl.ds(i * BM, BM), pl.ds(j * BN, BN)), rmask[:, None] & cmask[None, :]
+
+    def load_a(t, k):
+        i, _, rmask, _, _, _ = tile_index(t)
+        kmask = k * BR + jnp.arange(BR) < R
+        return _backend.load(a_ref.at[pl.ds(i * BM, BM), pl.ds(k * BR, BR)], mask=rmask[:, None] & kmask[None, :],
+                             other=0.0).astype(F32)
+
+    def load_b(t, k):
+        _, j, _, cmask, _, _ = tile_index(t)
+        kmask = k * BR + jnp.arange(BR) < R
+        return _backend.load(b_ref.at[pl.ds(k * BR, BR), pl.ds(j * BN, BN)], mask=kmask[:, None] & cmask[None, :],
+                             other=0.0).astype(F32)
+
+    # One K chunk (BR >= R): the operand shared by all the program's tiles (A rows along a column loop, B
+    # columns along a row loop) is loaded once.
+    a_once = load_a(0, 0) if BR >= R and TM == 1 else None
+    b_once = load_b(0, 0) if BR >= R and TN == 1 else None
+
+    def load_w(t, extra_mask=None):
+        *_, idx, mask = tile_index(t)
+        mask = mask if extra_mask is None else mask & extra_mask
+        return _backend.load(w_ref.at[idx], mask=mask, other=0.0).astype(F32)
+
+    # W is the big stream. w_first: its load is issued before the GEMM so the HBM latency overlaps it (holding
+    # the tile in registers through the K loop); with several tiles per program the next tile's W is loaded
+    # during this tile's work (carried through the loop: two tiles of W in flight per program). Otherwise W
+    # loads after the GEMM.
+    prefetch = has_w and w_first and T > 1
+
+    def tile(t, w_next):
+        *_, idx, mask = tile_index(t)
+        if prefetch:
+            w, w_next = w_next, load_w(t + 1, t + 1 < T)
+        else:
+            w = load_w(t) if has_w and w_first else None
+
+        def body(k, acc):
+            a = a_once if a_once is not None else load_a(t, k)
+            b = b_once if b_once is not None else load_b(t, k)
+            return acc + _backend.dot(a, b, allow_tf32=True)
+
+        acc = lax.fori_loop(0, _cdiv(R, BR), body, jnp.zeros((BM, BN), F32))
+        if has_w and not w_first:
+            w = load_w(t)
+        out = ca * w + cc * acc if has_w else cc * acc
+        out = jnp.where(ok > 0, out, 0.0)
+        if inplace:
+            out = w + out
+        _backend.store(o_ref.at[idx], out.astype(o_ref.dtype), mask=mask)
+        return w_next
+
+    if T == 1:
+        tile(0, None)
+    else:
+        lax.fori_loop(0, T, tile, load_w(0) if prefetch else jnp.zeros((), F32))
 
 
-def _blocks_up(shape, rank):
-    rb = _rank_block(rank)
-    return 64, 128, min(rb, 32), 4, 3
+def _blocks_up(rank, side) -> UpConfig:
+    cfg = UP_CONFIG[side] if isinstance(UP_CONFIG, dict) else UP_CONFIG
+    return cfg._replace(br=min(_rank_block(rank), cfg.br))
 
 
-@functools.partial(jax.jit, static_argnames=("side", "inplace", "interpret", "blocks"))
-def up_update(w, n, p, scalars, *, side: str, inplace: bool = False, interpret: bool = False, blocks=None):
+def up_update(w, n, p, scalars, *, side: str, inplace: bool = False, interpret: bool = False, blocks=None,
+              out_dtype=None):
     """The up-projection GEMM with the full-rank update in its epilogue.
 
     Returns out = a W + c backproject(N) in W's dtype; with `inplace`, W + out written over W's buffer
-    (input_output_aliases: donate W at the jit boundary to update it without a copy)."""
-    M, N = w.shape
+    (input_output_aliases: donate W at the jit boundary to update it without a copy). `w=None` (no weight
+    decay on the optax path) drops the a W term and never reads a W: out = c backproject(N) in `out_dtype`
+    (default P's dtype). `blocks`: an `UpConfig` (or a tuple of its fields) overriding `UP_CONFIG` (read
+    here, outside the jit cache, so changing UP_CONFIG takes effect at the next trace)."""
+    if w is None and inplace:
+        raise ValueError("up_update: inplace=True needs w (the weight to update)")
     R = n.shape[1] if side == "right" else n.shape[0]
-    bm, bn, br, warps, stages = blocks or _blocks_up(w.shape, R)
+    if blocks:
+        cfg = UpConfig(*blocks)
+        cfg = cfg._replace(br=min(cfg.br, _rank_block(R)))
+    else:
+        cfg = _blocks_up(R, side)
+    dtype = jnp.dtype(w.dtype if w is not None else (out_dtype or p.dtype))
+    return _up_update(w, n, p, scalars, side=side, inplace=inplace, interpret=interpret, cfg=cfg, dtype=dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("side", "inplace", "interpret", "cfg", "dtype"))
+def _up_update(w, n, p, scalars, *, side, inplace, interpret, cfg: UpConfig, dtype):
+    if side == "right":
+        (M, R), N = n.shape, p.shape[1]
+    else:
+        M, (R, N) = p.shape[0], n.shape
     a, b = (n, p) if side == "right" else (p, n)
-    kern = functools.partial(_up_kernel, M=M, N=N, R=R, BM=bm, BN=bn, BR=br, inplace=inplace)
-    call = _backend.triton_call(kern, out_shape=jax.ShapeDtypeStruct(w.shape, w.dtype),
-                                grid=(_cdiv(M, bm), _cdiv(N, bn)),
+    has_w = w is not None
+    kern = functools.partial(_up_kernel, M=M, N=N, R=R, BM=cfg.bm, BN=cfg.bn, BR=cfg.br, TM=cfg.tm, TN=cfg.tn,
+                             inplace=inplace, has_w=has_w, w_first=cfg.w_first)
+    call = _backend.triton_call(kern, out_shape=jax.ShapeDtypeStruct((M, N), dtype),
+                                grid=(_cdiv(_cdiv(M, cfg.bm), cfg.tm), _cdiv(_cdiv(N, cfg.bn), cfg.tn)),
                                 name="pallas_fused_galore_up_inplace" if inplace else "pallas_fused_galore_up",
-                                interpret=interpret, num_warps=warps, num_stages=stages,
+                                interpret=interpret, num_warps=cfg.warps, num_stages=cfg.stages,
                                 input_output_aliases={0: 0} if inplace else None)
-    return call(w, a, b, scalars)
+    return call(w, a, b, scalars) if has_w else call(a, b, scalars)
+
+
+# ------------------------------------------------------------------------------------------ one leaf
+def leaf_step(variant: str, w, g, m, v, p, scalars, *, side: str, inplace: bool, interpret: bool = False,
+              up_blocks=None, down_blocks=None):
+    """One projected leaf through `variant` (one of VARIANTS): returns (out, m', v'), out being the update
+    (in W's dtype, or G's when w is None: no weight decay) or, with `inplace`, the new W. `up_blocks` /
+    `down_blocks` override the kernels' launch configurations (tuning)."""
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+    if variant == "fused":
+        m, v, n = down_adam_fused(g, p, m, v, scalars, side=side, interpret=interpret, blocks=down_blocks)
+    else:
+        m, v, n = lowrank_adam(reference.project(g, p, side), m, v, scalars, interpret=interpret)
+    if variant != "xla_up":
+        out = up_update(w, n, p, scalars, side=side, inplace=inplace, interpret=interpret, blocks=up_blocks,
+                        out_dtype=g.dtype)
+        return out, m, v
+    s = reference.Scalars(*(scalars[i] for i in range(8)))
+    if w is None:
+        out = jnp.where(s.ok > 0, s.c * reference.back_project(n, p, side), 0.0).astype(g.dtype)
+        return out, m, v
+    out = reference.full_update(w, n, p, side, s)
+    return ((w.astype(F32) + out) if inplace else out).astype(w.dtype), m, v
+
+
+def choose_variant(shape: tuple[int, int], rank: int, side: str) -> str:
+    """The default variant for one leaf: the `MEASURED_VARIANT` entry of the same side nearest in size and
+    rank (log scale); with no entry, the fused kernel only where its grid fills the GPU twice over."""
+    table = [(key, val) for key, val in MEASURED_VARIANT.items() if key[3] == side] or list(MEASURED_VARIANT.items())
+    if table:
+        m, n = shape
+
+        def distance(key):
+            return abs(math.log(key[0] * key[1] / (m * n))) + abs(math.log(key[2] / rank))
+
+        return min(table, key=lambda kv: distance(kv[0]))[1]
+    kept = shape[0] if side == "right" else shape[1]
+    blocks = _cdiv(kept, _blocks_down(shape, rank, side, 4)[0])
+    return "fused" if blocks >= 2 * _backend.num_sms() else "hybrid"

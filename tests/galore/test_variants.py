@@ -1,0 +1,146 @@
+"""The per-leaf variants (kernel.VARIANTS), the up kernel's launch configurations and the default-choice
+table, against the plain-jnp reference and a float64 ground truth (CPU: interpret mode, small shapes)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_fused.galore import api, kernel, reference
+from tests.galore.test_kernels import _exact, _inputs
+from tests.helpers import assert_all_written, assert_close
+
+
+def _exact_out(g, w, p, m, v, side, s, inplace, with_w):
+    *_, out = _exact(g, w if with_w else jnp.zeros_like(w), p, m, v, side, s)
+    return np.asarray(jnp.asarray(w, jnp.float32), np.float64) + out if inplace else out
+
+
+@pytest.mark.parametrize("variant", kernel.VARIANTS)
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_leaf_step_variants(kernel_impl, variant, side):
+    """In place, update with W (decay) and update without W (no decay: no W read) for every variant."""
+    g, w, p, m, v, s = _inputs((37, 53), 5, side, jnp.float32, seed=7)
+    _, m_ex, v_ex, _, _ = _exact(g, w, p, m, v, side, s)
+    interpret = kernel_impl == "interpret"
+    for inplace, with_w in [(True, True), (False, True), (False, False)]:
+        what = f"{variant} {side} inplace={inplace} w={with_w}"
+        out, m2, v2 = kernel.leaf_step(variant, w if with_w else None, g, m, v, p, s.pack(), side=side,
+                                       inplace=inplace, interpret=interpret)
+        s_ref = s if with_w else s._replace(a=0.0)
+        base, m_x, v_x = reference.galore_adam_step(w, g, m, v, p, side, s_ref, inplace=inplace)
+        assert out.shape == w.shape and out.dtype == w.dtype, what
+        assert_all_written(out, what)
+        assert_close(out, _exact_out(g, w, p, m, v, side, s, inplace, with_w), baseline=base,
+                     floor=1e-6 if inplace else 2e-5, what=what)
+        assert_close(m2, m_ex, baseline=m_x, floor=2e-5, what=f"m {what}")
+        assert_close(v2, v_ex, baseline=v_x, floor=2e-5, what=f"v {what}")
+
+
+# Small configurations covering the code paths (rank 24 below; UpConfig(bm, bn, br, warps, stages, w_first, tn,
+# tm)): a column loop with the next tile's W prefetched over 2 K chunks (the last tile past N: masked); a row
+# loop with the B columns loaded once; a 2 x 2 block of tiles (both operands per tile) with W after the GEMM;
+# one tile per program.
+UP_CONFIGS = [kernel.UpConfig(16, 16, 16, 4, 2, True, 3, 1), kernel.UpConfig(16, 32, 32, 4, 2, True, 1, 3),
+              kernel.UpConfig(16, 16, 32, 4, 1, False, 2, 2), kernel.UpConfig(32, 16, 16, 4, 3, False, 1, 1)]
+
+
+@pytest.mark.parametrize("cfg", UP_CONFIGS, ids=lambda c: "_".join(map(str, c)))
+def test_up_update_configs(kernel_impl, cfg):
+    side = "left"
+    g, w, p, m, v, s = _inputs((70, 45), 24, side, jnp.float32, seed=2)  # rank 24: 2 K chunks of 16
+    n = jnp.asarray(_exact(g, w, p, m, v, side, s)[3], jnp.float32)
+    w64, p64, n64 = (np.asarray(x, np.float64) for x in (w, p, n))
+    exact = w64 + s.a * w64 + s.c * (p64 @ n64)
+    base = w + reference.full_update(w, n, p, side, s)
+    out = kernel.up_update(w, n, p, s.pack(), side=side, inplace=True, interpret=kernel_impl == "interpret",
+                           blocks=cfg)
+    assert_all_written(out)
+    assert_close(out, exact, baseline=base, floor=1e-6, what=f"up {cfg}")
+
+
+def test_up_config_default_is_read_at_trace_time(monkeypatch):
+    """Changing kernel.UP_CONFIG (what the tuning sweep sets) changes the launch of the next trace."""
+    w, n, p = jnp.ones((64, 64)), jnp.ones((64, 8)), jnp.ones((8, 64))
+    s = reference.Scalars(0.9, 0.999, 1e-6, 1.0, 1.0, 0.0, -1.0, 1.0).pack()
+
+    def grid():
+        jaxpr = jax.make_jaxpr(lambda w, n, p, s: kernel.up_update(w, n, p, s, side="right", interpret=True))(
+            w, n, p, s)
+        calls = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "pallas_call"]
+        if not calls:  # nested in the jitted helper
+            inner = [e for e in jaxpr.jaxpr.eqns if "jaxpr" in e.params][0].params["jaxpr"]
+            calls = [e for e in inner.eqns if e.primitive.name == "pallas_call"]
+        return tuple(calls[0].params["grid_mapping"].grid)
+
+    monkeypatch.setattr(kernel, "UP_CONFIG", kernel.UpConfig(32, 32, 16, 4, 2, True, 1))
+    assert grid() == (2, 2)
+    monkeypatch.setattr(kernel, "UP_CONFIG", kernel.UpConfig(16, 16, 16, 4, 2, True, 2))
+    assert grid() == (4, 2)
+
+
+def test_choose_variant_table(monkeypatch):
+    monkeypatch.setattr(kernel, "MEASURED_VARIANT", {(4096, 4096, 128, "right"): "fused",
+                                                     (4096, 4096, 512, "right"): "xla_up",
+                                                     (4096, 11008, 128, "left"): "hybrid"})
+    assert api.choose_kernel((4096, 4096), 128, "right") == "fused"
+    assert api.choose_kernel((4096, 4096), 400, "right") == "xla_up"  # nearest rank
+    assert api.choose_kernel((8192, 8192), 100, "right") == "fused"
+    assert api.choose_kernel((2048, 4096), 128, "left") == "hybrid"  # same side first
+    monkeypatch.setattr(kernel, "MEASURED_VARIANT", {})
+    assert api.choose_kernel((64, 64), 8, "right") == "hybrid"  # the rule without measurements: grid too small
+    with pytest.raises(ValueError, match="variant"):
+        kernel.leaf_step("nope", None, *([jnp.ones((4, 4))] * 4), jnp.ones(8), side="right", inplace=False)
+
+
+def test_optax_path_with_xla_up_variant():
+    """kernel="xla_up" through the optax transform and the in-place step: same numbers as the reference."""
+    params = {"w": jax.random.normal(jax.random.key(0), (24, 40))}
+    grads = {"w": jax.random.normal(jax.random.key(1), (24, 40))}
+    outs = {}
+    for impl, kern in [("xla", "auto"), ("interpret", "xla_up")]:
+        tx = api.galore_adamw(1e-2, rank=4, weight_decay=0.1, implementation=impl, kernel=kern)
+        state = tx.init(params)
+        u, state = tx.update(grads, state, params)
+        u, state = tx.update(grads, state, params)
+        step = api.galore_adamw_inplace(1e-2, rank=4, weight_decay=0.1, implementation=impl, kernel=kern)
+        p2, _ = step.step(params, grads, step.init(params))
+        outs[impl] = (u["w"], p2["w"])
+    for a, b in zip(outs["xla"], outs["interpret"]):
+        np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(4096, 4096), (4096, 11008)])
+def test_variants_and_up_configs_gpu(shape):
+    """Every variant, and the up kernel under every configuration the tuning sweep times, at full size (TF32)."""
+    from benchmarks.bench_galore import UP_CANDIDATES
+    from tests.helpers import rand
+
+    rank = 128
+    side = reference.projector_side(shape, "std")
+    g, w = rand(0, shape), rand(1, shape)
+    q = jnp.linalg.qr(rand(2, (shape[1] if side == "right" else shape[0], rank)))[0]
+    p = q.T if side == "right" else q
+    low = reference.lowrank_shape(shape, rank, side)
+    m, v = rand(3, low, scale=0.1), jnp.abs(rand(4, low, scale=0.1)) + 0.01
+    s = reference.Scalars(0.9, 0.999, 1e-6, 1.0, 1.0, -1e-5, -2.5e-4, 1.0)
+    hi = jax.lax.Precision.HIGHEST
+    exact, _, _ = reference.galore_adam_step(w, g, m, v, p, side, s, inplace=True, precision=hi)
+    delta = exact - w
+    for variant in kernel.VARIANTS:
+        out, _, _ = kernel.leaf_step(variant, w, g, m, v, p, s.pack(), side=side, inplace=True)
+        assert_close(out - w, delta, floor=5e-3, what=f"{variant} update (TF32)")
+    _, _, n = reference.lowrank_adam(reference.project(g, p, side, precision=hi), m, v, s)
+    up_exact = reference.full_update(w, n, p, side, s, precision=hi)
+    for cfg in UP_CANDIDATES:
+        out = kernel.up_update(w, n, p, s.pack(), side=side, blocks=cfg)
+        assert_close(out, up_exact, floor=5e-3, what=f"up {cfg} (TF32)")
+
+
+def test_up_config_per_side(monkeypatch):
+    """UP_CONFIG may be a dict side -> UpConfig (the tuning sweep prints one per side)."""
+    monkeypatch.setattr(kernel, "UP_CONFIG", {"right": kernel.UpConfig(32, 16, 64, 4, 2, True, 1, 2),
+                                              "left": kernel.UpConfig(16, 32, 16, 8, 3, False, 2, 1)})
+    assert kernel._blocks_up(24, "right") == kernel.UpConfig(32, 16, 32, 4, 2, True, 1, 2)  # br <= rank block
+    assert kernel._blocks_up(24, "left") == kernel.UpConfig(16, 32, 16, 8, 3, False, 2, 1)
