@@ -117,6 +117,8 @@ NORM_SWEEP = [
     ("expand", 32, 128, 4096, 4, 4),  # fused finish, N/32 programs
     ("expand", 32, 64, 4096, 4, 5),
     ("expand", 16, 128, 4096, 4, 4),  # fused finish, N/16 programs
+    ("expand", 32, 256, 4096, 8, 4),  # fused finish, N/32 programs, 16 KiB tiles
+    ("expand", 64, 128, 4096, 8, 4),  # fused finish, N/64 programs
 ]
 TUNE_WEIGHTS = [(4096, 4096, 16), (4096, 11008, 64)]
 TUNE_TOKENS = [4096, 8192, 512]  # in order of importance: what doesn't fit the budget is recorded as skipped
