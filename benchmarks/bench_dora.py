@@ -45,11 +45,11 @@ def _data(tokens, fin, fout, r):
     return x, w, a, b, m, dy
 
 
-def _fwdbwd(impl, gemm, scale):
+def _fwdbwd(impl, gemm, scale, config=None):
     """jit of (x, W, A, B, m, dy) -> grads of x, A, B, m (W frozen)."""
     def fb(x, w, a, b, m, dy):
-        _, pull = jax.vjp(lambda x, a, b, m: dora_dense(x, w, a, b, m, scale=scale, implementation=impl, gemm=gemm),
-                          x, a, b, m)
+        _, pull = jax.vjp(lambda x, a, b, m: dora_dense(x, w, a, b, m, scale=scale, implementation=impl, gemm=gemm,
+                                                        config=config), x, a, b, m)
         return pull(dy)
     return jax.jit(fb)
 
@@ -124,6 +124,8 @@ TUNE_WEIGHTS = [(4096, 4096, 16), (4096, 11008, 64)]
 TUNE_TOKENS = [4096, 8192, 512]  # in order of importance: what doesn't fit the budget is recorded as skipped
 FWD_MODES = ["merged", "epilogue", "xla_epilogue", "fused"]
 FWDBWD_MODES = ["merged", "epilogue", "xla_epilogue"]  # "fused" has epilogue's backward
+# gemm="merged" with the merged weight formed inside the column-norm launch: (xnorm_bn, xnorm_bk, warps, stages)
+MERGE_IN_NORM = [(32, 128, 4, 4), (64, 64, 8, 4), (16, 128, 4, 4)]
 EPI_SWEEP = [(64, 128, 4), (128, 128, 8), (32, 256, 4), (128, 64, 4)]  # (bm, bn, warps) of the epilogue kernel
 TUNE_BUDGET_S = float(os.environ.get("DORA_TUNE_BUDGET_S", "85"))
 
@@ -167,9 +169,18 @@ def tuning(rec: Recorder, quick: bool) -> None:
             timed("dora_mode", case + " fwd", f"pallas:{mode}", jax.jit(lambda x, w, a, b, m, mode=mode: dora_dense(
                 x, w, a, b, m, scale=scale, implementation="pallas", gemm=mode)), x, w, a, b, m,
                 nbytes=fwd_bytes, flops=2 * tokens * fin * fout)
+        for bn, bk, warps, stages in MERGE_IN_NORM:
+            cfg = Config(merge_in_norm=True, xnorm_bn=bn, xnorm_bk=bk, xnorm_warps=warps, xnorm_stages=stages)
+            timed("dora_mode", case + " fwd", f"pallas:merged_in_norm bn{bn} bk{bk} w{warps} s{stages}",
+                  jax.jit(lambda x, w, a, b, m, cfg=cfg: dora_dense(x, w, a, b, m, scale=scale, implementation="pallas",
+                                                                  gemm="merged", config=cfg)), x, w, a, b, m,
+                  nbytes=fwd_bytes, flops=2 * tokens * fin * fout)
         for mode in FWDBWD_MODES:
             timed("dora_mode", case + " fwdbwd", f"pallas:{mode}", _fwdbwd("pallas", mode, scale),
                   x, w, a, b, m, dy, flops=6 * tokens * fin * fout)
+        cfg = Config(merge_in_norm=True, xnorm_bn=32, xnorm_bk=128, xnorm_warps=4, xnorm_stages=4)
+        timed("dora_mode", case + " fwdbwd", "pallas:merged_in_norm bn32 bk128 w4 s4",
+              _fwdbwd("pallas", "merged", scale, cfg), x, w, a, b, m, dy, flops=6 * tokens * fin * fout)
 
     def epilogue_tiles(tokens, fin, fout, r):
         x, w, a, b, m, _ = _data(tokens, fin, fout, r)
@@ -180,12 +191,11 @@ def tuning(rec: Recorder, quick: bool) -> None:
                       jax.jit(lambda x, w, a, b, m, cfg=cfg, mode=mode: dora_dense(
                           x, w, a, b, m, scale=scale, implementation="pallas", gemm=mode, config=cfg)), x, w, a, b, m)
 
-    colnorm(*TUNE_WEIGHTS[0])
-    for tokens in TUNE_TOKENS[:1]:
-        for shape in TUNE_WEIGHTS:
-            modes(tokens, *shape)
-    colnorm(*TUNE_WEIGHTS[1])
-    for tokens in TUNE_TOKENS[1:]:
+    # In order of importance (about 190 s in all on an H200 by estimate; the default budget covers the column
+    # norm and the 4096-token modes, DORA_TUNE_BUDGET_S=200 the rest).
+    for shape in TUNE_WEIGHTS:
+        colnorm(*shape)
+    for tokens in TUNE_TOKENS:
         for shape in TUNE_WEIGHTS:
             modes(tokens, *shape)
     epilogue_tiles(4096, *TUNE_WEIGHTS[0])

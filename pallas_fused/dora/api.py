@@ -137,14 +137,19 @@ def _forward(statics, x, ops, a, b, m, bias, scale):
     kind, gemm, interpret, config = statics[:4]
     dt = x.dtype
     ap, bp = _pad_rank(a, b)
-    n, g = _column_norm_scale(ops, kind, ap, bp, scale, m, interpret, config)
     if gemm == "merged":
         # y = x ((W + s A B) g) + bias: one cuBLAS GEMM on the merged weight (x A is left to the backward).
-        wm = _merged_weight(_dense_w(kind, ops, dt), ap, bp, g, scale, interpret, config)
+        if (config.merge_in_norm and kind == "dense" and jax.device_count() == 1
+                and K.expand_supported(ops, kind, ap)):
+            n, g, wm = K.norm_and_merge(ops, ap, bp, scale, m, interpret=interpret, config=config)
+        else:
+            n, g = _column_norm_scale(ops, kind, ap, bp, scale, m, interpret, config)
+            wm = _merged_weight(_dense_w(kind, ops, dt), ap, bp, g, scale, interpret, config)
         if bias is None:
             return jnp.dot(x, wm), (ap, bp, n, g, None)
         y = jnp.dot(x, wm, preferred_element_type=jnp.float32) + bias.astype(jnp.float32)
         return y.astype(dt), (ap, bp, n, g, None)
+    n, g = _column_norm_scale(ops, kind, ap, bp, scale, m, interpret, config)
     xa = _xa(x, ap)
     if gemm in ("pallas", "fused"):
         def fwd(x, *a):  # sharded: tokens and output features split; K and the rank gathered

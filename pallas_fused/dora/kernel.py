@@ -123,6 +123,9 @@ class Config:
     xnorm_rows: int = 1024  # ... rows per program (>= in features: one program per column block, g fused)
     xnorm_warps: int = 8
     xnorm_stages: int = 4
+    # gemm="merged": form (W + s A B) g inside the column-norm launch (one program per column strip, over all
+    # rows; tiles xnorm_*) instead of a second pass over W by the epilogue kernel. Untimed: the sweep decides.
+    merge_in_norm: bool = False
     epi_bm: int = 64  # gemm="epilogue": tile of the standalone epilogue kernel (untimed guess)
     epi_bn: int = 128
     epi_warps: int = 4
@@ -256,17 +259,20 @@ def _dot_f32_exact(a32, b_dtype, b):
     return out
 
 
-def _colnorm_expand_kernel(*refs, kind, K, N, R, bk, bn, rows_per_prog, finish):
+def _colnorm_expand_kernel(*refs, kind, K, N, R, bk, bn, rows_per_prog, finish, merge=False):
     """||W + s A B||^2 per column as sum W^2 + 2 s sum_r B (A^T W) + s^2 sum_r B (A^T A B), per row range.
 
     W is the right operand of an MMA (A^T W), so Triton streams it through shared memory with cp.async
     (num_stages deep); the squares read the same tile. With `finish` (one program per column block) the
-    program also writes n = sqrt(sum) and g = m / n: the whole column scale is one launch.
+    program also writes n = sqrt(sum) and g = m / n: the whole column scale is one launch. With `merge`
+    it then walks its column strip again (just read: mostly L2 hits) writing (W + s A B) * g.
     """
     nw = _num_weight_refs(kind)
     w_refs = refs[:nw]
     a_ref, b_ref, s_ref = refs[nw:nw + 3]
-    if finish:
+    if merge:
+        m_ref, n_ref, g_ref, vg_ref = refs[nw + 3:]
+    elif finish:
         m_ref, n_ref, g_ref = refs[nw + 3:]
     else:
         (out_ref,) = refs[nw + 3:]
@@ -307,9 +313,27 @@ def _colnorm_expand_kernel(*refs, kind, K, N, R, bk, bn, rows_per_prog, finish):
     if finish:
         n = jnp.sqrt(total)
         _store(n_ref.at[pl.ds(n0, bn)], n, cmask)
-        _store(g_ref.at[pl.ds(n0, bn)], _load(m_ref.at[pl.ds(n0, bn)], cmask, 1.0).astype(jnp.float32) / n, cmask)
+        g = _load(m_ref.at[pl.ds(n0, bn)], cmask, 1.0).astype(jnp.float32) / n
+        _store(g_ref.at[pl.ds(n0, bn)], g, cmask)
     else:
         _store(out_ref.at[split, pl.ds(n0, bn)], total, cmask)
+    if not merge:
+        return
+    b16 = _load(b_ref.at[:, pl.ds(n0, bn)], _mask(None, cmask, (R, bn)))
+
+    def w_tile(k0):  # masked always, as a_tile
+        return _load(w_refs[0].at[pl.ds(k0, bk), pl.ds(n0, bn)], _mask(_in_bounds(k0, bk, K, False), cmask, (bk, bn)))
+
+    def merge_body(i, carry):
+        w, a = carry  # this step's tiles, loaded one step ahead (plain loads: no MMA operand to pipeline)
+        k0 = pl.multiple_of(i * bk, bk)
+        nxt = (w_tile(k0 + bk), a_tile(k0 + bk))
+        v = (w.astype(jnp.float32) + s * _backend.dot(a, b16)) * g[None, :]
+        _store(vg_ref.at[pl.ds(k0, bk), pl.ds(n0, bn)], v.astype(vg_ref.dtype),
+               _mask(_in_bounds(k0, bk, K, rows_aligned), cmask, (bk, bn)))
+        return nxt
+
+    lax.fori_loop(0, rows_per_prog // bk, merge_body, (w_tile(0), a_tile(0)))
 
 
 def expand_supported(weight, kind: str, lora_a) -> bool:
@@ -343,6 +367,26 @@ def _expand_launch(weight, kind, lora_a, lora_b, scale, magnitude, *, interpret,
         num_stages=config.xnorm_stages,
     )(*args, *((magnitude,) if finish else ()))
     return out if finish else jnp.sum(out, axis=0)
+
+
+def norm_and_merge(weight, lora_a, lora_b, scale, magnitude, *, interpret: bool, config: Config = DEFAULT):
+    """(n, g, (W + s A B) * g) for a dense 16-bit W in one launch: a program per column strip computes the
+    strip's norm, then writes the strip's merged weight (gemm="merged" with Config(merge_in_norm=True))."""
+    K, R = lora_a.shape
+    N = lora_b.shape[1]
+    bk, bn = _tile(K, config.xnorm_bk), _tile(N, config.xnorm_bn)
+    kernel = functools.partial(_colnorm_expand_kernel, kind="dense", K=K, N=N, R=R, bk=bk, bn=bn,
+                               rows_per_prog=_pow2(K, bk), finish=True, merge=True)
+    col = jax.ShapeDtypeStruct((N,), jnp.float32)
+    return _backend.triton_call(
+        kernel,
+        out_shape=(col, col, jax.ShapeDtypeStruct((K, N), weight[0].dtype)),
+        grid=(_cdiv(N, bn), 1),
+        name="pallas_fused_dora_colnorm_merge",
+        interpret=interpret,
+        num_warps=config.xnorm_warps,
+        num_stages=config.xnorm_stages,
+    )(*weight, lora_a, lora_b, jnp.reshape(jnp.asarray(scale, jnp.float32), (1,)), magnitude)
 
 
 def column_norm_scale(weight, kind: str, lora_a, lora_b, scale, magnitude, *, interpret: bool,

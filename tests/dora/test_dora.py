@@ -50,11 +50,12 @@ def vjp_all(fn, args, dy):
     return jax.jit(run)(tuple(args), dy)
 
 
-def check_against_reference(kernel, x, a, b, m, bias, dy, *, scale, impl, exact=False, gemm="auto", what=""):
+def check_against_reference(kernel, x, a, b, m, bias, dy, *, scale, impl, exact=False, gemm="auto", what="",
+                            config=None):
     """Forward and all 5 gradients: error vs the float32 reference <= 2x the same-dtype XLA reference's."""
     dt = x.dtype
     ours_fn = lambda x, a, b, m, bias: dora_dense(x, kernel, a, b, m, bias, scale=scale, exact_norm_grad=exact,  # noqa: E731
-                                                  implementation=impl, gemm=gemm)
+                                                  implementation=impl, gemm=gemm, config=config)
     base_fn = lambda x, a, b, m, bias: dora_dense(x, kernel, a, b, m, bias, scale=scale, exact_norm_grad=exact,  # noqa: E731
                                                   implementation="xla")
     w32 = dequantize(kernel, dt).astype(jnp.float32)
@@ -121,10 +122,13 @@ def test_exact_norm_grad(kernel_impl, dtype):
     assert float(jnp.max(jnp.abs(grad_a(False) - grad_a(True)))) > 1e-3
 
 
-@pytest.mark.parametrize("gemm", ["pallas", "fused", "epilogue", "merged", "xla", "xla_concat", "xla_epilogue"])
+@pytest.mark.parametrize("gemm", ["pallas", "fused", "epilogue", "merged", "merged_in_norm", "xla", "xla_concat",
+                                  "xla_epilogue"])
 def test_gemm_variants(kernel_impl, gemm):
     x, w, a, b, m, bias, dy = make(40, *BASE, jnp.bfloat16)
-    check_against_reference(w, x, a, b, m, bias, dy, scale=0.5, impl=kernel_impl, gemm=gemm, what=gemm)
+    config = Config(merge_in_norm=True, xnorm_bk=16, xnorm_bn=16) if gemm == "merged_in_norm" else None
+    check_against_reference(w, x, a, b, m, bias, dy, scale=0.5, impl=kernel_impl, gemm=gemm.replace("_in_norm", ""),
+                            what=gemm, config=config)
 
 
 def test_few_tokens_no_bias(kernel_impl):
@@ -428,11 +432,13 @@ BIG = [((512,), 4096, 4096, 16), ((256,), 4096, 11008, 64)]
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", BIG, ids=str)
-@pytest.mark.parametrize("gemm", ["auto", "pallas", "merged", "epilogue"])
+@pytest.mark.parametrize("gemm", ["auto", "pallas", "merged", "merged_in_norm", "epilogue"])
 def test_gpu_big_shapes(shape, gemm):
     lead, fin, fout, r = shape
     x, w, a, b, m, bias, dy = make(200, lead, fin, fout, r, jnp.bfloat16)
-    check_against_reference(w, x, a, b, m, bias, dy, scale=0.5, impl="pallas", gemm=gemm, what=f"gpu {shape}")
+    config = Config(merge_in_norm=True, xnorm_bn=32, xnorm_bk=128) if gemm == "merged_in_norm" else None
+    check_against_reference(w, x, a, b, m, bias, dy, scale=0.5, impl="pallas", gemm=gemm.replace("_in_norm", ""),
+                            what=f"gpu {shape} {gemm}", config=config)
 
 
 @pytest.mark.gpu
