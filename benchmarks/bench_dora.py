@@ -96,6 +96,10 @@ def main_cases(rec: Recorder, quick: bool) -> None:
             rec.time("qdora_fwd", case, f"pallas:{name}_swapab", jax.jit(lambda x, qw, a, b, m: dora_dense(
                 x, qw, a, b, m, scale=scale, implementation="pallas", config=Config(quant_swap_ab=True))),
                 x, qw, a, b, m, nbytes=(tokens * fin + tokens * fout) * item + wbytes, flops=fwd_flops)
+            if name == "int8":  # opt-in: a transient bf16 merged weight, then cuBLAS
+                rec.time("qdora_fwd", case, "pallas:int8_merged", jax.jit(lambda x, qw, a, b, m: dora_dense(
+                    x, qw, a, b, m, scale=scale, implementation="pallas", gemm="merged")), x, qw, a, b, m,
+                    nbytes=(tokens * fin + tokens * fout) * item + wbytes, flops=fwd_flops)
             rec.time("qdora_fwd", case, f"xla:{name}", jax.jit(lambda x, qw, a, b, m: dora_dense(
                 x, qw, a, b, m, scale=scale, implementation="xla")), x, qw, a, b, m,
                 nbytes=(tokens * fin + tokens * fout) * item + wbytes, flops=fwd_flops)

@@ -121,12 +121,18 @@ def _dense_w(kind, ops, dtype):
     return ops[0].astype(dtype)
 
 
-def _merged_weight(w, ap, bp, g, scale, interpret, config):
-    """(W + s A B) * g in W's dtype (K, N): one Pallas pass over W (the epilogue kernel with z = W, xa = A)."""
-    def launch(w, ap, bp, g, scale):  # sharded: both weight axes split, the rank gathered
-        return K.epilogue(w, ap, bp, g, scale, None, interpret=interpret, config=config)
+def _merged_weight(kind, ops, ap, bp, g, scale, interpret, config):
+    """(W + s A B) * g in the compute dtype (K, N): one Pallas pass over W (the epilogue kernel with z = W,
+    xa = A). Dense or int8 W (QDoRA with gemm="merged": a transient full-precision weight, never stored)."""
+    if kind not in ("dense", "int8"):
+        raise ValueError("dora_dense: gemm='merged' supports dense and Int8Kernel kernels; use gemm='auto' or "
+                         "'pallas' for NF4Kernel")
 
-    return _shard(launch, "dense", "k n, k r, r n, n, -> k n", replicated=("r",))(w, ap, bp, g, scale)
+    def launch(*a):  # sharded: both weight axes split, the rank gathered
+        w, zscale = (a[0], None) if kind == "dense" else a[:2]
+        return K.epilogue(w, *a[-4:], None, interpret=interpret, config=config, zscale=zscale, out_dtype=ap.dtype)
+
+    return _shard(launch, kind, "{w}, k r, r n, n, -> k n", replicated=("r",))(*ops, ap, bp, g, scale)
 
 
 def _xa(x, ap):
@@ -144,7 +150,7 @@ def _forward(statics, x, ops, a, b, m, bias, scale):
             n, g, wm = K.norm_and_merge(ops, ap, bp, scale, m, interpret=interpret, config=config)
         else:
             n, g = _column_norm_scale(ops, kind, ap, bp, scale, m, interpret, config)
-            wm = _merged_weight(_dense_w(kind, ops, dt), ap, bp, g, scale, interpret, config)
+            wm = _merged_weight(kind, ops, ap, bp, g, scale, interpret, config)
         if bias is None:
             return jnp.dot(x, wm), (ap, bp, n, g, None)
         y = jnp.dot(x, wm, preferred_element_type=jnp.float32) + bias.astype(jnp.float32)
@@ -218,11 +224,11 @@ def _dora_2d_bwd(statics, res, dy):
         # cuBLAS. dx = (dy g) (W + s A B)^T: with many tokens one GEMM on the merged weight (W + s A B) g
         # (one Pallas pass over W, and no float32 (M, in) partial results); with few tokens g goes on dy
         # and the low-rank term is a second, small GEMM.
-        w = _dense_w(kind, ops, dt)
-        fin_, fout_ = w.shape
-        if dy.shape[0] * (fout_ + 3.5 * fin_) >= fin_ * fout_:
-            dx = jnp.dot(dy, _merged_weight(w, ap, bp, g, scale, interpret, config).T)
+        fin_, fout_ = ap.shape[0], bp.shape[1]
+        if kind == "int8" or dy.shape[0] * (fout_ + 3.5 * fin_) >= fin_ * fout_:
+            dx = jnp.dot(dy, _merged_weight(kind, ops, ap, bp, g, scale, interpret, config).T)
         else:
+            w = _dense_w(kind, ops, dt)
             dx = jnp.dot((dy.astype(jnp.float32) * g[None, :]).astype(dt), w.T, preferred_element_type=jnp.float32)
             dx = (dx + jnp.dot(us, ap.T, preferred_element_type=jnp.float32)).astype(dt)
     if xa is None:  # gemm="merged" never formed x A in the forward
@@ -287,8 +293,9 @@ def dora_dense(x, kernel, lora_a, lora_b, magnitude, bias=None, *, scale, exact_
         "xla": XLA GEMMs on g-scaled weights, x (W g) + (x A)(s B g); "xla_concat": one forward GEMM over
         the concatenated K, [x, xA] @ [W g; s B g]; "xla_epilogue": cuBLAS x W + s (x A) B with the
         g-scale and bias fused by XLA afterwards.
-        Every mode but "pallas" runs dx on cuBLAS (with many tokens on the merged weight, one GEMM) and
-        takes dense weights only.
+        Every mode but "pallas" runs dx on cuBLAS (with many tokens, or int8 weights, one GEMM on the
+        merged weight) and takes dense weights only, except "merged" and "fused", which also take an
+        Int8Kernel (QDoRA at cuBLAS speed; the merged weight is then a transient full-precision array).
       config: tile sizes of the Pallas kernels (advanced).
 
     Gradients flow to x, lora_a, lora_b, magnitude and bias; W (and `scale`) get zero cotangents.

@@ -505,15 +505,19 @@ def forward_gemm(x, weight, kind: str, xa, lora_b, g, scale, bias, *, interpret:
 # ----------------------------------------------------------------------------------------------------
 
 
-def _epilogue_kernel(*refs, M, N, R, bm, bn, has_bias):
-    z_ref, xa_ref, b_ref, g_ref, s_ref = refs[:5]
-    bias_ref = refs[5] if has_bias else None
+def _epilogue_kernel(*refs, M, N, R, bm, bn, has_bias, has_zscale):
+    z_ref, refs = refs[0], refs[1:]
+    zscale_ref, refs = (refs[0], refs[1:]) if has_zscale else (None, refs)
+    xa_ref, b_ref, g_ref, s_ref = refs[:4]
+    bias_ref = refs[4] if has_bias else None
     o_ref = refs[-1]
     m0 = pl.multiple_of(pl.program_id(0) * bm, bm)
     n0 = pl.multiple_of(pl.program_id(1) * bn, bn)
     rmask = _in_bounds(m0, bm, M, M % bm == 0)
     cmask = _in_bounds(n0, bn, N, N % bn == 0)
     z = _load(z_ref.at[pl.ds(m0, bm), pl.ds(n0, bn)], _mask(rmask, cmask, (bm, bn))).astype(jnp.float32)
+    if has_zscale:  # int8 codes times their per-column scale
+        z = z * _load(zscale_ref.at[pl.ds(n0, bn)], cmask, 1.0)[None, :]
     xa = _load(xa_ref.at[pl.ds(m0, bm), :], _mask(rmask, None, (bm, R)))
     b = _load(b_ref.at[:, pl.ds(n0, bn)], _mask(None, cmask, (R, bn)))
     acc = (z + s_ref[0] * _backend.dot(xa, b)) * _load(g_ref.at[pl.ds(n0, bn)], cmask)[None, :]
@@ -522,17 +526,21 @@ def _epilogue_kernel(*refs, M, N, R, bm, bn, has_bias):
     _store(o_ref.at[pl.ds(m0, bm), pl.ds(n0, bn)], acc.astype(o_ref.dtype), _mask(rmask, cmask, (bm, bn)))
 
 
-def epilogue(z, xa, lora_b, g, scale, bias, *, interpret: bool, config: Config = DEFAULT):
-    """(z + s xa B) * g + bias for z = x W (M, N) from another GEMM; xa (M, R), B (R, N) rank-padded, g fp32."""
+def epilogue(z, xa, lora_b, g, scale, bias, *, interpret: bool, config: Config = DEFAULT, zscale=None,
+             out_dtype=None):
+    """(z [* zscale] + s xa B) * g + bias for z = x W (M, N) from another GEMM; xa (M, R), B (R, N) rank-padded,
+    g fp32. Also forms the merged weight (W + s A B) * g with z = W, xa = A (z = int8 codes with `zscale`)."""
     M, N = z.shape
     R = lora_b.shape[0]
     bm, bn = _tile(M, config.epi_bm), _tile(N, config.epi_bn)
-    kernel = functools.partial(_epilogue_kernel, M=M, N=N, R=R, bm=bm, bn=bn, has_bias=bias is not None)
-    args = (z, xa, lora_b, g, jnp.reshape(jnp.asarray(scale, jnp.float32), (1,)))
+    kernel = functools.partial(_epilogue_kernel, M=M, N=N, R=R, bm=bm, bn=bn, has_bias=bias is not None,
+                               has_zscale=zscale is not None)
+    args = (z,) + (() if zscale is None else (zscale,))
+    args += (xa, lora_b, g, jnp.reshape(jnp.asarray(scale, jnp.float32), (1,)))
     args += (bias,) if bias is not None else ()
     return _backend.triton_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((M, N), z.dtype),
+        out_shape=jax.ShapeDtypeStruct((M, N), out_dtype or z.dtype),
         grid=(_cdiv(M, bm), _cdiv(N, bn)),
         name="pallas_fused_dora_epilogue",
         interpret=interpret,

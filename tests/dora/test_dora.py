@@ -149,6 +149,13 @@ def test_few_tokens_no_bias(kernel_impl):
         assert_close(o, e, baseline=bb, dtype=jnp.bfloat16, what=name)
 
 
+def test_qdora_int8_merged(kernel_impl):
+    """int8 W with gemm="merged": the merged weight is formed from the codes and scales (fwd and dx)."""
+    x, w, a, b, m, bias, dy = make(55, (27,), 150, 36, 6, jnp.bfloat16, w_dtype=jnp.float32)
+    check_against_reference(quantize_int8(w), x, a, b, m, bias, dy, scale=0.5, impl=kernel_impl, gemm="merged",
+                            what="int8 merged")
+
+
 @pytest.mark.parametrize("kind, dtype, exact", [("int8", jnp.bfloat16, False), ("nf4", jnp.bfloat16, False),
                                                 ("int8", jnp.float32, True), ("nf4", jnp.float32, True)])
 def test_qdora_matches_dequantized_reference(kernel_impl, kind, dtype, exact):
