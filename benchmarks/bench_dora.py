@@ -1,19 +1,25 @@
 """DoRA benchmarks (ANCHORS.md "DoRA" table): column norm, layer forward, forward+backward, QDoRA forward.
 
 Cases: tokens x in -> out, rank, bf16. Implementations:
-  pallas             the default (gemm="auto"): Pallas column norm + Pallas fused-epilogue forward GEMM +
-                     Pallas backward column reductions, cuBLAS dx
+  pallas             the default (gemm="auto": "merged" or "epilogue" by a byte count, see api.AUTO_DENSE_GEMMS);
+                     the column norm and the backward column reductions are Pallas in every mode
   pallas:all_pallas  as pallas, with the Pallas dx GEMM too (gemm="pallas")
   pallas:xla_gemm    Pallas column norm + XLA GEMMs on g-scaled weights: x (W g) + (x A)(s B g)
   pallas:xla_concat  Pallas column norm + one XLA GEMM over the concatenated K: [x, xA] @ [W g; s B g]
   pallas:xla_epilogue Pallas column norm + cuBLAS x W + s (x A) B, g-scale and bias fused by XLA after
   xla                the plain-jnp reference under jit (what ANCHORS' "XLA" column measures)
   peer:base_matmul   x @ W alone (the forward target is <= 1.10x this)
+  pallas:fused       Pallas fused-epilogue forward GEMM, cuBLAS dx (gemm="fused"; session 1's "auto")
+  pallas:epilogue    cuBLAS x W, then one Pallas pass (x W + s (x A) B) * g + bias (gemm="epilogue")
+  pallas:merged      one Pallas pass forms (W + s A B) * g, then cuBLAS x (that) (gemm="merged")
 QDoRA rows: pallas:<fmt> (dequantised in-kernel, the default), pallas:<fmt>_swapab (Config(quant_swap_ab=True):
 dequantised W as the left MMA operand), xla:<fmt> (reference: dequantises W in full, for comparison only).
 """
 
 from __future__ import annotations
+
+import os
+import time
 
 import jax
 import jax.numpy as jnp
@@ -24,8 +30,8 @@ from pallas_fused.dora import Config, column_scale, column_scale_reference, dora
 CASES = [(512, 4096, 4096, 16), (4096, 4096, 4096, 16), (8192, 4096, 4096, 16),
          (512, 4096, 11008, 64), (4096, 4096, 11008, 64), (8192, 4096, 11008, 64)]
 QUICK = [(4096, 4096, 4096, 16), (4096, 4096, 11008, 64)]
-GEMMS = {"pallas": "auto", "pallas:xla_gemm": "xla", "pallas:xla_concat": "xla_concat",
-         "pallas:xla_epilogue": "xla_epilogue"}
+GEMMS = {"pallas": "auto", "pallas:fused": "fused", "pallas:epilogue": "epilogue", "pallas:merged": "merged",
+         "pallas:xla_gemm": "xla", "pallas:xla_concat": "xla_concat", "pallas:xla_epilogue": "xla_epilogue"}
 
 
 def _data(tokens, fin, fout, r):
@@ -39,16 +45,16 @@ def _data(tokens, fin, fout, r):
     return x, w, a, b, m, dy
 
 
-def _fwdbwd(impl, gemm, scale):
+def _fwdbwd(impl, gemm, scale, config=None):
     """jit of (x, W, A, B, m, dy) -> grads of x, A, B, m (W frozen)."""
     def fb(x, w, a, b, m, dy):
-        _, pull = jax.vjp(lambda x, a, b, m: dora_dense(x, w, a, b, m, scale=scale, implementation=impl, gemm=gemm),
-                          x, a, b, m)
+        _, pull = jax.vjp(lambda x, a, b, m: dora_dense(x, w, a, b, m, scale=scale, implementation=impl, gemm=gemm,
+                                                        config=config), x, a, b, m)
         return pull(dy)
     return jax.jit(fb)
 
 
-def run(rec: Recorder, quick: bool) -> None:
+def main_cases(rec: Recorder, quick: bool) -> None:
     scale = 2.0
     for tokens, fin, fout, r in QUICK if quick else CASES:
         case = f"{tokens}x{fin}->{fout} r{r} bf16"
@@ -90,6 +96,124 @@ def run(rec: Recorder, quick: bool) -> None:
             rec.time("qdora_fwd", case, f"pallas:{name}_swapab", jax.jit(lambda x, qw, a, b, m: dora_dense(
                 x, qw, a, b, m, scale=scale, implementation="pallas", config=Config(quant_swap_ab=True))),
                 x, qw, a, b, m, nbytes=(tokens * fin + tokens * fout) * item + wbytes, flops=fwd_flops)
+            if name == "int8":  # opt-in: a transient bf16 merged weight, then cuBLAS
+                rec.time("qdora_fwd", case, "pallas:int8_merged", jax.jit(lambda x, qw, a, b, m: dora_dense(
+                    x, qw, a, b, m, scale=scale, implementation="pallas", gemm="merged")), x, qw, a, b, m,
+                    nbytes=(tokens * fin + tokens * fout) * item + wbytes, flops=fwd_flops)
             rec.time("qdora_fwd", case, f"xla:{name}", jax.jit(lambda x, qw, a, b, m: dora_dense(
                 x, qw, a, b, m, scale=scale, implementation="xla")), x, qw, a, b, m,
                 nbytes=(tokens * fin + tokens * fout) * item + wbytes, flops=fwd_flops)
+
+
+# ---------------------------------------------------------------------------------------------------- tuning
+# Column-norm launch configurations: (mode, bn, bk, rows per program, warps, stages). "expand" rows with
+# rows >= in features run one program per column block with g computed in the kernel (one launch).
+NORM_SWEEP = [
+    ("direct", 64, 64, 128, 4, 2),  # session 1's kernel and config
+    ("expand", 64, 64, 1024, 8, 4),  # Config() default
+    ("expand", 64, 64, 512, 8, 4),
+    ("expand", 64, 64, 256, 4, 3),
+    ("expand", 128, 64, 1024, 8, 4),
+    ("expand", 128, 64, 512, 8, 3),
+    ("expand", 64, 128, 1024, 8, 3),
+    ("expand", 32, 64, 1024, 4, 4),
+    ("expand", 64, 64, 4096, 8, 4),  # fused finish, N/64 programs
+    ("expand", 32, 128, 4096, 4, 4),  # fused finish, N/32 programs
+    ("expand", 32, 64, 4096, 4, 5),
+    ("expand", 16, 128, 4096, 4, 4),  # fused finish, N/16 programs
+    ("expand", 32, 256, 4096, 8, 4),  # fused finish, N/32 programs, 16 KiB tiles
+    ("expand", 64, 128, 4096, 8, 4),  # fused finish, N/64 programs
+]
+TUNE_WEIGHTS = [(4096, 4096, 16), (4096, 11008, 64)]
+TUNE_TOKENS = [4096, 8192, 512]  # in order of importance: what doesn't fit the budget is recorded as skipped
+FWD_MODES = ["merged", "epilogue", "xla_epilogue", "fused"]
+FWDBWD_MODES = ["merged", "epilogue", "xla_epilogue"]  # "fused" has epilogue's backward
+# gemm="merged" with the merged weight formed inside the column-norm launch: (xnorm_bn, xnorm_bk, warps, stages)
+MERGE_IN_NORM = [(32, 128, 4, 4), (64, 64, 8, 4), (16, 128, 4, 4)]
+EPI_SWEEP = [(64, 128, 4), (128, 128, 8), (32, 256, 4), (128, 64, 4)]  # (bm, bn, warps) of the epilogue kernel
+TUNE_BUDGET_S = float(os.environ.get("DORA_TUNE_BUDGET_S", "85"))
+
+
+def tuning(rec: Recorder, quick: bool) -> None:
+    """Sweeps that decide the defaults; each failure, and each case past the time budget, is a row (no raise):
+    - dora_tune_colnorm: NORM_SWEEP at both weight shapes (Config.norm_* / xnorm_*);
+    - dora_mode: forward and forward+backward of the cuBLAS-based gemm modes at 4096/8192/512 tokens, with the
+      base matmul x W alone ("auto" picks "merged" or "epilogue" from a byte count: api.AUTO_DENSE_GEMMS);
+    - dora_tune_epi: the epilogue kernel's tiles (Config.epi_*), used by "epilogue" and to form the merged weight.
+    """
+    deadline = time.perf_counter() + TUNE_BUDGET_S
+    scale = 2.0
+
+    def timed(op, case, impl, fn, *args, **kw):
+        if time.perf_counter() > deadline:
+            return rec.add(op, case, impl, None, error="skipped: tuning time budget (DORA_TUNE_BUDGET_S)")
+        return rec.time(op, case, impl, fn, *args, n=20, reps=3, **kw)
+
+    def colnorm(fin, fout, r):
+        _, w, a, b, m, _ = _data(8, fin, fout, r)
+        nbytes = (fin * fout + fin * r + r * fout + 2 * fout) * 2
+        for mode, bn, bk, rows, warps, stages in NORM_SWEEP:
+            if mode == "direct":
+                cfg = Config(norm_mode="direct", norm_bn=bn, norm_bk=bk, norm_rows=rows, norm_warps=warps,
+                             norm_stages=stages)
+            else:
+                cfg = Config(xnorm_bn=bn, xnorm_bk=bk, xnorm_rows=rows, xnorm_warps=warps, xnorm_stages=stages)
+            impl = f"pallas:{mode} bn{bn} bk{bk} rows{rows} w{warps} s{stages}"
+            timed("dora_tune_colnorm", f"{fin}->{fout} r{r} bf16", impl,
+                  jax.jit(lambda w, a, b, m, cfg=cfg: column_scale(w, a, b, m, scale=scale, implementation="pallas",
+                                                                 config=cfg)), w, a, b, m, nbytes=nbytes)
+
+    def modes(tokens, fin, fout, r):
+        x, w, a, b, m, dy = _data(tokens, fin, fout, r)
+        case = f"{tokens}x{fin}->{fout} r{r} bf16"
+        fwd_bytes = (tokens * fin + fin * fout + tokens * fout) * 2
+        timed("dora_mode", case + " fwd", "peer:base_matmul", jax.jit(lambda x, w: x @ w), x, w,
+              nbytes=fwd_bytes, flops=2 * tokens * fin * fout)
+        for mode in FWD_MODES:
+            timed("dora_mode", case + " fwd", f"pallas:{mode}", jax.jit(lambda x, w, a, b, m, mode=mode: dora_dense(
+                x, w, a, b, m, scale=scale, implementation="pallas", gemm=mode)), x, w, a, b, m,
+                nbytes=fwd_bytes, flops=2 * tokens * fin * fout)
+        for bn, bk, warps, stages in MERGE_IN_NORM:
+            cfg = Config(merge_in_norm=True, xnorm_bn=bn, xnorm_bk=bk, xnorm_warps=warps, xnorm_stages=stages)
+            timed("dora_mode", case + " fwd", f"pallas:merged_in_norm bn{bn} bk{bk} w{warps} s{stages}",
+                  jax.jit(lambda x, w, a, b, m, cfg=cfg: dora_dense(x, w, a, b, m, scale=scale, implementation="pallas",
+                                                                  gemm="merged", config=cfg)), x, w, a, b, m,
+                  nbytes=fwd_bytes, flops=2 * tokens * fin * fout)
+        for mode in FWDBWD_MODES:
+            timed("dora_mode", case + " fwdbwd", f"pallas:{mode}", _fwdbwd("pallas", mode, scale),
+                  x, w, a, b, m, dy, flops=6 * tokens * fin * fout)
+        cfg = Config(merge_in_norm=True, xnorm_bn=32, xnorm_bk=128, xnorm_warps=4, xnorm_stages=4)
+        timed("dora_mode", case + " fwdbwd", "pallas:merged_in_norm bn32 bk128 w4 s4",
+              _fwdbwd("pallas", "merged", scale, cfg), x, w, a, b, m, dy, flops=6 * tokens * fin * fout)
+
+    def epilogue_tiles(tokens, fin, fout, r):
+        x, w, a, b, m, _ = _data(tokens, fin, fout, r)
+        for bm, bn, warps in EPI_SWEEP:
+            cfg = Config(epi_bm=bm, epi_bn=bn, epi_warps=warps)
+            for mode in ("epilogue", "merged"):
+                timed("dora_tune_epi", f"{tokens}x{fin}->{fout} r{r} bf16 {mode} fwd", f"pallas:bm{bm} bn{bn} w{warps}",
+                      jax.jit(lambda x, w, a, b, m, cfg=cfg, mode=mode: dora_dense(
+                          x, w, a, b, m, scale=scale, implementation="pallas", gemm=mode, config=cfg)), x, w, a, b, m)
+
+    # In order of importance (about 190 s in all on an H200 by estimate; the default budget covers the column
+    # norm and the 4096-token modes, DORA_TUNE_BUDGET_S=200 the rest).
+    for shape in TUNE_WEIGHTS:
+        colnorm(*shape)
+    for tokens in TUNE_TOKENS:
+        for shape in TUNE_WEIGHTS:
+            modes(tokens, *shape)
+    epilogue_tiles(4096, *TUNE_WEIGHTS[0])
+
+
+def run(rec: Recorder, quick: bool) -> None:
+    """Sections: main_cases, tuning; DORA_SECTIONS=tuning (comma-separated names) runs a subset."""
+    wanted = os.environ.get("DORA_SECTIONS", "main_cases,tuning").split(",")
+    for section in (main_cases, tuning):
+        if section.__name__ not in wanted:
+            continue
+        start = time.time()
+        try:
+            section(rec, quick)
+        except Exception as e:  # noqa: BLE001 - keep the other section's numbers
+            rec.add("dora", section.__name__, "error", None, error=f"{type(e).__name__}: {str(e)[:300]}")
+        print(f"  [{section.__name__} {time.time() - start:.1f}s]", flush=True)

@@ -13,7 +13,22 @@ from pallas_fused.dora import kernel as K
 from pallas_fused.dora import reference
 from pallas_fused.dora.quant import Int8Kernel, NF4Kernel, dequantize, is_quantized
 
-GEMMS = ("auto", "pallas", "xla", "xla_concat", "xla_epilogue")
+GEMMS = ("auto", "pallas", "fused", "epilogue", "merged", "xla", "xla_concat", "xla_epilogue")
+# gemm="auto" for dense weights: both candidates run cuBLAS for the big GEMM (the Triton-lowered Pallas GEMM
+# reached ~75% of cuBLAS on an H200) and differ in the one extra pass they make: "merged" reads W and writes
+# (W + s A B) g (4 K N bytes), "epilogue" reads x for x A and reads + writes x W (2 M K + 4 M N bytes).
+# The cheaper pass wins; benchmarks/bench_dora.py "tuning" (dora_mode rows) measures every mode per shape.
+# Quantised weights always take "pallas" (cuBLAS would need W dequantised in full).
+AUTO_DENSE_GEMMS = ("merged", "epilogue")
+
+
+def _resolve_gemm(gemm: str, kind: str, tokens: int, fin: int, fout: int) -> str:
+    if gemm != "auto":
+        return gemm
+    if kind != "dense":
+        return "pallas"
+    merged_bytes, epilogue_bytes = 4 * fin * fout, 2 * tokens * fin + 4 * tokens * fout
+    return AUTO_DENSE_GEMMS[0] if merged_bytes <= epilogue_bytes else AUTO_DENSE_GEMMS[1]
 
 
 def _check(x, kernel, lora_a, lora_b, magnitude, bias, scale):
@@ -90,22 +105,59 @@ def _column_sumsq(ops, kind, ap, bp, scale, interpret, config):
     return _shard(launch, kind, "{w}, k r, r n, -> n", replicated=("r",), summed=("k",))(*ops, ap, bp, scale)
 
 
+def _column_norm_scale(ops, kind, ap, bp, scale, m, interpret, config):
+    """(n, g = m / n); on one device the fused kernel (one launch), sharded the partial sums + psum."""
+    if jax.device_count() == 1:
+        return K.column_norm_scale(ops, kind, ap, bp, scale, m, interpret=interpret, config=config)
+    n = jnp.sqrt(_column_sumsq(ops, kind, ap, bp, scale, interpret, config))
+    return n, m.astype(jnp.float32) / n
+
+
 def _dense_w(kind, ops, dtype):
     """Full-precision W for the XLA GEMM variants (dense kernels only)."""
     if kind != "dense":
-        raise ValueError("dora_dense: gemm='xla'/'xla_concat' supports dense kernels only; use gemm='auto' or "
+        raise ValueError("dora_dense: this gemm mode supports dense kernels only; use gemm='auto' or "
                          "'pallas' for Int8Kernel/NF4Kernel")
     return ops[0].astype(dtype)
+
+
+def _merged_weight(kind, ops, ap, bp, g, scale, interpret, config):
+    """(W + s A B) * g in the compute dtype (K, N): one Pallas pass over W (the epilogue kernel with z = W,
+    xa = A). Dense or int8 W (QDoRA with gemm="merged": a transient full-precision weight, never stored)."""
+    if kind not in ("dense", "int8"):
+        raise ValueError("dora_dense: gemm='merged' supports dense and Int8Kernel kernels; use gemm='auto' or "
+                         "'pallas' for NF4Kernel")
+
+    def launch(*a):  # sharded: both weight axes split, the rank gathered
+        w, zscale = (a[0], None) if kind == "dense" else a[:2]
+        return K.epilogue(w, *a[-4:], None, interpret=interpret, config=config, zscale=zscale, out_dtype=ap.dtype)
+
+    return _shard(launch, kind, "{w}, k r, r n, n, -> k n", replicated=("r",))(*ops, ap, bp, g, scale)
+
+
+def _xa(x, ap):
+    return jnp.dot(x, ap, preferred_element_type=jnp.float32).astype(x.dtype)
 
 
 def _forward(statics, x, ops, a, b, m, bias, scale):
     kind, gemm, interpret, config = statics[:4]
     dt = x.dtype
     ap, bp = _pad_rank(a, b)
-    n = jnp.sqrt(_column_sumsq(ops, kind, ap, bp, scale, interpret, config))
-    g = m.astype(jnp.float32) / n
-    xa = jnp.dot(x, ap, preferred_element_type=jnp.float32).astype(dt)
-    if gemm in ("pallas", "auto"):
+    if gemm == "merged":
+        # y = x ((W + s A B) g) + bias: one cuBLAS GEMM on the merged weight (x A is left to the backward).
+        if (config.merge_in_norm and kind == "dense" and jax.device_count() == 1
+                and K.expand_supported(ops, kind, ap)):
+            n, g, wm = K.norm_and_merge(ops, ap, bp, scale, m, interpret=interpret, config=config)
+        else:
+            n, g = _column_norm_scale(ops, kind, ap, bp, scale, m, interpret, config)
+            wm = _merged_weight(kind, ops, ap, bp, g, scale, interpret, config)
+        if bias is None:
+            return jnp.dot(x, wm), (ap, bp, n, g, None)
+        y = jnp.dot(x, wm, preferred_element_type=jnp.float32) + bias.astype(jnp.float32)
+        return y.astype(dt), (ap, bp, n, g, None)
+    n, g = _column_norm_scale(ops, kind, ap, bp, scale, m, interpret, config)
+    xa = _xa(x, ap)
+    if gemm in ("pallas", "fused"):
         def fwd(x, *a):  # sharded: tokens and output features split; K and the rank gathered
             ops_, (xa_, bp_, g_, scale_, *bias_) = a[:len(ops)], a[len(ops):]
             return K.forward_gemm(x, ops_, kind, xa_, bp_, g_, scale_, bias_[0] if bias_ else None,
@@ -116,6 +168,15 @@ def _forward(statics, x, ops, a, b, m, bias, scale):
                                                             *(() if bias is None else (bias,)))
     else:
         w = _dense_w(kind, ops, dt)
+        if gemm == "epilogue":
+            # cuBLAS z = x W (rounded once to the compute dtype), then one Pallas pass: (z + s xa B) g + bias.
+            def epi(z, *a):  # sharded: tokens and output features split, the rank gathered
+                return K.epilogue(z, *a[:4], a[4] if len(a) > 4 else None, interpret=interpret, config=config)
+
+            rule = "m n, m r, r n, n, " + ("" if bias is None else ", n") + " -> m n"
+            y = _shard(epi, "dense", rule, replicated=("r",))(jnp.dot(x, w), xa, bp, g, scale,
+                                                              *(() if bias is None else (bias,)))
+            return y, (ap, bp, n, g, xa)
         if gemm == "xla_epilogue":
             # cuBLAS x W and (x A) B, the scale + bias left to an XLA elementwise fusion (what the
             # jnp reference does, with the Pallas column norm).
@@ -153,20 +214,25 @@ def _dora_2d_bwd(statics, res, dy):
     gs = g * scale
     # us = s (dy * g) B^T, with g folded into the tiny B instead of the big dy.
     us = jnp.dot(dy, (bp.astype(jnp.float32) * gs[None, :]).astype(dt).T, preferred_element_type=jnp.float32).astype(dt)
-    if gemm == "pallas" or (gemm == "auto" and kind != "dense"):
+    if gemm == "pallas":
         gw = g * ops[1] if kind == "int8" else g
         def bwd_dx(dy, gw, *a):  # sharded: tokens and input features split; N and the rank gathered
             return K.backward_dx(dy, gw, a[:-2], kind, *a[-2:], interpret=interpret, config=config)
 
         dx = _shard(bwd_dx, kind, "m n, n, {w}, m r, k r -> m k", replicated=("n", "r"))(dy, gw, *ops, us, ap)
     else:
-        # cuBLAS: g goes on whichever of dy (M, out) and W (in, out) is smaller.
-        w = _dense_w(kind, ops, dt)
-        if dy.shape[0] >= w.shape[0]:
-            dx = jnp.dot(dy, (w.astype(jnp.float32) * g[None, :]).astype(dt).T, preferred_element_type=jnp.float32)
+        # cuBLAS. dx = (dy g) (W + s A B)^T: with many tokens one GEMM on the merged weight (W + s A B) g
+        # (one Pallas pass over W, and no float32 (M, in) partial results); with few tokens g goes on dy
+        # and the low-rank term is a second, small GEMM.
+        fin_, fout_ = ap.shape[0], bp.shape[1]
+        if kind == "int8" or dy.shape[0] * (fout_ + 3.5 * fin_) >= fin_ * fout_:
+            dx = jnp.dot(dy, _merged_weight(kind, ops, ap, bp, g, scale, interpret, config).T)
         else:
+            w = _dense_w(kind, ops, dt)
             dx = jnp.dot((dy.astype(jnp.float32) * g[None, :]).astype(dt), w.T, preferred_element_type=jnp.float32)
-        dx = (dx + jnp.dot(us, ap.T, preferred_element_type=jnp.float32)).astype(dt)
+            dx = (dx + jnp.dot(us, ap.T, preferred_element_type=jnp.float32)).astype(dt)
+    if xa is None:  # gemm="merged" never formed x A in the forward
+        xa = _xa(x, ap)
     def bwd_cols(dy, y, xa, *bias_):  # sharded: output features split, tokens summed per shard + psum
         return K.backward_columns(dy, y, xa, bias_[0] if bias_ else None, interpret=interpret, config=config)
 
@@ -216,12 +282,20 @@ def dora_dense(x, kernel, lora_a, lora_b, magnitude, bias=None, *, scale, exact_
       exact_norm_grad: differentiate through the column norm (default: treat it as a constant, as the
         DoRA paper section 4.3 and peft do).
       implementation: None (Pallas on a GPU, XLA elsewhere), "pallas", "xla" or "interpret".
-      gemm: which big GEMMs the Pallas path uses. "auto" (default): the fused-epilogue Pallas kernel
-        forward, cuBLAS (XLA) for the backward dx of dense weights (faster on an H200), Pallas dx for
-        quantised ones; "pallas": Pallas kernels both ways; "xla": XLA GEMMs on g-scaled weights,
-        x (W g) + (x A)(s B g); "xla_concat": one forward GEMM over the concatenated K,
-        [x, xA] @ [W g; s B g]; "xla_epilogue": cuBLAS x W + s (x A) B with the g-scale and bias
-        fused by XLA afterwards. The XLA variants take dense kernels only.
+      gemm: which big GEMMs the Pallas path uses (the column norm and the backward column reductions are
+        Pallas in every mode).
+        "auto" (default): for dense weights "merged" or "epilogue", whichever makes the smaller extra pass
+        over memory at this shape (see `AUTO_DENSE_GEMMS`); "pallas" for quantised weights.
+        "pallas": Pallas GEMMs both ways (the fused-epilogue forward, the dx GEMM; W dequantised in-kernel).
+        "fused": the fused-epilogue Pallas GEMM forward, cuBLAS dx backward.
+        "epilogue": cuBLAS x W, then one Pallas pass (x W + s (x A) B) * g + bias.
+        "merged": one Pallas pass forms (W + s A B) * g, then one cuBLAS GEMM (x A waits for the backward).
+        "xla": XLA GEMMs on g-scaled weights, x (W g) + (x A)(s B g); "xla_concat": one forward GEMM over
+        the concatenated K, [x, xA] @ [W g; s B g]; "xla_epilogue": cuBLAS x W + s (x A) B with the
+        g-scale and bias fused by XLA afterwards.
+        Every mode but "pallas" runs dx on cuBLAS (with many tokens, or int8 weights, one GEMM on the
+        merged weight) and takes dense weights only, except "merged" and "fused", which also take an
+        Int8Kernel (QDoRA at cuBLAS speed; the merged weight is then a transient full-precision array).
       config: tile sizes of the Pallas kernels (advanced).
 
     Gradients flow to x, lora_a, lora_b, magnitude and bias; W (and `scale`) get zero cotangents.
@@ -241,7 +315,8 @@ def dora_dense(x, kernel, lora_a, lora_b, magnitude, bias=None, *, scale, exact_
     if x2.shape[0] == 0:
         return jnp.zeros((*lead, fout), dt)
     kind, ops = _weight_ops(kernel, dt)
-    statics = (kind, gemm, impl == "interpret", config or K.DEFAULT, bool(exact_norm_grad), rank, fin)
+    mode = _resolve_gemm(gemm, kind, x2.shape[0], fin, fout)
+    statics = (kind, mode, impl == "interpret", config or K.DEFAULT, bool(exact_norm_grad), rank, fin)
     y = _dora_2d(statics, x2, ops, a, b, magnitude, bias_c, jnp.asarray(scale, jnp.float32))
     return y.reshape(*lead, fout)
 
@@ -275,6 +350,5 @@ def column_scale(kernel, lora_a, lora_b, magnitude, *, scale, implementation: st
         return reference.column_scale_reference(kernel, lora_a, lora_b, magnitude, scale, dt)
     kind, ops = _weight_ops(kernel, dt)
     ap, bp = _pad_rank(lora_a.astype(dt), lora_b.astype(dt))
-    sumsq = _column_sumsq(ops, kind, ap, bp, jnp.asarray(scale, jnp.float32), impl == "interpret",
-                          config or K.DEFAULT)
-    return magnitude.astype(jnp.float32) / jnp.sqrt(sumsq)
+    return _column_norm_scale(ops, kind, ap, bp, jnp.asarray(scale, jnp.float32), magnitude, impl == "interpret",
+                              config or K.DEFAULT)[1]

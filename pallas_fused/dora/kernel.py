@@ -111,6 +111,24 @@ class Config:
     norm_bk: int = 64  # column norm: rows per loop step
     norm_rows: int = 128  # column norm: rows per program (split-K; partial sums reduced after)
     norm_warps: int = 4
+    norm_stages: int = 2
+    # "expand": sum W^2 + 2 s sum_r B (A^T W) + s^2 B^T (A^T A) B, so W is an MMA operand (pipelined by
+    # cp.async) and never meets the A B tile in registers; dense bf16/fp16 and int8 weights only (fp32
+    # weights and NF4 keep "direct": (W + s A B)^2 tile by tile).
+    norm_mode: str = "expand"
+    # "expand" tiles: untimed guesses (the bench's tuning section sweeps them): 256 programs of 8 warps at
+    # 4096 -> 4096, 3 W tiles (8 KiB each) in flight per program; 73 registers, no spills (ptxas, sm_90a).
+    xnorm_bn: int = 64  # "expand" mode: columns per program
+    xnorm_bk: int = 64  # ... rows per loop step
+    xnorm_rows: int = 1024  # ... rows per program (>= in features: one program per column block, g fused)
+    xnorm_warps: int = 8
+    xnorm_stages: int = 4
+    # gemm="merged": form (W + s A B) g inside the column-norm launch (one program per column strip, over all
+    # rows; tiles xnorm_*) instead of a second pass over W by the epilogue kernel. Untimed: the sweep decides.
+    merge_in_norm: bool = False
+    epi_bm: int = 64  # gemm="epilogue": tile of the standalone epilogue kernel (untimed guess)
+    epi_bn: int = 128
+    epi_warps: int = 4
     cols_bn: int = 64  # backward column reductions: columns per program
     cols_bt: int = 64  # ... tokens per loop step
     cols_rows: int = 512  # ... tokens per program
@@ -187,6 +205,8 @@ def _colnorm_kernel(*refs, kind, K, N, R, bk, bn, rows_per_prog, kloop):
 
 def column_sumsq(weight, kind: str, lora_a, lora_b, scale, *, interpret: bool, config: Config = DEFAULT):
     """sum over the input axis of (W + s A B)^2, float32 (out,). `lora_a` (K, R), `lora_b` (R, N), R padded."""
+    if config.norm_mode == "expand" and expand_supported(weight, kind, lora_a):
+        return _expand_launch(weight, kind, lora_a, lora_b, scale, None, interpret=interpret, config=config)
     K, R = lora_a.shape
     N = lora_b.shape[1]
     if kind == "nf4":
@@ -210,9 +230,180 @@ def column_sumsq(weight, kind: str, lora_a, lora_b, scale, *, interpret: bool, c
         name="pallas_fused_dora_colnorm",
         interpret=interpret,
         num_warps=config.norm_warps,
-        num_stages=2,
+        num_stages=config.norm_stages,
     )(*weight, lora_a, lora_b, jnp.reshape(jnp.asarray(scale, jnp.float32), (1,)))
     return jnp.sum(partial_sums, axis=0)
+
+
+def _bf16_parts(v, n: int):
+    """v (float32) as n bfloat16 terms whose float32 sum is v to 8 n bits (3 terms: all of float32's 24)."""
+    parts = []
+    for _ in range(n):
+        p = v.astype(jnp.bfloat16)
+        parts.append(p)
+        v = v - p.astype(jnp.float32)
+    return parts
+
+
+def _dot_f32_exact(a32, b_dtype, b):
+    """a32 (float32) @ b (16-bit) to float32 accuracy on the tensor cores: a32 split in 3 bfloat16 terms,
+    b in 1 (bf16) or 2 (fp16) - every product is exact in the float32 accumulator. An fp32 FMA dot of
+    (R, R) x (R, bn) at rank 64 held so many registers that the kernel spilled."""
+    b_parts = [b] if b_dtype == jnp.bfloat16 else _bf16_parts(b.astype(jnp.float32), 2)
+    out = None
+    for i, ap in enumerate(_bf16_parts(a32, 3)):
+        for j, bp in enumerate(b_parts):
+            if i + j < 3:  # terms below 2^-24 relative are dropped
+                d = _backend.dot(ap, bp)
+                out = d if out is None else out + d
+    return out
+
+
+def _colnorm_expand_kernel(*refs, kind, K, N, R, bk, bn, rows_per_prog, finish, merge=False):
+    """||W + s A B||^2 per column as sum W^2 + 2 s sum_r B (A^T W) + s^2 sum_r B (A^T A B), per row range.
+
+    W is the right operand of an MMA (A^T W), so Triton streams it through shared memory with cp.async
+    (num_stages deep); the squares read the same tile. With `finish` (one program per column block) the
+    program also writes n = sqrt(sum) and g = m / n: the whole column scale is one launch. With `merge`
+    it then walks its column strip again (just read: mostly L2 hits) writing (W + s A B) * g.
+    """
+    nw = _num_weight_refs(kind)
+    w_refs = refs[:nw]
+    a_ref, b_ref, s_ref = refs[nw:nw + 3]
+    if merge:
+        m_ref, n_ref, g_ref, vg_ref = refs[nw + 3:]
+    elif finish:
+        m_ref, n_ref, g_ref = refs[nw + 3:]
+    else:
+        (out_ref,) = refs[nw + 3:]
+    j, split = pl.program_id(0), pl.program_id(1)
+    n0 = pl.multiple_of(j * bn, bn)
+    cmask = _in_bounds(n0, bn, N, N % bn == 0)
+    k_start = split * rows_per_prog
+    rows_aligned = K % rows_per_prog == 0 and rows_per_prog % bk == 0
+    mma_dt = a_ref.dtype
+
+    def a_tile(k0):  # masked always: the last step's prefetch reads past the row range (maybe past K)
+        return _load(a_ref.at[pl.ds(k0, bk), :], _mask(_in_bounds(k0, bk, K, False), None, (bk, R)))
+
+    def body(i, carry):
+        sq, wa, aa, a = carry
+        k0 = pl.multiple_of(k_start + i * bk, bk)
+        rmask = _in_bounds(k0, bk, K, rows_aligned)
+        w = _load(w_refs[0].at[pl.ds(k0, bk), pl.ds(n0, bn)], _mask(rmask, cmask, (bk, bn)))
+        # The A tile of the next step is loaded now (a hand-made prefetch): A feeds a transposed
+        # register operand (A^T A), which Triton's pipeliner leaves as a synchronous load.
+        a_next = a_tile(k0 + bk)
+        wf = w.astype(jnp.float32)  # int8 codes and bf16/fp16 values are exact in the MMA dtype
+        # W^T A with W^T the transposed left operand: W streams through shared memory (wgmma reads it there).
+        return (sq + wf * wf, wa + _backend.dot(w.astype(mma_dt), a, trans_a=True),
+                aa + _backend.dot(a, a, trans_a=True), a_next)
+
+    init = (jnp.zeros((bk, bn), jnp.float32), jnp.zeros((bn, R), jnp.float32), jnp.zeros((R, R), jnp.float32),
+            a_tile(k_start))
+    sq, wa, aa, _ = lax.fori_loop(0, rows_per_prog // bk, body, init)
+    s = s_ref[0]
+    b = _load(b_ref.at[:, pl.ds(n0, bn)], _mask(None, cmask, (R, bn))).astype(jnp.float32)
+    sq = jnp.sum(sq, axis=0)
+    if kind == "int8":  # W = q * wscale: every term linear in W takes one wscale, W^2 two
+        wscale = _load(w_refs[1].at[pl.ds(n0, bn)], cmask, 1.0)
+        sq, wa = sq * wscale * wscale, wa * wscale[:, None]
+    aab = _dot_f32_exact(aa, b_ref.dtype, _load(b_ref.at[:, pl.ds(n0, bn)], _mask(None, cmask, (R, bn))))
+    total = sq + 2.0 * s * jnp.sum(wa * b.T, axis=1) + (s * s) * jnp.sum(b * aab, axis=0)
+    if finish:
+        n = jnp.sqrt(total)
+        _store(n_ref.at[pl.ds(n0, bn)], n, cmask)
+        g = _load(m_ref.at[pl.ds(n0, bn)], cmask, 1.0).astype(jnp.float32) / n
+        _store(g_ref.at[pl.ds(n0, bn)], g, cmask)
+    else:
+        _store(out_ref.at[split, pl.ds(n0, bn)], total, cmask)
+    if not merge:
+        return
+    b16 = _load(b_ref.at[:, pl.ds(n0, bn)], _mask(None, cmask, (R, bn)))
+
+    def w_tile(k0):  # masked always, as a_tile
+        return _load(w_refs[0].at[pl.ds(k0, bk), pl.ds(n0, bn)], _mask(_in_bounds(k0, bk, K, False), cmask, (bk, bn)))
+
+    def merge_body(i, carry):
+        w, a = carry  # this step's tiles, loaded one step ahead (plain loads: no MMA operand to pipeline)
+        k0 = pl.multiple_of(i * bk, bk)
+        nxt = (w_tile(k0 + bk), a_tile(k0 + bk))
+        v = (w.astype(jnp.float32) + s * _backend.dot(a, b16)) * g[None, :]
+        _store(vg_ref.at[pl.ds(k0, bk), pl.ds(n0, bn)], v.astype(vg_ref.dtype),
+               _mask(_in_bounds(k0, bk, K, rows_aligned), cmask, (bk, bn)))
+        return nxt
+
+    lax.fori_loop(0, rows_per_prog // bk, merge_body, (w_tile(0), a_tile(0)))
+
+
+def expand_supported(weight, kind: str, lora_a) -> bool:
+    """Whether the "expand" column norm applies: 16-bit dense W (in A's dtype) or int8 codes, 16-bit A."""
+    if lora_a.dtype not in (jnp.bfloat16, jnp.float16):
+        return False
+    if kind == "int8":
+        return True
+    return kind == "dense" and weight[0].dtype == lora_a.dtype
+
+
+def _expand_launch(weight, kind, lora_a, lora_b, scale, magnitude, *, interpret, config):
+    K, R = lora_a.shape
+    N = lora_b.shape[1]
+    bk, bn = _tile(K, config.xnorm_bk), _tile(N, config.xnorm_bn)
+    rows_per_prog = max(bk, min(_pow2(config.xnorm_rows, bk), _pow2(K, bk)))
+    nsplit = _cdiv(K, rows_per_prog)
+    finish = magnitude is not None and nsplit == 1
+    kernel = functools.partial(_colnorm_expand_kernel, kind=kind, K=K, N=N, R=R, bk=bk, bn=bn,
+                               rows_per_prog=rows_per_prog, finish=finish)
+    col = jax.ShapeDtypeStruct((N,), jnp.float32)
+    out_shape = (col, col) if finish else jax.ShapeDtypeStruct((nsplit, N), jnp.float32)
+    args = (*weight, lora_a, lora_b, jnp.reshape(jnp.asarray(scale, jnp.float32), (1,)))
+    out = _backend.triton_call(
+        kernel,
+        out_shape=out_shape,
+        grid=(_cdiv(N, bn), nsplit),
+        name="pallas_fused_dora_colnorm",
+        interpret=interpret,
+        num_warps=config.xnorm_warps,
+        num_stages=config.xnorm_stages,
+    )(*args, *((magnitude,) if finish else ()))
+    return out if finish else jnp.sum(out, axis=0)
+
+
+def norm_and_merge(weight, lora_a, lora_b, scale, magnitude, *, interpret: bool, config: Config = DEFAULT):
+    """(n, g, (W + s A B) * g) for a dense 16-bit W in one launch: a program per column strip computes the
+    strip's norm, then writes the strip's merged weight (gemm="merged" with Config(merge_in_norm=True))."""
+    K, R = lora_a.shape
+    N = lora_b.shape[1]
+    bk, bn = _tile(K, config.xnorm_bk), _tile(N, config.xnorm_bn)
+    kernel = functools.partial(_colnorm_expand_kernel, kind="dense", K=K, N=N, R=R, bk=bk, bn=bn,
+                               rows_per_prog=_pow2(K, bk), finish=True, merge=True)
+    col = jax.ShapeDtypeStruct((N,), jnp.float32)
+    return _backend.triton_call(
+        kernel,
+        out_shape=(col, col, jax.ShapeDtypeStruct((K, N), weight[0].dtype)),
+        grid=(_cdiv(N, bn), 1),
+        name="pallas_fused_dora_colnorm_merge",
+        interpret=interpret,
+        num_warps=config.xnorm_warps,
+        num_stages=config.xnorm_stages,
+    )(*weight, lora_a, lora_b, jnp.reshape(jnp.asarray(scale, jnp.float32), (1,)), magnitude)
+
+
+def column_norm_scale(weight, kind: str, lora_a, lora_b, scale, magnitude, *, interpret: bool,
+                      config: Config = DEFAULT):
+    """(n, g): n = ||W + s A B|| per output column and g = m / n, float32 (N,); A, B rank-padded.
+
+    One launch when the "expand" kernel applies and one program covers all input rows; otherwise the
+    partial sums of squares are reduced and finished by XLA.
+    """
+    if config.norm_mode == "expand" and expand_supported(weight, kind, lora_a):
+        out = _expand_launch(weight, kind, lora_a, lora_b, scale, magnitude, interpret=interpret, config=config)
+        if isinstance(out, tuple):
+            return out
+        n = jnp.sqrt(out)
+    else:
+        n = jnp.sqrt(column_sumsq(weight, kind, lora_a, lora_b, scale, interpret=interpret, config=config))
+    return n, magnitude.astype(jnp.float32) / n
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -306,6 +497,54 @@ def forward_gemm(x, weight, kind: str, xa, lora_b, g, scale, bias, *, interpret:
         interpret=interpret,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
+    )(*args)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Epilogue only: y = (z + s xa B) * g + bias, z = x W from cuBLAS (gemm="epilogue"): one read of z, one write.
+# ----------------------------------------------------------------------------------------------------
+
+
+def _epilogue_kernel(*refs, M, N, R, bm, bn, has_bias, has_zscale):
+    z_ref, refs = refs[0], refs[1:]
+    zscale_ref, refs = (refs[0], refs[1:]) if has_zscale else (None, refs)
+    xa_ref, b_ref, g_ref, s_ref = refs[:4]
+    bias_ref = refs[4] if has_bias else None
+    o_ref = refs[-1]
+    m0 = pl.multiple_of(pl.program_id(0) * bm, bm)
+    n0 = pl.multiple_of(pl.program_id(1) * bn, bn)
+    rmask = _in_bounds(m0, bm, M, M % bm == 0)
+    cmask = _in_bounds(n0, bn, N, N % bn == 0)
+    z = _load(z_ref.at[pl.ds(m0, bm), pl.ds(n0, bn)], _mask(rmask, cmask, (bm, bn))).astype(jnp.float32)
+    if has_zscale:  # int8 codes times their per-column scale
+        z = z * _load(zscale_ref.at[pl.ds(n0, bn)], cmask, 1.0)[None, :]
+    xa = _load(xa_ref.at[pl.ds(m0, bm), :], _mask(rmask, None, (bm, R)))
+    b = _load(b_ref.at[:, pl.ds(n0, bn)], _mask(None, cmask, (R, bn)))
+    acc = (z + s_ref[0] * _backend.dot(xa, b)) * _load(g_ref.at[pl.ds(n0, bn)], cmask)[None, :]
+    if has_bias:
+        acc = acc + _load(bias_ref.at[pl.ds(n0, bn)], cmask).astype(jnp.float32)[None, :]
+    _store(o_ref.at[pl.ds(m0, bm), pl.ds(n0, bn)], acc.astype(o_ref.dtype), _mask(rmask, cmask, (bm, bn)))
+
+
+def epilogue(z, xa, lora_b, g, scale, bias, *, interpret: bool, config: Config = DEFAULT, zscale=None,
+             out_dtype=None):
+    """(z [* zscale] + s xa B) * g + bias for z = x W (M, N) from another GEMM; xa (M, R), B (R, N) rank-padded,
+    g fp32. Also forms the merged weight (W + s A B) * g with z = W, xa = A (z = int8 codes with `zscale`)."""
+    M, N = z.shape
+    R = lora_b.shape[0]
+    bm, bn = _tile(M, config.epi_bm), _tile(N, config.epi_bn)
+    kernel = functools.partial(_epilogue_kernel, M=M, N=N, R=R, bm=bm, bn=bn, has_bias=bias is not None,
+                               has_zscale=zscale is not None)
+    args = (z,) + (() if zscale is None else (zscale,))
+    args += (xa, lora_b, g, jnp.reshape(jnp.asarray(scale, jnp.float32), (1,)))
+    args += (bias,) if bias is not None else ()
+    return _backend.triton_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((M, N), out_dtype or z.dtype),
+        grid=(_cdiv(M, bm), _cdiv(N, bn)),
+        name="pallas_fused_dora_epilogue",
+        interpret=interpret,
+        num_warps=config.epi_warps,
     )(*args)
 
 

@@ -50,11 +50,12 @@ def vjp_all(fn, args, dy):
     return jax.jit(run)(tuple(args), dy)
 
 
-def check_against_reference(kernel, x, a, b, m, bias, dy, *, scale, impl, exact=False, gemm="auto", what=""):
+def check_against_reference(kernel, x, a, b, m, bias, dy, *, scale, impl, exact=False, gemm="auto", what="",
+                            config=None):
     """Forward and all 5 gradients: error vs the float32 reference <= 2x the same-dtype XLA reference's."""
     dt = x.dtype
     ours_fn = lambda x, a, b, m, bias: dora_dense(x, kernel, a, b, m, bias, scale=scale, exact_norm_grad=exact,  # noqa: E731
-                                                  implementation=impl, gemm=gemm)
+                                                  implementation=impl, gemm=gemm, config=config)
     base_fn = lambda x, a, b, m, bias: dora_dense(x, kernel, a, b, m, bias, scale=scale, exact_norm_grad=exact,  # noqa: E731
                                                   implementation="xla")
     w32 = dequantize(kernel, dt).astype(jnp.float32)
@@ -93,7 +94,11 @@ def test_forward_and_grads(kernel_impl, dtype, shape):
 
 
 def test_large_rank_no_bias(kernel_impl):
+    """Rank 64, no bias; "auto" takes gemm="epilogue" at this shape (asserted)."""
+    from pallas_fused.dora.api import _resolve_gemm
+
     x, w, a, b, m, _, dy = make(20, (23,), 130, 96, 64, jnp.bfloat16)
+    assert _resolve_gemm("auto", "dense", 23, 130, 96) == "epilogue"
     fn = lambda x, a, b, m: dora_dense(x, w, a, b, m, None, scale=0.25, implementation=kernel_impl)  # noqa: E731
     ref = lambda x, a, b, m: dora_dense(x, w, a, b, m, None, scale=0.25, implementation="xla")  # noqa: E731
     w32 = w.astype(jnp.float32)
@@ -117,10 +122,38 @@ def test_exact_norm_grad(kernel_impl, dtype):
     assert float(jnp.max(jnp.abs(grad_a(False) - grad_a(True)))) > 1e-3
 
 
-@pytest.mark.parametrize("gemm", ["pallas", "xla", "xla_concat", "xla_epilogue"])
+@pytest.mark.parametrize("gemm", ["pallas", "fused", "epilogue", "merged", "merged_in_norm", "xla", "xla_concat",
+                                  "xla_epilogue"])
 def test_gemm_variants(kernel_impl, gemm):
     x, w, a, b, m, bias, dy = make(40, *BASE, jnp.bfloat16)
-    check_against_reference(w, x, a, b, m, bias, dy, scale=0.5, impl=kernel_impl, gemm=gemm, what=gemm)
+    config = Config(merge_in_norm=True, xnorm_bk=16, xnorm_bn=16) if gemm == "merged_in_norm" else None
+    check_against_reference(w, x, a, b, m, bias, dy, scale=0.5, impl=kernel_impl, gemm=gemm.replace("_in_norm", ""),
+                            what=gemm, config=config)
+
+
+def test_few_tokens_no_bias(kernel_impl):
+    """Few tokens per weight: the cuBLAS backward scales dy by g and adds the low-rank term separately
+    (many tokens: one GEMM on the merged weight, covered by test_gemm_variants); "merged" without bias.
+    ("epilogue" without bias: test_large_rank_no_bias, where "auto" picks it.)"""
+    gemm = "merged"
+    x, w, a, b, m, _, dy = make(45, (3,), 64, 48, 4, jnp.bfloat16)
+    fn = lambda x, a, b, m: dora_dense(x, w, a, b, m, None, scale=0.5, implementation=kernel_impl, gemm=gemm)  # noqa: E731
+    ref = lambda x, a, b, m: dora_dense(x, w, a, b, m, None, scale=0.5, implementation="xla")  # noqa: E731
+    ex = lambda x, a, b, m: dora_dense_reference(x, w.astype(jnp.float32), a, b, m, None, scale=0.5)  # noqa: E731
+    y, g = vjp_all(fn, (x, a, b, m), dy)
+    yb, gb = vjp_all(ref, (x, a, b, m), dy)
+    with jax.default_matmul_precision("highest"):
+        ye, ge = vjp_all(ex, (x.astype(jnp.float32), a, b, m), dy.astype(jnp.float32))
+    assert_close(y, ye, baseline=yb, what="y")
+    for name, o, bb, e in zip(NAMES, g, gb, ge):
+        assert_close(o, e, baseline=bb, dtype=jnp.bfloat16, what=name)
+
+
+def test_qdora_int8_merged(kernel_impl):
+    """int8 W with gemm="merged": the merged weight is formed from the codes and scales (fwd and dx)."""
+    x, w, a, b, m, bias, dy = make(55, (27,), 150, 36, 6, jnp.bfloat16, w_dtype=jnp.float32)
+    check_against_reference(quantize_int8(w), x, a, b, m, bias, dy, scale=0.5, impl=kernel_impl, gemm="merged",
+                            what="int8 merged")
 
 
 @pytest.mark.parametrize("kind, dtype, exact", [("int8", jnp.bfloat16, False), ("nf4", jnp.bfloat16, False),
@@ -167,6 +200,52 @@ def test_column_scale(kernel_impl, kind):
     with jax.default_matmul_precision("highest"):
         ref = column_scale_reference(kernel, a, b, m, 2.0, jnp.float32)
     np.testing.assert_allclose(g, ref, rtol=2e-5)
+
+
+# "expand" column norm (16-bit W or int8 codes with 16-bit adapters): one program over all rows (g fused in
+# the kernel), split rows (partial sums finished by XLA), a ragged last tile; "direct" as the fallback.
+NORM_CONFIGS = {
+    "fused_finish": Config(),
+    "split_rows": Config(xnorm_rows=64, xnorm_bk=32, xnorm_bn=16),
+    "split_ragged": Config(xnorm_rows=128, xnorm_bk=64, xnorm_bn=32),
+    "direct": Config(norm_mode="direct"),
+}
+
+
+@pytest.mark.parametrize("kind, dtype, cfg", [
+    ("dense", jnp.bfloat16, "fused_finish"), ("dense", jnp.bfloat16, "split_rows"), ("dense", jnp.bfloat16, "direct"),
+    ("dense", jnp.float16, "split_ragged"), ("int8", jnp.bfloat16, "fused_finish"),
+    ("int8", jnp.bfloat16, "split_ragged"),
+], ids=str)
+def test_column_scale_expand(kernel_impl, kind, dtype, cfg):
+    from pallas_fused.dora.kernel import expand_supported
+
+    fin, fout, r = 150, 36, 6
+    w = rand(74, (fin, fout), scale=0.1)
+    kernel = w.astype(dtype) if kind == "dense" else quantize_int8(w)
+    a, b = rand(75, (fin, r), dtype, scale=0.1), rand(76, (r, fout), dtype, scale=0.1)
+    m = jnp.abs(rand(77, (fout,))) + 0.5
+    ops = (kernel,) if kind == "dense" else (kernel.q, kernel.scale)
+    assert expand_supported(ops, kind, a)  # the variant under test really runs
+    g = column_scale(kernel, a, b, m, scale=-1.5, implementation=kernel_impl, config=NORM_CONFIGS[cfg])
+    # exact: W, A, B as given (16-bit values), everything else in float32
+    with jax.default_matmul_precision("highest"):
+        ref = column_scale_reference(dequantize(kernel, jnp.float32), a.astype(jnp.float32), b.astype(jnp.float32),
+                                     m, -1.5, jnp.float32)
+    np.testing.assert_allclose(g, ref, rtol=2e-6)
+
+
+def test_column_norm_scale_outputs(kernel_impl):
+    """The fused-finish launch returns n and g = m / n (the layer keeps n for the exact norm gradient)."""
+    from pallas_fused.dora import kernel as K
+
+    w, a = rand(80, (70, 40), jnp.bfloat16, scale=0.1), rand(81, (70, 16), jnp.bfloat16)
+    b = rand(82, (16, 40), jnp.bfloat16)
+    m = jnp.abs(rand(83, (40,))) + 0.5
+    n, g = K.column_norm_scale((w,), "dense", a, b, 0.7, m, interpret=kernel_impl == "interpret")
+    v = w.astype(jnp.float32) + 0.7 * jnp.dot(a.astype(jnp.float32), b.astype(jnp.float32), precision="highest")
+    np.testing.assert_allclose(n, jnp.linalg.norm(v, axis=0), rtol=2e-6)
+    np.testing.assert_allclose(g, m / n, rtol=1e-6)
 
 
 def test_scale_is_runtime_operand(kernel_impl):
@@ -360,11 +439,13 @@ BIG = [((512,), 4096, 4096, 16), ((256,), 4096, 11008, 64)]
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", BIG, ids=str)
-@pytest.mark.parametrize("gemm", ["auto", "pallas"])
+@pytest.mark.parametrize("gemm", ["auto", "pallas", "merged", "merged_in_norm", "epilogue"])
 def test_gpu_big_shapes(shape, gemm):
     lead, fin, fout, r = shape
     x, w, a, b, m, bias, dy = make(200, lead, fin, fout, r, jnp.bfloat16)
-    check_against_reference(w, x, a, b, m, bias, dy, scale=0.5, impl="pallas", gemm=gemm, what=f"gpu {shape}")
+    config = Config(merge_in_norm=True, xnorm_bn=32, xnorm_bk=128) if gemm == "merged_in_norm" else None
+    check_against_reference(w, x, a, b, m, bias, dy, scale=0.5, impl="pallas", gemm=gemm.replace("_in_norm", ""),
+                            what=f"gpu {shape} {gemm}", config=config)
 
 
 @pytest.mark.gpu
@@ -389,3 +470,19 @@ def test_gpu_qdora(kind, swap_ab):
 def test_gpu_odd_shapes(dtype):
     x, w, a, b, m, bias, dy = make(220, (333,), 517, 389, 7, dtype)
     check_against_reference(w, x, a, b, m, bias, dy, scale=0.5, impl="pallas", what="gpu odd")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg", list(NORM_CONFIGS) + ["one_launch_4096"], ids=str)
+@pytest.mark.parametrize("fout, r", [(4096, 16), (11008, 64)])
+def test_gpu_column_scale(cfg, fout, r):
+    """The column norm variants at the benchmark shapes vs a float32 reference of the same 16-bit inputs."""
+    config = Config(xnorm_rows=4096, xnorm_bn=32, xnorm_bk=128) if cfg == "one_launch_4096" else NORM_CONFIGS[cfg]
+    w = rand(230, (4096, fout), jnp.bfloat16, scale=4096 ** -0.5)
+    a, b = rand(231, (4096, r), jnp.bfloat16, scale=r ** -0.5), rand(232, (r, fout), jnp.bfloat16, scale=0.05)
+    m = jnp.abs(rand(233, (fout,))) + 0.5
+    g = column_scale(w, a, b, m, scale=2.0, implementation="pallas", config=config)
+    with jax.default_matmul_precision("highest"):
+        ref = column_scale_reference(w.astype(jnp.float32), a.astype(jnp.float32), b.astype(jnp.float32), m, 2.0,
+                                     jnp.float32)
+    np.testing.assert_allclose(g, ref, rtol=1e-5)
