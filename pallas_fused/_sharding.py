@@ -47,6 +47,7 @@ What each public op can be sharded along (everything else in an operand is gathe
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 
 import jax
@@ -128,6 +129,11 @@ def partitioned(local_fn: Callable, rule: str, *, replicated: tuple[str, ...] = 
 def _explicit_mesh():
     mesh = jax.sharding.get_abstract_mesh()
     return mesh if not mesh.empty and jax.sharding.AxisType.Explicit in mesh.axis_types else None
+
+
+def axes_size(mesh, axis) -> int:
+    """Number of devices along a PartitionSpec entry (a mesh axis name, a tuple of them, or None)."""
+    return 1 if axis is None else math.prod(mesh.shape[a] for a in _names(axis))
 
 
 def _names(axis) -> tuple:
