@@ -33,6 +33,13 @@ steps normally and `count` increments. So a bad gradient never poisons the state
 write NaN into m and v forever). To skip the whole step instead (the AMP loss-scaling convention),
 wrap the transformation: `optax.apply_if_finite(adamw(...), max_consecutive_errors)`.
 
+Sharding (FSDP, data parallel; see pallas_fused._sharding): under jit the kernel runs on each device's
+shard of every tensor, whatever axes are split (the step is elementwise), so params, grads and fp32
+states sharded alike never move. 8-bit states are a row-major flattening cut into blocks of 256: they
+shard along blocks, which matches a weight split along its leading axis with whole blocks per shard;
+another split is resharded by XLA around the kernel (see `_q8_sharded`). `state_shardings(state,
+param_shardings)` gives the matching state shardings for jit's in/out_shardings.
+
 `state_bits` defaults to None (= 32, full-precision states) rather than 32 so that
 `optax.inject_hyperparams(adamw)` does not take it for a numeric hyperparameter; to inject other
 hyperparameters of an 8-bit optimizer, pass `static_args=("state_bits",)`.

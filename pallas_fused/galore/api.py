@@ -30,6 +30,17 @@ keeps its previous projector and moments and its update is zero (the step is ski
 step count still advances) and every projector is refreshed again on the next step. On other steps a
 non-finite gradient propagates as in optax's Adam (wrap in `optax.apply_if_finite` to skip those).
 
+Sharding (FSDP: each weight, its gradient and its state split along one axis of a mesh; see
+pallas_fused._sharding): under jit every kernel runs on each device's shard. The down-projection
+R = G P^T (side right) or P^T G (side left) is local when its contraction is whole; when the contraction
+is split, each device projects its shard and the small (M, r) / (r, N) partial projections are
+all-reduced (never G) before the low-rank Adam kernel. The up-projection's contraction is the rank, so
+W's shard needs only the matching rows/columns of P and N: local. `state_shardings(state,
+param_shardings)` gives the matching state shardings. Projector refresh: "randomized" is GEMMs with a
+sharded G that XLA partitions (all-reducing and at most gathering the (M or N, rank + oversample)
+sketches, never G); "svd" (jnp.linalg.svd is not partitioned) gathers the full gradient of each projected
+leaf on refresh steps (once every update_proj_gap steps): prefer "randomized" on large meshes.
+
 Hyperparameters learning_rate (float or schedule), b1, b2, eps, weight_decay and scale are runtime
 values: under `optax.inject_hyperparams(galore_adamw, static_args=GALORE_STATIC_ARGS)` changing them does
 not recompile.
