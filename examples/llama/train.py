@@ -83,6 +83,23 @@ def make_train_step(model, tx, state_sharding=None, batch_sharding=None):
     return train_step
 
 
+def place(state: TrainState, model, tx, layout, batch_size: int):
+    """Put the state where it trains; returns (state, jitted train step, where a batch goes).
+
+    One device (layout None): everything committed to the first device (jit keys its cache on
+    committed-ness, so a state of fresh, uncommitted arrays would compile the step a second time when its
+    committed outputs come back). A `llama.mesh.Layout`: params and optimizer state laid out by it, the
+    batch split over the mesh, and the step jitted with those in/out shardings."""
+    if layout is None:
+        device = jax.devices()[0]
+        return jax.device_put(state, device), make_train_step(model, tx), device
+    layout.check_batch(batch_size)
+    trainable_sh, frozen_sh = layout.params(state.trainable), layout.params(state.frozen)
+    state_sh = TrainState(step=layout.replicated, trainable=trainable_sh, frozen=frozen_sh,
+                          opt_state=layout.opt_state(state.opt_state, trainable_sh))
+    return jax.device_put(state, state_sh), make_train_step(model, tx, state_sh, layout.batch()), layout.batch()
+
+
 def make_evaluate(model):
     """Mean loss over a stacked validation set (N, B, S + 1), one compiled scan."""
 
@@ -206,22 +223,9 @@ def train(
     state = TrainState(step=jnp.zeros((), jnp.int32), trainable=trainable, frozen=frozen,
                        opt_state=tx.init(trainable))
     del params, trainable, frozen  # the state owns them now (it is donated to every step)
-    if layout is None:
-        # Commit everything to one device: jit keys its cache on committed-ness, so a state of fresh
-        # (uncommitted) arrays would compile the step a second time when its committed outputs come back.
-        device = val_device = jax.devices()[0]
-        state = jax.device_put(state, device)
-        train_step = make_train_step(model, tx)
-    else:
-        layout.check_batch(batches.shape[1])
-        device, val_device = layout.batch(), layout.batch(leading=1)
-        trainable_sh, frozen_sh = layout.params(state.trainable), layout.params(state.frozen)
-        state_sh = TrainState(step=layout.replicated, trainable=trainable_sh, frozen=frozen_sh,
-                              opt_state=layout.opt_state(state.opt_state, trainable_sh))
-        state = jax.device_put(state, state_sh)
-        train_step = make_train_step(model, tx, state_sh, device)
+    state, train_step, device = place(state, model, tx, layout, batches.shape[1])
     evaluate = make_evaluate(model)
-    val_batches = jax.device_put(val_batches, val_device)
+    val_batches = jax.device_put(val_batches, device if layout is None else layout.batch(leading=1))
     result = RunResult(name=name, phase=phase, tokens_per_step=int(batches.shape[1] * (batches.shape[2] - 1)),
                        num_params=sum(x.size for x in jax.tree.leaves((state.trainable, state.frozen))),
                        num_trainable=sum(x.size for x in jax.tree.leaves(state.trainable)),
