@@ -14,6 +14,8 @@ gradients). cos/sin are computed from the positions, so no table is counted.
 
 from __future__ import annotations
 
+import time
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -32,6 +34,7 @@ CASES = [
     (64, 1, 32, 8, 128, "decode"),
 ]
 QUICK_CASES = CASES[:1] + CASES[2:]
+SWEEP_SECONDS = 60.0  # for the "pallas:<variant>" rows of all cases together (the default rows always run)
 
 
 def _positions(batch, seq_len, kind):
@@ -41,8 +44,10 @@ def _positions(batch, seq_len, kind):
 
 
 def _variants(batch, seq_len, hq, hk, d, quick):
-    """Launch configs to time beside the heuristic (tokens per program x2 and /2, half the warps), so a
-    GPU run shows whether the heuristic's choice is the best one."""
+    """Launch configs to time beside the heuristic, most telling first (the sweep is time-bounded):
+    cos/sin "fast" (range reduction + sin/cos.approx) against "precise"; load modes (the first default,
+    evict_first, let LLVM sink the q/k loads below the cos/sin branches; "volatile" keeps program order);
+    then tokens per program and warps. Names: pallas:<trig>_<load mode>[_bt<B>][_w<W>]."""
     from pallas_fused import _backend
 
     sms = _backend.num_sms()
@@ -51,10 +56,17 @@ def _variants(batch, seq_len, hq, hk, d, quick):
     out = {"pallas": None}
     if quick:
         return out
-    for name, cfg in ((f"pallas:bt{base.block_tokens * 2}", pick(block_tokens=base.block_tokens * 2)),
-                      (f"pallas:bt{max(base.block_tokens // 2, 1)}", pick(block_tokens=max(base.block_tokens // 2, 1))),
-                      (f"pallas:warps{max(base.num_warps // 2, 1)}", pick(num_warps=max(base.num_warps // 2, 1))),
-                      (f"pallas:warps{min(base.num_warps * 2, 8)}", pick(num_warps=min(base.num_warps * 2, 8)))):
+    w = base.num_warps
+    bt = base.block_tokens
+    wanted = [dict(trig="fast"), dict(trig="precise", load_mode="evict_first"), dict(trig="fast", load_mode="volatile"),
+              dict(trig="precise", load_mode="volatile"), dict(trig="fast", num_warps=max(w // 2, 1)),
+              dict(trig="fast", num_warps=min(w * 2, 8)), dict(trig="precise", num_warps=max(w // 2, 1)),
+              dict(trig="fast", block_tokens=bt * 2), dict(trig="fast", load_mode="evict_first")]
+    for kw in wanted:
+        cfg = pick(**kw)
+        name = f"pallas:{cfg.trig}_{cfg.load_mode}"
+        name += f"_bt{cfg.block_tokens}" if "block_tokens" in kw else ""
+        name += f"_w{cfg.num_warps}" if "num_warps" in kw else ""
         if cfg != base and cfg not in out.values():
             out[name] = cfg
     return out
@@ -116,6 +128,7 @@ def _torch_peer(rec: Recorder, case: str, q, k, positions, gq, gk, nbytes: float
 
 
 def run(rec: Recorder, quick: bool) -> None:
+    deadline = time.perf_counter() + SWEEP_SECONDS  # variants past it are recorded as skipped
     for batch, seq_len, hq, hk, d, kind in (QUICK_CASES if quick else CASES):
         q, k = rnd(1, (batch, seq_len, hq, d), jnp.bfloat16), rnd(2, (batch, seq_len, hk, d), jnp.bfloat16)
         gq, gk = rnd(3, q.shape, jnp.bfloat16), rnd(4, k.shape, jnp.bfloat16)
@@ -128,8 +141,13 @@ def run(rec: Recorder, quick: bool) -> None:
         for name, cfg in _variants(batch, seq_len, hq, hk, d, quick).items():
             impls[name] = ("pallas", cfg)
         for name, (impl, cfg) in impls.items():
+            extra = {} if cfg is None else {"config": str(cfg)}
+            if name.startswith("pallas:") and time.perf_counter() > deadline:
+                rec.add(OP, f"{case} fwd", name, None, error=f"skipped: sweep time ({SWEEP_SECONDS:.0f} s) used up",
+                        **extra)
+                continue
             fwd, fwdbwd = _jax_fns(positions, cfg, impl)
-            rec.time(OP, f"{case} fwd", name, fwd, q, k, n=n, nbytes=nbytes)
+            rec.time(OP, f"{case} fwd", name, fwd, q, k, n=n, nbytes=nbytes, **extra)
             if not decode:
-                rec.time(OP, f"{case} fwd+bwd", name, fwdbwd, q, k, gq, gk, n=n, nbytes=2 * nbytes)
+                rec.time(OP, f"{case} fwd+bwd", name, fwdbwd, q, k, gq, gk, n=n, nbytes=2 * nbytes, **extra)
         _torch_peer(rec, case, q, k, positions, gq, gk, nbytes, decode)

@@ -12,6 +12,22 @@ Two modes, both one pass:
 
 The 8-bit kernels see a tensor as rows of 256 elements (one quantization block per row, several
 rows per program): dequantize m and v by table lookup, step, take each row's new absmax, requantize.
+
+How the streaming loads are issued (`LOAD_MODE`, `Q_LOAD_MODE`): "evict_first" (L1/L2 evict-first hints),
+"plain", or "volatile". Why "volatile" exists: in the SASS that ptxas makes for sm_90 from the plain and
+evict_first kernels, the loads of p (and of the weight-decay / lr scalars) are issued only after the
+g, m, v loads have returned and their math has started, because p is used last: every program waits for
+two DRAM round trips instead of one (checked for blocks of 512 to 4096 elements; a bar.sync after the
+loads does not stop it, ptxas moves the math above the barrier). Volatile loads keep their program order
+(p is loaded first), so all of a program's loads are in flight at once; they are system-scope strong
+loads (LDG.E.128.STRONG.SYS: L2, no L1), which streaming data does not mind. The GPU sweep in
+benchmarks/bench_adam.py decides the default.
+
+Cost of the 8-bit kernel (sm_90 SASS): ~145-175 instructions per element, against ~45 for the fp32 one,
+so it is bound by instruction issue, not memory (105M elements x 175 / 32 lanes is ~0.55 ms of issue at
+a perfect 4 warp-instructions per clock per SM; measured 0.99 ms). About 40% are the encode's select
+chains (FSEL/SEL/FSETP per decade), ~15% layout conversions through shared memory (23 bar.sync per
+program): the table gather gets its own register layout and every tile is converted to it and back.
 """
 
 from __future__ import annotations
@@ -38,6 +54,16 @@ BLOCK = 4096  # elements per program, fp32-state kernels
 NUM_WARPS = 8
 QROWS = 8  # quantization blocks (rows of 256) per program, 8-bit kernels
 Q_NUM_WARPS = 8
+# How streaming loads are issued (see the module docstring); read at call time so a benchmark can sweep them.
+LOAD_MODES = ("evict_first", "plain", "volatile")
+LOAD_MODE = "evict_first"
+Q_LOAD_MODE = "evict_first"
+
+
+def _stream_load(ref, idx, mask, other, mode):
+    """A load of data used once: with evict-first hints, plain, or volatile (kept in program order)."""
+    kw = {"evict_first": {"eviction_policy": "evict_first"}, "plain": {}, "volatile": {"volatile": True}}[mode]
+    return load(ref.at[idx], mask=mask, other=other, **kw)
 
 
 def _scalars(s_ref):
@@ -45,7 +71,7 @@ def _scalars(s_ref):
     return [s_ref[i] for i in range(NUM_SCALARS)]
 
 
-def _fp32_kernel(*refs, n, block, has_p, inplace):
+def _fp32_kernel(*refs, n, block, has_p, inplace, load_mode):
     if inplace:
         s_ref, p_ref, g_ref, m_ref, v_ref, p_out, m_out, v_out = refs
     elif has_p:
@@ -56,11 +82,13 @@ def _fp32_kernel(*refs, n, block, has_p, inplace):
     idx = pl.program_id(0) * block + jnp.arange(block)
     mask = idx < n
     s = _scalars(s_ref)
-    g = load(g_ref.at[idx], mask=mask, other=0.0, eviction_policy="evict_first").astype(jnp.float32)
-    m = load(m_ref.at[idx], mask=mask, other=0.0, eviction_policy="evict_first").astype(jnp.float32)
-    v = load(v_ref.at[idx], mask=mask, other=0.0, eviction_policy="evict_first").astype(jnp.float32)
-    p = None if p_ref is None else load(p_ref.at[idx], mask=mask, other=0.0, eviction_policy="evict_first").astype(
-        jnp.float32)
+
+    def stream(ref):
+        return _stream_load(ref, idx, mask, 0.0, load_mode).astype(jnp.float32)
+
+    # p first: with volatile loads this order is kept, so p's load does not wait behind g, m, v's math.
+    p = None if p_ref is None else stream(p_ref)
+    g, m, v = stream(g_ref), stream(m_ref), stream(v_ref)
     u, m_new, v_new, ok = adam_math(g, m, v, p, s)
     u = jnp.where(ok, u, 0.0)
     store(m_out.at[idx], jnp.where(ok, m_new, m).astype(m_out.dtype), mask=mask)
@@ -71,16 +99,28 @@ def _fp32_kernel(*refs, n, block, has_p, inplace):
         store(u_out.at[idx], u.astype(u_out.dtype), mask=mask)
 
 
-@functools.partial(jax.jit, static_argnames=("inplace", "interpret", "block", "num_warps", "u_dtype"))
 def adam_fp32(s, g, m, v, p=None, *, inplace: bool, interpret: bool, block: int | None = None,
-              num_warps: int | None = None, u_dtype=None):
+              num_warps: int | None = None, u_dtype=None, load_mode: str | None = None):
     """Fused step for fp32/bf16 states. Flat 1-D operands of one length n.
 
     inplace=False: returns (update in u_dtype (default g's dtype), m, v); p (optional) enables weight decay.
     inplace=True: returns (p, m, v), written over the p, m, v operands (donate them under jit).
-    block / num_warps default to the module's BLOCK / NUM_WARPS (read at call time, so a benchmark can
-    sweep them).
+    block / num_warps / load_mode default to the module's BLOCK / NUM_WARPS / LOAD_MODE (read at call time,
+    so a benchmark can sweep them).
     """
+    load_mode = _check_mode(load_mode or LOAD_MODE)
+    return _adam_fp32(s, g, m, v, p, inplace=inplace, interpret=interpret, block=block or BLOCK,
+                      num_warps=num_warps or NUM_WARPS, u_dtype=u_dtype, load_mode=load_mode)
+
+
+def _check_mode(mode: str) -> str:
+    if mode not in LOAD_MODES:
+        raise ValueError(f"load_mode: expected one of {LOAD_MODES}, got {mode!r}")
+    return mode
+
+
+@functools.partial(jax.jit, static_argnames=("inplace", "interpret", "block", "num_warps", "u_dtype", "load_mode"))
+def _adam_fp32(s, g, m, v, p, *, inplace, interpret, block, num_warps, u_dtype, load_mode):
     n = g.shape[0]
     has_p = p is not None
     if inplace:
@@ -93,15 +133,15 @@ def adam_fp32(s, g, m, v, p=None, *, inplace: bool, interpret: bool, block: int 
         out_shape = (jax.ShapeDtypeStruct(g.shape, u_dtype or g.dtype), jax.ShapeDtypeStruct(m.shape, m.dtype),
                      jax.ShapeDtypeStruct(v.shape, v.dtype))
         aliases = {}
-    block = min(block or BLOCK, max(128, _next_pow2(n)))
-    kernel = functools.partial(_fp32_kernel, n=n, block=block, has_p=has_p, inplace=inplace)
+    block = min(block, max(128, _next_pow2(n)))
+    kernel = functools.partial(_fp32_kernel, n=n, block=block, has_p=has_p, inplace=inplace, load_mode=load_mode)
     return _backend.triton_call(
         kernel,
         out_shape=out_shape,
         grid=(_cdiv(n, block),),
         name="pallas_fused_adam_step" if inplace else "pallas_fused_adam_update",
         interpret=interpret,
-        num_warps=(num_warps or NUM_WARPS) if block >= 2048 else min(num_warps or NUM_WARPS, 4),
+        num_warps=num_warps if block >= 2048 else min(num_warps, 4),
         input_output_aliases=aliases,
     )(*operands)
 
@@ -114,7 +154,7 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _q8_kernel(*refs, n, nb, rows, has_p, inplace):
+def _q8_kernel(*refs, n, nb, rows, has_p, inplace, load_mode):
     if inplace:
         (s_ref, smap_ref, umap_ref, p_ref, g_ref, mc_ref, ma_ref, vc_ref, va_ref,
          out_ref, mc_out, ma_out, vc_out, va_out) = refs
@@ -130,20 +170,23 @@ def _q8_kernel(*refs, n, nb, rows, has_p, inplace):
     rmask = row < nb
     mask = idx < n
     s = _scalars(s_ref)
-    g = load(g_ref.at[idx], mask=mask, other=0.0, eviction_policy="evict_first").astype(jnp.float32)
-    mc = load(mc_ref.at[idx], mask=mask, other=0, eviction_policy="evict_first").astype(jnp.int32)
-    vc = load(vc_ref.at[idx], mask=mask, other=0, eviction_policy="evict_first").astype(jnp.int32)
+    # p first (see the module docstring on load modes).
+    p = None if p_ref is None else _stream_load(p_ref, idx, mask, 0.0, load_mode).astype(jnp.float32)
+    g = _stream_load(g_ref, idx, mask, 0.0, load_mode).astype(jnp.float32)
+    mc = _stream_load(mc_ref, idx, mask, 0, load_mode).astype(jnp.int32)
+    vc = _stream_load(vc_ref, idx, mask, 0, load_mode).astype(jnp.int32)
     ma = load(ma_ref.at[row], mask=rmask, other=0.0)
     va = load(va_ref.at[row], mask=rmask, other=0.0)
     # Dequantize: a 256-entry table lookup (the table stays in L1) times the block's absmax.
     m = load(smap_ref.at[mc], eviction_policy="evict_last") * ma[:, None]
     v = load(umap_ref.at[vc], eviction_policy="evict_last") * va[:, None]
-    p = None if p_ref is None else load(p_ref.at[idx], mask=mask, other=0.0, eviction_policy="evict_first").astype(
-        jnp.float32)
     # Step, then requantize with each block's new absmax.
     u, ma_new, va_new, mc_new, vc_new = q8_step(g, m, v, p, s, mask)
-    store(mc_out.at[idx], mc_new.astype(jnp.uint8), mask=mask)
-    store(vc_out.at[idx], vc_new.astype(jnp.uint8), mask=mask)
+    # Codes are stored for whole blocks: the padding past the tensor's end (zeros, see q8_step) is written
+    # too, so a fresh output buffer never carries uninitialized bytes into the state.
+    block_mask = jnp.broadcast_to(rmask[:, None], idx.shape)
+    store(mc_out.at[idx], mc_new.astype(jnp.uint8), mask=block_mask)
+    store(vc_out.at[idx], vc_new.astype(jnp.uint8), mask=block_mask)
     store(ma_out.at[row], ma_new, mask=rmask)
     store(va_out.at[row], va_new, mask=rmask)
     if inplace:
@@ -152,17 +195,23 @@ def _q8_kernel(*refs, n, nb, rows, has_p, inplace):
         store(out_ref.at[idx], u.astype(out_ref.dtype), mask=mask)
 
 
-@functools.partial(jax.jit, static_argnames=("inplace", "interpret", "rows", "num_warps", "u_dtype"))
 def adam_q8(s, g, mc, ma, vc, va, p=None, *, inplace: bool, interpret: bool, rows: int | None = None,
-            num_warps: int | None = None, u_dtype=None):
+            num_warps: int | None = None, u_dtype=None, load_mode: str | None = None):
     """Fused step for 8-bit blockwise states. g, p flat (n,); mc, vc uint8 (blocks*256,); ma, va (blocks,).
 
     Returns (update or p, mc, ma, vc, va); with inplace=True the outputs are written over p and the
-    state operands (donate them under jit). rows / num_warps default to QROWS / Q_NUM_WARPS.
+    state operands (donate them under jit). rows / num_warps / load_mode default to QROWS / Q_NUM_WARPS /
+    Q_LOAD_MODE.
     """
+    load_mode = _check_mode(load_mode or Q_LOAD_MODE)
+    return _adam_q8(s, g, mc, ma, vc, va, p, inplace=inplace, interpret=interpret, rows=rows or QROWS,
+                    num_warps=num_warps or Q_NUM_WARPS, u_dtype=u_dtype, load_mode=load_mode)
+
+
+@functools.partial(jax.jit, static_argnames=("inplace", "interpret", "rows", "num_warps", "u_dtype", "load_mode"))
+def _adam_q8(s, g, mc, ma, vc, va, p, *, inplace, interpret, rows, num_warps, u_dtype, load_mode):
     n = g.shape[0]
     nb = ma.shape[0]
-    rows = rows or QROWS
     has_p = p is not None
     smap = jnp.asarray(SIGNED_MAP.table)
     umap = jnp.asarray(UNSIGNED_MAP.table)
@@ -175,14 +224,14 @@ def adam_q8(s, g, mc, ma, vc, va, p=None, *, inplace: bool, interpret: bool, row
         operands = (s, smap, umap, g, mc, ma, vc, va) + ((p,) if has_p else ())
         out_shape = (jax.ShapeDtypeStruct(g.shape, u_dtype or g.dtype),) + state_shapes
         aliases = {}
-    kernel = functools.partial(_q8_kernel, n=n, nb=nb, rows=rows, has_p=has_p, inplace=inplace)
+    kernel = functools.partial(_q8_kernel, n=n, nb=nb, rows=rows, has_p=has_p, inplace=inplace, load_mode=load_mode)
     return _backend.triton_call(
         kernel,
         out_shape=out_shape,
         grid=(_cdiv(nb, rows),),
         name="pallas_fused_adam8bit_step" if inplace else "pallas_fused_adam8bit_update",
         interpret=interpret,
-        num_warps=num_warps or Q_NUM_WARPS,
+        num_warps=num_warps,
         input_output_aliases=aliases,
     )(*operands)
 

@@ -64,7 +64,8 @@ def adam_math(g, m, v, p, s, *, exact_division=True):
     if p is not None:
         u = u + wd * p
     u = neg_lr * u
-    ok = jnp.isfinite(m_new) & jnp.isfinite(v_new)
+    # |x| < inf is isfinite(x) (NaN compares false) in two instructions; Triton lowers isfinite to ~10.
+    ok = (jnp.abs(m_new) < jnp.inf) & (jnp.abs(v_new) < jnp.inf)
     return u, m_new, v_new, ok
 
 
@@ -230,9 +231,9 @@ def adam_leaf_reference_q8(g, mc, ma, vc, va, s, p=None, *, inplace=False, u_dty
     v = um[vc.astype(jnp.int32).reshape(nb, QBLOCK)] * va[:, None]
     pb = None if p is None else blocks(p)
     u, ma_new, va_new, mc_new, vc_new = q8_step(blocks(g), m, v, pb, s, valid)
-    # Codes beyond the tensor's end are left as they were, like the kernel's masked stores.
-    mc_new = jnp.where(valid, mc_new, mc.astype(jnp.int32).reshape(nb, QBLOCK)).astype(jnp.uint8).reshape(-1)
-    vc_new = jnp.where(valid, vc_new, vc.astype(jnp.int32).reshape(nb, QBLOCK)).astype(jnp.uint8).reshape(-1)
+    # Codes are written for whole blocks, the padding past the tensor's end included (as the kernel does).
+    mc_new = mc_new.astype(jnp.uint8).reshape(-1)
+    vc_new = vc_new.astype(jnp.uint8).reshape(-1)
     u = u.reshape(-1)[:n].reshape(shape)
     if inplace:
         out = (_f32(p) + u).astype(p.dtype)

@@ -23,6 +23,14 @@ Layouts: refs keep their 4-D shape and are indexed with broadcast index arrays, 
 are the same kernel with the (s, h) index order swapped: no transpose is ever made.
 
 The backward pass is the same kernel with sin negated (the conjugate rotation; `sign=-1`).
+
+cos/sin (`LaunchConfig.trig`): "precise" is jnp.cos/jnp.sin, i.e. libdevice's cosf/sinf (~25 instructions
+per angle on the fast path, plus a Payne-Hanek branch for |angle| > 105615). "fast" first reduces the
+fp32 angle exactly enough (`_reduce_angle`: Cody-Waite with a 4-part 2*pi, exact products for positions
+up to ~3e6, absolute error ~3e-5 at angle 1e6, far under that angle's own fp32 spacing of 0.06), then uses
+the hardware sin.approx / cos.approx (MUFU, absolute error ~5e-7 on [-pi, pi]). It is meant for bf16 /
+fp16 q and k, whose rounding (4e-3 / 5e-4) dwarfs both errors; fp32 inputs keep "precise". In interpret
+mode "fast" runs the same reduction with jnp.cos/jnp.sin on the reduced angle.
 """
 
 from __future__ import annotations
@@ -40,6 +48,17 @@ from pallas_fused import _backend
 # Most elements (q and k tiles, all features) one thread holds: more spills registers (checked with ptxas
 # for sm_90: 4 tokens x 40 heads x 128 features over 8 warps = 80 per thread uses 79 registers, no spills).
 MAX_ELEMENTS_PER_THREAD = 96
+# Whether choose_config picks trig="fast" for 16-bit q/k (see the module docstring); decided by the GPU sweep
+# in benchmarks/bench_rotary.py ("pallas:fast*" variants).
+FAST_TRIG_16BIT = False
+TRIGS = ("precise", "fast")
+# How q/k are loaded. The kernel issues them before any math (see the comment at the loads); "plain" keeps
+# that order in the sm_90 SASS. "evict_first" (this kernel's first default) lets LLVM sink the loads below
+# the libdevice cos/sin branches (its cache-policy asm is free to move; seen in the PTX), so every program
+# computed its cos/sin before its first q/k load left. "volatile" pins the loads in program order whatever
+# the scheduler thinks (strong system-scope loads: L2, no L1, which data read once does not mind).
+_LOAD_KW = {"evict_first": {"eviction_policy": "evict_first"}, "plain": {}, "volatile": {"volatile": True}}
+LOAD_MODE = "plain"
 
 
 def _next_pow2(n: int) -> int:
@@ -63,19 +82,30 @@ class LaunchConfig:
     k_heads: int  # k heads per program (power of two; 0 when k is None)
     num_chunks: int  # programs along the head axis
     num_warps: int
+    trig: str = "precise"  # "precise" or "fast" cos/sin (see the module docstring)
+    load_mode: str = LOAD_MODE  # q/k loads: "evict_first" hints, "plain", or "volatile" (see _LOAD_KW)
 
 
 def choose_config(batch: int, seq_len: int, n_q_heads: int, n_k_heads: int, pairs: int, passthrough: int,
                   itemsize: int, num_sms: int, *, block_tokens: int | None = None,
-                  num_warps: int | None = None) -> LaunchConfig:
+                  num_warps: int | None = None, trig: str | None = None,
+                  load_mode: str | None = None) -> LaunchConfig:
     """Pick the launch geometry.
 
     One token per program by default, with all of its q and k heads, so the token's cos/sin are computed
     once and serve every head; warps are chosen for ~32-64 elements per thread. Heads are split over
     programs (chunks) only when a tile would not fit in registers, or when the grid would not fill the
-    GPU (decode). `itemsize` is kept for callers; the geometry no longer depends on it.
+    GPU (decode). `itemsize` (the widest of q's and k's) picks trig: "fast" only for 16-bit q and k, and only
+    when FAST_TRIG_16BIT is set (a "fast" request with fp32 falls back to "precise").
     """
-    del itemsize
+    fast_ok = itemsize <= 2
+    trig = ("fast" if FAST_TRIG_16BIT and fast_ok else "precise") if trig is None else trig
+    if trig not in TRIGS:
+        raise ValueError(f"trig: expected one of {TRIGS}, got {trig!r}")
+    trig = trig if fast_ok else "precise"
+    load_mode = load_mode or LOAD_MODE
+    if load_mode not in _LOAD_KW:
+        raise ValueError(f"load_mode: expected one of {tuple(_LOAD_KW)}, got {load_mode!r}")
     # Measured on an H200 (benchmarks/results/logs/*rotary*): one token per program ran 2.7x faster than
     # 4 tokens x 8 warps (0.10 vs 0.27 ms fwd, B4 S4096 Hq32 Hk8 D128 bf16); with one token, 4 warps beat 2
     # there (40 elements per thread) and 8 beat 4 for Hq=Hk=32 (32 per thread).
@@ -104,11 +134,43 @@ def choose_config(batch: int, seq_len: int, n_q_heads: int, n_k_heads: int, pair
     if num_warps is None:  # ~32-64 elements per thread (see the measurement above)
         while warps > 1 and bt * (hq + hk) * features < 32 * 32 * warps:
             warps //= 2
-    return LaunchConfig(bt, hq, hk, chunks, warps)
+    return LaunchConfig(bt, hq, hk, chunks, warps, trig, load_mode)
+
+
+# 2*pi in four parts: 6.25 and 0.03125 have 5 and 1 significant bits, so k * part is exact for |k| < 2**19,
+# and each subtraction is exact (Sterbenz); the last two parts carry 2*pi - 6.28125 to ~1e-17.
+_TWO_PI_PARTS = (6.25, 0.03125, float(np.float32(2 * np.pi - 6.28125)),
+                 float(np.float32(2 * np.pi - 6.28125 - float(np.float32(2 * np.pi - 6.28125)))))
+_INV_TWO_PI = float(np.float32(1 / (2 * np.pi)))
+
+
+def _reduce_angle(angle):
+    """angle - 2*pi*k in [-pi, pi] (up to rounding of k), computed in fp32 without losing the angle's bits."""
+    k = jnp.floor(angle * _INV_TWO_PI + 0.5)
+    r = angle
+    for part in _TWO_PI_PARTS:
+        r = r - k * part
+    return r
+
+
+def _sincos(angle, trig: str, interpret: bool):
+    """(cos, sin) of an fp32 angle tensor."""
+    if trig == "precise":
+        return jnp.cos(angle), jnp.sin(angle)
+    r = _reduce_angle(angle)
+    if interpret:
+        return jnp.cos(r), jnp.sin(r)
+
+    def approx(op):
+        return _backend.pl_triton.elementwise_inline_asm(
+            f"{op}.approx.ftz.f32 $0, $1;", args=[r], constraints="=f,f", pack=1,
+            result_shape_dtypes=[jax.ShapeDtypeStruct(r.shape, jnp.float32)])[0]
+
+    return approx("cos"), approx("sin")
 
 
 def _kernel(*refs, seq_len, head_dim, rotary_dim, n_heads, has_k, layout, interleaved, pos_mode,
-            scale, sign, cfg: LaunchConfig, pairs, passthrough):
+            scale, sign, cfg: LaunchConfig, pairs, passthrough, interpret):
     refs = list(refs)
     pos_ref = refs.pop(0) if pos_mode != "none" else None
     inv_ref = refs.pop(0)
@@ -127,12 +189,6 @@ def _kernel(*refs, seq_len, head_dim, rotary_dim, n_heads, has_k, layout, interl
     else:
         pos = _backend.load(pos_ref.at[(b, s) if pos_mode == "batched" else (s,)], mask=s_mask)
     inv_freq = _backend.load(inv_ref.at[jnp.arange(pairs, dtype=jnp.int32)])  # zero-padded on the host
-    angle = pos.astype(jnp.float32)[:, None] * inv_freq[None, :]  # fp32, as the reference
-    cos, sin = jnp.cos(angle), jnp.sin(angle)
-    if scale != 1.0:
-        cos, sin = cos * scale, sin * scale
-    if sign < 0:
-        sin = -sin
 
     def at(v, axis, ndim):
         """1-D `v` placed on `axis` of an ndim-D broadcastable array (None stays None)."""
@@ -153,7 +209,6 @@ def _kernel(*refs, seq_len, head_dim, rotary_dim, n_heads, has_k, layout, interl
     pair_mask = (pair < half) if pairs != half else None
     j = rotary_dim + jnp.arange(max(passthrough, 1), dtype=jnp.int32)
     j_mask = (j < head_dim) if rotary_dim + passthrough != head_dim else None
-    cos3, sin3 = cos[:, None, :], sin[:, None, :]  # (bt, 1, pairs): broadcast over heads
     if interleaved:
         # Load the rotated features as one contiguous (tokens, heads, 2 * pairs) tile (16-byte vectors), then
         # split even/odd in registers (reshape + unstack: Triton's split) and join them back for the store.
@@ -163,19 +218,20 @@ def _kernel(*refs, seq_len, head_dim, rotary_dim, n_heads, has_k, layout, interl
         x1_d, x2_d = at(pair, 2, 3), at(pair, 2, 3) + half
         rot_mask = at(pair_mask, 2, 3)
 
+    hint = _LOAD_KW[cfg.load_mode]
+
     def load(x_ref, total_heads, hb):
         h = chunk * hb + jnp.arange(hb, dtype=jnp.int32)
         h_mask = (h < total_heads) if cfg.num_chunks * hb != total_heads else None
         mask = both(at(s_mask, 0, 3), at(h_mask, 1, 3), rot_mask)
         if interleaved:
-            xs = (_backend.load(x_ref.at[index(h, rot_d, 3)], mask=mask, eviction_policy="evict_first"),)
+            xs = (_backend.load(x_ref.at[index(h, rot_d, 3)], mask=mask, **hint),)
         else:
-            xs = tuple(_backend.load(x_ref.at[index(h, d, 3)], mask=mask, eviction_policy="evict_first")
-                       for d in (x1_d, x2_d))
+            xs = tuple(_backend.load(x_ref.at[index(h, d, 3)], mask=mask, **hint) for d in (x1_d, x2_d))
         p_mask = both(at(s_mask, 0, 3), at(h_mask, 1, 3), at(j_mask, 2, 3))
         xp = None
         if passthrough:
-            xp = _backend.load(x_ref.at[index(h, at(j, 2, 3), 3)], mask=p_mask, eviction_policy="evict_first")
+            xp = _backend.load(x_ref.at[index(h, at(j, 2, 3), 3)], mask=p_mask, **hint)
         return h, mask, p_mask, xs, xp
 
     def rotate_and_store(o_ref, h, mask, p_mask, xs, xp):
@@ -193,9 +249,21 @@ def _kernel(*refs, seq_len, head_dim, rotary_dim, n_heads, has_k, layout, interl
             _backend.store(o_ref.at[index(h, at(j, 2, 3), 3)], xp, mask=p_mask)
 
     # Every load is issued before any store: stores may alias loads as far as the compiler knows, so
-    # this order is what lets all of a program's reads be in flight at once.
-    q_tile = load(q_ref, n_heads[0], cfg.q_heads)
+    # this order is what lets all of a program's reads be in flight at once. The loads also come before the
+    # cos/sin code: libdevice's sinf/cosf branch (to their slow path), and ptxas does not hoist loads above
+    # those branches, so loading after them (as this kernel once did) made every program wait for its cos/sin
+    # before its first q/k load left (seen in the sm_90 SASS). k before q: with GQA the k tile has its own
+    # layout, and ptxas scheduled k's loads after q's cos/sin math when they came second (with trig="fast");
+    # in this order every load of the program is issued before any math.
     k_tile = load(k_ref, n_heads[1], cfg.k_heads) if has_k else None
+    q_tile = load(q_ref, n_heads[0], cfg.q_heads)
+    angle = pos.astype(jnp.float32)[:, None] * inv_freq[None, :]  # fp32, as the reference
+    cos, sin = _sincos(angle, cfg.trig, interpret)
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
+    if sign < 0:
+        sin = -sin
+    cos3, sin3 = cos[:, None, :], sin[:, None, :]  # (bt, 1, pairs): broadcast over heads
     rotate_and_store(oq_ref, *q_tile)
     if has_k:
         rotate_and_store(ok_ref, *k_tile)
@@ -224,13 +292,15 @@ def rotary_pallas(q, k, positions, inv_freq: np.ndarray, *, rotary_dim: int, int
     if config is None:
         itemsize = max(q.dtype.itemsize, k.dtype.itemsize if has_k else 0)
         config = choose_config(batch, seq_len, n_q, n_k, pairs, passthrough, itemsize, _backend.num_sms())
+    if config.trig == "fast" and max(q.dtype.itemsize, k.dtype.itemsize if has_k else 0) > 2:
+        config = dataclasses.replace(config, trig="precise")  # fp32 outputs would see the approximation
     pos_mode = "none" if positions is None else ("batched" if positions.ndim == 2 else "shared")
     inv = np.zeros((pairs,), np.float32)
     inv[:half] = np.asarray(inv_freq, np.float64).astype(np.float32)
     kernel = functools.partial(
         _kernel, seq_len=seq_len, head_dim=head_dim, rotary_dim=rotary_dim, n_heads=(n_q, n_k), has_k=has_k,
         layout=layout, interleaved=interleaved, pos_mode=pos_mode, scale=float(scale),
-        sign=float(sign), cfg=config, pairs=pairs, passthrough=passthrough)
+        sign=float(sign), cfg=config, pairs=pairs, passthrough=passthrough, interpret=interpret)
     out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
     args = ([] if positions is None else [positions.astype(jnp.int32)]) + [jnp.asarray(inv), q]
     if has_k:

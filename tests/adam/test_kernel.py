@@ -159,6 +159,70 @@ def test_inplace_kernel_under_donation():
         _close(o, r, "donated")
 
 
+@pytest.mark.parametrize("mode", ["plain", "volatile"])  # evict_first is the default, tested above
+def test_load_modes_match_reference(mode):
+    """Every way of issuing the streaming loads (swept by benchmarks/bench_adam.py) computes the same step,
+    non-finite gradients included, for a block/row count that leaves a masked tail."""
+    n = 1500
+    g, p, m = rand(0, (n,)), rand(1, (n,)), rand(2, (n,), scale=0.1)
+    v = rand(3, (n,)) ** 2
+    g = g.at[7].set(jnp.nan)
+    s = _scalars()
+    out = K.adam_fp32(s, g, m, v, p, inplace=True, interpret=True, block=512, num_warps=2, load_mode=mode)
+    for o, r, name in zip(out, R.adam_leaf_reference(g, m, v, s, p, inplace=True), ("p", "m", "v")):
+        assert_all_written(o, name)
+        _close(o, r, f"{name} {mode}")
+    g8, p8, mc, ma, vc, va = _q8_inputs(n, seed=3)
+    out = K.adam_q8(s, g8, mc, ma, vc, va, p8, inplace=True, interpret=True, rows=2, num_warps=2, load_mode=mode)
+    ref = R.adam_leaf_reference_q8(g8, mc, ma, vc, va, s, p8, inplace=True)
+    _close(out[0], ref[0], f"p 8-bit {mode}")
+    for o, r in zip(out[1:], ref[1:]):
+        if o.dtype == jnp.uint8:
+            assert np.max(np.abs(np.asarray(o, np.int32) - np.asarray(r, np.int32))) <= 1
+        else:
+            _close(o, r, f"absmax 8-bit {mode}")
+
+
+def test_bad_load_mode():
+    x = jnp.zeros((8,))
+    with pytest.raises(ValueError, match="load_mode"):
+        K.adam_fp32(_scalars(), x, x, x, x, inplace=True, interpret=True, load_mode="streaming")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block,warps,mode", [(4096, 8, "volatile"), (1024, 4, "plain"), (512, 4, "volatile")])
+def test_gpu_fp32_kernel_variants(block, warps, mode):
+    """The swept launch variants of the fp32 kernel against the reference on the GPU (tail included)."""
+    n = 4096 * 256 + 17
+    g, p, m = rand(0, (n,)), rand(1, (n,)), rand(2, (n,), scale=0.1)
+    v = rand(3, (n,)) ** 2
+    s = _scalars()
+    out = jax.jit(lambda *a: K.adam_fp32(*a, inplace=True, interpret=False, block=block, num_warps=warps,
+                                         load_mode=mode))(s, g, m, v, p)
+    ref = jax.jit(lambda *a: R.adam_leaf_reference(*a, inplace=True))(g, m, v, s, p)
+    for o, r in zip(out, ref):
+        assert_all_written(o)
+        assert rel_err(o, np.asarray(r, np.float64)) < 1e-6
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows,warps,mode", [(8, 8, "volatile"), (2, 2, "volatile"), (4, 4, "plain")])
+def test_gpu_q8_kernel_variants(rows, warps, mode):
+    n = 4096 * 256 + 17
+    g, p, mc, ma, vc, va = _q8_inputs(n)
+    s = _scalars()
+    out = jax.jit(lambda *a: K.adam_q8(*a, inplace=True, interpret=False, rows=rows, num_warps=warps,
+                                       load_mode=mode))(s, g, mc, ma, vc, va, p)
+    ref = jax.jit(lambda *a: R.adam_leaf_reference_q8(*a, inplace=True))(g, mc, ma, vc, va, s, p)
+    for o, r, name in zip(out, ref, ("p", "mc", "ma", "vc", "va")):
+        assert_all_written(o, name)
+        if o.dtype == jnp.uint8:
+            diff = np.abs(np.asarray(o, np.int32) - np.asarray(r, np.int32))
+            assert np.mean(diff != 0) < 1e-3 and diff.max() <= 1, name
+        else:
+            np.testing.assert_allclose(np.asarray(o), np.asarray(r), rtol=2e-5, atol=1e-8, err_msg=name)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("n", [4096 * 1024 + 17, 105 * 1024 * 1024 // 4])
 def test_gpu_fp32_kernel_large(n):

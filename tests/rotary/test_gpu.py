@@ -83,3 +83,39 @@ def test_dtypes_and_vmap_on_gpu(dtype):
     for x, o, r in zip((q, k), out, ref):
         exact = np.stack([_exact32(x[i], pos, rotary_dim=128) for i in range(3)])
         assert_close(o, exact, baseline=r, what=f"vmap {jnp.dtype(dtype).name}")
+
+
+@pytest.mark.parametrize("trig,load_mode,warps", [("fast", "plain", 4), ("fast", "volatile", 4), ("fast", "plain", 2),
+                                                  ("precise", "volatile", 4), ("precise", "evict_first", 4)])
+def test_swept_configs_on_gpu(trig, load_mode, warps):
+    """The configs benchmarks/bench_rotary.py sweeps (sin/cos.approx inline asm, volatile loads) compile and
+    are as accurate as the bf16 XLA reference, at the benchmark shape and at positions near 1e6 (float64
+    ground truth there), forward and backward."""
+    from pallas_fused.rotary.api import apply_rotary_with_config
+    from pallas_fused.rotary.kernel import LaunchConfig
+
+    batch, seq_len, hq, hk, d = 4, 4096, 32, 8, 128
+    q, k = rand(12, (batch, seq_len, hq, d), jnp.bfloat16), rand(13, (batch, seq_len, hk, d), jnp.bfloat16)
+    config = LaunchConfig(1, hq, hk, 1, warps, trig=trig, load_mode=load_mode)
+    pos = jnp.arange(seq_len, dtype=jnp.int32)
+    fwd = jax.jit(lambda q, k: apply_rotary_with_config(q, k, pos, implementation="pallas", config=config))
+    ref = jax.jit(lambda q, k: apply_rotary(q, k, pos, implementation="xla"))(q, k)
+    for x, o, r in zip((q, k), fwd(q, k), ref):
+        assert_all_written(o)
+        assert_close(o, _exact32(x, pos, rotary_dim=d), baseline=r, what=f"{config}")
+    g = (rand(14, q.shape, jnp.bfloat16), rand(15, k.shape, jnp.bfloat16))
+    grads = jax.jit(lambda q, k, g: jax.vjp(
+        lambda q, k: apply_rotary_with_config(q, k, pos, implementation="pallas", config=config), q, k)[1](g))(q, k, g)
+    for gx, o in zip(g, grads):
+        exact = to64(reference_rotary(gx.astype(jnp.float32), None, pos, rotary_dim=d, inverse=True)[0])
+        base = reference_rotary(gx, None, pos, rotary_dim=d, inverse=True)[0]
+        assert_close(o, exact, baseline=base, what=f"bwd {config}")
+    # Far positions (decode-like): against float64, as the fp32 reference rounded to bf16.
+    small_q, small_k = q[:2, :64], k[:2, :64]
+    far = jax.random.randint(jax.random.key(16), (2, 64), 100_000, 1_000_001, dtype=jnp.int32)
+    out = apply_rotary_with_config(small_q, small_k, far, implementation="pallas",
+                                   config=LaunchConfig(1, hq, hk, 1, warps, trig=trig, load_mode=load_mode))
+    inv64 = inv_frequencies(d)
+    for x, o in zip((small_q, small_k), out):
+        assert_close(o, rope64(x, far, inv64, rotary_dim=d), baseline=rope_fp32(x, far, inv64, rotary_dim=d),
+                     what=f"far {config}")

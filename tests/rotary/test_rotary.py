@@ -130,6 +130,54 @@ def test_launch_configs(kernel_impl, config):
         assert_close(o, exact, baseline=rope_fp32(x, pos, inv64, rotary_dim=64), what=str(config))
 
 
+def test_fast_trig_angle_reduction():
+    """The "fast" cos/sin reduce the fp32 angle to [-pi, pi] nearly exactly for angles up to 1e6 (then MUFU)."""
+    from pallas_fused.rotary.kernel import _reduce_angle
+
+    rng = np.random.default_rng(0)
+    a32 = np.concatenate([rng.uniform(-10, 10, 4000), rng.uniform(0, 1e4, 4000), rng.uniform(0, 1e6, 4000),
+                          [0.0, np.pi, -np.pi, 1e6, 2 * np.pi * 159154]]).astype(np.float32)
+    r = np.asarray(_reduce_angle(jnp.asarray(a32)), np.float64)
+    a64 = a32.astype(np.float64)
+    exact = a64 - 2 * np.pi * np.round(a64 / (2 * np.pi))
+    err = np.abs(np.angle(np.exp(1j * (r - exact))))  # difference modulo 2*pi
+    assert np.all(np.abs(r) <= np.pi + 1e-2)  # k = floor(angle / 2pi + 0.5) may round across a half turn
+    assert np.max(err / np.maximum(1.0, np.abs(a64) / 1e4)) < 2e-6, np.max(err)
+    assert np.max(err) < 5e-5
+
+
+@pytest.mark.parametrize("dtype,load_mode", [(jnp.bfloat16, "plain"), (jnp.float16, "volatile")],
+                         ids=["bf16-plain", "f16-volatile"])
+def test_fast_trig_and_load_modes(kernel_impl, dtype, load_mode):
+    """trig="fast" (range reduction + approximate sin/cos) for 16-bit q/k, with each load mode: as accurate as
+    the fp32 reference rounded to the dtype, positions up to 1e6 included; forward and backward."""
+    q, k = make(20, 2, 9, 3, 2, 64, dtype)
+    pos = jax.random.randint(jax.random.key(21), (2, 9), 0, 1_000_001, dtype=jnp.int32).at[0, 0].set(1_000_000)
+    config = LaunchConfig(4, 4, 2, 1, 2, trig="fast", load_mode=load_mode)  # 4 tokens: a ragged last block
+    out = apply_rotary_with_config(q, k, pos, implementation=kernel_impl, config=config)
+    inv64 = hf_inv_freq(64, 10000.0)[0]
+    for o, x in zip(out, (q, k)):
+        exact = rope64(x, pos, inv64, rotary_dim=64)
+        assert_close(o, exact, baseline=rope_fp32(x, pos, inv64, rotary_dim=64), what=f"fast {load_mode}")
+    g = (rand(22, q.shape, dtype), rand(23, k.shape, dtype))
+    grads = jax.vjp(lambda q, k: apply_rotary_with_config(q, k, pos, implementation=kernel_impl, config=config),
+                    q, k)[1](g)
+    grads_ref = jax.vjp(lambda q, k: reference_rotary(q, k, pos, rotary_dim=64), q, k)[1](g)
+    for o, r in zip(grads, grads_ref):
+        assert rel_err(o, to64(r)) < 2 * FLOOR[jnp.dtype(dtype)] + 1e-2
+
+
+def test_fast_trig_is_not_used_for_fp32(kernel_impl):
+    """An explicit trig="fast" with fp32 q runs the precise cos/sin: the same bits as the default."""
+    q, k = make(24, 1, 5, 2, 1, 64)
+    pos = rand_positions(25, (1, 5), high=1_000_000)
+    fast = apply_rotary_with_config(q, k, pos, implementation=kernel_impl,
+                                    config=LaunchConfig(4, 2, 1, 1, 2, trig="fast"))
+    precise = apply_rotary_with_config(q, k, pos, implementation=kernel_impl, config=LaunchConfig(4, 2, 1, 1, 2))
+    for a, b in zip(fast, precise):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_large_positions_fp32_angle_level(kernel_impl):
     """Positions up to 1e6: the error is that of rounding the angle to fp32, no more.
 
@@ -384,6 +432,13 @@ def test_choose_config_shapes():
     # Explicit overrides are honoured.
     cfg = choose_config(4, 4096, 32, 8, 64, 0, 2, num_sms=132, block_tokens=2, num_warps=4)
     assert (cfg.block_tokens, cfg.num_warps) == (2, 4)
+    # trig="fast" only for 16-bit q/k; bad knobs raise.
+    assert choose_config(4, 4096, 32, 8, 64, 0, 2, num_sms=132, trig="fast").trig == "fast"
+    assert choose_config(4, 4096, 32, 8, 64, 0, 4, num_sms=132, trig="fast").trig == "precise"
+    with pytest.raises(ValueError, match="trig"):
+        choose_config(4, 4096, 32, 8, 64, 0, 2, num_sms=132, trig="approx")
+    with pytest.raises(ValueError, match="load_mode"):
+        choose_config(4, 4096, 32, 8, 64, 0, 2, num_sms=132, load_mode="streaming")
     for c in (cfg,):
         for v in (c.block_tokens, c.q_heads, c.k_heads):
             assert v & (v - 1) == 0
