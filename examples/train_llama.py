@@ -2,6 +2,7 @@
 
     python examples/train_llama.py                        # --preset cpu without a GPU: ~3 minutes on 2 cores
     python examples/train_llama.py --preset gpu --compare # ~300M params, seq 1024, bf16, against the baseline
+    python examples/train_llama.py --mesh data=2          # data parallel on 2 devices (--mesh fsdp=2: FSDP)
 
 What it does:
   1. pretraining: a Llama decoder (RMSNorm, rotary attention with grouped-query heads, SwiGLU) on the
@@ -11,6 +12,10 @@ What it does:
   3. a DoRA fine-tune (`--dora-rank`) on a different slice of the corpus (the stdlib's test suites):
      the base weights frozen, only lora_a / lora_b / magnitude trained, with the fused AdamW;
   4. a loss plot (train + held-out validation), report.md and report.json under `--out`.
+
+`--mesh data=N` trains data parallel on N devices (batch split, params replicated); `--mesh fsdp=N` splits
+the batch and every 2-D weight, gradient and optimizer state along one axis over N devices (see
+examples/llama/mesh.py); `data=A,fsdp=B` combines them. The batch size is the global one.
 
 `--compare` repeats the same run (same seed, same initial params, same batches in the same order) with the
 plain jnp / flax / optax baseline: implementation="xla" for every op, optax.contrib.galore and optax.adamw,
@@ -38,6 +43,7 @@ if importlib.util.find_spec("pallas_fused") is None:  # run from a checkout with
     sys.path.insert(1, str(HERE.parent))
 
 from llama import data, report  # noqa: E402
+from llama import mesh as mesh_lib  # noqa: E402
 from llama.model import Llama, ModelConfig, block_kernel_mask, count_params  # noqa: E402
 from llama.train import RunResult, train  # noqa: E402
 
@@ -91,12 +97,18 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="use galore_adamw's optax update + apply_updates instead of its in-place step")
     p.add_argument("--attention", choices=["xla", "cudnn"], default=None,
                    help="jax.nn.dot_product_attention implementation, the same for both runs (default: XLA)")
+    p.add_argument("--mesh", default=None, metavar="data=N|fsdp=N",
+                   help="train on a device mesh: data=N (data parallel), fsdp=N (FSDP), or data=A,fsdp=B")
     p.add_argument("--no-progress", action="store_true", help="plain progress lines instead of a tqdm bar (for logs)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="compute dtype (params stay fp32)")
     for key in ("batch_size", "seq_len", "lr", "galore_rank", "update_proj_gap", "eval_every", "n_layers", "d_model"):
         p.add_argument("--" + key.replace("_", "-"), type=type(PRESETS["cpu"][key]), default=None,
                        help="override the preset")
     args = p.parse_args(argv)
+    try:
+        args.mesh_axes = mesh_lib.parse(args.mesh)
+    except ValueError as e:
+        p.error(str(e))
     args.preset = args.preset or ("gpu" if has_gpu() else "cpu")
     settings = dict(PRESETS[args.preset])
     overrides = {"steps": args.steps, "finetune_steps": args.finetune_steps, "dora_rank": args.dora_rank,
@@ -211,6 +223,7 @@ def run_variant(name: str, args, s: dict, init_params, batches: dict) -> tuple[l
     fp8 = None if baseline else args.fp8
     progress = not args.no_progress
     checks: dict = {}
+    layout = mesh_lib.Layout.from_axes(args.mesh_axes) if args.mesh_axes else None
 
     cfg = model_config(s, implementation=implementation, fp8=fp8, attention=args.attention)
     model = Llama(cfg)
@@ -219,7 +232,7 @@ def run_variant(name: str, args, s: dict, init_params, batches: dict) -> tuple[l
                             inplace=not args.optax_path)
     params, pre = train(name=name, phase="pretrain", model=model, params=params, tx=tx, is_trainable=lambda k: True,
                         batches=batches["pretrain"], val_batches=batches["pretrain_val"], eval_every=s["eval_every"],
-                        progress=progress)
+                        progress=progress, layout=layout)
     results = [pre]
 
     ckpt = (args.ckpt_dir or args.out / "checkpoints") / name / "pretrain"
@@ -238,7 +251,8 @@ def run_variant(name: str, args, s: dict, init_params, batches: dict) -> tuple[l
         before = fingerprints(ft_params)
         ft_params, ft = train(name=name, phase="dora finetune", model=ft_model, params=ft_params, tx=tx,
                               is_trainable=lambda k: k[-1] in ADAPTER_NAMES, batches=batches["finetune"],
-                              val_batches=batches["finetune_val"], eval_every=s["eval_every"], progress=progress)
+                              val_batches=batches["finetune_val"], eval_every=s["eval_every"], progress=progress,
+                              layout=layout)
         changed = changed_leaves(before, fingerprints(ft_params))
         checks["finetune_changed"] = changed
         checks["finetune_only_adapters_changed"] = bool(changed) and all(
@@ -308,6 +322,7 @@ def main(argv=None) -> dict:
     settings = {**s, "preset": args.preset, "variants": variants, "seed": args.seed,
                 "implementation": args.implementation, "fp8": args.fp8, "optax_path": args.optax_path,
                 "projector": args.projector, "attention": args.attention, "compare": args.compare,
+                "mesh": args.mesh_axes or None,
                 "corpus_bytes": batches["bytes"], "num_params": count_params(init_params), "checks": checks}
     paths = report.write(args.out, results, command=command, settings=settings, environment=env)
     print()

@@ -42,11 +42,19 @@ What each public op can be sharded along (everything else in an operand is gathe
   (N,) vector). Forward GEMM: M and N split, K gathered. Backward dx kernel: M and K split, N (its
   contraction) gathered. Backward column kernel: N split, tokens summed per shard and its (r, N), (N,)
   results all-reduced. The LoRA rank is never split. NF4 kernels are not partitioned (gathered).
+- `adam` (adamw, adamw_step, ...): elementwise, any axis of any tensor. 8-bit states shard along their
+  256-element blocks (a weight split along its leading axis with whole blocks per shard maps onto them;
+  other splits are resharded by XLA). Helper: `pallas_fused.adam.state_shardings`.
+- `galore` (galore_adamw, galore_adamw_inplace, scale_by_galore_adam): W, G and the low-rank state split
+  along M and/or N; a split contraction of the down-projection is all-reduced as (M, r) / (r, N) partial
+  projections; the rank is never split. The randomized projector refresh is XLA GEMMs on the sharded G;
+  the SVD refresh gathers G. Helper: `pallas_fused.galore.state_shardings`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 
 import jax
@@ -128,6 +136,11 @@ def partitioned(local_fn: Callable, rule: str, *, replicated: tuple[str, ...] = 
 def _explicit_mesh():
     mesh = jax.sharding.get_abstract_mesh()
     return mesh if not mesh.empty and jax.sharding.AxisType.Explicit in mesh.axis_types else None
+
+
+def axes_size(mesh, axis) -> int:
+    """Number of devices along a PartitionSpec entry (a mesh axis name, a tuple of them, or None)."""
+    return 1 if axis is None else math.prod(mesh.shape[a] for a in _names(axis))
 
 
 def _names(axis) -> tuple:

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import traverse_util
+from jax.sharding import NamedSharding, PartitionSpec
 
 
 @flax.struct.dataclass
@@ -52,17 +53,24 @@ def loss_fn(model, params, batch):
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
 
 
-def make_train_step(model, tx):
+def make_train_step(model, tx, state_sharding=None, batch_sharding=None):
     """The whole step (forward, backward, optimizer, apply) as one jitted function; the state is donated.
 
     `tx` is an optax transformation (update + apply_updates) or an in-place optimizer with
     `step(params, grads, state) -> (params, state)` (pallas_fused.galore.galore_adamw_inplace).
+    On a mesh, `state_sharding` (a TrainState of shardings) and `batch_sharding` pin the step's layout:
+    the state comes back exactly as it went in, so the next step reuses the compiled program.
     """
 
     def objective(trainable, frozen, batch):
         return loss_fn(model, merge_params(trainable, frozen), batch)
 
-    @functools.partial(jax.jit, donate_argnums=0)
+    shardings = {}
+    if state_sharding is not None:
+        shardings = dict(in_shardings=(state_sharding, batch_sharding),
+                         out_shardings=(state_sharding, NamedSharding(batch_sharding.mesh, PartitionSpec())))
+
+    @functools.partial(jax.jit, donate_argnums=0, **shardings)
     def train_step(state: TrainState, batch):
         loss, grads = jax.value_and_grad(objective)(state.trainable, state.frozen, batch)
         if hasattr(tx, "step"):  # an in-place optimizer (e.g. galore_adamw_inplace): writes params itself
@@ -73,6 +81,23 @@ def make_train_step(model, tx):
         return state.replace(step=state.step + 1, trainable=trainable, opt_state=opt_state), loss
 
     return train_step
+
+
+def place(state: TrainState, model, tx, layout, batch_size: int):
+    """Put the state where it trains; returns (state, jitted train step, where a batch goes).
+
+    One device (layout None): everything committed to the first device (jit keys its cache on
+    committed-ness, so a state of fresh, uncommitted arrays would compile the step a second time when its
+    committed outputs come back). A `llama.mesh.Layout`: params and optimizer state laid out by it, the
+    batch split over the mesh, and the step jitted with those in/out shardings."""
+    if layout is None:
+        device = jax.devices()[0]
+        return jax.device_put(state, device), make_train_step(model, tx), device
+    layout.check_batch(batch_size)
+    trainable_sh, frozen_sh = layout.params(state.trainable), layout.params(state.frozen)
+    state_sh = TrainState(step=layout.replicated, trainable=trainable_sh, frozen=frozen_sh,
+                          opt_state=layout.opt_state(state.opt_state, trainable_sh))
+    return jax.device_put(state, state_sh), make_train_step(model, tx, state_sh, layout.batch()), layout.batch()
 
 
 def make_evaluate(model):
@@ -189,6 +214,7 @@ def train(
     eval_every: int,
     log_every: int = 10,
     progress: bool = True,  # False: plain log lines instead of a tqdm bar
+    layout=None,  # a llama.mesh.Layout: train on its device mesh (None: one device)
 ) -> tuple[Any, RunResult]:
     """Train `params` on `batches` (steps, B, S + 1); returns the final params and the run's record."""
     bar_class = _progress_bar_class() if progress else _PlainProgress
@@ -197,13 +223,9 @@ def train(
     state = TrainState(step=jnp.zeros((), jnp.int32), trainable=trainable, frozen=frozen,
                        opt_state=tx.init(trainable))
     del params, trainable, frozen  # the state owns them now (it is donated to every step)
-    # Commit everything to one device: jit keys its cache on committed-ness, so a state of fresh
-    # (uncommitted) arrays would compile the step a second time when its committed outputs come back.
-    device = jax.devices()[0]
-    state = jax.device_put(state, device)
-    train_step = make_train_step(model, tx)
+    state, train_step, device = place(state, model, tx, layout, batches.shape[1])
     evaluate = make_evaluate(model)
-    val_batches = jax.device_put(val_batches, device)
+    val_batches = jax.device_put(val_batches, device if layout is None else layout.batch(leading=1))
     result = RunResult(name=name, phase=phase, tokens_per_step=int(batches.shape[1] * (batches.shape[2] - 1)),
                        num_params=sum(x.size for x in jax.tree.leaves((state.trainable, state.frozen))),
                        num_trainable=sum(x.size for x in jax.tree.leaves(state.trainable)),

@@ -15,6 +15,7 @@ from pallas_fused.adam.api import (
     dequantize_moment,
     init_adam_leaf_state,
     scale_by_adam,
+    state_shardings,
 )
 
 __all__ = [
@@ -29,4 +30,5 @@ __all__ = [
     "dequantize_moment",
     "init_adam_leaf_state",
     "scale_by_adam",
+    "state_shardings",
 ]

@@ -33,6 +33,13 @@ steps normally and `count` increments. So a bad gradient never poisons the state
 write NaN into m and v forever). To skip the whole step instead (the AMP loss-scaling convention),
 wrap the transformation: `optax.apply_if_finite(adamw(...), max_consecutive_errors)`.
 
+Sharding (FSDP, data parallel; see pallas_fused._sharding): under jit the kernel runs on each device's
+shard of every tensor, whatever axes are split (the step is elementwise), so params, grads and fp32
+states sharded alike never move. 8-bit states are a row-major flattening cut into blocks of 256: they
+shard along blocks, which matches a weight split along its leading axis with whole blocks per shard;
+another split is resharded by XLA around the kernel (see `_q8_sharded`). `state_shardings(state,
+param_shardings)` gives the matching state shardings for jit's in/out_shardings.
+
 `state_bits` defaults to None (= 32, full-precision states) rather than 32 so that
 `optax.inject_hyperparams(adamw)` does not take it for a numeric hyperparameter; to inject other
 hyperparameters of an 8-bit optimizer, pass `static_args=("state_bits",)`.
@@ -47,8 +54,9 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import NamedSharding, PartitionSpec
 
-from pallas_fused import _backend
+from pallas_fused import _backend, _sharding
 from pallas_fused.adam import kernel as _kernel
 from pallas_fused.adam import reference as _ref
 
@@ -195,30 +203,80 @@ def _leaf(grad, mu, nu, param, s, *, inplace: bool, implementation: str):
     _check_leaf(grad, mu, nu, param)
     if grad.size == 0:
         return (param if inplace else grad), mu, nu
-    flat = lambda x: None if x is None else x.reshape(-1)  # noqa: E731
-    shape = grad.shape
     # The update's dtype follows optax's promotion: fp32 params with bf16 grads give fp32 updates.
     moment_dtype = jnp.float32 if isinstance(mu, QuantizedMoment) else jnp.promote_types(mu.dtype, nu.dtype)
     u_dtype = None if inplace else jnp.promote_types(grad.dtype, param.dtype if param is not None else moment_dtype)
     if isinstance(mu, QuantizedMoment):
         if implementation == "xla":
+            flat = lambda x: None if x is None else x.reshape(-1)  # noqa: E731
             out, mc, ma, vc, va = _ref.adam_leaf_reference_q8(
                 flat(grad), mu.codes, mu.absmax, nu.codes, nu.absmax, s, flat(param), inplace=inplace,
                 u_dtype=u_dtype)
+            out = out.reshape(grad.shape)
         else:
-            out, mc, ma, vc, va = _kernel.adam_q8(
-                s, flat(grad), mu.codes, mu.absmax, nu.codes, nu.absmax, flat(param),
-                inplace=inplace, interpret=implementation == "interpret", rows=_kernel.QROWS,
-                num_warps=_kernel.Q_NUM_WARPS, u_dtype=u_dtype)
-        return out.reshape(shape), QuantizedMoment(mc, ma), QuantizedMoment(vc, va)
-    if implementation == "xla":
-        out, m, v = _ref.adam_leaf_reference(flat(grad), flat(mu), flat(nu), s, flat(param), inplace=inplace,
-                                             u_dtype=u_dtype)
-    else:
-        out, m, v = _kernel.adam_fp32(s, flat(grad), flat(mu), flat(nu), flat(param), inplace=inplace,
-                                      interpret=implementation == "interpret", block=_kernel.BLOCK,
+            out, mc, ma, vc, va = _q8_sharded(grad, mu, nu, param, s, inplace=inplace,
+                                              interpret=implementation == "interpret", u_dtype=u_dtype)
+        return out, QuantizedMoment(mc, ma), QuantizedMoment(vc, va)
+    if implementation == "xla":  # elementwise on the tensor's own shape: XLA partitions it like any fusion
+        return _ref.adam_leaf_reference(grad, mu, nu, s, param, inplace=inplace, u_dtype=u_dtype)
+    return _fp32_sharded(grad, mu, nu, param, s, inplace=inplace, interpret=implementation == "interpret",
+                         u_dtype=u_dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# sharding (see pallas_fused._sharding): the step is elementwise, so every operand keeps its sharding
+
+
+def _fp32_sharded(grad, mu, nu, param, s, *, inplace, interpret, u_dtype):
+    """The fp32-state kernel on each shard of the tensor (any sharding of any axis: each device steps
+    its own elements; the kernel sees a flat view of its shard)."""
+    shape = grad.shape
+
+    def local(s, g, m, v, *p):
+        flat = [x.reshape(-1) for x in (g, m, v, *p)]
+        out, m, v = _kernel.adam_fp32(s, *flat, inplace=inplace, interpret=interpret, block=_kernel.BLOCK,
                                       num_warps=_kernel.NUM_WARPS, u_dtype=u_dtype)
-    return out.reshape(shape), m.reshape(shape), v.reshape(shape)
+        return out.reshape(g.shape), m.reshape(g.shape), v.reshape(g.shape)
+
+    t = " ".join(f"d{i}" for i in range(len(shape)))
+    arrays = (grad, mu, nu) + (() if param is None else (param,))
+    rule = ", ".join(["hp"] + [t] * len(arrays)) + f" -> {t}, {t}, {t}"
+    return _sharding.partitioned(local, rule, replicated=("hp",))(s, *arrays)
+
+
+def _q8_sharded(grad, mu, nu, param, s, *, inplace, interpret, u_dtype):
+    """The 8-bit kernel on each device's quantization blocks.
+
+    The state is the row-major flattening cut into blocks of 256, so it shards along blocks: the (n,)
+    gradient and (n,) codes are seen as (blocks, 256) and the (blocks,) absmaxes follow. A shard of a
+    weight maps to whole blocks of the state when the weight is split along its leading axis and each
+    shard holds a multiple of 256 elements (e.g. (M, N) over D devices with (M / D) * N % 256 == 0): then
+    nothing moves. Otherwise (another axis split, or a shard boundary inside a block) XLA reshards the
+    gradient/param into the state's block layout around the kernel: correct, at the cost of that traffic.
+    A tensor whose size is not a multiple of 256 (a padded last block) is not partitioned at all.
+    """
+    n, shape = grad.size, grad.shape
+
+    def local(s, g, mc, ma, vc, va, *p):
+        flat = lambda x: x.reshape(-1)  # noqa: E731
+        out, mc2, ma, vc2, va = _kernel.adam_q8(s, flat(g), flat(mc), ma, flat(vc), va, *map(flat, p),
+                                                inplace=inplace, interpret=interpret, rows=_kernel.QROWS,
+                                                num_warps=_kernel.Q_NUM_WARPS, u_dtype=u_dtype)
+        return out.reshape(g.shape), mc2.reshape(mc.shape), ma, vc2.reshape(vc.shape), va
+
+    if n % _ref.QBLOCK:  # padded: the kernel masks the tail of the flat tensor, run it whole
+        out, mc, ma, vc, va = local(s, grad, mu.codes, mu.absmax, nu.codes, nu.absmax,
+                                    *(() if param is None else (param,)))
+        return out.reshape(shape), mc, ma, vc, va
+    blocks = lambda x: x.reshape(-1, _ref.QBLOCK)  # noqa: E731
+    arrays = [blocks(grad), blocks(mu.codes), mu.absmax, blocks(nu.codes), nu.absmax]
+    terms = ["hp", "b q", "b q", "b", "b q", "b"]
+    if param is not None:
+        arrays.append(blocks(param))
+        terms.append("b q")
+    rule = ", ".join(terms) + " -> b q, b q, b, b q, b"
+    out, mc, ma, vc, va = _sharding.partitioned(local, rule, replicated=("hp", "q"))(s, *arrays)
+    return out.reshape(shape), mc.reshape(-1), ma, vc.reshape(-1), va
 
 
 def adam_leaf_direction(grad, mu, nu, count, *, b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, param=None,
@@ -383,3 +441,28 @@ def adamw_step(params, grads, state: FusedAdamState, *, learning_rate: ScalarOrS
 def adam_state_bytes(state: FusedAdamState) -> int:
     """Bytes of optimizer state (moments and count): what state_bits=8 shrinks."""
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
+
+
+def state_shardings(state: FusedAdamState, param_shardings) -> FusedAdamState:
+    """Shardings for `state` that match the params' (for jit's in/out_shardings, or jax.device_put).
+
+    param_shardings: a tree of `NamedSharding`s like the params. Array moments take their param's
+    sharding; a `QuantizedMoment` (a flat block layout) is split along its blocks over the mesh axes of
+    the param's leading axis (replicated if those do not divide the block count: see `_q8_sharded`);
+    count is replicated.
+    """
+    leaves, treedef = jax.tree.flatten(param_shardings)
+    mesh = leaves[0].mesh if leaves else None
+
+    def moment(q, sh):
+        if not isinstance(q, QuantizedMoment):
+            return sh
+        lead = tuple(sh.spec)[0] if len(tuple(sh.spec)) else None
+        size = 1 if lead is None else _sharding.axes_size(sh.mesh, lead)
+        axis = lead if size > 1 and q.absmax.shape[0] % size == 0 else None
+        return QuantizedMoment(NamedSharding(sh.mesh, PartitionSpec(axis)), NamedSharding(sh.mesh, PartitionSpec(axis)))
+
+    def tree(moments):
+        return treedef.unflatten([moment(q, sh) for q, sh in zip(treedef.flatten_up_to(moments), leaves)])
+
+    return FusedAdamState(NamedSharding(mesh, PartitionSpec()), tree(state.mu), tree(state.nu))

@@ -9,6 +9,7 @@ from pallas_fused.galore.api import (
     galore_adamw,
     galore_adamw_inplace,
     scale_by_galore_adam,
+    state_shardings,
 )
 from pallas_fused.galore.projector import captured_energy, low_rank_plus_noise, randomized_projector
 from pallas_fused.galore.reference import svd_projector
@@ -25,5 +26,6 @@ __all__ = [
     "low_rank_plus_noise",
     "randomized_projector",
     "scale_by_galore_adam",
+    "state_shardings",
     "svd_projector",
 ]

@@ -30,6 +30,17 @@ keeps its previous projector and moments and its update is zero (the step is ski
 step count still advances) and every projector is refreshed again on the next step. On other steps a
 non-finite gradient propagates as in optax's Adam (wrap in `optax.apply_if_finite` to skip those).
 
+Sharding (FSDP: each weight, its gradient and its state split along one axis of a mesh; see
+pallas_fused._sharding): under jit every kernel runs on each device's shard. The down-projection
+R = G P^T (side right) or P^T G (side left) is local when its contraction is whole; when the contraction
+is split, each device projects its shard and the small (M, r) / (r, N) partial projections are
+all-reduced (never G) before the low-rank Adam kernel. The up-projection's contraction is the rank, so
+W's shard needs only the matching rows/columns of P and N: local. `state_shardings(state,
+param_shardings)` gives the matching state shardings. Projector refresh: "randomized" is GEMMs with a
+sharded G that XLA partitions (all-reducing and at most gathering the (M or N, rank + oversample)
+sketches, never G); "svd" (jnp.linalg.svd is not partitioned) gathers the full gradient of each projected
+leaf on refresh steps (once every update_proj_gap steps): prefer "randomized" on large meshes.
+
 Hyperparameters learning_rate (float or schedule), b1, b2, eps, weight_decay and scale are runtime
 values: under `optax.inject_hyperparams(galore_adamw, static_args=GALORE_STATIC_ARGS)` changing them does
 not recompile.
@@ -45,8 +56,10 @@ import jax
 import jax.numpy as jnp
 import optax
 from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from pallas_fused import _backend
+from pallas_fused import _backend, _sharding
 from pallas_fused import adam as fused_adam
 from pallas_fused.galore import kernel, projector, reference
 from pallas_fused.galore.reference import Scalars
@@ -90,6 +103,51 @@ def choose_kernel(shape: tuple[int, int], rank: int, side: str) -> str:
     """The default kernel variant (one of kernel.VARIANTS) for one leaf: the measured winner nearest in
     shape and rank (`kernel.MEASURED_VARIANT`, printed by the tuning sweep of benchmarks/bench_galore.py)."""
     return kernel.choose_variant(shape, rank, side)
+
+
+# ------------------------------------------------------------------------------------------------ sharding
+# The kernels partitioned with pallas_fused._sharding (FSDP: W, G and the moments/projector split along
+# one axis). Factors: "m n" is the weight, "r" the rank (never split), "hp" the scalar operand. Under
+# side "right" P is (r, N) and R, m, v are (M, r); under side "left" P is (M, r) and R, m, v are (r, N).
+
+
+def _down_adam_fused(g, p, m, v, packed, *, side, interpret):
+    """The fused down-projection + low-rank Adam on each shard. Its contraction (N on side right, M on
+    side left) split: each device projects its shard with XLA's GEMM, the (M, r) / (r, N) partial
+    projections are all-reduced (never G), then the elementwise low-rank Adam kernel runs."""
+    contracted = "n" if side == "right" else "m"
+    low = "m r" if side == "right" else "r n"
+    rule = f"m n, {'r n' if side == 'right' else 'm r'}, {low}, {low}, hp -> {low}, {low}, {low}"
+
+    def local(g, p, m, v, packed):
+        return kernel.down_adam_fused(g, p, m, v, packed, side=side, interpret=interpret)
+
+    def split_contraction(axes):
+        def fn(g, p, m, v, packed):
+            r = lax.psum(reference.project(g, p, side), axes)
+            return kernel.lowrank_adam(r, m, v, packed, interpret=interpret)
+        return fn
+
+    return _sharding.partitioned(local, rule, replicated=("r", "hp"), reduced=(contracted,),
+                                 reduced_fn=split_contraction)(g, p, m, v, packed)
+
+
+def _lowrank_adam(r, m, v, packed, *, interpret):
+    """The elementwise low-rank Adam kernel on each shard of R, m, v."""
+    return _sharding.partitioned(lambda r, m, v, packed: kernel.lowrank_adam(r, m, v, packed, interpret=interpret),
+                                 "a b, a b, a b, hp -> a b, a b, a b", replicated=("hp",))(r, m, v, packed)
+
+
+def _up_update(w, n, p, packed, *, side, inplace, interpret):
+    """The up-projection + update on each shard of W: its contraction is the rank, never split, so a
+    shard of W needs only the matching rows of the (M, r) factor and columns of the (r, N) one."""
+    a, b = (n, p) if side == "right" else (p, n)
+
+    def local(w, a, b, packed):
+        nn, pp = (a, b) if side == "right" else (b, a)
+        return kernel.up_update(w, nn, pp, packed, side=side, inplace=inplace, interpret=interpret)
+
+    return _sharding.partitioned(local, "m n, m r, r n, hp -> m n", replicated=("r", "hp"))(w, a, b, packed)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -228,12 +286,12 @@ class _GaLore:
             return kernel.leaf_step(variant, w, g, m, v, p, s.pack(), side=side, inplace=inplace, interpret=interpret)
         packed = s.pack()
         if variant == "fused":
-            m, v, n = kernel.down_adam_fused(g, p, m, v, packed, side=side, interpret=interpret)
-        else:
-            m, v, n = kernel.lowrank_adam(reference.project(g, p, side), m, v, packed, interpret=interpret)
+            m, v, n = _down_adam_fused(g, p, m, v, packed, side=side, interpret=interpret)
+        else:  # XLA's GEMM (partitioned by XLA: a sharded contraction is all-reduced), then the elementwise kernel
+            m, v, n = _lowrank_adam(reference.project(g, p, side), m, v, packed, interpret=interpret)
         if w is None:
             w = jnp.zeros(g.shape, g.dtype)  # a == 0: W only enters as a * W
-        out = kernel.up_update(w, n, p, packed, side=side, inplace=inplace, interpret=interpret)
+        out = _up_update(w, n, p, packed, side=side, inplace=inplace, interpret=interpret)
         return out, m, v
 
     def _update(self, updates, state: GaLoreAdamState, params, inplace: bool):
@@ -306,6 +364,33 @@ class _GaLore:
 
     def step(self, params, grads, state):
         return self._update(grads, state, params, inplace=True)
+
+
+def state_shardings(state: GaLoreAdamState, param_shardings) -> GaLoreAdamState:
+    """Shardings for a GaLore `state` that match the params' (for jit's in/out_shardings).
+
+    param_shardings: a tree of `NamedSharding`s like the params. A projected (M, N) weight split as
+    P(a, b) gets low-rank moments and projector split along the dimension they share with it: side right,
+    m, v (M, r) as P(a, None) and P (r, N) as P(None, b); side left, P (M, r) as P(a, None) and m, v (r, N)
+    as P(None, b). The other leaves' Adam moments take their param's sharding; count and the refresh flag
+    are replicated.
+    """
+    leaves, treedef = jax.tree.flatten(param_shardings)
+    mesh = leaves[0].mesh if leaves else None
+    flat_m, flat_p = treedef.flatten_up_to(state.mu), treedef.flatten_up_to(state.projector)
+    mus, nus, projs = [], [], []
+    for sh, m, p in zip(leaves, flat_m, flat_p):
+        if _is_masked(p):
+            mus.append(sh), nus.append(sh), projs.append(p)
+            continue
+        spec = tuple(sh.spec) + (None,) * (2 - len(tuple(sh.spec)))
+        rows, cols = NamedSharding(sh.mesh, P(spec[0], None)), NamedSharding(sh.mesh, P(None, spec[1]))
+        right = m.shape[1] < m.shape[0]  # m is (M, r) on side right, (r, N) on side left (r < min(M, N))
+        low, proj = (rows, cols) if right else (cols, rows)
+        mus.append(low), nus.append(low), projs.append(proj)
+    replicated = NamedSharding(mesh, P())
+    return GaLoreAdamState(replicated, replicated, treedef.unflatten(mus), treedef.unflatten(nus),
+                           treedef.unflatten(projs))
 
 
 def _build(learning_rate, weight_decay, *, b1, b2, eps, scale, rank, update_proj_gap, proj_type, convention, mask,
