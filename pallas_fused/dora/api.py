@@ -146,7 +146,7 @@ def _forward(statics, x, ops, a, b, m, bias, scale):
     if gemm == "merged":
         # y = x ((W + s A B) g) + bias: one cuBLAS GEMM on the merged weight (x A is left to the backward).
         if (config.merge_in_norm and kind == "dense" and jax.device_count() == 1
-                and K.expand_supported(ops, kind, ap)):
+                and K.expand_supported(ops, kind, ap, config.expand_max_rank)):
             n, g, wm = K.norm_and_merge(ops, ap, bp, scale, m, interpret=interpret, config=config)
         else:
             n, g = _column_norm_scale(ops, kind, ap, bp, scale, m, interpret, config)

@@ -118,11 +118,16 @@ class Config:
     norm_mode: str = "expand"
     # "expand" tiles: untimed guesses (the bench's tuning section sweeps them): 256 programs of 8 warps at
     # 4096 -> 4096, 3 W tiles (8 KiB each) in flight per program; 73 registers, no spills (ptxas, sm_90a).
+    # H200 sweep, session 2 (benchmarks/results/logs/h200_s2_rotary_adam_dora.log): at 4096 -> 4096 r16 these
+    # tiles took 0.041 ms (the first guess, bk 64 and 4 stages: 0.045; "direct": 0.047). At 4096 -> 11008 r64
+    # every "expand" tiling lost to "direct" (0.064 ms against 0.072 at best): the (A^T A) B term grows as
+    # r^2, hence `expand_max_rank`.
     xnorm_bn: int = 64  # "expand" mode: columns per program
-    xnorm_bk: int = 64  # ... rows per loop step
+    xnorm_bk: int = 128  # ... rows per loop step
     xnorm_rows: int = 1024  # ... rows per program (>= in features: one program per column block, g fused)
     xnorm_warps: int = 8
-    xnorm_stages: int = 4
+    xnorm_stages: int = 3
+    expand_max_rank: int = 32  # above this (padded) rank the column norm uses "direct"
     # gemm="merged": form (W + s A B) g inside the column-norm launch (one program per column strip, over all
     # rows; tiles xnorm_*) instead of a second pass over W by the epilogue kernel. Untimed: the sweep decides.
     merge_in_norm: bool = False
@@ -205,7 +210,7 @@ def _colnorm_kernel(*refs, kind, K, N, R, bk, bn, rows_per_prog, kloop):
 
 def column_sumsq(weight, kind: str, lora_a, lora_b, scale, *, interpret: bool, config: Config = DEFAULT):
     """sum over the input axis of (W + s A B)^2, float32 (out,). `lora_a` (K, R), `lora_b` (R, N), R padded."""
-    if config.norm_mode == "expand" and expand_supported(weight, kind, lora_a):
+    if config.norm_mode == "expand" and expand_supported(weight, kind, lora_a, config.expand_max_rank):
         return _expand_launch(weight, kind, lora_a, lora_b, scale, None, interpret=interpret, config=config)
     K, R = lora_a.shape
     N = lora_b.shape[1]
@@ -336,8 +341,11 @@ def _colnorm_expand_kernel(*refs, kind, K, N, R, bk, bn, rows_per_prog, finish, 
     lax.fori_loop(0, rows_per_prog // bk, merge_body, (w_tile(0), a_tile(0)))
 
 
-def expand_supported(weight, kind: str, lora_a) -> bool:
-    """Whether the "expand" column norm applies: 16-bit dense W (in A's dtype) or int8 codes, 16-bit A."""
+def expand_supported(weight, kind: str, lora_a, max_rank: int | None = None) -> bool:
+    """Whether the "expand" column norm applies: 16-bit dense W (in A's dtype) or int8 codes, 16-bit A, and
+    (when given) a rank of at most `max_rank`."""
+    if max_rank is not None and lora_a.shape[1] > max_rank:
+        return False
     if lora_a.dtype not in (jnp.bfloat16, jnp.float16):
         return False
     if kind == "int8":
@@ -396,7 +404,7 @@ def column_norm_scale(weight, kind: str, lora_a, lora_b, scale, magnitude, *, in
     One launch when the "expand" kernel applies and one program covers all input rows; otherwise the
     partial sums of squares are reduced and finished by XLA.
     """
-    if config.norm_mode == "expand" and expand_supported(weight, kind, lora_a):
+    if config.norm_mode == "expand" and expand_supported(weight, kind, lora_a, config.expand_max_rank):
         out = _expand_launch(weight, kind, lora_a, lora_b, scale, magnitude, interpret=interpret, config=config)
         if isinstance(out, tuple):
             return out

@@ -138,15 +138,20 @@ def _lowrank_adam(r, m, v, packed, *, interpret):
                                  "a b, a b, a b, hp -> a b, a b, a b", replicated=("hp",))(r, m, v, packed)
 
 
-def _up_update(w, n, p, packed, *, side, inplace, interpret):
+def _up_update(w, n, p, packed, *, side, inplace, interpret, out_dtype=None):
     """The up-projection + update on each shard of W: its contraction is the rank, never split, so a
-    shard of W needs only the matching rows of the (M, r) factor and columns of the (r, N) one."""
+    shard of W needs only the matching rows of the (M, r) factor and columns of the (r, N) one.
+    w=None (no weight decay, not in place): the update alone, in `out_dtype`, and W is never read."""
     a, b = (n, p) if side == "right" else (p, n)
 
     def local(w, a, b, packed):
         nn, pp = (a, b) if side == "right" else (b, a)
-        return kernel.up_update(w, nn, pp, packed, side=side, inplace=inplace, interpret=interpret)
+        return kernel.up_update(w, nn, pp, packed, side=side, inplace=inplace, interpret=interpret,
+                                out_dtype=out_dtype)
 
+    if w is None:
+        return _sharding.partitioned(lambda a, b, packed: local(None, a, b, packed), "m r, r n, hp -> m n",
+                                     replicated=("r", "hp"))(a, b, packed)
     return _sharding.partitioned(local, "m n, m r, r n, hp -> m n", replicated=("r", "hp"))(w, a, b, packed)
 
 
@@ -282,27 +287,29 @@ class _GaLore:
             return reference.galore_adam_step(w, g, m, v, p, side, s, inplace=inplace)
         interpret = cfg.implementation == "interpret"
         variant = cfg.kernel if cfg.kernel != "auto" else choose_kernel(g.shape, cfg.rank, side)
-        if variant == "xla_up":  # XLA's GEMMs around the elementwise Pallas low-rank Adam (kernel.VARIANTS)
-            return kernel.leaf_step(variant, w, g, m, v, p, s.pack(), side=side, inplace=inplace, interpret=interpret)
         packed = s.pack()
+        if variant == "xla_up":  # XLA's GEMMs (partitioned by XLA) around the elementwise low-rank Adam kernel
+            m, v, n = _lowrank_adam(reference.project(g, p, side), m, v, packed, interpret=interpret)
+            w32 = jnp.zeros((), jnp.float32) if w is None else w.astype(jnp.float32)  # a == 0 without W
+            out = reference.full_update(w32, n, p, side, s)
+            return ((w32 + out) if inplace else out).astype(g.dtype if w is None else w.dtype), m, v
         if variant == "fused":
             m, v, n = _down_adam_fused(g, p, m, v, packed, side=side, interpret=interpret)
         else:  # XLA's GEMM (partitioned by XLA: a sharded contraction is all-reduced), then the elementwise kernel
             m, v, n = _lowrank_adam(reference.project(g, p, side), m, v, packed, interpret=interpret)
-        if w is None:
-            w = jnp.zeros(g.shape, g.dtype)  # a == 0: W only enters as a * W
-        out = _up_update(w, n, p, packed, side=side, inplace=inplace, interpret=interpret)
+        out = _up_update(w, n, p, packed, side=side, inplace=inplace, interpret=interpret, out_dtype=g.dtype)
         return out, m, v
 
     def _update(self, updates, state: GaLoreAdamState, params, inplace: bool):
         cfg = self.cfg
         with_lr = self.lr is not None
-        if (self.wd is not None or inplace) and params is None:
+        # A literal weight_decay=0 (the default) reads no W; a traced one (inject_hyperparams) may change.
+        has_wd = self.wd is not None and not (isinstance(self.wd, (int, float)) and self.wd == 0)
+        if (has_wd or inplace) and params is None:
             raise ValueError("galore: `params` are required (weight decay / the in-place step)")
         count = state.count
         lr = jnp.asarray(self.lr(count) if callable(self.lr) else (self.lr if with_lr else 1.0), jnp.float32)
         b1, b2, eps, alpha, beta, c = self._scalars(count, lr, with_lr)
-        has_wd = self.wd is not None
         wd = jnp.asarray(self.wd if has_wd else 0.0, jnp.float32)
         refresh = (count % cfg.update_proj_gap == 0) | state.pending_refresh
 

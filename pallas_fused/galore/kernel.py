@@ -64,8 +64,15 @@ UP_CONFIG: UpConfig | dict[str, UpConfig] = UpConfig()
 # Measured winners (H200, fp32, TF32, in-place step): (M, N, rank, side) -> variant. `choose_variant` takes
 # the nearest entry of the same side. Paste the `MEASURED_VARIANT = {...}` line the tuning sweep prints.
 MEASURED_VARIANT: dict[tuple[int, int, int, str], str] = {
-    (4096, 4096, 128, "right"): "hybrid",  # session 1: fused 0.268 ms, hybrid 0.222
-    (4096, 11008, 128, "left"): "hybrid",  # session 1: fused 0.752 ms, hybrid 0.540
+    # H200, session 2 (benchmarks/results/logs/h200_s2_galore_fp8.log), in-place step, ms:
+    (4096, 4096, 32, "right"): "hybrid",  # hybrid 0.101, xla_up 0.109, xla 0.108
+    (4096, 4096, 64, "right"): "hybrid",  # hybrid 0.126, xla_up 0.131, xla 0.127
+    (4096, 4096, 128, "right"): "xla_up",  # xla_up 0.134, hybrid 0.173, xla 0.131
+    (4096, 4096, 512, "right"): "xla_up",  # xla_up 0.210, hybrid 0.483, xla 0.214
+    (4096, 11008, 32, "left"): "hybrid",  # hybrid 0.239, xla_up 0.248, xla 0.244
+    # Not reached in session 2's run; session 1 had the XLA step ahead of hybrid here (0.446 vs 0.540 ms),
+    # and xla_up tracks the XLA step at 4096^2 from rank 128 up.
+    (4096, 11008, 128, "left"): "xla_up",
 }
 
 

@@ -49,8 +49,9 @@ from pallas_fused import _backend
 # for sm_90: 4 tokens x 40 heads x 128 features over 8 warps = 80 per thread uses 79 registers, no spills).
 MAX_ELEMENTS_PER_THREAD = 96
 # Whether choose_config picks trig="fast" for 16-bit q/k (see the module docstring); decided by the GPU sweep
-# in benchmarks/bench_rotary.py ("pallas:fast*" variants).
-FAST_TRIG_16BIT = False
+# in benchmarks/bench_rotary.py. H200, session 2, B4 S4096 Hq32 Hk8 D128 bf16: fast + volatile loads fwd 0.094
+# ms, fwd+bwd 0.178 (precise + plain: 0.108 / 0.206; XLA 0.096 / 0.296); MHA B8 S2048: 0.144 / 0.278.
+FAST_TRIG_16BIT = True
 TRIGS = ("precise", "fast")
 # How q/k are loaded. The kernel issues them before any math (see the comment at the loads); "plain" keeps
 # that order in the sm_90 SASS. "evict_first" (this kernel's first default) lets LLVM sink the loads below
@@ -58,7 +59,7 @@ TRIGS = ("precise", "fast")
 # computed its cos/sin before its first q/k load left. "volatile" pins the loads in program order whatever
 # the scheduler thinks (strong system-scope loads: L2, no L1, which data read once does not mind).
 _LOAD_KW = {"evict_first": {"eviction_policy": "evict_first"}, "plain": {}, "volatile": {"volatile": True}}
-LOAD_MODE = "plain"
+LOAD_MODE = "volatile"
 
 
 def _next_pow2(n: int) -> int:
