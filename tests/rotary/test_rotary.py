@@ -420,7 +420,9 @@ def test_choose_config_shapes():
     # The benchmark shape: one token per program, all heads of q and k in it, 4 warps (40 elements per
     # thread): the fastest geometry measured on an H200.
     cfg = choose_config(4, 4096, 32, 8, 64, 0, 2, num_sms=132)
-    assert cfg == LaunchConfig(block_tokens=1, q_heads=32, k_heads=8, num_chunks=1, num_warps=4)
+    assert cfg == LaunchConfig(block_tokens=1, q_heads=32, k_heads=8, num_chunks=1, num_warps=4,
+                               trig="fast", load_mode="volatile")  # bf16: the fast sin/cos (H200 sweep)
+    assert choose_config(4, 4096, 32, 8, 64, 0, 4, num_sms=132).trig == "precise"  # fp32 keeps libdevice
     # MHA: more heads, more warps.
     assert choose_config(8, 2048, 32, 32, 64, 0, 2, num_sms=132).num_warps == 8
     # Decode (S=1): heads split over programs so a 64-row batch still fills the GPU.
