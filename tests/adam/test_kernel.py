@@ -189,6 +189,18 @@ def test_bad_load_mode():
         K.adam_fp32(_scalars(), x, x, x, x, inplace=True, interpret=True, load_mode="streaming")
 
 
+def _assert_q8_close(out, ref):
+    """Compiled 8-bit step against the reference: a rare code may flip across a rounding boundary (FMA
+    contraction and fast division differ by ulps), never by more than one step of the map."""
+    for o, r, name in zip(out, ref, ("p", "mc", "ma", "vc", "va")):
+        assert_all_written(o, name)
+        if o.dtype == jnp.uint8:
+            diff = np.abs(np.asarray(o, np.int32) - np.asarray(r, np.int32))
+            assert np.mean(diff != 0) < 1e-3 and diff.max() <= 1, name
+        else:
+            np.testing.assert_allclose(np.asarray(o), np.asarray(r), rtol=2e-5, atol=1e-8, err_msg=name)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("block,warps,mode", [(4096, 8, "volatile"), (1024, 4, "plain"), (512, 4, "volatile")])
 def test_gpu_fp32_kernel_variants(block, warps, mode):
@@ -214,13 +226,7 @@ def test_gpu_q8_kernel_variants(rows, warps, mode):
     out = jax.jit(lambda *a: K.adam_q8(*a, inplace=True, interpret=False, rows=rows, num_warps=warps,
                                        load_mode=mode))(s, g, mc, ma, vc, va, p)
     ref = jax.jit(lambda *a: R.adam_leaf_reference_q8(*a, inplace=True))(g, mc, ma, vc, va, s, p)
-    for o, r, name in zip(out, ref, ("p", "mc", "ma", "vc", "va")):
-        assert_all_written(o, name)
-        if o.dtype == jnp.uint8:
-            diff = np.abs(np.asarray(o, np.int32) - np.asarray(r, np.int32))
-            assert np.mean(diff != 0) < 1e-3 and diff.max() <= 1, name
-        else:
-            np.testing.assert_allclose(np.asarray(o), np.asarray(r), rtol=2e-5, atol=1e-8, err_msg=name)
+    _assert_q8_close(out, ref)
 
 
 @pytest.mark.gpu
@@ -245,10 +251,4 @@ def test_gpu_q8_kernel_large(n):
     s = _scalars()
     out = jax.jit(lambda *a: K.adam_q8(*a, inplace=True, interpret=False))(s, g, mc, ma, vc, va, p)
     ref = jax.jit(lambda *a: R.adam_leaf_reference_q8(*a, inplace=True))(g, mc, ma, vc, va, s, p)
-    for o, r, name in zip(out, ref, ("p", "mc", "ma", "vc", "va")):
-        assert_all_written(o, name)
-        if o.dtype == jnp.uint8:
-            diff = np.abs(np.asarray(o, np.int32) - np.asarray(r, np.int32))
-            assert np.mean(diff != 0) < 1e-3 and diff.max() <= 1, name
-        else:
-            np.testing.assert_allclose(np.asarray(o), np.asarray(r), rtol=2e-5, atol=1e-8, err_msg=name)
+    _assert_q8_close(out, ref)

@@ -8,9 +8,7 @@ moves as many elements as a sharded weight, gradient or state leaf (nothing of t
 
 from __future__ import annotations
 
-import os
 import re
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -222,8 +220,6 @@ def galore_svd():
 
 
 if __name__ == "__main__":
-    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-    assert jax.device_count() == 8, jax.devices()
-    for name in sys.argv[1:]:
-        CASES[name]()
-        print(f"ok {name}", flush=True)
+    from tests.sharding._worker import main
+
+    main(CASES)

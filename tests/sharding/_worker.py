@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
 import sys
 
 import jax
@@ -264,10 +265,24 @@ def dora():
           [P("data"), P(), P(), P()], tol=1e-4, what="dora_dense int8 grad, data parallel")
 
 
-if __name__ == "__main__":
+def run_in_subprocess(module: str, name: str) -> None:
+    """Run case `name` of worker `module` in a fresh process with 8 simulated CPU devices (the flag must be
+    set before jax starts its CPU backend, hence the subprocess)."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-m", module, name], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0 and f"ok {name}" in proc.stdout, proc.stdout + proc.stderr[-4000:]
+
+
+def main(cases: dict) -> None:
     # Read when the CPU backend starts (first use of jax below), not at import.
     os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     assert jax.device_count() == 8, jax.devices()
     for name in sys.argv[1:]:
-        CASES[name]()
+        cases[name]()
         print(f"ok {name}", flush=True)
+
+
+if __name__ == "__main__":
+    main(CASES)
