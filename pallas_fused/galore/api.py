@@ -282,17 +282,13 @@ class _GaLore:
     def _leaf(self, w, g, m, v, p, side, s: Scalars, inplace):
         cfg = self.cfg
         if cfg.implementation == "xla":
-            if w is None:
-                w = jnp.zeros(g.shape, g.dtype)
             return reference.galore_adam_step(w, g, m, v, p, side, s, inplace=inplace)
         interpret = cfg.implementation == "interpret"
         variant = cfg.kernel if cfg.kernel != "auto" else choose_kernel(g.shape, cfg.rank, side)
         packed = s.pack()
         if variant == "xla_up":  # XLA's GEMMs (partitioned by XLA) around the elementwise low-rank Adam kernel
             m, v, n = _lowrank_adam(reference.project(g, p, side), m, v, packed, interpret=interpret)
-            w32 = jnp.zeros((), jnp.float32) if w is None else w.astype(jnp.float32)  # a == 0 without W
-            out = reference.full_update(w32, n, p, side, s)
-            return ((w32 + out) if inplace else out).astype(g.dtype if w is None else w.dtype), m, v
+            return reference.finish_step(w, n, p, side, s, inplace=inplace, dtype=g.dtype), m, v
         if variant == "fused":
             m, v, n = _down_adam_fused(g, p, m, v, packed, side=side, interpret=interpret)
         else:  # XLA's GEMM (partitioned by XLA: a sharded contraction is all-reduced), then the elementwise kernel

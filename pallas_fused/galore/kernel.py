@@ -346,11 +346,7 @@ def leaf_step(variant: str, w, g, m, v, p, scalars, *, side: str, inplace: bool,
                         out_dtype=g.dtype)
         return out, m, v
     s = reference.Scalars(*(scalars[i] for i in range(8)))
-    if w is None:
-        out = jnp.where(s.ok > 0, s.c * reference.back_project(n, p, side), 0.0).astype(g.dtype)
-        return out, m, v
-    out = reference.full_update(w, n, p, side, s)
-    return ((w.astype(F32) + out) if inplace else out).astype(w.dtype), m, v
+    return reference.finish_step(w, n, p, side, s, inplace=inplace, dtype=g.dtype), m, v
 
 
 def choose_variant(shape: tuple[int, int], rank: int, side: str) -> str:

@@ -112,12 +112,20 @@ def full_update(w: jax.Array, n: jax.Array, p: jax.Array, side: str, s: Scalars,
     return jnp.where(ok, out, 0.0)
 
 
+def finish_step(w, n: jax.Array, p: jax.Array, side: str, s: Scalars, *, inplace: bool = False, dtype=None,
+                precision=None) -> jax.Array:
+    """A step's full-rank output from the normalized low-rank update N: the update (in W's dtype) or, with
+    `inplace`, the new W. w=None (no weight decay, not in place): c * backproject(N) in `dtype`."""
+    if w is None and inplace:
+        raise ValueError("finish_step: inplace=True needs w (the weight to update)")
+    w32 = jnp.zeros((), jnp.float32) if w is None else w.astype(jnp.float32)  # a == 0 without W
+    out = full_update(w32, n, p, side, s, precision)
+    return ((w32 + out) if inplace else out).astype(dtype if w is None else w.dtype)
+
+
 def galore_adam_step(w, g, m, v, p, side: str, s: Scalars, *, inplace: bool = False, precision=None):
     """One projected-leaf step with a given projector: returns (out, m', v') where out is the update
-    (in W's dtype) or, with `inplace`, the new W."""
+    (in W's dtype, or G's when w is None: no weight decay) or, with `inplace`, the new W."""
     r = project(g, p, side, precision)
     m, v, n = lowrank_adam(r, m, v, s)
-    out = full_update(w, n, p, side, s, precision)
-    if inplace:
-        return (w.astype(jnp.float32) + out).astype(w.dtype), m, v
-    return out.astype(w.dtype), m, v
+    return finish_step(w, n, p, side, s, inplace=inplace, dtype=g.dtype, precision=precision), m, v
