@@ -1,12 +1,17 @@
 """Fused AdamW step: 105M and 419M fp32 parameters as 4 tensors of (4096, n), as in ANCHORS.md.
 
-Implementations (all jitted with params and state donated, timed with `bench_carry`):
+Implementations (all jitted with params and state donated, timed with `bench_carry`; a step returns
+(params, state) and the grads stay fixed outside the carry):
   pallas:inplace        adamw_step: one kernel per tensor reading p, g, m, v and writing p, m, v
   pallas:optax          adamw(...).update + optax.apply_updates (the composable path)
   pallas:inplace_8bit   adamw_step on state_bits=8 states
   pallas:optax_8bit     the composable path on state_bits=8 states
   xla                   adamw_step with implementation="xla" (our jnp reference, fused by XLA)
-  peer:optax_adamw      optax.adamw + apply_updates (what ANCHORS.md measured)
+  peer:optax_adamw      optax.adamw + apply_updates
+  peer:optax_adamw_returns_grads  the same timed as ANCHORS.md's peers_jax.py does: the step returns the grads
+                        too, and that costs a copy of every gradient (a non-donated input returned as an output;
+                        worse, XLA hands the donated moment buffers to those outputs, so an in-place kernel's
+                        aliasing then needs two more copies per tensor: 0.4 ms at 105M, seen in the compiled HLO)
   peer:torch_fused_adamw torch.optim.AdamW(fused=True).step() (skipped without torch/CUDA)
 Without --quick the in-place kernels are also swept (105M case only, bounded to SWEEP_SECONDS) over block
 size, warps and how the streaming loads are issued (kernel.LOAD_MODES: evict_first / plain / volatile):
@@ -47,28 +52,24 @@ Q8_SWEEP = [(8, 8, "volatile"), (4, 4, "volatile"), (1, 1, "volatile"), (8, 8, "
             (4, 4, "evict_first"), (1, 2, "volatile")]
 
 
-def _inplace_step():
+def _inplace_step(impl=IMPL):
     def step(params, grads, state):
-        params, state = A.adamw_step(params, grads, state, learning_rate=LR, weight_decay=WD, implementation=IMPL)
-        return params, grads, state
+        return A.adamw_step(params, grads, state, learning_rate=LR, weight_decay=WD, implementation=impl)
 
     return jax.jit(step, donate_argnums=(0, 2))
 
 
-def _optax_step(opt):
+def _optax_step(opt, return_grads=False):
     def step(params, grads, state):
         updates, state = opt.update(grads, state, params)
-        return optax.apply_updates(params, updates), grads, state
+        params = optax.apply_updates(params, updates)
+        return (params, grads, state) if return_grads else (params, state)
 
     return jax.jit(step, donate_argnums=(0, 2))
 
 
 def _xla_step():
-    def step(params, grads, state):
-        params, state = A.adamw_step(params, grads, state, learning_rate=LR, weight_decay=WD, implementation="xla")
-        return params, grads, state
-
-    return jax.jit(step, donate_argnums=(0, 2))
+    return _inplace_step("xla")
 
 
 def _time(rec, case, impl, make_step, init_state, shapes, n, reps, nbytes, **extra):
@@ -78,7 +79,11 @@ def _time(rec, case, impl, make_step, init_state, shapes, n, reps, nbytes, **ext
         grads = [rnd(10 + i, s, scale=1e-2) for i, s in enumerate(shapes)]
         state = init_state(params)
         state_bytes = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
-        ms = bench_carry(make_step(), (params, grads, state), n=n, reps=reps)
+        step = make_step()
+        if extra.pop("returns_grads", False):  # peers_jax.py's method: grads ride along in the carry
+            ms = bench_carry(step, (params, grads, state), n=n, reps=reps)
+        else:
+            ms = bench_carry(lambda p, s: step(p, grads, s), (params, state), n=n, reps=reps)
     except Exception as e:  # noqa: BLE001 - a failing implementation is a result
         return rec.add("adam", case, impl, None, error=f"{type(e).__name__}: {str(e)[:300]}")
     finally:
@@ -126,6 +131,8 @@ def run(rec, quick: bool):
         _time(rec, case, "xla", _xla_step, init32, shapes, n, reps, fp32)
         peer = optax.adamw(LR, weight_decay=WD)
         _time(rec, case, "peer:optax_adamw", functools.partial(_optax_step, peer), peer.init, shapes, n, reps, fp32)
+        _time(rec, case, "peer:optax_adamw_returns_grads", functools.partial(_optax_step, peer, return_grads=True),
+              peer.init, shapes, n, reps, fp32, returns_grads=True)
         _torch(rec, case, shapes, n, reps, fp32)
         if quick or numel_m != SIZES_M[0]:
             continue
