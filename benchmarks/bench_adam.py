@@ -7,6 +7,7 @@ Implementations (all jitted with params and state donated, timed with `bench_car
   pallas:inplace_8bit   adamw_step on state_bits=8 states
   pallas:optax_8bit     the composable path on state_bits=8 states
   xla                   adamw_step with implementation="xla" (our jnp reference, fused by XLA)
+  xla:optax             the composable path with implementation="xla" (XLA may fuse it with apply_updates)
   peer:optax_adamw      optax.adamw + apply_updates
   peer:optax_adamw_returns_grads  the same timed as ANCHORS.md's peers_jax.py does: the step returns the grads
                         too, and that costs a copy of every gradient (a non-donated input returned as an output;
@@ -129,6 +130,8 @@ def run(rec, quick: bool):
         _time(rec, case, "pallas:optax_8bit", functools.partial(_optax_step, ours8), init8,
               shapes, n, reps, q8)
         _time(rec, case, "xla", _xla_step, init32, shapes, n, reps, fp32)
+        ours_xla = A.adamw(LR, weight_decay=WD, implementation="xla")
+        _time(rec, case, "xla:optax", functools.partial(_optax_step, ours_xla), ours_xla.init, shapes, n, reps, fp32)
         peer = optax.adamw(LR, weight_decay=WD)
         _time(rec, case, "peer:optax_adamw", functools.partial(_optax_step, peer), peer.init, shapes, n, reps, fp32)
         _time(rec, case, "peer:optax_adamw_returns_grads", functools.partial(_optax_step, peer, return_grads=True),
