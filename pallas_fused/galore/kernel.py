@@ -59,20 +59,22 @@ class UpConfig(NamedTuple):
 
 # The default up-projection configuration, one for all or a dict side ("right" / "left") -> UpConfig: set it
 # from the tuning sweep (benchmarks/bench_galore.py prints the winners as a line to paste here).
-UP_CONFIG: UpConfig | dict[str, UpConfig] = UpConfig()
+UP_CONFIG: UpConfig | dict[str, UpConfig] = {
+    # H200, session 3 (benchmarks/results/logs/h200_s3_call1_galore.log), up-projection alone, in place, r128:
+    "right": UpConfig(bm=32, bn=128, br=32, warps=4, stages=3, w_first=False, tn=1, tm=1),  # 4096^2: 0.0716 ms
+    "left": UpConfig(bm=64, bn=64, br=128, warps=4, stages=2, w_first=True, tn=1, tm=8),  # 4096x11008: 0.1604 ms
+}
 
 # Measured winners (H200, fp32, TF32, in-place step): (M, N, rank, side) -> variant. `choose_variant` takes
 # the nearest entry of the same side. Paste the `MEASURED_VARIANT = {...}` line the tuning sweep prints.
 MEASURED_VARIANT: dict[tuple[int, int, int, str], str] = {
-    # H200, session 2 (benchmarks/results/logs/h200_s2_galore_fp8.log), in-place step, ms:
-    (4096, 4096, 32, "right"): "hybrid",  # hybrid 0.101, xla_up 0.109, xla 0.108
-    (4096, 4096, 64, "right"): "hybrid",  # hybrid 0.126, xla_up 0.131, xla 0.127
-    (4096, 4096, 128, "right"): "xla_up",  # xla_up 0.134, hybrid 0.173, xla 0.131
-    (4096, 4096, 512, "right"): "xla_up",  # xla_up 0.210, hybrid 0.483, xla 0.214
-    (4096, 11008, 32, "left"): "hybrid",  # hybrid 0.239, xla_up 0.248, xla 0.244
-    # Not reached in session 2's run; session 1 had the XLA step ahead of hybrid here (0.446 vs 0.540 ms),
-    # and xla_up tracks the XLA step at 4096^2 from rank 128 up.
-    (4096, 11008, 128, "left"): "xla_up",
+    # H200, session 3 (benchmarks/results/logs/h200_s3_call1_galore.log), in-place step, ms (+best_up: UP_CONFIG):
+    (4096, 4096, 128, "right"): "hybrid",  # hybrid+best_up 0.1058, xla_up 0.1429, fused+best_up 0.2007, xla 0.1397
+    (4096, 11008, 128, "left"): "hybrid",  # hybrid+best_up 0.2804, xla_up 0.3566, fused+best_up 0.4910, xla 0.3536
+    (4096, 4096, 32, "right"): "hybrid",  # hybrid+best_up 0.0800, fused+best_up 0.1034, xla_up 0.1293, xla 0.1208
+    (4096, 11008, 32, "left"): "hybrid",  # hybrid+best_up 0.1824, fused+best_up 0.2303, xla_up 0.2519, xla 0.2496
+    # session 3: xla_up 0.2115, hybrid+best_up 0.2278, hybrid 0.4994 (4096x11008 r512 did not run)
+    (4096, 4096, 512, "right"): "xla_up",
 }
 
 
