@@ -205,8 +205,9 @@ UP_CANDIDATES = [
 ]
 # Split-K down-projection: DownConfig(bm, bk, splits, br, warps, stages); programs = (kept / bm) x splits at r128
 # (4096^2: 32 row blocks of 128; 4096x11008: 86 column blocks of 128). Offline (r128): 128x32 K chunks/8 warps/
-# 3 stages 162-168 registers, 96 KiB, wgmma TF32 on both sides (side left: G's tile reaches shared memory
-# transposed through 4-byte cp.async, P^T is the K-major operand).
+# 3 stages 162-168 registers (1 CTA/SM), 96 KiB, wgmma TF32 on both sides; 64x32/4 warps/3 stages 156-168, 72 KiB;
+# none spills. Side left: G's tile reaches shared memory transposed through 4-byte cp.async (P^T is the K-major
+# operand), or with g_regs through registers (16-byte cp.async, A operand from registers): the sweep tries both.
 DOWN_CANDIDATES = [
     kernel.DownConfig(128, 32, 8, 128, 8, 3),
     kernel.DownConfig(128, 32, 4, 128, 8, 3),
@@ -215,6 +216,11 @@ DOWN_CANDIDATES = [
     kernel.DownConfig(64, 32, 4, 128, 4, 3),
     kernel.DownConfig(64, 64, 8, 128, 4, 3),
     kernel.DownConfig(128, 32, 2, 128, 8, 4),
+    # side left only (g_regs means nothing on side right)
+    kernel.DownConfig(128, 32, 4, 128, 8, 3, True),
+    kernel.DownConfig(128, 32, 8, 128, 8, 3, True),
+    kernel.DownConfig(64, 32, 4, 128, 4, 3, True),
+    kernel.DownConfig(128, 64, 4, 128, 8, 2, True),
 ]
 # the fused kernel's best of session 3 (4096^2 r128: 0.0567 ms), kept as a comparison row
 FUSED_DOWN = (32, 128, 4, 3)
@@ -303,6 +309,9 @@ def tuning(rec, quick):
         case = f"tune down {M}x{N} r{r} (amortized x{k_amort})"
         downb = (M * N + 4 * r * max(M, N)) * 4
         for cfg in DOWN_CANDIDATES:
+            if cfg.g_regs and side == "right":
+                continue
+
             def op(g, p, m, v, sc, cfg=cfg, side=side):
                 parts = kernel.down_splitk(g, p, side=side, interpret=INTERPRET, blocks=cfg)
                 m, v, _ = kernel.lowrank_adam(parts, m, v, sc, interpret=INTERPRET)
@@ -337,7 +346,7 @@ def tuning(rec, quick):
         print(f"  paste into pallas_fused/galore/kernel.py: DOWN_CONFIG = {best_down!r}", flush=True)
         rec.add(OP, "tune down best", "info:down_config", None, down_config=repr(best_down))
 
-    winners = {}
+    winners, detail = {}, {}
     for r, shs in [(_r(128), shapes), (_r(32), shapes), (_r(512), shapes[:1])]:
         for (M, N) in shs:
             side = reference.projector_side((M, N), "std")
@@ -378,10 +387,13 @@ def tuning(rec, quick):
             del step_states
             if times:
                 winners[(M, N, r, side)] = min(times, key=lambda v: times[v][0])
+                detail[(M, N, r, side)] = times[winners[(M, N, r, side)]]
                 print(f"    {case}: " + ", ".join(f"{v} {t[0]:.4f}" for v, t in sorted(times.items(),
                                                                                     key=lambda x: x[1][0])))
     if winners:
         print(f"  paste into pallas_fused/galore/kernel.py: MEASURED_VARIANT = {winners!r}", flush=True)
+        print(f"  (the winners' (ms, up, down) configurations: {detail!r}; UP_CONFIG / DOWN_CONFIG must match)",
+              flush=True)
         rec.add(OP, "tune step winners", "info:measured_variant", None, measured_variant=repr(winners))
 
 

@@ -85,6 +85,10 @@ class DownConfig(NamedTuple):
     br: int = 128
     warps: int = 8
     stages: int = 3
+    # side left: G's tile (K x columns, columns contiguous) is not K-major, which TF32 wgmma needs in shared
+    # memory. False: Triton transposes it on the way in (4-byte cp.async). True: a (redundant) mask select
+    # routes it through registers (16-byte cp.async, then Triton stages it transposed for wgmma's A operand).
+    g_regs: bool = False
 
 
 # The default up-projection configuration, one for all or a dict side ("right" / "left") -> UpConfig: set it
@@ -281,10 +285,11 @@ def _splitk_right_kernel(g_ref, p_ref, o_ref, *, M, N, R, BM, BK, BR, KSTEPS):
     _backend.store(o_ref.at[sp, pl.ds(i * BM, BM), pl.ds(j * BR, BR)], acc, mask=rmask[:, None] & qmask[None, :])
 
 
-def _splitk_left_kernel(g_ref, pt_ref, o_ref, *, M, N, R, BN, BK, BR, KSTEPS):
+def _splitk_left_kernel(g_ref, pt_ref, o_ref, *, M, N, R, BN, BK, BR, KSTEPS, g_regs):
     # o[s, rrows, cols] = P^T[rrows, K slice s] @ G[K slice s, cols], computed transposed,
-    # acc[cols, rrows] = G^T @ (P^T)^T: G's tile (K x cols, cols contiguous) is not K-major, which TF32 wgmma
-    # only takes as its A operand (through registers); P^T (r, M), transposed once by XLA, is the K-major B.
+    # acc[cols, rrows] = G^T @ (P^T)^T: G's tile (K x cols, cols contiguous) is not K-major, so it is the A
+    # operand (Triton transposes it into shared memory, or with g_regs routes it through registers); P^T (r, M),
+    # transposed once by XLA, is the K-major B operand.
     j, q, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     cmask = j * BN + jnp.arange(BN) < N
     qmask = q * BR + jnp.arange(BR) < R
@@ -293,8 +298,10 @@ def _splitk_left_kernel(g_ref, pt_ref, o_ref, *, M, N, R, BN, BK, BR, KSTEPS):
     def body(k, acc):
         start = k0 + k * BK
         kmask = start + jnp.arange(BK) < M
-        g = _backend.load(g_ref.at[pl.ds(start, BK), pl.ds(j * BN, BN)], mask=kmask[:, None] & cmask[None, :],
-                          other=0.0)
+        gmask = kmask[:, None] & cmask[None, :]
+        g = _backend.load(g_ref.at[pl.ds(start, BK), pl.ds(j * BN, BN)], mask=gmask, other=0.0)
+        if g_regs:  # the same values; the select keeps Triton from copying G straight into shared memory
+            g = jnp.where(gmask, g, 0.0)
         pt = _backend.load(pt_ref.at[pl.ds(q * BR, BR), pl.ds(start, BK)], mask=qmask[:, None] & kmask[None, :],
                            other=0.0)
         return acc + _backend.dot(g.astype(F32), pt.astype(F32), trans_a=True, trans_b=True, allow_tf32=True)
@@ -329,7 +336,8 @@ def _down_splitk(g, p, *, side, interpret, cfg: DownConfig):
         kern = functools.partial(_splitk_right_kernel, M=M, N=N, R=R, BM=cfg.bm, BK=cfg.bk, BR=br, KSTEPS=ksteps)
         operand = p
     else:
-        kern = functools.partial(_splitk_left_kernel, M=M, N=N, R=R, BN=cfg.bm, BK=cfg.bk, BR=br, KSTEPS=ksteps)
+        kern = functools.partial(_splitk_left_kernel, M=M, N=N, R=R, BN=cfg.bm, BK=cfg.bk, BR=br, KSTEPS=ksteps,
+                                 g_regs=cfg.g_regs)
         operand = p.T  # (r, M): 2 MB at M 4096, r 128, transposed once
     call = _backend.triton_call(kern, out_shape=jax.ShapeDtypeStruct((splits, *low), F32), grid=grid,
                                 name="pallas_fused_galore_down_splitk", interpret=interpret,
