@@ -179,52 +179,86 @@ def step_cases(rec, quick):
                     rec.add(OP, case, impl, None, error=f"{type(e).__name__}: {str(e)[:300]}")
 
 
-# Candidate launch configurations of the tuning sweep: UpConfig(bm, bn, br, warps, stages, w_first, tn, tm). Offline
-# (triton 3.6, ptxas sm_90a, 4096x4096 r128) none of these spills and all fit the 227 KiB of shared memory:
-#   tn 1, 64x128/4 warps: 219-249 registers (2 CTAs/SM); 128x128/8 warps: 219-252 (1 CTA/SM); 64x64/4 and
-#   32x128/4: 120-127 (4 CTAs/SM; 32 rows run mma.sync, not wgmma). Per 64x128 tile the P and N slices read
-#   from L2 are 3x the W tile (r/bm + r/bn at r128), hence the larger tiles.
-#   tn > 1 with br >= r: the A rows load once per program, Triton pipelines the P/N slice (cp.async), and with
-#   w_first the next tile's W is prefetched through the loop carry. 64x64/4 warps/2 stages: 127-162 registers,
-#   112 KiB smem (2 CTAs/SM); 128x64/8/2: 117-162, 160 KiB; 64x128/8/2: 134-162, 192 KiB; 32x128/4/2: 163, 88 KiB.
-# Left out: 128x128/4 warps, 128x256/8, 64x256/4, 256x128/8, 128x128x128/8/1 tn 4 (spills); 64x128x128/4/3 tn 4
-# and 128x128x128/8/2 tn 4 (256 KiB of shared memory: they cannot launch).
-# The fp32 B operand (the P or N slice, r x bn, N-contiguous) loads with 4-byte cp.async: wgmma takes tf32
-# operands K-major only, so Triton transposes it on the way to shared memory. tm > 1 (a row loop, tn 1) loads
-# that operand once per program and pipelines the K-major A rows instead (16-byte cp.async); bn 128 keeps the
-# A traffic at r/bn = 1x the W tile: 64x128/8 warps/2 stages tm 8: 158 registers, 160 KiB; 32x128/4 (mma.sync):
-# 166, 88 KiB; 64x64/4: 158, 112 KiB. (64x128/4 warps tm 8 and 128x128/8/1 tm 4 spill.)
+# Candidate launch configurations of the tuning sweep: UpConfig(bm, bn, br, warps, stages, w_first, tn, tm, f16,
+# p16). Session 3 on the H200 (fp32 operands, TF32; logs/h200_s3_call1_galore.log): best 32x128x32/4 warps/3 stages
+# (0.0716 ms at 4096^2, mma.sync) and 64x64x128/4/2 tm 8 (0.1604 at 4096x11008); the others lost by 10-100%.
+# fp16 operands (f16: tiles cast in registers, N written in fp16 by the Adam kernel; p16: P cast once by XLA)
+# halve the L2 traffic of the N and P slices, and wgmma takes fp16 B operands N-contiguous (TF32 B must be
+# K-major: Triton transposes fp32 P/N slices into shared memory with 4-byte cp.async). Offline (triton 3.6,
+# ptxas sm_90a, r128) with f16, none spills: 32x128x32/4/3 124 registers; 32x128x128/4/2 tm 8 137 (mma.sync);
+# 64x128x128/8/2 w_first tm 8 170 (wgmma, 96 KiB); 64x128x128/8/3 tm 8 p16 148; 64x128x128/4/2 tm 8 236;
+# 128x128x128/8/2 tm 4 254; 64x256x128/8/2 tm 4 248; 64x64x128/4/2 w_first tm 8 p16 157 (189 without p16).
+# (64x128x128/4/2 and 128x128x128/8/2 with w_first and tm spill: the prefetched W tile.)
 UP_CANDIDATES = [
-    kernel.UpConfig(64, 128, 32, 4, 3, True, 1, 1),  # the session-1 default
-    kernel.UpConfig(128, 128, 32, 8, 3, True, 1, 1),
-    kernel.UpConfig(128, 128, 32, 8, 3, False, 1, 1),
-    kernel.UpConfig(128, 128, 128, 8, 1, False, 1, 1),
-    kernel.UpConfig(32, 128, 32, 4, 3, False, 1, 1),
-    kernel.UpConfig(64, 64, 128, 4, 2, True, 8, 1),
-    kernel.UpConfig(128, 64, 128, 8, 2, True, 8, 1),
-    kernel.UpConfig(64, 128, 128, 8, 2, True, 8, 1),
-    kernel.UpConfig(32, 128, 128, 4, 2, True, 8, 1),
-    kernel.UpConfig(128, 64, 128, 8, 1, True, 8, 1),
-    kernel.UpConfig(64, 128, 128, 8, 2, True, 1, 8),
+    kernel.UpConfig(32, 128, 32, 4, 3, False, 1, 1),  # session 3's best on side right (fp32 operands)
+    kernel.UpConfig(64, 64, 128, 4, 2, True, 1, 8),  # session 3's best on side left (fp32 operands)
     kernel.UpConfig(32, 128, 128, 4, 2, True, 1, 8),
-    kernel.UpConfig(64, 64, 128, 4, 2, True, 1, 8),
+    kernel.UpConfig(32, 128, 32, 4, 3, False, 1, 1, True),
+    kernel.UpConfig(32, 128, 128, 4, 2, False, 1, 8, True),
+    kernel.UpConfig(64, 64, 128, 4, 2, True, 1, 8, True),
+    kernel.UpConfig(64, 64, 128, 4, 2, True, 1, 8, True, True),
+    kernel.UpConfig(64, 128, 128, 8, 2, True, 1, 8, True),
+    kernel.UpConfig(64, 128, 128, 8, 3, False, 1, 8, True, True),
+    kernel.UpConfig(64, 128, 128, 4, 2, False, 1, 8, True),
+    kernel.UpConfig(128, 128, 128, 8, 2, False, 1, 4, True),
+    kernel.UpConfig(64, 256, 128, 8, 2, False, 1, 4, True),
 ]
-# down_adam_fused blocks: (rows or columns of the kept dimension per program, K block, warps, stages)
-DOWN_CANDIDATES = [(64, 64, 8, 3), (32, 64, 4, 3), (32, 128, 4, 3), (16, 128, 4, 4), (128, 32, 8, 3)]
-TUNING_BUDGET_S = 85.0
+# Split-K down-projection: DownConfig(bm, bk, splits, br, warps, stages); programs = (kept / bm) x splits at r128
+# (4096^2: 32 row blocks of 128; 4096x11008: 86 column blocks of 128). Offline (r128): 128x32 K chunks/8 warps/
+# 3 stages 162-168 registers (1 CTA/SM), 96 KiB, wgmma TF32 on both sides; 64x32/4 warps/3 stages 156-168, 72 KiB;
+# none spills. Side left: G's tile reaches shared memory transposed through 4-byte cp.async (P^T is the K-major
+# operand), or with g_regs through registers (16-byte cp.async, A operand from registers): the sweep tries both.
+DOWN_CANDIDATES = [
+    kernel.DownConfig(128, 32, 8, 128, 8, 3),
+    kernel.DownConfig(128, 32, 4, 128, 8, 3),
+    kernel.DownConfig(128, 32, 16, 128, 8, 3),
+    kernel.DownConfig(128, 64, 8, 128, 8, 2),
+    kernel.DownConfig(64, 32, 4, 128, 4, 3),
+    kernel.DownConfig(64, 64, 8, 128, 4, 3),
+    kernel.DownConfig(128, 32, 2, 128, 8, 4),
+    # side left only (g_regs means nothing on side right)
+    kernel.DownConfig(128, 32, 4, 128, 8, 3, True),
+    kernel.DownConfig(128, 32, 8, 128, 8, 3, True),
+    kernel.DownConfig(64, 32, 4, 128, 4, 3, True),
+    kernel.DownConfig(128, 64, 4, 128, 8, 2, True),
+]
+# the fused kernel's best of session 3 (4096^2 r128: 0.0567 ms), kept as a comparison row
+FUSED_DOWN = (32, 128, 4, 3)
+TUNING_BUDGET_S = 110.0
+# Ops under 0.05 ms time the host dispatch (~0.03 ms a jitted call on the H200) unless amortized: the sweep runs
+# each op on K_AMORT distinct operand sets (together well past the 50 MB L2) in one jit and divides by K_AMORT.
+K_AMORT = 4
+K_AMORT_STEP = 3
+
+
+def _err(e):
+    return f"{type(e).__name__}: {str(e)[:300]}"
+
+
+def _amortized(op, states, n):
+    """ms per op: `op(*state) -> state` over the k distinct `states` in one jit (all donated: copies of `states`
+    are carried, `states` stay valid for the next candidate), divided by k."""
+    f = jax.jit(lambda sts: [tuple(op(*st)) for st in sts], donate_argnums=0)
+    carried = jax.tree.map(jnp.copy, states)
+    return bench_carry(lambda sts: (f(sts),), (carried,), n=n) / len(states)
 
 
 def tuning(rec, quick):
-    """The sweep that sets the defaults, bounded to TUNING_BUDGET_S (what is left is recorded as skipped).
+    """The sweep that sets the defaults, bounded to TUNING_BUDGET_S (what is left is recorded as skipped; every
+    failure recorded). All timings amortized over K_AMORT (K_AMORT_STEP for whole steps) distinct operand sets.
 
-    1. r128, both shapes (side right, side left): the up-projection kernel alone (in place, W donated) for
-       each UP_CANDIDATES entry, beside XLA's up-projection + update; the down halves alone (fused kernel
-       per DOWN_CANDIDATES, XLA GEMM + elementwise Adam, XLA GEMM alone).
-    2. ranks 128, 32, 512, both shapes: the whole in-place step for every kernel.VARIANTS entry (default
-       configurations and, for the Pallas up kernel, the side's best of part 1) and the XLA reference.
-    Prints the lines to paste into pallas_fused/galore/kernel.py: UP_CONFIG and MEASURED_VARIANT."""
-    deadline = time.time() + (TUNING_BUDGET_S if not _CPU else 10 * TUNING_BUDGET_S)
+    1. r128, 4096x4096 (side right) then 4096x11008 (side left): the up-projection kernel alone (in place, W
+       donated) for each UP_CANDIDATES entry beside XLA's up-projection + update; the down halves alone: the
+       split-K kernel + the low-rank Adam kernel (summing the partials) per DOWN_CANDIDATES entry, XLA's GEMM +
+       the Adam kernel ("hybrid"), the fused kernel (FUSED_DOWN), XLA's GEMM alone.
+    2. ranks 128, 32 (both shapes) and 512 (4096^2): the whole in-place step for the variants with the side's
+       best configurations of part 1 (and the f32-operand best up configuration beside the overall best), and
+       the XLA reference.
+    Prints the lines to paste into pallas_fused/galore/kernel.py: UP_CONFIG, DOWN_CONFIG, MEASURED_VARIANT."""
+    deadline = time.time() + (TUNING_BUDGET_S if not _CPU else 20 * TUNING_BUDGET_S)
     n = 10 if quick else 20
+    k_amort = 2 if _CPU else K_AMORT
+    k_step = 2 if _CPU else K_AMORT_STEP
 
     def budget_left(case, impl):
         if time.time() < deadline:
@@ -232,84 +266,134 @@ def tuning(rec, quick):
         rec.add(OP, case, impl, None, error="skipped: tuning time budget spent")
         return False
 
+    def timed(case, impl, op, states, **kw):
+        if not budget_left(case, impl):
+            return None
+        try:
+            ms = _amortized(op, states, n)
+            rec.add(OP, case, impl, ms, **kw)
+            return ms
+        except Exception as e:  # noqa: BLE001 - a failing kernel is a result
+            rec.add(OP, case, impl, None, error=_err(e))
+            return None
+
     shapes = [_d(4096, 4096), _d(4096, 11008)]
-    up_times = {}  # side -> {UpConfig: ms}
+    up_times, down_times = {}, {}  # side -> {config: ms}
     for (M, N) in shapes:
         side = reference.projector_side((M, N), "std")
         r = _r(128)
-        w, g, m, v, p, s = _state(M, N, r, side)
-        nl = jnp.ones(m.shape, jnp.float32)
-        case = f"tune up {M}x{N} r{r}"
+        sts = [_state(M, N, r, side, seed=10 * i) for i in range(k_amort)]
+        case = f"tune up {M}x{N} r{r} (amortized x{k_amort})"
         upb = 2 * M * N * 4
-        if budget_left(case, "xla:up_gemm_update"):
-            f = jax.jit(lambda w, n, p, s, side=side: w + reference.full_update(w, n, p, side, reference.Scalars(*s)),
-                        donate_argnums=(0,))
-            try:
-                ms = bench_carry(lambda w, n, p, s, f=f: (f(w, n, p, s), n, p, s), (jnp.copy(w), nl, p, s), n=n)
-                rec.add(OP, case, "xla:up_gemm_update", ms, nbytes=upb)
-            except Exception as e:  # noqa: BLE001
-                rec.add(OP, case, "xla:up_gemm_update", None, error=f"{type(e).__name__}: {str(e)[:300]}")
+        # (w, n, p, s): N made by the Adam kernel from m = v = 0 would be 0: use ones (fp32 or fp16 as configured)
+        ups = [(w, jnp.ones(m.shape, jnp.float32), p, sc) for (w, g, m, v, p, sc) in sts]
+        del sts
+        timed(case, "xla:up_gemm_update",
+              lambda w, nl, p, sc, side=side: (w + reference.full_update(w, nl, p, side, reference.Scalars(*sc)),
+                                               nl, p, sc), ups, nbytes=upb)
         for cfg in UP_CANDIDATES:
-            impl = "pallas:up" + "_".join(map(str, cfg))
-            if not budget_left(case, impl):
-                continue
-            f = jax.jit(lambda w, n, p, s, cfg=cfg, side=side: kernel.up_update(
-                w, n, p, s, side=side, inplace=True, interpret=INTERPRET, blocks=cfg), donate_argnums=(0,))
-            try:
-                ms = bench_carry(lambda w, n, p, s, f=f: (f(w, n, p, s), n, p, s), (jnp.copy(w), nl, p, s), n=n)
-                rec.add(OP, case, impl, ms, nbytes=upb)
+            def op(w, nl, p, sc, cfg=cfg, side=side):
+                out = kernel.up_update(w, nl.astype(jnp.float16) if cfg.f16 else nl,
+                                       p.astype(jnp.float16) if cfg.p16 else p, sc, side=side, inplace=True,
+                                       interpret=INTERPRET, blocks=cfg)
+                return out, nl, p, sc
+            # (the fp16 casts of N and P are inside the timed jit: the real step makes N in fp16 for free and
+            # casts P once, 2 MB; here they cost one small XLA op)
+            ms = timed(case, "pallas:up" + "_".join(map(str, cfg)), op, ups, nbytes=upb)
+            if ms:
                 up_times.setdefault(side, {})[cfg] = ms
-            except Exception as e:  # noqa: BLE001
-                rec.add(OP, case, impl, None, error=f"{type(e).__name__}: {str(e)[:300]}")
-        case = f"tune down {M}x{N} r{r}"
+        del ups
+        sts = [_state(M, N, r, side, seed=10 * i + 1) for i in range(k_amort)]
+        downs = [(g, p, m, v, sc) for (w, g, m, v, p, sc) in sts]
+        del sts
+        case = f"tune down {M}x{N} r{r} (amortized x{k_amort})"
         downb = (M * N + 4 * r * max(M, N)) * 4
-        for blocks in DOWN_CANDIDATES:
-            impl = "pallas:fused_down" + "_".join(map(str, blocks))
-            if budget_left(case, impl):
-                f = jax.jit(lambda g, p, m, v, s, b=blocks, side=side: kernel.down_adam_fused(
-                    g, p, m, v, s, side=side, interpret=INTERPRET, blocks=b))
-                rec.time(OP, case, impl, f, g, p, m, v, s, n=n, nbytes=downb)
-        if budget_left(case, "pallas:hybrid_down"):
-            f = jax.jit(lambda g, p, m, v, s, side=side: kernel.lowrank_adam(
-                reference.project(g, p, side), m, v, s, interpret=INTERPRET))
-            rec.time(OP, case, "pallas:hybrid_down", f, g, p, m, v, s, n=n, nbytes=downb)
-        if budget_left(case, "xla:down_gemm_only"):
-            f = jax.jit(lambda g, p, side=side: reference.project(g, p, side))
-            rec.time(OP, case, "xla:down_gemm_only", f, g, p, n=n, nbytes=(M * N + r * max(M, N)) * 4)
-        del w, g, m, v, p
+        for cfg in DOWN_CANDIDATES:
+            if cfg.g_regs and side == "right":
+                continue
 
-    # the up configuration best per side (the sweep's two shapes are one of each side under "std")
+            def op(g, p, m, v, sc, cfg=cfg, side=side):
+                parts = kernel.down_splitk(g, p, side=side, interpret=INTERPRET, blocks=cfg)
+                m, v, _ = kernel.lowrank_adam(parts, m, v, sc, interpret=INTERPRET)
+                return g, p, m, v, sc
+            ms = timed(case, "pallas:splitk_down" + "_".join(map(str, cfg)), op, downs, nbytes=downb)
+            if ms:
+                down_times.setdefault(side, {})[cfg] = ms
+
+        def hybrid(g, p, m, v, sc, side=side):
+            m, v, _ = kernel.lowrank_adam(reference.project(g, p, side), m, v, sc, interpret=INTERPRET)
+            return g, p, m, v, sc
+
+        def fused(g, p, m, v, sc, side=side):
+            m, v, _ = kernel.down_adam_fused(g, p, m, v, sc, side=side, interpret=INTERPRET, blocks=FUSED_DOWN)
+            return g, p, m, v, sc
+
+        timed(case, "pallas:hybrid_down", hybrid, downs, nbytes=downb)
+        timed(case, "pallas:fused_down" + "_".join(map(str, FUSED_DOWN)), fused, downs, nbytes=downb)
+        # XLA's GEMM alone: R returned beside the carry (as m, so the GEMM is not dead code)
+        timed(case, "xla:down_gemm_only", lambda g, p, m, v, sc, side=side: (g, p, reference.project(g, p, side),
+                                                                              v, sc),
+              downs, nbytes=(M * N + r * max(M, N)) * 4)
+        del downs
+
     best_up = {side: min(ts, key=ts.get) for side, ts in up_times.items() if ts}
+    best_up32 = {side: min((c for c in ts if not c.f16), key=ts.get, default=None) for side, ts in up_times.items()}
+    best_down = {side: min(ts, key=ts.get) for side, ts in down_times.items() if ts}
     if best_up:
         print(f"  paste into pallas_fused/galore/kernel.py: UP_CONFIG = {best_up!r}", flush=True)
         rec.add(OP, "tune up best", "info:up_config", None, up_config=repr(best_up))
+    if best_down:
+        print(f"  paste into pallas_fused/galore/kernel.py: DOWN_CONFIG = {best_down!r}", flush=True)
+        rec.add(OP, "tune down best", "info:down_config", None, down_config=repr(best_down))
 
-    winners = {}
-    for r in [_r(128), _r(32), _r(512)]:
-        for (M, N) in shapes:
+    winners, detail = {}, {}
+    for r, shs in [(_r(128), shapes), (_r(32), shapes), (_r(512), shapes[:1])]:
+        for (M, N) in shs:
             side = reference.projector_side((M, N), "std")
             make, xla, _ = _steps(side)
-            case = f"tune step {M}x{N} r{r}"
+            case = f"tune step {M}x{N} r{r} (amortized x{k_step})"
             try:
                 delta_ref = _delta_ref(M, N, r, side)
             except Exception as e:  # noqa: BLE001
-                rec.add(OP, case, "reference", None, error=f"{type(e).__name__}: {str(e)[:300]}")
+                rec.add(OP, case, "reference", None, error=_err(e))
                 continue
-            cands = [(f"pallas:inplace_{v}", v, None) for v in kernel.VARIANTS]
-            if side in best_up and best_up[side] != kernel._blocks_up(128, side):
-                cands += [(f"pallas:inplace_{v}+best_up", v, best_up[side]) for v in ("hybrid", "fused")]
+            up, up32, down = best_up.get(side), best_up32.get(side), best_down.get(side)
+            cands = [("hybrid", up, None), ("splitk", up, down), ("xla_up", None, None)]
+            if up32 is not None and up32 != up:
+                cands += [("hybrid", up32, None), ("splitk", up32, down)]
+            if r == _r(128):
+                cands += [("fused", up, FUSED_DOWN)]
             times = {}
-            for impl, variant, up in cands:
-                if budget_left(case, impl):
-                    ms = _time_step(rec, case, impl, make(variant, True, up_blocks=up), M, N, r, side, delta_ref, n)
-                    if ms:
-                        times[variant] = min(ms, times.get(variant, float("inf")))
-            if budget_left(case, "xla"):
-                _time_step(rec, case, "xla", xla, M, N, r, side, delta_ref, n)
+            kw = dict(nbytes=_nbytes(M, N, r), flops=2 * 2 * M * N * r, matmul_ceiling="tf32_tflops")
+            step_states = [_state(M, N, r, side, seed=10 * i + 2) for i in range(k_step)]
+            for variant, upc, downc in cands:
+                impl = f"pallas:inplace_{variant}" + ("+up" + "_".join(map(str, upc)) if upc else "") + (
+                    "+down" + "_".join(map(str, downc)) if downc and variant == "splitk" else "")
+                if not budget_left(case, impl):
+                    continue
+                fn = make(variant, True, up_blocks=upc, down_blocks=downc)
+                try:  # check one step against the HIGHEST-precision update, then time k_step leaves per jit
+                    st = _state(M, N, r, side)
+                    w0 = jnp.copy(st[0])
+                    err = _check(fn(*st)[0] - w0, delta_ref)
+                    del st
+                    ms = _amortized(fn, step_states, n)
+                    rec.add(OP, case, impl, ms, rel_err_update=err, **kw)
+                    if ms < times.get(variant, (float("inf"),))[0]:
+                        times[variant] = (ms, upc, downc)
+                except Exception as e:  # noqa: BLE001
+                    rec.add(OP, case, impl, None, error=_err(e))
+            timed(case, "xla", xla, step_states, **kw)
+            del step_states
             if times:
-                winners[(M, N, r, side)] = min(times, key=times.get)
+                winners[(M, N, r, side)] = min(times, key=lambda v: times[v][0])
+                detail[(M, N, r, side)] = times[winners[(M, N, r, side)]]
+                print(f"    {case}: " + ", ".join(f"{v} {t[0]:.4f}" for v, t in sorted(times.items(),
+                                                                                    key=lambda x: x[1][0])))
     if winners:
         print(f"  paste into pallas_fused/galore/kernel.py: MEASURED_VARIANT = {winners!r}", flush=True)
+        print(f"  (the winners' (ms, up, down) configurations: {detail!r}; UP_CONFIG / DOWN_CONFIG must match)",
+              flush=True)
         rec.add(OP, "tune step winners", "info:measured_variant", None, measured_variant=repr(winners))
 
 
@@ -386,8 +470,11 @@ def llama_layer(rec, quick):
             # start past the refresh (count 1): the refresh is timed below
             one = jnp.ones([], jnp.int32)
             st = st._replace(count=one) if hasattr(st, "_replace") else (st[0]._replace(count=one), *st[1:])
-            ms_step = bench_carry(carry, (p0, grads, st), n=10, reps=3)
-            del p0
+            # the carried step donates params, grads and state: give it copies (the refresh below reads `grads`,
+            # and the next implementation starts from the same arrays)
+            g0 = jax.tree.map(jnp.copy, grads)
+            ms_step = bench_carry(carry, (p0, g0, st), n=10, reps=3)
+            del p0, g0, st
             # refresh cost: our refresh is the randomized projector per leaf; optax's is the SVD per leaf
             if impl.startswith("pallas"):
                 fns = {}

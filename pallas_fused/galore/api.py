@@ -132,10 +132,32 @@ def _down_adam_fused(g, p, m, v, packed, *, side, interpret):
                                  reduced_fn=split_contraction)(g, p, m, v, packed)
 
 
-def _lowrank_adam(r, m, v, packed, *, interpret):
+def _down_splitk_adam(g, p, m, v, packed, *, side, interpret, n_dtype):
+    """The split-K down-projection + the low-rank Adam kernel (adding its partial sums) on each shard; a split
+    contraction is projected with XLA's GEMM per shard and all-reduced, as in `_down_adam_fused`."""
+    contracted = "n" if side == "right" else "m"
+    low = "m r" if side == "right" else "r n"
+    rule = f"m n, {'r n' if side == 'right' else 'm r'}, {low}, {low}, hp -> {low}, {low}, {low}"
+
+    def local(g, p, m, v, packed):
+        partials = kernel.down_splitk(g, p, side=side, interpret=interpret)
+        return kernel.lowrank_adam(partials, m, v, packed, interpret=interpret, n_dtype=n_dtype)
+
+    def split_contraction(axes):
+        def fn(g, p, m, v, packed):
+            r = lax.psum(reference.project(g, p, side), axes)
+            return kernel.lowrank_adam(r, m, v, packed, interpret=interpret, n_dtype=n_dtype)
+        return fn
+
+    return _sharding.partitioned(local, rule, replicated=("r", "hp"), reduced=(contracted,),
+                                 reduced_fn=split_contraction)(g, p, m, v, packed)
+
+
+def _lowrank_adam(r, m, v, packed, *, interpret, n_dtype=jnp.float32):
     """The elementwise low-rank Adam kernel on each shard of R, m, v."""
-    return _sharding.partitioned(lambda r, m, v, packed: kernel.lowrank_adam(r, m, v, packed, interpret=interpret),
-                                 "a b, a b, a b, hp -> a b, a b, a b", replicated=("hp",))(r, m, v, packed)
+    return _sharding.partitioned(
+        lambda r, m, v, packed: kernel.lowrank_adam(r, m, v, packed, interpret=interpret, n_dtype=n_dtype),
+        "a b, a b, a b, hp -> a b, a b, a b", replicated=("hp",))(r, m, v, packed)
 
 
 def _up_update(w, n, p, packed, *, side, inplace, interpret, out_dtype=None):
@@ -289,11 +311,16 @@ class _GaLore:
         if variant == "xla_up":  # XLA's GEMMs (partitioned by XLA) around the elementwise low-rank Adam kernel
             m, v, n = _lowrank_adam(reference.project(g, p, side), m, v, packed, interpret=interpret)
             return reference.finish_step(w, n, p, side, s, inplace=inplace, dtype=g.dtype), m, v
+        # an fp16 up-projection (kernel.UP_CONFIG) takes N in fp16 from the Adam kernel, and P cast once with p16
+        n_dtype, p16 = kernel.up_operands(cfg.rank, side)
         if variant == "fused":
             m, v, n = _down_adam_fused(g, p, m, v, packed, side=side, interpret=interpret)
+        elif variant == "splitk":
+            m, v, n = _down_splitk_adam(g, p, m, v, packed, side=side, interpret=interpret, n_dtype=n_dtype)
         else:  # XLA's GEMM (partitioned by XLA: a sharded contraction is all-reduced), then the elementwise kernel
-            m, v, n = _lowrank_adam(reference.project(g, p, side), m, v, packed, interpret=interpret)
-        out = _up_update(w, n, p, packed, side=side, inplace=inplace, interpret=interpret, out_dtype=g.dtype)
+            m, v, n = _lowrank_adam(reference.project(g, p, side), m, v, packed, interpret=interpret, n_dtype=n_dtype)
+        out = _up_update(w, n, p.astype(jnp.float16) if p16 else p, packed, side=side, inplace=inplace,
+                         interpret=interpret, out_dtype=g.dtype)
         return out, m, v
 
     def _update(self, updates, state: GaLoreAdamState, params, inplace: bool):
@@ -420,7 +447,7 @@ _DOC_ARGS = """
       convention: "galore" (reference GaLore, the default) or "optax" (optax.contrib.galore's numbers).
       mu_dtype, nu_dtype: moment dtypes (default fp32).
       implementation: None | "pallas" | "xla" | "interpret" (see pallas_fused._backend).
-      kernel: "auto" | "fused" | "hybrid" | "xla_up": how projected leaves are stepped (see
+      kernel: "auto" | "fused" | "hybrid" | "xla_up" | "splitk": how projected leaves are stepped (see
         pallas_fused.galore.kernel.VARIANTS; auto: choose_kernel's measured table).
 """
 

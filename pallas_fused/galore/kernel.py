@@ -39,7 +39,12 @@ F32 = jnp.float32
 #   hybrid   XLA down-projection (TF32), elementwise Pallas low-rank Adam, Pallas up-projection + update
 #   xla_up   XLA down-projection, elementwise Pallas low-rank Adam, XLA up-projection with the update as jnp
 #            (XLA may fuse it into its GEMM's epilogue)
-VARIANTS = ("fused", "hybrid", "xla_up")
+#   splitk   Pallas split-K down-projection GEMM (fp32 partial sums), elementwise Pallas low-rank Adam that
+#            sums them, Pallas up-projection + update
+VARIANTS = ("fused", "hybrid", "xla_up", "splitk")
+
+# fp16's largest finite value: N is clamped to it before an fp16 store (it never gets near: |N| is O(1)).
+F16_MAX = 65504.0
 
 
 class UpConfig(NamedTuple):
@@ -55,24 +60,62 @@ class UpConfig(NamedTuple):
     w_first: bool = True
     tn: int = 1  # column tiles per program (a pipelined loop; with br >= rank the A rows load once)
     tm: int = 1  # row tiles per program (with tn == 1 and br >= rank the B columns load once)
+    f16: bool = False  # fp16 GEMM operands (tiles cast in registers; `leaf_step` has the Adam kernel write N in fp16)
+    p16: bool = False  # with f16: `leaf_step` also casts P to fp16 once per step (halves its L2 traffic)
+
+
+# Why fp16 operands lose nothing against TF32 here: the tensor cores round TF32 operands to a 10-bit mantissa,
+# fp16's own. N = m / (sqrt(v) + eps) is O(1) (Cauchy-Schwarz: |m| / sqrt(v) <= (1 - b1) / sqrt((1 - b2)
+# (1 - b1^2 / b2)), 7.3 at b1 0.9, b2 0.999; clamped to F16_MAX anyway) and P has orthonormal rows/columns
+# (|entries| <= 1): neither overflows. Only values below fp16's
+# normal range (6.1e-5) keep fewer mantissa bits, an absolute error <= 2^-25 (3e-8) on terms that small,
+# against the relative 2^-11 TF32 rounding of every term. Accumulation stays fp32. G never goes to fp16
+# (gradients can be far below 6e-5): the down-projection is TF32 on fp32 G.
+
+
+class DownConfig(NamedTuple):
+    """Launch configuration of the split-K down-projection (`down_splitk`): programs own `bm` rows (side right)
+    or columns (side left) of the kept dimension and `br` rank columns, and one of `splits` slices of the
+    contraction, walked in chunks of `bk`. The grid is (kept / bm, rank / br, splits); each program writes its
+    fp32 partial sum, the low-rank Adam kernel adds the `splits` partials."""
+
+    bm: int = 128
+    bk: int = 32
+    splits: int = 4
+    br: int = 128
+    warps: int = 8
+    stages: int = 3
+    # side left: G's tile (K x columns, columns contiguous) is not K-major, which TF32 wgmma needs in shared
+    # memory. False: Triton transposes it on the way in (4-byte cp.async). True: a (redundant) mask select
+    # routes it through registers (16-byte cp.async, then Triton stages it transposed for wgmma's A operand).
+    g_regs: bool = False
 
 
 # The default up-projection configuration, one for all or a dict side ("right" / "left") -> UpConfig: set it
 # from the tuning sweep (benchmarks/bench_galore.py prints the winners as a line to paste here).
-UP_CONFIG: UpConfig | dict[str, UpConfig] = UpConfig()
+UP_CONFIG: UpConfig | dict[str, UpConfig] = {
+    # H200, session 3 (benchmarks/results/logs/h200_s3_call1_galore.log), up-projection alone, in place, r128:
+    "right": UpConfig(bm=32, bn=128, br=32, warps=4, stages=3, w_first=False, tn=1, tm=1),  # 4096^2: 0.0716 ms
+    "left": UpConfig(bm=64, bn=64, br=128, warps=4, stages=2, w_first=True, tn=1, tm=8),  # 4096x11008: 0.1604 ms
+}
+
+# The default split-K down-projection configuration per side (set from the tuning sweep's printed line).
+# Not measured yet: 4096x4096 r128 gives 32 x 1 x 8 = 256 programs, 4096x11008 86 x 1 x 4 = 344.
+DOWN_CONFIG: DownConfig | dict[str, DownConfig] = {
+    "right": DownConfig(bm=128, bk=32, splits=8, br=128, warps=8, stages=3),
+    "left": DownConfig(bm=128, bk=32, splits=4, br=128, warps=8, stages=3),
+}
 
 # Measured winners (H200, fp32, TF32, in-place step): (M, N, rank, side) -> variant. `choose_variant` takes
 # the nearest entry of the same side. Paste the `MEASURED_VARIANT = {...}` line the tuning sweep prints.
 MEASURED_VARIANT: dict[tuple[int, int, int, str], str] = {
-    # H200, session 2 (benchmarks/results/logs/h200_s2_galore_fp8.log), in-place step, ms:
-    (4096, 4096, 32, "right"): "hybrid",  # hybrid 0.101, xla_up 0.109, xla 0.108
-    (4096, 4096, 64, "right"): "hybrid",  # hybrid 0.126, xla_up 0.131, xla 0.127
-    (4096, 4096, 128, "right"): "xla_up",  # xla_up 0.134, hybrid 0.173, xla 0.131
-    (4096, 4096, 512, "right"): "xla_up",  # xla_up 0.210, hybrid 0.483, xla 0.214
-    (4096, 11008, 32, "left"): "hybrid",  # hybrid 0.239, xla_up 0.248, xla 0.244
-    # Not reached in session 2's run; session 1 had the XLA step ahead of hybrid here (0.446 vs 0.540 ms),
-    # and xla_up tracks the XLA step at 4096^2 from rank 128 up.
-    (4096, 11008, 128, "left"): "xla_up",
+    # H200, session 3 (benchmarks/results/logs/h200_s3_call1_galore.log), in-place step, ms (+best_up: UP_CONFIG):
+    (4096, 4096, 128, "right"): "hybrid",  # hybrid+best_up 0.1058, xla_up 0.1429, fused+best_up 0.2007, xla 0.1397
+    (4096, 11008, 128, "left"): "hybrid",  # hybrid+best_up 0.2804, xla_up 0.3566, fused+best_up 0.4910, xla 0.3536
+    (4096, 4096, 32, "right"): "hybrid",  # hybrid+best_up 0.0800, fused+best_up 0.1034, xla_up 0.1293, xla 0.1208
+    (4096, 11008, 32, "left"): "hybrid",  # hybrid+best_up 0.1824, fused+best_up 0.2303, xla_up 0.2519, xla 0.2496
+    # session 3: xla_up 0.2115, hybrid+best_up 0.2278, hybrid 0.4994 (4096x11008 r512 did not run)
+    (4096, 4096, 512, "right"): "xla_up",
 }
 
 
@@ -151,6 +194,8 @@ def _store_adam(acc, m_ref, v_ref, m_out, v_out, n_out, idx, mask, s):
     m_new, v_new, n = _adam_epilogue(acc, m, v, s)
     _backend.store(m_out.at[idx], m_new.astype(m_out.dtype), mask=mask)
     _backend.store(v_out.at[idx], v_new.astype(v_out.dtype), mask=mask)
+    if n_out.dtype == jnp.float16:  # |N| is O(1); the clamp only guards the cast (NaN stays NaN)
+        n = jnp.where(jnp.abs(n) > F16_MAX, jnp.where(n > 0, F16_MAX, -F16_MAX), n)
     _backend.store(n_out.at[idx], n.astype(n_out.dtype), mask=mask)
 
 
@@ -186,34 +231,126 @@ def down_adam_fused(g, p, m, v, scalars, *, side: str, interpret: bool = False, 
 
 
 # ------------------------------------------------------------------------------ elementwise low-rank Adam
-def _lowrank_adam_kernel(r_ref, m_ref, v_ref, s_ref, m_out, v_out, n_out, *, size, BLOCK):
+def _lowrank_adam_kernel(r_ref, m_ref, v_ref, s_ref, m_out, v_out, n_out, *, size, splits, BLOCK):
+    # r_ref: (splits * size,) fp32 partial sums (split-K) or (size,) with splits == 1; summed in a fixed order.
     i = pl.program_id(0)
     idx = pl.ds(i * BLOCK, BLOCK)
     mask = i * BLOCK + jnp.arange(BLOCK) < size
     r = _backend.load(r_ref.at[idx], mask=mask, other=0.0).astype(F32)
+    for k in range(1, splits):
+        r = r + _backend.load(r_ref.at[pl.ds(k * size + i * BLOCK, BLOCK)], mask=mask, other=0.0).astype(F32)
     _store_adam(r, m_ref, v_ref, m_out, v_out, n_out, idx, mask, _scalars(s_ref))
 
 
-@functools.partial(jax.jit, static_argnames=("interpret",))
-def lowrank_adam(r, m, v, scalars, *, interpret: bool = False):
-    """Elementwise low-rank Adam on an already projected R (the "hybrid" path). Returns (m', v', N)."""
+@functools.partial(jax.jit, static_argnames=("interpret", "n_dtype"))
+def lowrank_adam(r, m, v, scalars, *, interpret: bool = False, n_dtype=F32):
+    """Elementwise low-rank Adam on an already projected R (the "hybrid" path). Returns (m', v', N).
+
+    `r` is R (m's shape) or split-K partial sums of it (splits, *m.shape) that the kernel adds (fixed order).
+    `n_dtype`: N's dtype (fp32, or fp16 for an fp16 up-projection: clamped to +-F16_MAX)."""
     shape = m.shape
     size = m.size
+    splits = 1 if r.shape == shape else r.shape[0]
+    if r.shape[-2:] != shape or r.ndim not in (2, 3):
+        raise ValueError(f"lowrank_adam: r must have m's shape {shape} or (splits, *{shape}), got {r.shape}")
     block = 1024
     outs = (jax.ShapeDtypeStruct((size,), m.dtype), jax.ShapeDtypeStruct((size,), v.dtype),
-            jax.ShapeDtypeStruct((size,), F32))
-    kern = functools.partial(_lowrank_adam_kernel, size=size, BLOCK=block)
+            jax.ShapeDtypeStruct((size,), n_dtype))
+    kern = functools.partial(_lowrank_adam_kernel, size=size, splits=splits, BLOCK=block)
     call = _backend.triton_call(kern, out_shape=outs, grid=(_cdiv(size, block),), name="pallas_fused_galore_adam",
                                 interpret=interpret, num_warps=4, input_output_aliases={1: 0, 2: 1})
     m2, v2, n = call(r.reshape(-1), m.reshape(-1), v.reshape(-1), scalars)
     return m2.reshape(shape), v2.reshape(shape), n.reshape(shape)
 
 
+# ------------------------------------------------------------------------------------ split-K down-projection
+def _splitk_right_kernel(g_ref, p_ref, o_ref, *, M, N, R, BM, BK, BR, KSTEPS):
+    # o[s, rows, rcols] = G[rows, K slice s] @ P[rcols, K slice s]^T: both tiles K-contiguous (TF32 wgmma's
+    # K-major operands), the K loop pipelined by Triton.
+    i, j, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    rmask = i * BM + jnp.arange(BM) < M
+    qmask = j * BR + jnp.arange(BR) < R
+    k0 = sp * (KSTEPS * BK)
+
+    def body(k, acc):
+        start = k0 + k * BK
+        cmask = start + jnp.arange(BK) < N
+        g = _backend.load(g_ref.at[pl.ds(i * BM, BM), pl.ds(start, BK)], mask=rmask[:, None] & cmask[None, :],
+                          other=0.0)
+        p = _backend.load(p_ref.at[pl.ds(j * BR, BR), pl.ds(start, BK)], mask=qmask[:, None] & cmask[None, :],
+                          other=0.0)
+        return acc + _backend.dot(g.astype(F32), p.astype(F32), trans_b=True, allow_tf32=True)
+
+    acc = lax.fori_loop(0, KSTEPS, body, jnp.zeros((BM, BR), F32))
+    _backend.store(o_ref.at[sp, pl.ds(i * BM, BM), pl.ds(j * BR, BR)], acc, mask=rmask[:, None] & qmask[None, :])
+
+
+def _splitk_left_kernel(g_ref, pt_ref, o_ref, *, M, N, R, BN, BK, BR, KSTEPS, g_regs):
+    # o[s, rrows, cols] = P^T[rrows, K slice s] @ G[K slice s, cols], computed transposed,
+    # acc[cols, rrows] = G^T @ (P^T)^T: G's tile (K x cols, cols contiguous) is not K-major, so it is the A
+    # operand (Triton transposes it into shared memory, or with g_regs routes it through registers); P^T (r, M),
+    # transposed once by XLA, is the K-major B operand.
+    j, q, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    cmask = j * BN + jnp.arange(BN) < N
+    qmask = q * BR + jnp.arange(BR) < R
+    k0 = sp * (KSTEPS * BK)
+
+    def body(k, acc):
+        start = k0 + k * BK
+        kmask = start + jnp.arange(BK) < M
+        gmask = kmask[:, None] & cmask[None, :]
+        g = _backend.load(g_ref.at[pl.ds(start, BK), pl.ds(j * BN, BN)], mask=gmask, other=0.0)
+        if g_regs:  # the same values; the select keeps Triton from copying G straight into shared memory
+            g = jnp.where(gmask, g, 0.0)
+        pt = _backend.load(pt_ref.at[pl.ds(q * BR, BR), pl.ds(start, BK)], mask=qmask[:, None] & kmask[None, :],
+                           other=0.0)
+        return acc + _backend.dot(g.astype(F32), pt.astype(F32), trans_a=True, trans_b=True, allow_tf32=True)
+
+    acc = lax.fori_loop(0, KSTEPS, body, jnp.zeros((BN, BR), F32))
+    _backend.store(o_ref.at[sp, pl.ds(q * BR, BR), pl.ds(j * BN, BN)], acc.T, mask=qmask[:, None] & cmask[None, :])
+
+
+def _blocks_splitk(side) -> DownConfig:
+    return DOWN_CONFIG[side] if isinstance(DOWN_CONFIG, dict) else DOWN_CONFIG
+
+
+def down_splitk(g, p, *, side: str, interpret: bool = False, blocks=None):
+    """Split-K down-projection R = G P^T (side right) or P^T G (side left), TF32 on G's dtype upcast to fp32:
+    returns the (splits, *R.shape) fp32 partial sums, for `lowrank_adam` to add. `blocks`: a `DownConfig`
+    (or a tuple of its fields) overriding `DOWN_CONFIG` (read here, outside the jit cache)."""
+    cfg = DownConfig(*blocks) if blocks else _blocks_splitk(side)
+    return _down_splitk(g, p, side=side, interpret=interpret, cfg=cfg)
+
+
+@functools.partial(jax.jit, static_argnames=("side", "interpret", "cfg"))
+def _down_splitk(g, p, *, side, interpret, cfg: DownConfig):
+    M, N = g.shape
+    R = p.shape[0] if side == "right" else p.shape[1]
+    br = min(cfg.br, _rank_block(R))
+    K, keep = (N, M) if side == "right" else (M, N)
+    splits = max(1, min(cfg.splits, _cdiv(K, cfg.bk)))
+    ksteps = _cdiv(_cdiv(K, splits), cfg.bk)  # K chunks per split (the last split's tail is masked)
+    low = (M, R) if side == "right" else (R, N)
+    grid = (_cdiv(keep, cfg.bm), _cdiv(R, br), splits)
+    if side == "right":
+        kern = functools.partial(_splitk_right_kernel, M=M, N=N, R=R, BM=cfg.bm, BK=cfg.bk, BR=br, KSTEPS=ksteps)
+        operand = p
+    else:
+        kern = functools.partial(_splitk_left_kernel, M=M, N=N, R=R, BN=cfg.bm, BK=cfg.bk, BR=br, KSTEPS=ksteps,
+                                 g_regs=cfg.g_regs)
+        operand = p.T  # (r, M): 2 MB at M 4096, r 128, transposed once
+    call = _backend.triton_call(kern, out_shape=jax.ShapeDtypeStruct((splits, *low), F32), grid=grid,
+                                name="pallas_fused_galore_down_splitk", interpret=interpret,
+                                num_warps=cfg.warps, num_stages=cfg.stages)
+    return call(g, operand)
+
+
 # ------------------------------------------------------------------------------------ up + full update
-def _up_kernel(*refs, M, N, R, BM, BN, BR, TM, TN, inplace, has_w, w_first):
+def _up_kernel(*refs, M, N, R, BM, BN, BR, TM, TN, inplace, has_w, w_first, f16):
     # acc[BM, BN] = A[rows, :] @ B[:, cols] with K = R; A, B = (N, P) on side right, (P, N) on side left.
     # A program owns TM x TN tiles (row-major order): a loop whose loads Triton pipelines.
     w_ref, a_ref, b_ref, s_ref, o_ref = refs if has_w else (None, *refs)
+    op_dtype = jnp.float16 if f16 else F32  # the GEMM's operand dtype (see the fp16 note at UpConfig)
     ii, jj = pl.program_id(0), pl.program_id(1)
     _, _, _, _, _, ca, cc, ok = _scalars(s_ref)
     T = TM * TN
@@ -233,13 +370,13 @@ def _up_kernel(*refs, M, N, R, BM, BN, BR, TM, TN, inplace, has_w, w_first):
         i, _, rmask, _, _, _ = tile_index(t)
         kmask = k * BR + jnp.arange(BR) < R
         return _backend.load(a_ref.at[pl.ds(i * BM, BM), pl.ds(k * BR, BR)], mask=rmask[:, None] & kmask[None, :],
-                             other=0.0).astype(F32)
+                             other=0.0).astype(op_dtype)
 
     def load_b(t, k):
         _, j, _, cmask, _, _ = tile_index(t)
         kmask = k * BR + jnp.arange(BR) < R
         return _backend.load(b_ref.at[pl.ds(k * BR, BR), pl.ds(j * BN, BN)], mask=kmask[:, None] & cmask[None, :],
-                             other=0.0).astype(F32)
+                             other=0.0).astype(op_dtype)
 
     # One K chunk (BR >= R): the operand shared by all the program's tiles (A rows along a column loop, B
     # columns along a row loop) is loaded once.
@@ -267,7 +404,7 @@ def _up_kernel(*refs, M, N, R, BM, BN, BR, TM, TN, inplace, has_w, w_first):
         def body(k, acc):
             a = a_once if a_once is not None else load_a(t, k)
             b = b_once if b_once is not None else load_b(t, k)
-            return acc + _backend.dot(a, b, allow_tf32=True)
+            return acc + _backend.dot(a, b, allow_tf32=None if f16 else True)
 
         acc = lax.fori_loop(0, _cdiv(R, BR), body, jnp.zeros((BM, BN), F32))
         if has_w and not w_first:
@@ -288,6 +425,12 @@ def _up_kernel(*refs, M, N, R, BM, BN, BR, TM, TN, inplace, has_w, w_first):
 def _blocks_up(rank, side) -> UpConfig:
     cfg = UP_CONFIG[side] if isinstance(UP_CONFIG, dict) else UP_CONFIG
     return cfg._replace(br=min(_rank_block(rank), cfg.br))
+
+
+def up_operands(rank: int, side: str):
+    """(N's dtype, whether P is cast to fp16 once per step) for the default up-projection configuration."""
+    cfg = _blocks_up(rank, side)
+    return (jnp.float16 if cfg.f16 else F32), bool(cfg.f16 and cfg.p16)
 
 
 def up_update(w, n, p, scalars, *, side: str, inplace: bool = False, interpret: bool = False, blocks=None,
@@ -320,7 +463,7 @@ def _up_update(w, n, p, scalars, *, side, inplace, interpret, cfg: UpConfig, dty
     a, b = (n, p) if side == "right" else (p, n)
     has_w = w is not None
     kern = functools.partial(_up_kernel, M=M, N=N, R=R, BM=cfg.bm, BN=cfg.bn, BR=cfg.br, TM=cfg.tm, TN=cfg.tn,
-                             inplace=inplace, has_w=has_w, w_first=cfg.w_first)
+                             inplace=inplace, has_w=has_w, w_first=cfg.w_first, f16=cfg.f16)
     call = _backend.triton_call(kern, out_shape=jax.ShapeDtypeStruct((M, N), dtype),
                                 grid=(_cdiv(_cdiv(M, cfg.bm), cfg.tm), _cdiv(_cdiv(N, cfg.bn), cfg.tn)),
                                 name="pallas_fused_galore_up_inplace" if inplace else "pallas_fused_galore_up",
@@ -334,15 +477,24 @@ def leaf_step(variant: str, w, g, m, v, p, scalars, *, side: str, inplace: bool,
               up_blocks=None, down_blocks=None):
     """One projected leaf through `variant` (one of VARIANTS): returns (out, m', v'), out being the update
     (in W's dtype, or G's when w is None: no weight decay) or, with `inplace`, the new W. `up_blocks` /
-    `down_blocks` override the kernels' launch configurations (tuning)."""
+    `down_blocks` override the kernels' launch configurations (tuning: an UpConfig, and a DownConfig for
+    "splitk" or a (kept block, K block, warps, stages) tuple for "fused")."""
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+    rank = p.shape[0] if side == "right" else p.shape[1]
+    up = UpConfig(*up_blocks) if up_blocks else _blocks_up(rank, side)
+    # an fp16 up-projection takes N in fp16 straight from the Adam kernel (and P cast once with p16)
+    n_dtype = jnp.float16 if up.f16 and variant != "xla_up" else F32  # (as `up_operands`)
     if variant == "fused":
         m, v, n = down_adam_fused(g, p, m, v, scalars, side=side, interpret=interpret, blocks=down_blocks)
+    elif variant == "splitk":
+        partials = down_splitk(g, p, side=side, interpret=interpret, blocks=down_blocks)
+        m, v, n = lowrank_adam(partials, m, v, scalars, interpret=interpret, n_dtype=n_dtype)
     else:
-        m, v, n = lowrank_adam(reference.project(g, p, side), m, v, scalars, interpret=interpret)
+        m, v, n = lowrank_adam(reference.project(g, p, side), m, v, scalars, interpret=interpret, n_dtype=n_dtype)
     if variant != "xla_up":
-        out = up_update(w, n, p, scalars, side=side, inplace=inplace, interpret=interpret, blocks=up_blocks,
+        p_up = p.astype(jnp.float16) if up.f16 and up.p16 else p
+        out = up_update(w, n, p_up, scalars, side=side, inplace=inplace, interpret=interpret, blocks=up,
                         out_dtype=g.dtype)
         return out, m, v
     s = reference.Scalars(*(scalars[i] for i in range(8)))

@@ -93,7 +93,12 @@ def test_inplace_step_is_bit_identical(kernel_impl):
     for t in range(4):
         p, s = step(p, _grads(t, params), s)
     for k in p:
-        np.testing.assert_array_equal(p[k], traj[-1][k])
+        if kernel_impl == "interpret":
+            # interpret mode runs the kernels through XLA:CPU, whose fusion of the in-place kernel's extra
+            # `W + update` may contract a different product of `a W + c acc` into an FMA: 1 ulp apart at most
+            np.testing.assert_allclose(p[k], traj[-1][k], rtol=1.2e-7, atol=0)
+        else:
+            np.testing.assert_array_equal(p[k], traj[-1][k])
     jax.tree.map(np.testing.assert_array_equal, s, state)
 
 

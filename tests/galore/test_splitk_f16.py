@@ -1,0 +1,167 @@
+"""The split-K down-projection (variant "splitk"), the low-rank Adam kernel on its partial sums and with an fp16 N,
+and the up-projection on fp16 operands, against float64 ground truths (CPU: interpret mode, small odd shapes)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_fused.galore import api, kernel, reference
+from tests.galore.test_kernels import _exact, _inputs
+from tests.helpers import assert_all_written, assert_close, rand
+
+# DownConfig(bm, bk, splits, br, warps, stages) on rank 24 (rank block 32): 3 splits over 3 K chunks of 16 with a
+# masked tail; splits past the K chunks (clipped to their number); two rank blocks of 16 (the second masked past
+# rank 24), G through registers on side left; one split.
+DOWN_CONFIGS = [kernel.DownConfig(16, 16, 3, 32, 4, 2), kernel.DownConfig(32, 32, 9, 32, 4, 3),
+                kernel.DownConfig(16, 16, 2, 16, 4, 2, True), kernel.DownConfig(32, 16, 1, 32, 4, 1)]
+
+
+def _tf32(x):
+    """float64 copy of x rounded to TF32's 10-bit mantissa (what the tensor cores multiply)."""
+    u = np.asarray(jnp.asarray(x, jnp.float32)).view(np.uint32).astype(np.uint64)
+    u = ((u + 0x1000) & 0xFFFFE000).astype(np.uint32)
+    return u.view(np.float32).astype(np.float64)
+
+
+@pytest.mark.parametrize("cfg", DOWN_CONFIGS, ids=lambda c: "_".join(map(str, c)))
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_down_splitk_partials(kernel_impl, cfg, side):
+    shape = (70, 45) if side == "right" else (45, 70)
+    g, w, p, m, v, s = _inputs(shape, 24, side, jnp.float32, seed=4)
+    r_ex, m_ex, v_ex, n_ex, _ = _exact(g, w, p, m, v, side, s)
+    interpret = kernel_impl == "interpret"
+    parts = kernel.down_splitk(g, p, side=side, interpret=interpret, blocks=cfg)
+    k_chunks = -(-(shape[1] if side == "right" else shape[0]) // cfg.bk)
+    assert parts.shape == (min(cfg.splits, k_chunks), *m.shape) and parts.dtype == jnp.float32
+    assert_all_written(parts, "partials")
+    base = reference.project(g, p, side)
+    assert_close(parts.sum(0), r_ex, baseline=base, floor=2e-6, what=f"sum of partials {side} {cfg}")
+    # the Adam kernel adds them (in a fixed order) before its step
+    m2, v2, n = kernel.lowrank_adam(parts, m, v, s.pack(), interpret=interpret)
+    m_x, v_x, n_x = reference.lowrank_adam(base, m, v, s)
+    for what, out, ex, b in [("m", m2, m_ex, m_x), ("v", v2, v_ex, v_x), ("N", n, n_ex, n_x)]:
+        assert_close(out, ex, baseline=b, floor=2e-5, what=f"{what} from partials {side}")
+
+
+def test_lowrank_adam_fp16_n_and_bad_partials(kernel_impl):
+    g, w, p, m, v, s = _inputs((37, 53), 5, "right", jnp.float32, seed=5)
+    r = reference.project(g, p, "right")
+    _, _, n_ex = reference.lowrank_adam(r, m, v, s)
+    _, _, n16 = kernel.lowrank_adam(r, m, v, s.pack(), interpret=kernel_impl == "interpret", n_dtype=jnp.float16)
+    assert n16.dtype == jnp.float16
+    assert_close(n16, np.asarray(n_ex, np.float64), floor=1e-3, what="fp16 N")  # fp16 rounding: 2^-11 relative
+    with pytest.raises(ValueError, match="r must have"):
+        kernel.lowrank_adam(jnp.ones((2, 5, 37)), m, v, s.pack(), interpret=True)
+
+
+def test_fp16_n_clamped_nan_kept():
+    """An fp16 N is clamped to +-F16_MAX (an absurd eps-free ratio) and a NaN stays NaN (never hidden)."""
+    m = jnp.array([[1e6, -1e6, jnp.nan, 0.5]], jnp.float32)
+    v = jnp.zeros_like(m)
+    s = reference.Scalars(0.0, 1.0, 1e-12, 1.0, 1.0, 0.0, 1.0, 1.0)  # b1 0: m' = R; b2 1: v' = v = 0
+    _, _, n = kernel.lowrank_adam(m, m, v, s.pack(), interpret=True, n_dtype=jnp.float16)
+    n = np.asarray(n, np.float32)[0]
+    assert n[0] == kernel.F16_MAX and n[1] == -kernel.F16_MAX and np.isnan(n[2]) and np.isfinite(n[3])
+
+
+# UpConfig(bm, bn, br, warps, stages, w_first, tn, tm, f16, p16): fp16 operands over a row loop, a column loop
+# with prefetched W, 2 x 2 tiles with 2 K chunks, with P in fp16 too.
+F16_CONFIGS = [kernel.UpConfig(16, 32, 32, 4, 2, True, 1, 3, True), kernel.UpConfig(16, 16, 16, 4, 2, True, 3, 1, True),
+               kernel.UpConfig(16, 16, 16, 4, 1, False, 2, 2, True, True),
+               kernel.UpConfig(32, 16, 32, 4, 3, False, 1, 1, True, True)]
+
+
+@pytest.mark.parametrize("cfg", F16_CONFIGS, ids=lambda c: "_".join(map(str, c)))
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_up_update_fp16_operands_as_exact_as_tf32(kernel_impl, cfg, side):
+    """fp16 operands (N written in fp16, P cast) are as exact as TF32: the error of the update against the
+    float64 product is within 2x that of the float64 product of TF32-rounded operands (module note in kernel.py)."""
+    shape = (70, 45) if side == "right" else (45, 70)
+    g, w, p, m, v, s = _inputs(shape, 24, side, jnp.float32, seed=6)
+    n = jnp.asarray(_exact(g, w, p, m, v, side, s)[3], jnp.float32)
+    n64, p64 = np.asarray(n, np.float64), np.asarray(p, np.float64)
+    back = lambda n, p: n @ p if side == "right" else p @ n  # noqa: E731
+    exact = s.c * back(n64, p64)
+    tf32 = s.c * back(_tf32(n), _tf32(p))
+    interpret = kernel_impl == "interpret"
+    out = kernel.up_update(None, n.astype(jnp.float16), p.astype(jnp.float16) if cfg.p16 else p, s.pack(), side=side,
+                           interpret=interpret, blocks=cfg, out_dtype=jnp.float32)
+    assert out.dtype == jnp.float32
+    assert_all_written(out)
+    assert_close(out, exact, baseline=tf32, floor=1e-6, what=f"fp16 up {side} {cfg}")
+    # and the same configuration given fp32 N and P (cast in registers)
+    out32 = kernel.up_update(None, n, p, s.pack(), side=side, interpret=interpret, blocks=cfg, out_dtype=jnp.float32)
+    assert_close(out32, exact, baseline=tf32, floor=1e-6, what=f"fp16 up, fp32 inputs {side} {cfg}")
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_leaf_step_splitk_fp16_up(kernel_impl, side, dtype):
+    """The splitk and hybrid variants with an fp16 up-projection, in place and as an update, fp32 and bf16 params,
+    at TF32's tolerance against float64 (the moments are fp32 and TF32-free: tight)."""
+    shape = (37, 53) if side == "left" else (53, 37)
+    g, w, p, m, v, s = _inputs(shape, 5, side, dtype, seed=8)
+    r_ex, m_ex, v_ex, n_ex, upd_ex = _exact(g, w, p, m, v, side, s)
+    interpret = kernel_impl == "interpret"
+    up = kernel.UpConfig(16, 32, 16, 4, 2, True, 1, 2, True, side == "left")
+    w64 = np.asarray(jnp.asarray(w, jnp.float32), np.float64)
+    for variant in ("splitk", "hybrid"):
+        out, m2, v2 = kernel.leaf_step(variant, w, g, m, v, p, s.pack(), side=side, inplace=False, interpret=interpret,
+                                       up_blocks=up, down_blocks=kernel.DownConfig(16, 16, 2, 16, 4, 2))
+        assert out.dtype == dtype
+        floor = 8e-3 if dtype == jnp.bfloat16 else 2e-3
+        assert_close(out, upd_ex, floor=floor, what=f"{variant} update {side} {jnp.dtype(dtype).name}")
+        assert_close(m2, m_ex, floor=2e-5, what=f"{variant} m")
+        assert_close(v2, v_ex, floor=2e-5, what=f"{variant} v")
+        new_w, _, _ = kernel.leaf_step(variant, w, g, m, v, p, s.pack(), side=side, inplace=True, interpret=interpret,
+                                       up_blocks=up, down_blocks=kernel.DownConfig(16, 16, 2, 16, 4, 2))
+        assert new_w.dtype == dtype
+        assert_close(new_w, w64 + upd_ex, floor=4e-3 if dtype == jnp.bfloat16 else 1e-6, what=f"{variant} in place")
+
+
+def test_api_splitk_and_fp16_default(monkeypatch):
+    """kernel="splitk" through the optax transform and the in-place step, with an fp16 default up configuration:
+    the reference's numbers at TF32 tolerance."""
+    monkeypatch.setattr(kernel, "UP_CONFIG", kernel.UpConfig(16, 32, 16, 4, 2, True, 1, 2, True, True))
+    monkeypatch.setattr(kernel, "DOWN_CONFIG", kernel.DownConfig(16, 16, 2, 16, 4, 2))
+    params = {"w": jax.random.normal(jax.random.key(0), (24, 40)), "b": jnp.ones((40,))}
+    grads = {"w": jax.random.normal(jax.random.key(1), (24, 40)), "b": jnp.ones((40,))}
+    outs = {}
+    for impl, kern in [("xla", "auto"), ("interpret", "splitk")]:
+        tx = api.galore_adamw(1e-2, rank=4, weight_decay=0.1, implementation=impl, kernel=kern)
+        state = tx.init(params)
+        u, state = tx.update(grads, state, params)
+        u, state = tx.update(grads, state, params)
+        step = api.galore_adamw_inplace(1e-2, rank=4, weight_decay=0.1, implementation=impl, kernel=kern)
+        p2, _ = step.step(params, grads, step.init(params))
+        outs[impl] = (u["w"], p2["w"], state.mu["w"])
+    for a, b in zip(outs["xla"], outs["interpret"]):
+        np.testing.assert_allclose(a, b, rtol=3e-3, atol=3e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(4096, 4096), (4096, 11008)])
+def test_splitk_and_fp16_up_gpu(shape):
+    """The split-K kernel under every DOWN_CANDIDATES entry, and the splitk / hybrid steps with every fp16
+    UP_CANDIDATES entry, at full size against the HIGHEST-precision reference (TF32 tolerance)."""
+    from benchmarks.bench_galore import DOWN_CANDIDATES, UP_CANDIDATES
+
+    rank = 128
+    side = reference.projector_side(shape, "std")
+    g, w = rand(0, shape), rand(1, shape)
+    q = jnp.linalg.qr(rand(2, (shape[1] if side == "right" else shape[0], rank)))[0]
+    p = q.T if side == "right" else q
+    low = reference.lowrank_shape(shape, rank, side)
+    m, v = rand(3, low, scale=0.1), jnp.abs(rand(4, low, scale=0.1)) + 0.01
+    s = reference.Scalars(0.9, 0.999, 1e-6, 1.0, 1.0, -1e-5, -2.5e-4, 1.0)
+    hi = jax.lax.Precision.HIGHEST
+    r_hi = reference.project(g, p, side, precision=hi)
+    for cfg in DOWN_CANDIDATES:
+        assert_close(kernel.down_splitk(g, p, side=side, blocks=cfg).sum(0), r_hi, floor=5e-3, what=f"splitk {cfg}")
+    exact, _, _ = reference.galore_adam_step(w, g, m, v, p, side, s, inplace=True, precision=hi)
+    delta = exact - w
+    for cfg in [c for c in UP_CANDIDATES if c.f16]:
+        for variant in ("splitk", "hybrid"):
+            out, _, _ = kernel.leaf_step(variant, w, g, m, v, p, s.pack(), side=side, inplace=True, up_blocks=cfg)
+            assert_close(out - w, delta, floor=5e-3, what=f"{variant} {cfg} update (TF32 / fp16 operands)")
