@@ -121,18 +121,38 @@ def _dense_w(kind, ops, dtype):
     return ops[0].astype(dtype)
 
 
-def _merged_weight(kind, ops, ap, bp, g, scale, interpret, config):
-    """(W + s A B) * g in the compute dtype (K, N): one Pallas pass over W (the epilogue kernel with z = W,
-    xa = A). Dense or int8 W (QDoRA with gemm="merged": a transient full-precision weight, never stored)."""
+def _check_mergeable(kind):
     if kind not in ("dense", "int8"):
         raise ValueError("dora_dense: gemm='merged' supports dense and Int8Kernel kernels; use gemm='auto' or "
                          "'pallas' for NF4Kernel")
 
+
+def _merged_weight(kind, ops, ap, bp, g, scale, interpret, config):
+    """(W + s A B) * g in the compute dtype (K, N): one Pallas pass over W. Dense or int8 W (QDoRA with
+    gemm="merged": a transient full-precision weight)."""
+    _check_mergeable(kind)
+
     def launch(*a):  # sharded: both weight axes split, the rank gathered
-        w, zscale = (a[0], None) if kind == "dense" else a[:2]
-        return K.epilogue(w, *a[-4:], None, interpret=interpret, config=config, zscale=zscale, out_dtype=ap.dtype)
+        ap_, bp_, g_, scale_ = a[-4:]
+        return K.merge_weight(a[:-4], kind, ap_, bp_, scale_, g=g_, interpret=interpret, config=config)
 
     return _shard(launch, kind, "{w}, k r, r n, n, -> k n", replicated=("r",))(*ops, ap, bp, g, scale)
+
+
+def _norm_and_merged_weight(kind, ops, ap, bp, scale, m, interpret, config):
+    """(n, g, (W + s A B) * g). On one device two launches and no XLA op between them: the column norm's partial
+    sums over row ranges, then the merge launch, which finishes g from them; sharded, the norm + psum, then the
+    merge."""
+    _check_mergeable(kind)
+    if jax.device_count() == 1:
+        if config.merge_in_norm and kind == "dense" and K.expand_supported(ops, kind, ap, config.expand_max_rank):
+            return K.norm_and_merge(ops, ap, bp, scale, m, interpret=interpret, config=config)
+        parts = K.column_partials(ops, kind, ap, bp, scale, interpret=interpret, config=config, rows=config.mnorm_rows)
+        wm, n, g = K.merge_weight(ops, kind, ap, bp, scale, partials=parts, magnitude=m, interpret=interpret,
+                                  config=config)
+        return n, g, wm
+    n, g = _column_norm_scale(ops, kind, ap, bp, scale, m, interpret, config)
+    return n, g, _merged_weight(kind, ops, ap, bp, g, scale, interpret, config)
 
 
 def _xa(x, ap):
@@ -144,17 +164,13 @@ def _forward(statics, x, ops, a, b, m, bias, scale):
     dt = x.dtype
     ap, bp = _pad_rank(a, b)
     if gemm == "merged":
-        # y = x ((W + s A B) g) + bias: one cuBLAS GEMM on the merged weight (x A is left to the backward).
-        if (config.merge_in_norm and kind == "dense" and jax.device_count() == 1
-                and K.expand_supported(ops, kind, ap, config.expand_max_rank)):
-            n, g, wm = K.norm_and_merge(ops, ap, bp, scale, m, interpret=interpret, config=config)
-        else:
-            n, g = _column_norm_scale(ops, kind, ap, bp, scale, m, interpret, config)
-            wm = _merged_weight(kind, ops, ap, bp, g, scale, interpret, config)
+        # y = x ((W + s A B) g) + bias: one cuBLAS GEMM on the merged weight (x A is left to the backward). The
+        # merged weight is kept for the backward's dx = dy wm^T (one bf16 copy of W per layer in memory).
+        n, g, wm = _norm_and_merged_weight(kind, ops, ap, bp, scale, m, interpret, config)
         if bias is None:
-            return jnp.dot(x, wm), (ap, bp, n, g, None)
+            return jnp.dot(x, wm), (ap, bp, n, g, None, wm)
         y = jnp.dot(x, wm, preferred_element_type=jnp.float32) + bias.astype(jnp.float32)
-        return y.astype(dt), (ap, bp, n, g, None)
+        return y.astype(dt), (ap, bp, n, g, None, wm)
     n, g = _column_norm_scale(ops, kind, ap, bp, scale, m, interpret, config)
     xa = _xa(x, ap)
     if gemm in ("pallas", "fused"):
@@ -176,7 +192,7 @@ def _forward(statics, x, ops, a, b, m, bias, scale):
             rule = "m n, m r, r n, n, " + ("" if bias is None else ", n") + " -> m n"
             y = _shard(epi, "dense", rule, replicated=("r",))(jnp.dot(x, w), xa, bp, g, scale,
                                                               *(() if bias is None else (bias,)))
-            return y, (ap, bp, n, g, xa)
+            return y, (ap, bp, n, g, xa, None)
         if gemm == "xla_epilogue":
             # cuBLAS x W and (x A) B, the scale + bias left to an XLA elementwise fusion (what the
             # jnp reference does, with the Pallas column norm).
@@ -194,7 +210,7 @@ def _forward(statics, x, ops, a, b, m, bias, scale):
         if bias is not None:
             y = y + bias.astype(jnp.float32)
         y = y.astype(dt)
-    return y, (ap, bp, n, g, xa)
+    return y, (ap, bp, n, g, xa, None)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -203,13 +219,13 @@ def _dora_2d(statics, x, ops, a, b, m, bias, scale):
 
 
 def _dora_2d_fwd(statics, x, ops, a, b, m, bias, scale):
-    y, (ap, bp, n, g, xa) = _forward(statics, x, ops, a, b, m, bias, scale)
-    return y, (x, ops, ap, bp, m, bias, scale, n, g, xa, y)
+    y, (ap, bp, n, g, xa, wm) = _forward(statics, x, ops, a, b, m, bias, scale)
+    return y, (x, ops, ap, bp, m, bias, scale, n, g, xa, y, wm)
 
 
 def _dora_2d_bwd(statics, res, dy):
     kind, gemm, interpret, config, exact, rank, fin = statics
-    x, ops, ap, bp, m, bias, scale, n, g, xa, y = res
+    x, ops, ap, bp, m, bias, scale, n, g, xa, y, wm = res
     dt = x.dtype
     gs = g * scale
     # us = s (dy * g) B^T, with g folded into the tiny B instead of the big dy.
@@ -225,7 +241,9 @@ def _dora_2d_bwd(statics, res, dy):
         # (one Pallas pass over W, and no float32 (M, in) partial results); with few tokens g goes on dy
         # and the low-rank term is a second, small GEMM.
         fin_, fout_ = ap.shape[0], bp.shape[1]
-        if kind == "int8" or dy.shape[0] * (fout_ + 3.5 * fin_) >= fin_ * fout_:
+        if wm is not None:  # gemm="merged" kept it
+            dx = jnp.dot(dy, wm.T)
+        elif kind == "int8" or dy.shape[0] * (fout_ + 3.5 * fin_) >= fin_ * fout_:
             dx = jnp.dot(dy, _merged_weight(kind, ops, ap, bp, g, scale, interpret, config).T)
         else:
             w = _dense_w(kind, ops, dt)

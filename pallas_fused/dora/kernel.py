@@ -131,6 +131,15 @@ class Config:
     # gemm="merged": form (W + s A B) g inside the column-norm launch (one program per column strip, over all
     # rows; tiles xnorm_*) instead of a second pass over W by the epilogue kernel. Untimed: the sweep decides.
     merge_in_norm: bool = False
+    # gemm="merged" (forward): the column norm launch writes partial sums over row ranges of `mnorm_rows` (more
+    # programs in flight than one per column strip) and the merge launch finishes g from them (`merge_weight`).
+    mnorm_rows: int = 1024
+    # merge_weight tiles: (W rows, W columns) per program; H200 session 2, as the epilogue kernel forming the
+    # merged weight: 128 x 64 with 4 warps was the fastest of 4 tilings at 4096 -> 4096 (0.2261 ms layer forward).
+    merge_bk: int = 128
+    merge_bn: int = 64
+    merge_warps: int = 4
+    merge_reverse: bool = True  # walk W in the reverse of the norm launch's order (L2 hits on the tiles it read last)
     epi_bm: int = 64  # gemm="epilogue": tile of the standalone epilogue kernel (untimed guess)
     epi_bn: int = 128
     epi_warps: int = 4
@@ -210,8 +219,17 @@ def _colnorm_kernel(*refs, kind, K, N, R, bk, bn, rows_per_prog, kloop):
 
 def column_sumsq(weight, kind: str, lora_a, lora_b, scale, *, interpret: bool, config: Config = DEFAULT):
     """sum over the input axis of (W + s A B)^2, float32 (out,). `lora_a` (K, R), `lora_b` (R, N), R padded."""
+    return jnp.sum(column_partials(weight, kind, lora_a, lora_b, scale, interpret=interpret, config=config), axis=0)
+
+
+def column_partials(weight, kind: str, lora_a, lora_b, scale, *, interpret: bool, config: Config = DEFAULT,
+                    rows: int | None = None):
+    """Partial sums of squares of W + s A B over row ranges, float32 (nsplit, out): one launch, no reduction
+    after it (`merge_weight` or `column_sumsq` sums the nsplit rows). `rows`: rows per program of the "expand"
+    kernel (default config.xnorm_rows)."""
     if config.norm_mode == "expand" and expand_supported(weight, kind, lora_a, config.expand_max_rank):
-        return _expand_launch(weight, kind, lora_a, lora_b, scale, None, interpret=interpret, config=config)
+        return _expand_launch(weight, kind, lora_a, lora_b, scale, None, interpret=interpret, config=config,
+                              rows=rows)
     K, R = lora_a.shape
     N = lora_b.shape[1]
     if kind == "nf4":
@@ -237,7 +255,7 @@ def column_sumsq(weight, kind: str, lora_a, lora_b, scale, *, interpret: bool, c
         num_warps=config.norm_warps,
         num_stages=config.norm_stages,
     )(*weight, lora_a, lora_b, jnp.reshape(jnp.asarray(scale, jnp.float32), (1,)))
-    return jnp.sum(partial_sums, axis=0)
+    return partial_sums
 
 
 def _bf16_parts(v, n: int):
@@ -353,11 +371,12 @@ def expand_supported(weight, kind: str, lora_a, max_rank: int | None = None) -> 
     return kind == "dense" and weight[0].dtype == lora_a.dtype
 
 
-def _expand_launch(weight, kind, lora_a, lora_b, scale, magnitude, *, interpret, config):
+def _expand_launch(weight, kind, lora_a, lora_b, scale, magnitude, *, interpret, config, rows=None):
+    """(n, g) when `magnitude` is given and one program covers all rows; otherwise (nsplit, N) partial sums."""
     K, R = lora_a.shape
     N = lora_b.shape[1]
     bk, bn = _tile(K, config.xnorm_bk), _tile(N, config.xnorm_bn)
-    rows_per_prog = max(bk, min(_pow2(config.xnorm_rows, bk), _pow2(K, bk)))
+    rows_per_prog = max(bk, min(_pow2(rows or config.xnorm_rows, bk), _pow2(K, bk)))
     nsplit = _cdiv(K, rows_per_prog)
     finish = magnitude is not None and nsplit == 1
     kernel = functools.partial(_colnorm_expand_kernel, kind=kind, K=K, N=N, R=R, bk=bk, bn=bn,
@@ -374,7 +393,7 @@ def _expand_launch(weight, kind, lora_a, lora_b, scale, magnitude, *, interpret,
         num_warps=config.xnorm_warps,
         num_stages=config.xnorm_stages,
     )(*args, *((magnitude,) if finish else ()))
-    return out if finish else jnp.sum(out, axis=0)
+    return out
 
 
 def norm_and_merge(weight, lora_a, lora_b, scale, magnitude, *, interpret: bool, config: Config = DEFAULT):
@@ -397,6 +416,81 @@ def norm_and_merge(weight, lora_a, lora_b, scale, magnitude, *, interpret: bool,
     )(*weight, lora_a, lora_b, jnp.reshape(jnp.asarray(scale, jnp.float32), (1,)), magnitude)
 
 
+# ----------------------------------------------------------------------------------------------------
+# Merged weight: (W + s A B) * g, g finished from the column norm's partial sums in the same launch.
+# ----------------------------------------------------------------------------------------------------
+
+
+def _merge_kernel(*refs, kind, K, N, R, bk, bn, nsplit, from_partials, reverse):
+    nw = _num_weight_refs(kind)
+    w_refs = refs[:nw]
+    a_ref, b_ref, s_ref = refs[nw:nw + 3]
+    if from_partials:
+        part_ref, m_ref, vg_ref, n_ref, g_ref = refs[nw + 3:]
+    else:
+        gin_ref, vg_ref = refs[nw + 3:]
+    nkb, nnb = _cdiv(K, bk), _cdiv(N, bn)
+    pid = pl.program_id(0)
+    if reverse:  # the norm launch read W top to bottom: start where it ended (those tiles are likeliest in L2)
+        pid = nkb * nnb - 1 - pid
+    kb, nb = pid // nnb, pid % nnb
+    k0 = pl.multiple_of(kb * bk, bk)
+    n0 = pl.multiple_of(nb * bn, bn)
+    rmask = _in_bounds(k0, bk, K, K % bk == 0)
+    cmask = _in_bounds(n0, bn, N, N % bn == 0)
+    if from_partials:
+        # g = m / sqrt(sum of the nsplit partial sums), per program (nsplit x bn floats: cheap); row block 0
+        # also writes n and g for the backward.
+        sp = _pow2(nsplit, 1)
+        smask = None if sp == nsplit else jnp.arange(sp) < nsplit
+        part = _load(part_ref.at[pl.ds(0, sp), pl.ds(n0, bn)], _mask(smask, cmask, (sp, bn)))
+        n = jnp.sqrt(jnp.sum(part, axis=0))
+        g = _load(m_ref.at[pl.ds(n0, bn)], cmask, 1.0).astype(jnp.float32) / n
+        first = jnp.logical_and(n0 + jnp.arange(bn) < N, kb == 0)
+        _backend.store(n_ref.at[pl.ds(n0, bn)], n, mask=first)
+        _backend.store(g_ref.at[pl.ds(n0, bn)], g, mask=first)
+    else:
+        g = _load(gin_ref.at[pl.ds(n0, bn)], cmask, 1.0).astype(jnp.float32)
+    w = _load(w_refs[0].at[pl.ds(k0, bk), pl.ds(n0, bn)], _mask(rmask, cmask, (bk, bn))).astype(jnp.float32)
+    if kind == "int8":
+        w = w * _load(w_refs[1].at[pl.ds(n0, bn)], cmask, 1.0)[None, :]
+    a = _load(a_ref.at[pl.ds(k0, bk), :], _mask(rmask, None, (bk, R)))
+    b = _load(b_ref.at[:, pl.ds(n0, bn)], _mask(None, cmask, (R, bn)))
+    v = (w + s_ref[0] * _backend.dot(a, b)) * g[None, :]
+    _store(vg_ref.at[pl.ds(k0, bk), pl.ds(n0, bn)], v.astype(vg_ref.dtype), _mask(rmask, cmask, (bk, bn)))
+
+
+def merge_weight(weight, kind: str, lora_a, lora_b, scale, *, g=None, partials=None, magnitude=None,
+                 interpret: bool, config: Config = DEFAULT):
+    """The merged weight (W + s A B) * g in A's dtype (K, N), for a dense or int8 W; A (K, R), B (R, N) rank-padded.
+
+    Either `g` (float32 (N,)) is given, or the column norm's `partials` ((nsplit, N) sums of squares, from
+    `column_partials`) and `magnitude`: then g = m / sqrt(sum partials) is formed in this launch (no XLA op
+    between the two launches) and (wm, n, g) is returned.
+    """
+    if kind not in ("dense", "int8"):
+        raise ValueError(f"merge_weight: dense or int8 weights only, got {kind!r}")
+    K, R = lora_a.shape
+    N = lora_b.shape[1]
+    bk, bn = _tile(K, config.merge_bk), _tile(N, config.merge_bn)
+    from_partials = partials is not None
+    nsplit = partials.shape[0] if from_partials else 0
+    kernel = functools.partial(_merge_kernel, kind=kind, K=K, N=N, R=R, bk=bk, bn=bn, nsplit=nsplit,
+                               from_partials=from_partials, reverse=config.merge_reverse)
+    wm = jax.ShapeDtypeStruct((K, N), lora_a.dtype)
+    col = jax.ShapeDtypeStruct((N,), jnp.float32)
+    args = (*weight, lora_a, lora_b, jnp.reshape(jnp.asarray(scale, jnp.float32), (1,)))
+    args += (partials, magnitude) if from_partials else (g.astype(jnp.float32),)
+    return _backend.triton_call(
+        kernel,
+        out_shape=(wm, col, col) if from_partials else wm,
+        grid=(_cdiv(K, bk) * _cdiv(N, bn),),
+        name="pallas_fused_dora_merge",
+        interpret=interpret,
+        num_warps=config.merge_warps,
+    )(*args)
+
+
 def column_norm_scale(weight, kind: str, lora_a, lora_b, scale, magnitude, *, interpret: bool,
                       config: Config = DEFAULT):
     """(n, g): n = ||W + s A B|| per output column and g = m / n, float32 (N,); A, B rank-padded.
@@ -408,7 +502,7 @@ def column_norm_scale(weight, kind: str, lora_a, lora_b, scale, magnitude, *, in
         out = _expand_launch(weight, kind, lora_a, lora_b, scale, magnitude, interpret=interpret, config=config)
         if isinstance(out, tuple):
             return out
-        n = jnp.sqrt(out)
+        n = jnp.sqrt(jnp.sum(out, axis=0))
     else:
         n = jnp.sqrt(column_sumsq(weight, kind, lora_a, lora_b, scale, interpret=interpret, config=config))
     return n, magnitude.astype(jnp.float32) / n
