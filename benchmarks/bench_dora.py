@@ -157,55 +157,80 @@ def main_cases(rec: Recorder, quick: bool) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------- tuning
-# Column-norm launch configurations: (mode, bn, bk, rows per program, warps, stages). "expand" rows with
-# rows >= in features run one program per column block with g computed in the kernel (one launch).
+# Column-norm launch configurations: (mode, bn, bk, rows per program, warps, stages, weight shapes). "expand" rows with
+# rows >= in features run one program per column strip with g computed in the kernel (one launch); others write
+# partial sums over row ranges, summed and finished by XLA (a second, small launch). Timed amortized.
+_R16, _R64 = (4096, 4096, 16), (4096, 11008, 64)
 NORM_SWEEP = [
-    ("direct", 64, 64, 128, 4, 2),  # session 1's kernel and config
-    ("expand", 64, 64, 1024, 8, 4),  # Config() default
-    ("expand", 64, 64, 512, 8, 4),
-    ("expand", 64, 64, 256, 4, 3),
-    ("expand", 128, 64, 1024, 8, 4),
-    ("expand", 128, 64, 512, 8, 3),
-    ("expand", 64, 128, 1024, 8, 3),
-    ("expand", 32, 64, 1024, 4, 4),
-    ("expand", 64, 64, 4096, 8, 4),  # fused finish, N/64 programs
-    ("expand", 32, 128, 4096, 4, 4),  # fused finish, N/32 programs
-    ("expand", 32, 64, 4096, 4, 5),
-    ("expand", 16, 128, 4096, 4, 4),  # fused finish, N/16 programs
-    ("expand", 32, 256, 4096, 8, 4),  # fused finish, N/32 programs, 16 KiB tiles
-    ("expand", 64, 128, 4096, 8, 4),  # fused finish, N/64 programs
+    ("expand", 64, 128, 1024, 8, 3, [_R16]),  # Config() default: 256 programs + XLA finish
+    ("expand", 64, 128, 512, 8, 3, [_R16]),
+    ("expand", 64, 128, 1024, 8, 4, [_R16]),
+    ("expand", 64, 64, 1024, 8, 4, [_R16]),
+    ("expand", 128, 64, 1024, 8, 4, [_R16, _R64]),
+    ("expand", 64, 128, 2048, 8, 4, [_R16]),
+    ("expand", 32, 128, 4096, 4, 4, [_R16]),  # one launch, N/32 programs (one per SM at 4096), 8 KiB tiles
+    ("expand", 32, 256, 4096, 4, 4, [_R16]),  # ... 16 KiB tiles, 3 in flight
+    ("expand", 32, 256, 4096, 8, 4, [_R16]),
+    ("expand", 32, 128, 4096, 4, 6, [_R16]),
+    ("expand", 16, 256, 4096, 4, 4, [_R16]),  # one launch, N/16 programs (2 per SM)
+    ("expand", 16, 128, 4096, 4, 6, [_R16]),
+    ("expand", 64, 128, 4096, 8, 5, [_R16, _R64]),  # one launch, N/64 programs
+    ("expand", 128, 128, 4096, 8, 3, [_R64]),  # one launch, N/128 programs
+    ("expand", 128, 64, 512, 8, 3, [_R64]),
+    ("direct", 64, 64, 128, 4, 2, [_R16, _R64]),  # the "direct" default (used at rank > expand_max_rank)
+    ("direct", 128, 64, 256, 8, 3, [_R16, _R64]),
+    ("direct", 64, 128, 512, 8, 3, [_R64]),
+    ("direct", 128, 64, 1024, 8, 3, [_R64]),
+    ("direct", 64, 64, 512, 4, 3, [_R64]),
 ]
-TUNE_WEIGHTS = [(4096, 4096, 16), (4096, 11008, 64)]
+TUNE_WEIGHTS = [_R16, _R64]
 TUNE_TOKENS = [4096, 8192, 512]  # in order of importance: what doesn't fit the budget is recorded as skipped
 FWD_MODES = ["merged", "epilogue", "xla_epilogue", "fused"]
 FWDBWD_MODES = ["merged", "epilogue", "xla_epilogue"]  # "fused" has epilogue's backward
-# gemm="merged" with the merged weight formed inside the column-norm launch: (xnorm_bn, xnorm_bk, warps, stages)
-MERGE_IN_NORM = [(32, 128, 4, 4), (64, 64, 8, 4), (16, 128, 4, 4)]
-EPI_SWEEP = [(64, 128, 4), (128, 128, 8), (32, 256, 4), (128, 64, 4)]  # (bm, bn, warps) of the epilogue kernel
+# gemm="merged" variants (label -> Config fields): the norm launch's rows per program (partial sums finished by the
+# merge launch), the merge launch's tiles and order, and the one-launch norm + merge.
+MERGED_SWEEP = {
+    "mnorm_rows512": dict(mnorm_rows=512),
+    "mnorm_rows2048": dict(mnorm_rows=2048),
+    "mnorm_rows4096": dict(mnorm_rows=4096),
+    "mnorm bn128 bk64 s4": dict(xnorm_bn=128, xnorm_bk=64, xnorm_stages=4),
+    "merge 64x128 w4": dict(merge_bk=64, merge_bn=128),
+    "merge 128x128 w8": dict(merge_bk=128, merge_bn=128, merge_warps=8),
+    "merge 256x64 w8": dict(merge_bk=256, merge_bn=64, merge_warps=8),
+    "merge 64x64 w4": dict(merge_bk=64, merge_bn=64),
+    "merge forward order": dict(merge_reverse=False),
+    "merge_in_norm bn64 bk64 w8 s4": dict(merge_in_norm=True, xnorm_bn=64, xnorm_bk=64, xnorm_warps=8, xnorm_stages=4),
+}
+# Backward column reductions (cols_bn, cols_bt, cols_rows, cols_warps), with gemm="merged".
+COLS_SWEEP = [(64, 64, 512, 4), (128, 64, 512, 8), (64, 128, 1024, 8), (128, 32, 256, 4)]
 TUNE_BUDGET_S = float(os.environ.get("DORA_TUNE_BUDGET_S", "85"))
 
 
 def tuning(rec: Recorder, quick: bool) -> None:
     """Sweeps that decide the defaults; each failure, and each case past the time budget, is a row (no raise):
-    - dora_tune_colnorm: NORM_SWEEP at both weight shapes (Config.norm_* / xnorm_*), amortized over k distinct
-      weights per jit (the session-2 single-call sweep measured the host dispatch); "expand" rows at any rank;
+    - dora_tune_colnorm: NORM_SWEEP (Config.norm_* / xnorm_*), amortized over k distinct weights per jit (the
+      session-2 single-call sweep measured the host dispatch), with XLA's amortized time beside;
     - dora_mode: forward and forward+backward of the cuBLAS-based gemm modes at 4096/8192/512 tokens, with the
-      base matmul x W alone ("auto" picks "merged" or "epilogue" from a byte count: api.AUTO_DENSE_GEMMS);
-    - dora_tune_epi: the epilogue kernel's tiles (Config.epi_*), used by "epilogue" and to form the merged weight.
+      base matmul x W alone ("auto" picks "merged" or "epilogue" from a byte count: api.AUTO_DENSE_GEMMS), the
+      MERGED_SWEEP variants of the forward (Config.mnorm_rows / merge_*) and COLS_SWEEP of the backward (cols_*).
+      These layer timings are one jit each and GPU-bound (>= 0.05 ms), so single-call timing is fine there.
     """
     deadline = time.perf_counter() + TUNE_BUDGET_S
     scale = 2.0
+    skipped = "skipped: tuning time budget (DORA_TUNE_BUDGET_S)"
 
     def timed(op, case, impl, fn, *args, **kw):
         if time.perf_counter() > deadline:
-            return rec.add(op, case, impl, None, error="skipped: tuning time budget (DORA_TUNE_BUDGET_S)")
+            return rec.add(op, case, impl, None, error=skipped)
         return rec.time(op, case, impl, fn, *args, n=20, reps=3, **kw)
 
     def colnorm(fin, fout, r):
         k, sets = _norm_sets(fin, fout, r)
         nbytes = (fin * fout + fin * r + r * fout + 2 * fout) * 2
         case = f"{fin}->{fout} r{r} bf16 amortized"
-        for mode, bn, bk, rows, warps, stages in NORM_SWEEP:
+        for mode, bn, bk, rows, warps, stages, shapes in NORM_SWEEP:
+            if (fin, fout, r) not in shapes:
+                continue
             if mode == "direct":
                 cfg = Config(norm_mode="direct", norm_bn=bn, norm_bk=bk, norm_rows=rows, norm_warps=warps,
                              norm_stages=stages)
@@ -214,7 +239,7 @@ def tuning(rec: Recorder, quick: bool) -> None:
                              expand_max_rank=128)
             impl = f"pallas:{mode} bn{bn} bk{bk} rows{rows} w{warps} s{stages}"
             if time.perf_counter() > deadline:
-                rec.add("dora_tune_colnorm", case, impl, None, error="skipped: tuning time budget (DORA_TUNE_BUDGET_S)")
+                rec.add("dora_tune_colnorm", case, impl, None, error=skipped)
                 continue
             time_norm_amortized(rec, "dora_tune_colnorm", case, impl, lambda w, a, b, m, cfg=cfg: column_scale(
                 w, a, b, m, scale=scale, implementation="pallas", config=cfg), sets, k, n=10, reps=3, nbytes=nbytes)
@@ -222,46 +247,37 @@ def tuning(rec: Recorder, quick: bool) -> None:
             time_norm_amortized(rec, "dora_tune_colnorm", case, "xla", lambda w, a, b, m: column_scale_reference(
                 w, a, b, m, scale), sets, k, n=10, reps=3, nbytes=nbytes)
 
-    def modes(tokens, fin, fout, r):
+    def modes(tokens, fin, fout, r, variants):
         x, w, a, b, m, dy = _data(tokens, fin, fout, r)
         case = f"{tokens}x{fin}->{fout} r{r} bf16"
         fwd_bytes = (tokens * fin + fin * fout + tokens * fout) * 2
-        timed("dora_mode", case + " fwd", "peer:base_matmul", jax.jit(lambda x, w: x @ w), x, w,
-              nbytes=fwd_bytes, flops=2 * tokens * fin * fout)
+        fwd = dict(nbytes=fwd_bytes, flops=2 * tokens * fin * fout)
+        timed("dora_mode", case + " fwd", "peer:base_matmul", jax.jit(lambda x, w: x @ w), x, w, **fwd)
         for mode in FWD_MODES:
             timed("dora_mode", case + " fwd", f"pallas:{mode}", jax.jit(lambda x, w, a, b, m, mode=mode: dora_dense(
-                x, w, a, b, m, scale=scale, implementation="pallas", gemm=mode)), x, w, a, b, m,
-                nbytes=fwd_bytes, flops=2 * tokens * fin * fout)
-        for bn, bk, warps, stages in MERGE_IN_NORM:
-            cfg = Config(merge_in_norm=True, xnorm_bn=bn, xnorm_bk=bk, xnorm_warps=warps, xnorm_stages=stages)
-            timed("dora_mode", case + " fwd", f"pallas:merged_in_norm bn{bn} bk{bk} w{warps} s{stages}",
-                  jax.jit(lambda x, w, a, b, m, cfg=cfg: dora_dense(x, w, a, b, m, scale=scale, implementation="pallas",
-                                                                  gemm="merged", config=cfg)), x, w, a, b, m,
-                  nbytes=fwd_bytes, flops=2 * tokens * fin * fout)
+                x, w, a, b, m, scale=scale, implementation="pallas", gemm=mode)), x, w, a, b, m, **fwd)
         for mode in FWDBWD_MODES:
             timed("dora_mode", case + " fwdbwd", f"pallas:{mode}", _fwdbwd("pallas", mode, scale),
                   x, w, a, b, m, dy, flops=6 * tokens * fin * fout)
-        cfg = Config(merge_in_norm=True, xnorm_bn=32, xnorm_bk=128, xnorm_warps=4, xnorm_stages=4)
-        timed("dora_mode", case + " fwdbwd", "pallas:merged_in_norm bn32 bk128 w4 s4",
-              _fwdbwd("pallas", "merged", scale, cfg), x, w, a, b, m, dy, flops=6 * tokens * fin * fout)
+        if not variants:
+            return
+        for label, fields in MERGED_SWEEP.items():
+            cfg = Config(**fields)
+            timed("dora_mode", case + " fwd", f"pallas:merged {label}", jax.jit(
+                lambda x, w, a, b, m, cfg=cfg: dora_dense(x, w, a, b, m, scale=scale, implementation="pallas",
+                                                        gemm="merged", config=cfg)), x, w, a, b, m, **fwd)
+        for bn, bt, rows, warps in COLS_SWEEP:
+            cfg = Config(cols_bn=bn, cols_bt=bt, cols_rows=rows, cols_warps=warps)
+            timed("dora_mode", case + " fwdbwd", f"pallas:merged cols bn{bn} bt{bt} rows{rows} w{warps}",
+                  _fwdbwd("pallas", "merged", scale, cfg), x, w, a, b, m, dy, flops=6 * tokens * fin * fout)
 
-    def epilogue_tiles(tokens, fin, fout, r):
-        x, w, a, b, m, _ = _data(tokens, fin, fout, r)
-        for bm, bn, warps in EPI_SWEEP:
-            cfg = Config(epi_bm=bm, epi_bn=bn, epi_warps=warps)
-            for mode in ("epilogue", "merged"):
-                timed("dora_tune_epi", f"{tokens}x{fin}->{fout} r{r} bf16 {mode} fwd", f"pallas:bm{bm} bn{bn} w{warps}",
-                      jax.jit(lambda x, w, a, b, m, cfg=cfg, mode=mode: dora_dense(
-                          x, w, a, b, m, scale=scale, implementation="pallas", gemm=mode, config=cfg)), x, w, a, b, m)
-
-    # In order of importance (about 190 s in all on an H200 by estimate; the default budget covers the column
-    # norm and the 4096-token modes, DORA_TUNE_BUDGET_S=200 the rest).
+    # In order of importance; DORA_TUNE_BUDGET_S=150 covers the column norm and the 4096-token rows with their
+    # variants by estimate, 250 the rest.
     for shape in TUNE_WEIGHTS:
         colnorm(*shape)
     for tokens in TUNE_TOKENS:
         for shape in TUNE_WEIGHTS:
-            modes(tokens, *shape)
-    epilogue_tiles(4096, *TUNE_WEIGHTS[0])
+            modes(tokens, *shape, variants=tokens == TUNE_TOKENS[0])
 
 
 def run(rec: Recorder, quick: bool) -> None:
