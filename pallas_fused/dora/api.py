@@ -156,7 +156,7 @@ def _norm_and_merged_weight(kind, ops, ap, bp, scale, m, interpret, config):
 
 
 def _xa(x, ap):
-    return jnp.dot(x, ap, preferred_element_type=jnp.float32).astype(x.dtype)
+    return jnp.dot(x, ap)  # cuBLAS accumulates in float32 and rounds once to x's dtype
 
 
 def _forward(statics, x, ops, a, b, m, bias, scale):
@@ -229,7 +229,7 @@ def _dora_2d_bwd(statics, res, dy):
     dt = x.dtype
     gs = g * scale
     # us = s (dy * g) B^T, with g folded into the tiny B instead of the big dy.
-    us = jnp.dot(dy, (bp.astype(jnp.float32) * gs[None, :]).astype(dt).T, preferred_element_type=jnp.float32).astype(dt)
+    us = jnp.dot(dy, (bp.astype(jnp.float32) * gs[None, :]).astype(dt).T)  # cuBLAS rounds once to dt
     if gemm == "pallas":
         gw = g * ops[1] if kind == "int8" else g
         def bwd_dx(dy, gw, *a):  # sharded: tokens and input features split; N and the rank gathered
@@ -251,6 +251,16 @@ def _dora_2d_bwd(statics, res, dy):
             dx = (dx + jnp.dot(us, ap.T, preferred_element_type=jnp.float32)).astype(dt)
     if xa is None:  # gemm="merged" never formed x A in the forward
         xa = _xa(x, ap)
+    if not exact and jax.device_count() == 1:
+        # Unsharded, constant norm: the column launch returns the finished dB, dm and dbias (in-kernel when one
+        # program covers every token), x^T us is rounded once by cuBLAS: no float32 intermediates left to cast.
+        db_dt = jnp.float32 if bias is None else bias.dtype
+        dbm, dm, db = K.backward_columns(dy, y, xa, bias, interpret=interpret, config=config,
+                                         finish=(gs, m, bp.dtype, m.dtype, db_dt))
+        da = jnp.dot(x.T, us)
+        return (dx, tuple(_zero_cotangent(o) for o in ops), da[:, :rank], dbm[:rank], dm,
+                None if bias is None else db, jnp.zeros_like(scale))
+
     def bwd_cols(dy, y, xa, *bias_):  # sharded: output features split, tokens summed per shard + psum
         return K.backward_columns(dy, y, xa, bias_[0] if bias_ else None, interpret=interpret, config=config)
 

@@ -656,9 +656,11 @@ def epilogue(z, xa, lora_b, g, scale, bias, *, interpret: bool, config: Config =
 # ----------------------------------------------------------------------------------------------------
 
 
-def _cols_kernel(*refs, M, N, R, bt, bn, rows_per_prog, has_bias):
+def _cols_kernel(*refs, M, N, R, bt, bn, rows_per_prog, has_bias, finish):
     dy_ref, y_ref, xa_ref = refs[:3]
     bias_ref = refs[3] if has_bias else None
+    if finish:
+        gs_ref, m_ref = refs[3 + has_bias:5 + has_bias]
     p_ref, dmz_ref, db_ref = refs[-3:]
     j, split = pl.program_id(0), pl.program_id(1)
     n0 = pl.multiple_of(j * bn, bn)
@@ -682,33 +684,59 @@ def _cols_kernel(*refs, M, N, R, bt, bn, rows_per_prog, has_bias):
 
     zeros = jnp.zeros((bt, bn), jnp.float32)
     p, dmz, db = lax.fori_loop(0, rows_per_prog // bt, body, (jnp.zeros((R, bn), jnp.float32), zeros, zeros))
+    dmz, db = jnp.sum(dmz, axis=0), jnp.sum(db, axis=0)
+    if finish:  # one program covers every token: the final dB = P g s, dm = sum dy (y - bias) / m, dbias
+        gs = _load(gs_ref.at[pl.ds(n0, bn)], cmask)
+        _store(p_ref.at[:, pl.ds(n0, bn)], (p * gs[None, :]).astype(p_ref.dtype), _mask(None, cmask, (R, bn)))
+        m = _load(m_ref.at[pl.ds(n0, bn)], cmask, 1.0).astype(jnp.float32)
+        _store(dmz_ref.at[pl.ds(n0, bn)], (dmz / m).astype(dmz_ref.dtype), cmask)
+        _store(db_ref.at[pl.ds(n0, bn)], db.astype(db_ref.dtype), cmask)
+        return
     _store(p_ref.at[split, :, pl.ds(n0, bn)], p, _mask(None, cmask, (R, bn)))
-    _store(dmz_ref.at[split, pl.ds(n0, bn)], jnp.sum(dmz, axis=0), cmask)
-    _store(db_ref.at[split, pl.ds(n0, bn)], jnp.sum(db, axis=0), cmask)
+    _store(dmz_ref.at[split, pl.ds(n0, bn)], dmz, cmask)
+    _store(db_ref.at[split, pl.ds(n0, bn)], db, cmask)
 
 
-def backward_columns(dy, y, xa, bias, *, interpret: bool, config: Config = DEFAULT):
-    """(xa^T dy (R, N), sum_t dy*(y - bias) (N,), sum_t dy (N,)), all float32."""
+def backward_columns(dy, y, xa, bias, *, interpret: bool, config: Config = DEFAULT, finish=None):
+    """(xa^T dy (R, N), sum_t dy*(y - bias) (N,), sum_t dy (N,)), all float32.
+
+    finish=(gs, magnitude, dB dtype, dm dtype, dbias dtype): return (xa^T dy * gs, sum_t dy*(y - bias) / m,
+    sum_t dy) in those dtypes instead - inside the kernel when one program covers all tokens (config.cols_rows
+    >= tokens: no XLA op after the launch), otherwise by XLA from the partial sums.
+    """
     M, N = dy.shape
     R = xa.shape[1]
     bt, bn = _tile(M, config.cols_bt), _tile(N, config.cols_bn)
     rows_per_prog = max(bt, min(config.cols_rows, _pow2(M, bt)))
     nsplit = _cdiv(M, rows_per_prog)
+    in_kernel = finish is not None and nsplit == 1
     kernel = functools.partial(_cols_kernel, M=M, N=N, R=R, bt=bt, bn=bn, rows_per_prog=rows_per_prog,
-                               has_bias=bias is not None)
+                               has_bias=bias is not None, finish=in_kernel)
     args = (dy, y, xa) + ((bias,) if bias is not None else ())
+    if in_kernel:
+        gs, m, p_dt, dm_dt, db_dt = finish
+        args += (gs.astype(jnp.float32), m)
+        out_shape = (jax.ShapeDtypeStruct((R, N), p_dt), jax.ShapeDtypeStruct((N,), dm_dt),
+                     jax.ShapeDtypeStruct((N,), db_dt))
+    else:
+        out_shape = (jax.ShapeDtypeStruct((nsplit, R, N), jnp.float32), jax.ShapeDtypeStruct((nsplit, N), jnp.float32),
+                     jax.ShapeDtypeStruct((nsplit, N), jnp.float32))
     p, dmz, db = _backend.triton_call(
         kernel,
-        out_shape=(jax.ShapeDtypeStruct((nsplit, R, N), jnp.float32),
-                   jax.ShapeDtypeStruct((nsplit, N), jnp.float32),
-                   jax.ShapeDtypeStruct((nsplit, N), jnp.float32)),
+        out_shape=out_shape,
         grid=(_cdiv(N, bn), nsplit),
         name="pallas_fused_dora_bwd_cols",
         interpret=interpret,
         num_warps=config.cols_warps,
         num_stages=2,
     )(*args)
-    return jnp.sum(p, axis=0), jnp.sum(dmz, axis=0), jnp.sum(db, axis=0)
+    if in_kernel:
+        return p, dmz, db
+    p, dmz, db = jnp.sum(p, axis=0), jnp.sum(dmz, axis=0), jnp.sum(db, axis=0)
+    if finish is None:
+        return p, dmz, db
+    gs, m, p_dt, dm_dt, db_dt = finish
+    return (p * gs[None, :]).astype(p_dt), (dmz / m.astype(jnp.float32)).astype(dm_dt), db.astype(db_dt)
 
 
 # ----------------------------------------------------------------------------------------------------

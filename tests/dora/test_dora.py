@@ -129,6 +129,9 @@ MERGE_CONFIGS = {
     "merged_direct_split3": Config(norm_mode="direct", norm_rows=16, norm_bk=16, merge_bk=32, merge_bn=16,
                                    merge_reverse=False),
     "merged_in_norm": Config(merge_in_norm=True, xnorm_bk=16, xnorm_bn=16),
+    # backward column reductions over 3 token ranges, finished by XLA (the default config covers the 37 tokens
+    # with one program per column strip: finished in the kernel)
+    "merged_cols_split3": Config(cols_rows=16, cols_bt=16),
 }
 
 
