@@ -182,6 +182,10 @@ NORM_SWEEP = [
     ("direct", 64, 128, 512, 8, 3, [_R64]),
     ("direct", 128, 64, 1024, 8, 3, [_R64]),
     ("direct", 64, 64, 512, 4, 3, [_R64]),
+    ("direct+pf", 64, 64, 512, 4, 2, [_R16, _R64]),  # + the next W tile loaded one step ahead (Config.norm_prefetch)
+    ("direct+pf", 128, 64, 1024, 8, 2, [_R16, _R64]),
+    ("direct+pf", 64, 128, 1024, 8, 2, [_R64]),
+    ("direct+pf", 128, 32, 512, 4, 2, [_R64]),
 ]
 TUNE_WEIGHTS = [_R16, _R64]
 TUNE_TOKENS = [4096, 8192, 512]  # in order of importance: what doesn't fit the budget is recorded as skipped
@@ -231,9 +235,9 @@ def tuning(rec: Recorder, quick: bool) -> None:
         for mode, bn, bk, rows, warps, stages, shapes in NORM_SWEEP:
             if (fin, fout, r) not in shapes:
                 continue
-            if mode == "direct":
+            if mode.startswith("direct"):
                 cfg = Config(norm_mode="direct", norm_bn=bn, norm_bk=bk, norm_rows=rows, norm_warps=warps,
-                             norm_stages=stages)
+                             norm_stages=stages, norm_prefetch=mode == "direct+pf")
             else:
                 cfg = Config(xnorm_bn=bn, xnorm_bk=bk, xnorm_rows=rows, xnorm_warps=warps, xnorm_stages=stages,
                              expand_max_rank=128)

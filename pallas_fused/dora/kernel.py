@@ -112,6 +112,7 @@ class Config:
     norm_rows: int = 128  # column norm: rows per program (split-K; partial sums reduced after)
     norm_warps: int = 4
     norm_stages: int = 2
+    norm_prefetch: bool = False  # "direct": load the next W tile into registers one step ahead (sweep rows "direct+pf")
     # "expand": sum W^2 + 2 s sum_r B (A^T W) + s^2 B^T (A^T A) B, so W is an MMA operand (pipelined by
     # cp.async) and never meets the A B tile in registers; dense bf16/fp16 and int8 weights only (fp32
     # weights and NF4 keep "direct": (W + s A B)^2 tile by tile).
@@ -168,7 +169,7 @@ def _grouped_pid(pid, num_m: int, num_n: int, group_m: int):
 # ----------------------------------------------------------------------------------------------------
 
 
-def _colnorm_kernel(*refs, kind, K, N, R, bk, bn, rows_per_prog, kloop):
+def _colnorm_kernel(*refs, kind, K, N, R, bk, bn, rows_per_prog, kloop, prefetch):
     nw = _num_weight_refs(kind)
     w_refs = refs[:nw]
     a_ref, b_ref, s_ref, out_ref = refs[nw:]
@@ -186,15 +187,36 @@ def _colnorm_kernel(*refs, kind, K, N, R, bk, bn, rows_per_prog, kloop):
         rmask = _in_bounds(k0, bk, K, False)
         return _load(a_ref.at[pl.ds(k0, bk), :], _mask(rmask, None, (bk, R)))
 
+    nsteps = rows_per_prog // bk
+
+    def w_tile(i):  # masked past K and past this program's rows (a prefetch beyond them fetches nothing)
+        k0 = k_start + i * bk
+        rows_ok = jnp.logical_and(k0 + jnp.arange(bk) < K, i < nsteps)
+        return _load(w_refs[0].at[pl.ds(k0, bk), pl.ds(n0, bn)], _mask(rows_ok, cmask, (bk, bn)))
+
+    def square(k0, w, acc):
+        w = w.astype(jnp.float32)
+        if kind == "int8":
+            w = w * wscale[None, :]
+        v = w + s * _backend.dot(a_tile(k0), b_t)
+        return acc + v * v
+
+    if kind in ("dense", "int8") and prefetch:
+        # W is no MMA operand here, so Triton's pipeliner leaves its load synchronous: load the next step's tile
+        # into registers before this step's math (one tile in flight per program while it computes).
+        def body(i, carry):
+            acc, w = carry
+            w_next = w_tile(i + 1)
+            return square(pl.multiple_of(k_start + i * bk, bk), w, acc), w_next
+
+        acc, _ = lax.fori_loop(0, nsteps, body, (jnp.zeros((bk, bn), jnp.float32), w_tile(0)))
+        _store(out_ref.at[split, pl.ds(n0, bn)], jnp.sum(acc, axis=0), cmask)
+        return
     if kind in ("dense", "int8"):
         def body(i, acc):
             k0 = pl.multiple_of(k_start + i * bk, bk)
             rmask = _in_bounds(k0, bk, K, False)
-            w = _load(w_refs[0].at[pl.ds(k0, bk), pl.ds(n0, bn)], _mask(rmask, cmask, (bk, bn))).astype(jnp.float32)
-            if kind == "int8":
-                w = w * wscale[None, :]
-            v = w + s * _backend.dot(a_tile(k0), b_t)
-            return acc + v * v
+            return square(k0, _load(w_refs[0].at[pl.ds(k0, bk), pl.ds(n0, bn)], _mask(rmask, cmask, (bk, bn))), acc)
     else:
         packed_ref, absmax_ref = w_refs
 
@@ -245,7 +267,7 @@ def column_partials(weight, kind: str, lora_a, lora_b, scale, *, interpret: bool
         rows_per_prog = max(bk, min(config.norm_rows, _pow2(kloop, bk)))
     nsplit = _cdiv(kloop, rows_per_prog)
     kernel = functools.partial(_colnorm_kernel, kind=kind, K=K, N=N, R=R, bk=bk, bn=bn,
-                               rows_per_prog=rows_per_prog, kloop=kloop)
+                               rows_per_prog=rows_per_prog, kloop=kloop, prefetch=config.norm_prefetch)
     partial_sums = _backend.triton_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((nsplit, N), jnp.float32),

@@ -245,13 +245,16 @@ NORM_CONFIGS = {
     "split_rows": Config(xnorm_rows=64, xnorm_bk=32, xnorm_bn=16),
     "split_ragged": Config(xnorm_rows=128, xnorm_bk=64, xnorm_bn=32),
     "direct": Config(norm_mode="direct"),
+    # next W tile loaded one step ahead, 3 row ranges of 2 steps (the last ragged: prefetches past K masked)
+    "direct_prefetch": Config(norm_mode="direct", norm_prefetch=True, norm_rows=64, norm_bk=32, norm_bn=16),
 }
 
 
 @pytest.mark.parametrize("kind, dtype, cfg", [
     ("dense", jnp.bfloat16, "fused_finish"), ("dense", jnp.bfloat16, "split_rows"), ("dense", jnp.bfloat16, "direct"),
     ("dense", jnp.float16, "split_ragged"), ("int8", jnp.bfloat16, "fused_finish"),
-    ("int8", jnp.bfloat16, "split_ragged"),
+    ("int8", jnp.bfloat16, "split_ragged"), ("dense", jnp.bfloat16, "direct_prefetch"),
+    ("int8", jnp.bfloat16, "direct_prefetch"),
 ], ids=str)
 def test_column_scale_expand(kernel_impl, kind, dtype, cfg):
     from pallas_fused.dora.kernel import expand_supported
