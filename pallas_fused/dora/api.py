@@ -140,19 +140,19 @@ def _merged_weight(kind, ops, ap, bp, g, scale, interpret, config):
 
 
 def _norm_and_merged_weight(kind, ops, ap, bp, scale, m, interpret, config):
-    """(n, g, (W + s A B) * g). On one device two launches and no XLA op between them: the column norm's partial
-    sums over row ranges, then the merge launch, which finishes g from them; sharded, the norm + psum, then the
-    merge."""
+    """(n, g, (W + s A B) * g, B g s or None). On one device two launches and no XLA op between them: the column
+    norm's partial sums over row ranges, then the merge launch, which finishes g (and B g s) from them; sharded,
+    the norm + psum, then the merge."""
     _check_mergeable(kind)
     if jax.device_count() == 1:
         if config.merge_in_norm and kind == "dense" and K.expand_supported(ops, kind, ap, config.expand_max_rank):
-            return K.norm_and_merge(ops, ap, bp, scale, m, interpret=interpret, config=config)
+            return (*K.norm_and_merge(ops, ap, bp, scale, m, interpret=interpret, config=config), None)
         parts = K.column_partials(ops, kind, ap, bp, scale, interpret=interpret, config=config, rows=config.mnorm_rows)
-        wm, n, g = K.merge_weight(ops, kind, ap, bp, scale, partials=parts, magnitude=m, interpret=interpret,
-                                  config=config)
-        return n, g, wm
+        wm, n, g, bg = K.merge_weight(ops, kind, ap, bp, scale, partials=parts, magnitude=m, interpret=interpret,
+                                      config=config)
+        return n, g, wm, bg
     n, g = _column_norm_scale(ops, kind, ap, bp, scale, m, interpret, config)
-    return n, g, _merged_weight(kind, ops, ap, bp, g, scale, interpret, config)
+    return n, g, _merged_weight(kind, ops, ap, bp, g, scale, interpret, config), None
 
 
 def _xa(x, ap):
@@ -166,11 +166,11 @@ def _forward(statics, x, ops, a, b, m, bias, scale):
     if gemm == "merged":
         # y = x ((W + s A B) g) + bias: one cuBLAS GEMM on the merged weight (x A is left to the backward). The
         # merged weight is kept for the backward's dx = dy wm^T (one bf16 copy of W per layer in memory).
-        n, g, wm = _norm_and_merged_weight(kind, ops, ap, bp, scale, m, interpret, config)
+        n, g, wm, bg = _norm_and_merged_weight(kind, ops, ap, bp, scale, m, interpret, config)
         if bias is None:
-            return jnp.dot(x, wm), (ap, bp, n, g, None, wm)
+            return jnp.dot(x, wm), (ap, bp, n, g, None, (wm, bg))
         y = jnp.dot(x, wm, preferred_element_type=jnp.float32) + bias.astype(jnp.float32)
-        return y.astype(dt), (ap, bp, n, g, None, wm)
+        return y.astype(dt), (ap, bp, n, g, None, (wm, bg))
     n, g = _column_norm_scale(ops, kind, ap, bp, scale, m, interpret, config)
     xa = _xa(x, ap)
     if gemm in ("pallas", "fused"):
@@ -192,7 +192,7 @@ def _forward(statics, x, ops, a, b, m, bias, scale):
             rule = "m n, m r, r n, n, " + ("" if bias is None else ", n") + " -> m n"
             y = _shard(epi, "dense", rule, replicated=("r",))(jnp.dot(x, w), xa, bp, g, scale,
                                                               *(() if bias is None else (bias,)))
-            return y, (ap, bp, n, g, xa, None)
+            return y, (ap, bp, n, g, xa, (None, None))
         if gemm == "xla_epilogue":
             # cuBLAS x W and (x A) B, the scale + bias left to an XLA elementwise fusion (what the
             # jnp reference does, with the Pallas column norm).
@@ -210,7 +210,7 @@ def _forward(statics, x, ops, a, b, m, bias, scale):
         if bias is not None:
             y = y + bias.astype(jnp.float32)
         y = y.astype(dt)
-    return y, (ap, bp, n, g, xa, None)
+    return y, (ap, bp, n, g, xa, (None, None))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -219,17 +219,20 @@ def _dora_2d(statics, x, ops, a, b, m, bias, scale):
 
 
 def _dora_2d_fwd(statics, x, ops, a, b, m, bias, scale):
-    y, (ap, bp, n, g, xa, wm) = _forward(statics, x, ops, a, b, m, bias, scale)
-    return y, (x, ops, ap, bp, m, bias, scale, n, g, xa, y, wm)
+    y, (ap, bp, n, g, xa, (wm, bg)) = _forward(statics, x, ops, a, b, m, bias, scale)
+    return y, (x, ops, ap, bp, m, bias, scale, n, g, xa, y, wm, bg)
 
 
 def _dora_2d_bwd(statics, res, dy):
     kind, gemm, interpret, config, exact, rank, fin = statics
-    x, ops, ap, bp, m, bias, scale, n, g, xa, y, wm = res
+    x, ops, ap, bp, m, bias, scale, n, g, xa, y, wm, bg = res
     dt = x.dtype
     gs = g * scale
-    # us = s (dy * g) B^T, with g folded into the tiny B instead of the big dy.
-    us = jnp.dot(dy, (bp.astype(jnp.float32) * gs[None, :]).astype(dt).T)  # cuBLAS rounds once to dt
+    # us = s (dy * g) B^T, with g folded into the tiny B instead of the big dy (gemm="merged": the merge launch
+    # wrote B g s).
+    if bg is None:
+        bg = (bp.astype(jnp.float32) * gs[None, :]).astype(dt)
+    us = jnp.dot(dy, bg.T)  # cuBLAS rounds once to dt
     if gemm == "pallas":
         gw = g * ops[1] if kind == "int8" else g
         def bwd_dx(dy, gw, *a):  # sharded: tokens and input features split; N and the rank gathered

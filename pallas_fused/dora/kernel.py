@@ -448,7 +448,7 @@ def _merge_kernel(*refs, kind, K, N, R, bk, bn, nsplit, from_partials, reverse):
     w_refs = refs[:nw]
     a_ref, b_ref, s_ref = refs[nw:nw + 3]
     if from_partials:
-        part_ref, m_ref, vg_ref, n_ref, g_ref = refs[nw + 3:]
+        part_ref, m_ref, vg_ref, n_ref, g_ref, bg_ref = refs[nw + 3:]
     else:
         gin_ref, vg_ref = refs[nw + 3:]
     nkb, nnb = _cdiv(K, bk), _cdiv(N, bn)
@@ -462,7 +462,7 @@ def _merge_kernel(*refs, kind, K, N, R, bk, bn, nsplit, from_partials, reverse):
     cmask = _in_bounds(n0, bn, N, N % bn == 0)
     if from_partials:
         # g = m / sqrt(sum of the nsplit partial sums), per program (nsplit x bn floats: cheap); row block 0
-        # also writes n and g for the backward.
+        # also writes n, g and B g s for the backward.
         sp = _pow2(nsplit, 1)
         smask = None if sp == nsplit else jnp.arange(sp) < nsplit
         part = _load(part_ref.at[pl.ds(0, sp), pl.ds(n0, bn)], _mask(smask, cmask, (sp, bn)))
@@ -478,6 +478,9 @@ def _merge_kernel(*refs, kind, K, N, R, bk, bn, nsplit, from_partials, reverse):
         w = w * _load(w_refs[1].at[pl.ds(n0, bn)], cmask, 1.0)[None, :]
     a = _load(a_ref.at[pl.ds(k0, bk), :], _mask(rmask, None, (bk, R)))
     b = _load(b_ref.at[:, pl.ds(n0, bn)], _mask(None, cmask, (R, bn)))
+    if from_partials:
+        bg = (b.astype(jnp.float32) * (g * s_ref[0])[None, :]).astype(bg_ref.dtype)
+        _backend.store(bg_ref.at[:, pl.ds(n0, bn)], bg, mask=jnp.broadcast_to(first[None, :], (R, bn)))
     v = (w + s_ref[0] * _backend.dot(a, b)) * g[None, :]
     _store(vg_ref.at[pl.ds(k0, bk), pl.ds(n0, bn)], v.astype(vg_ref.dtype), _mask(rmask, cmask, (bk, bn)))
 
@@ -488,7 +491,8 @@ def merge_weight(weight, kind: str, lora_a, lora_b, scale, *, g=None, partials=N
 
     Either `g` (float32 (N,)) is given, or the column norm's `partials` ((nsplit, N) sums of squares, from
     `column_partials`) and `magnitude`: then g = m / sqrt(sum partials) is formed in this launch (no XLA op
-    between the two launches) and (wm, n, g) is returned.
+    between the two launches) and (wm, n, g, B g s) is returned (B g s in B's dtype: the backward's
+    us = dy (B g s)^T takes it as is).
     """
     if kind not in ("dense", "int8"):
         raise ValueError(f"merge_weight: dense or int8 weights only, got {kind!r}")
@@ -505,7 +509,7 @@ def merge_weight(weight, kind: str, lora_a, lora_b, scale, *, g=None, partials=N
     args += (partials, magnitude) if from_partials else (g.astype(jnp.float32),)
     return _backend.triton_call(
         kernel,
-        out_shape=(wm, col, col) if from_partials else wm,
+        out_shape=(wm, col, col, jax.ShapeDtypeStruct((R, N), lora_b.dtype)) if from_partials else wm,
         grid=(_cdiv(K, bk) * _cdiv(N, bn),),
         name="pallas_fused_dora_merge",
         interpret=interpret,

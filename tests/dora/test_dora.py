@@ -145,7 +145,7 @@ def test_gemm_variants(kernel_impl, gemm):
 
 
 def test_merge_weight_outputs(kernel_impl):
-    """merge_weight from partial sums returns ((W + s A B) g, n, g); from g, the same merged weight."""
+    """merge_weight from partial sums returns ((W + s A B) g, n, g, B g s); from g, the same merged weight."""
     from pallas_fused.dora import kernel as K
 
     w, a = rand(84, (70, 40), jnp.bfloat16, scale=0.1), rand(85, (70, 16), jnp.bfloat16)
@@ -155,11 +155,14 @@ def test_merge_weight_outputs(kernel_impl):
     interp = kernel_impl == "interpret"
     parts = K.column_partials((w,), "dense", a, b, 0.7, interpret=interp, config=cfg, rows=32)
     assert parts.shape == (3, 40)
-    wm, n, g = K.merge_weight((w,), "dense", a, b, 0.7, partials=parts, magnitude=m, interpret=interp, config=cfg)
+    wm, n, g, bg = K.merge_weight((w,), "dense", a, b, 0.7, partials=parts, magnitude=m, interpret=interp,
+                                  config=cfg)
     v = w.astype(jnp.float32) + 0.7 * jnp.dot(a.astype(jnp.float32), b.astype(jnp.float32), precision="highest")
     n_ex = jnp.linalg.norm(v, axis=0)
     np.testing.assert_allclose(n, n_ex, rtol=2e-6)
     np.testing.assert_allclose(g, m / n_ex, rtol=2e-6)
+    assert bg.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(bg, (b.astype(jnp.float32) * (g * 0.7)[None, :]).astype(jnp.bfloat16))
     assert wm.dtype == jnp.bfloat16
     np.testing.assert_allclose(wm.astype(jnp.float32), (v * (m / n_ex)).astype(jnp.bfloat16).astype(jnp.float32),
                                rtol=1e-2, atol=1e-3)
