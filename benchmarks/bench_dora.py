@@ -168,6 +168,10 @@ NORM_SWEEP = [
     ("expand", 64, 64, 1024, 8, 4, [_R16]),
     ("expand", 128, 64, 1024, 8, 4, [_R16, _R64]),
     ("expand", 64, 128, 2048, 8, 4, [_R16]),
+    ("expand", 64, 256, 1024, 8, 3, [_R16]),  # 32 KiB per step: half the per-step overhead per byte
+    ("expand", 64, 256, 2048, 8, 3, [_R16]),
+    ("expand", 128, 128, 1024, 8, 3, [_R16]),
+    ("expand", 64, 128, 1024, 4, 3, [_R16]),  # 4 warps: 3 programs per SM by registers
     ("expand", 32, 128, 4096, 4, 4, [_R16]),  # one launch, N/32 programs (one per SM at 4096), 8 KiB tiles
     ("expand", 32, 256, 4096, 4, 4, [_R16]),  # ... 16 KiB tiles, 3 in flight
     ("expand", 32, 256, 4096, 8, 4, [_R16]),
