@@ -214,7 +214,7 @@ COLS_SWEEP = [(64, 64, 512, 4), (128, 64, 512, 8), (64, 128, 1024, 8), (128, 32,
 TUNE_BUDGET_S = float(os.environ.get("DORA_TUNE_BUDGET_S", "85"))
 
 
-def tuning(rec: Recorder, quick: bool) -> None:
+def tuning(rec: Recorder, quick: bool, parts=("norm", "modes")) -> None:
     """Sweeps that decide the defaults; each failure, and each case past the time budget, is a row (no raise):
     - dora_tune_colnorm: NORM_SWEEP (Config.norm_* / xnorm_*), amortized over k distinct weights per jit (the
       session-2 single-call sweep measured the host dispatch), with XLA's amortized time beside;
@@ -279,19 +279,31 @@ def tuning(rec: Recorder, quick: bool) -> None:
             timed("dora_mode", case + " fwdbwd", f"pallas:merged cols bn{bn} bt{bt} rows{rows} w{warps}",
                   _fwdbwd("pallas", "merged", scale, cfg), x, w, a, b, m, dy, flops=6 * tokens * fin * fout)
 
-    # In order of importance; DORA_TUNE_BUDGET_S=150 covers the column norm and the 4096-token rows with their
-    # variants by estimate, 250 the rest.
-    for shape in TUNE_WEIGHTS:
-        colnorm(*shape)
-    for tokens in TUNE_TOKENS:
+    # In order of importance. By estimate on an H200: the column-norm sweep ~70 s, the 4096-token modes with their
+    # variants ~65 s, the 8192- and 512-token modes ~50 s (DORA_TUNE_BUDGET_S, per call of this function).
+    if "norm" in parts:
+        for shape in TUNE_WEIGHTS:
+            colnorm(*shape)
+    for tokens in TUNE_TOKENS if "modes" in parts else []:
         for shape in TUNE_WEIGHTS:
             modes(tokens, *shape, variants=tokens == TUNE_TOKENS[0])
 
 
+def tune_norm(rec: Recorder, quick: bool) -> None:
+    """The column-norm sweep of `tuning` alone (its own DORA_TUNE_BUDGET_S)."""
+    tuning(rec, quick, parts=("norm",))
+
+
+def tune_modes(rec: Recorder, quick: bool) -> None:
+    """The dora_mode rows of `tuning` alone (its own DORA_TUNE_BUDGET_S)."""
+    tuning(rec, quick, parts=("modes",))
+
+
 def run(rec: Recorder, quick: bool) -> None:
-    """Sections: main_cases, tuning; DORA_SECTIONS=tuning (comma-separated names) runs a subset."""
+    """Sections: main_cases, tuning (= tune_norm + tune_modes under one budget), tune_norm, tune_modes;
+    DORA_SECTIONS=tune_norm,tune_modes (comma-separated names) runs a subset, each with its own time budget."""
     wanted = os.environ.get("DORA_SECTIONS", "main_cases,tuning").split(",")
-    for section in (main_cases, tuning):
+    for section in (main_cases, tuning, tune_norm, tune_modes):
         if section.__name__ not in wanted:
             continue
         start = time.time()
