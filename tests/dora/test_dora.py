@@ -479,15 +479,23 @@ def test_bad_module_args():
 BIG = [((512,), 4096, 4096, 16), ((256,), 4096, 11008, 64)]
 
 
+GPU_CONFIGS = {
+    "merged_in_norm": Config(merge_in_norm=True, xnorm_bn=32, xnorm_bk=128),
+    # norm partials over 8 row ranges from the prefetching "direct" kernel, merge tiles 64 x 128 in forward order
+    "merged_direct_pf": Config(norm_mode="direct", norm_prefetch=True, norm_rows=512, merge_bk=64, merge_bn=128,
+                               merge_reverse=False),
+    "merged_cols_split": Config(cols_rows=128),  # backward column sums over token ranges, finished by XLA
+}
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", BIG, ids=str)
-@pytest.mark.parametrize("gemm", ["auto", "pallas", "merged", "merged_in_norm", "epilogue"])
+@pytest.mark.parametrize("gemm", ["auto", "pallas", "merged", "epilogue", *GPU_CONFIGS])
 def test_gpu_big_shapes(shape, gemm):
     lead, fin, fout, r = shape
     x, w, a, b, m, bias, dy = make(200, lead, fin, fout, r, jnp.bfloat16)
-    config = Config(merge_in_norm=True, xnorm_bn=32, xnorm_bk=128) if gemm == "merged_in_norm" else None
-    check_against_reference(w, x, a, b, m, bias, dy, scale=0.5, impl="pallas", gemm=gemm.replace("_in_norm", ""),
-                            what=f"gpu {shape} {gemm}", config=config)
+    check_against_reference(w, x, a, b, m, bias, dy, scale=0.5, impl="pallas", gemm=gemm.split("_")[0],
+                            what=f"gpu {shape} {gemm}", config=GPU_CONFIGS.get(gemm))
 
 
 @pytest.mark.gpu
