@@ -11,9 +11,23 @@ Cases: tokens x in -> out, rank, bf16. Implementations:
   peer:base_matmul   x @ W alone (the forward target is <= 1.10x this)
   pallas:fused       Pallas fused-epilogue forward GEMM, cuBLAS dx (gemm="fused"; session 1's "auto")
   pallas:epilogue    cuBLAS x W, then one Pallas pass (x W + s (x A) B) * g + bias (gemm="epilogue")
-  pallas:merged      one Pallas pass forms (W + s A B) * g, then cuBLAS x (that) (gemm="merged")
+  pallas:merged      the norm launch (partial sums over row ranges), one Pallas pass that finishes g and forms
+                     (W + s A B) * g, then cuBLAS x (that) (gemm="merged"); the backward's dx = dy (that)^T
 QDoRA rows: pallas:<fmt> (dequantised in-kernel, the default), pallas:<fmt>_swapab (Config(quant_swap_ab=True):
 dequantised W as the left MMA operand), xla:<fmt> (reference: dequantises W in full, for comparison only).
+
+Floors (bf16, 4096 tokens, 4096 -> 4096, r16; HBM ~4.1 TB/s, cuBLAS x W 0.1895 ms on the H200):
+  column norm: read W once, 32 MiB -> 0.008 ms. Timed amortized (see `norm_rows`).
+  forward ("merged"): x W' on cuBLAS (0.19 ms) + the norm (read W: 8 us) + forming W' = (W + s A B) g (write W:
+    8 us; its read of W hits L2 when W (32 MiB) fits the 50 MiB L2) = 0.206 ms = 1.09x the base matmul. At
+    4096 -> 11008 (88 MiB, past L2): 0.496 + 22 + 44 us = 1.13x: the 1.10x target is out of reach for any
+    cuBLAS-based forward there at 4096 tokens (it needs W' or an epilogue pass over y, both ~2 x 88 MiB).
+  backward ("merged"): dx = dy W'^T on cuBLAS with W' kept from the forward (0.19 ms; memory: one bf16 copy of W
+    per layer), then us = dy (s g B)^T (read dy), x A (read x), one Pallas pass over dy and y for dB, dm, dbias
+    (xa^T dy, sum dy (y - bias)), dA = x^T us (read x): 5 x 32 MiB = 40 us. The fewest bytes any schedule needs
+    is x, dy, y once each (24 us) - a single pass over tokens that also reduces over columns (us) and rows (dA)
+    needs grid-wide reductions (atomics) - so fwd + bwd >= 0.19 + 0.19 + 16 + 24 us = 0.42 ms, against the
+    0.43 ms target; with the separate passes above, ~0.44 ms.
 """
 
 from __future__ import annotations
