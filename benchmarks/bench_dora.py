@@ -288,6 +288,8 @@ def tuning(rec: Recorder, quick: bool, parts=("norm", "modes")) -> None:
             timed("dora_mode", case + " fwd", f"pallas:merged {label}", jax.jit(
                 lambda x, w, a, b, m, cfg=cfg: dora_dense(x, w, a, b, m, scale=scale, implementation="pallas",
                                                         gemm="merged", config=cfg)), x, w, a, b, m, **fwd)
+        timed("dora_mode", case + " fwdbwd", "pallas:merged save_merged=False", _fwdbwd(
+            "pallas", "merged", scale, Config(save_merged=False)), x, w, a, b, m, dy, flops=6 * tokens * fin * fout)
         for bn, bt, rows, warps in COLS_SWEEP:
             cfg = Config(cols_bn=bn, cols_bt=bt, cols_rows=rows, cols_warps=warps)
             timed("dora_mode", case + " fwdbwd", f"pallas:merged cols bn{bn} bt{bt} rows{rows} w{warps}",

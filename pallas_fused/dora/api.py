@@ -167,10 +167,11 @@ def _forward(statics, x, ops, a, b, m, bias, scale):
         # y = x ((W + s A B) g) + bias: one cuBLAS GEMM on the merged weight (x A is left to the backward). The
         # merged weight is kept for the backward's dx = dy wm^T (one bf16 copy of W per layer in memory).
         n, g, wm, bg = _norm_and_merged_weight(kind, ops, ap, bp, scale, m, interpret, config)
+        saved = (wm, bg) if config.save_merged else (None, bg)
         if bias is None:
-            return jnp.dot(x, wm), (ap, bp, n, g, None, (wm, bg))
+            return jnp.dot(x, wm), (ap, bp, n, g, None, saved)
         y = jnp.dot(x, wm, preferred_element_type=jnp.float32) + bias.astype(jnp.float32)
-        return y.astype(dt), (ap, bp, n, g, None, (wm, bg))
+        return y.astype(dt), (ap, bp, n, g, None, saved)
     n, g = _column_norm_scale(ops, kind, ap, bp, scale, m, interpret, config)
     xa = _xa(x, ap)
     if gemm in ("pallas", "fused"):
@@ -320,7 +321,9 @@ def dora_dense(x, kernel, lora_a, lora_b, magnitude, bias=None, *, scale, exact_
         "pallas": Pallas GEMMs both ways (the fused-epilogue forward, the dx GEMM; W dequantised in-kernel).
         "fused": the fused-epilogue Pallas GEMM forward, cuBLAS dx backward.
         "epilogue": cuBLAS x W, then one Pallas pass (x W + s (x A) B) * g + bias.
-        "merged": one Pallas pass forms (W + s A B) * g, then one cuBLAS GEMM (x A waits for the backward).
+        "merged": one Pallas pass forms (W + s A B) * g, then one cuBLAS GEMM (x A waits for the backward). The
+        merged weight is kept for the backward's dx (one copy of W per layer in the compute dtype, held from the
+        forward to the backward; `Config(save_merged=False)` forms it again in the backward instead).
         "xla": XLA GEMMs on g-scaled weights, x (W g) + (x A)(s B g); "xla_concat": one forward GEMM over
         the concatenated K, [x, xA] @ [W g; s B g]; "xla_epilogue": cuBLAS x W + s (x A) B with the
         g-scale and bias fused by XLA afterwards.

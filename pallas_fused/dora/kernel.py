@@ -132,6 +132,10 @@ class Config:
     # gemm="merged": form (W + s A B) g inside the column-norm launch (one program per column strip, over all
     # rows; tiles xnorm_*) instead of a second pass over W by the epilogue kernel. Untimed: the sweep decides.
     merge_in_norm: bool = False
+    # gemm="merged": keep the merged weight (W + s A B) g from the forward for the backward's dx = dy (that)^T:
+    # one bf16 copy of W per layer held until the backward (Llama-7B: ~12.5 GB over 32 blocks). False: the
+    # backward forms it again (one more pass over W: read W, write the copy).
+    save_merged: bool = True
     # gemm="merged" (forward): the column norm launch writes partial sums over row ranges of `mnorm_rows` (more
     # programs in flight than one per column strip) and the merge launch finishes g from them (`merge_weight`).
     mnorm_rows: int = 1024
