@@ -222,9 +222,14 @@ MERGED_SWEEP = {
     "merge 64x64 w4": dict(merge_bk=64, merge_bn=64),
     "merge forward order": dict(merge_reverse=False),
     "merge_in_norm bn64 bk64 w8 s4": dict(merge_in_norm=True, xnorm_bn=64, xnorm_bk=64, xnorm_warps=8, xnorm_stages=4),
+    "mnorm direct+pf bn128 bk64 rows1024 w8": dict(norm_mode="direct", norm_prefetch=True, norm_bn=128, norm_bk=64,
+                                                   norm_rows=1024, norm_warps=8),
+    "merge 128x64 w8": dict(merge_warps=8),
 }
 # Backward column reductions (cols_bn, cols_bt, cols_rows, cols_warps), with gemm="merged".
-COLS_SWEEP = [(64, 64, 512, 4), (128, 64, 512, 8), (64, 128, 1024, 8), (128, 32, 256, 4)]
+# rows >= tokens: one program per column strip over every token, dB / dm / dbias finished in the kernel.
+COLS_SWEEP = [(64, 64, 512, 4), (128, 64, 512, 8), (64, 128, 1024, 8), (128, 32, 256, 4), (32, 64, 8192, 4),
+              (32, 128, 8192, 8), (16, 128, 8192, 4)]
 TUNE_BUDGET_S = float(os.environ.get("DORA_TUNE_BUDGET_S", "85"))
 
 
