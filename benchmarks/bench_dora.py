@@ -226,10 +226,18 @@ MERGED_SWEEP = {
                                                    norm_rows=1024, norm_warps=8),
     "merge 128x64 w8": dict(merge_warps=8),
 }
-# Backward column reductions (cols_bn, cols_bt, cols_rows, cols_warps), with gemm="merged".
-# rows >= tokens: one program per column strip over every token, dB / dm / dbias finished in the kernel.
-COLS_SWEEP = [(64, 64, 512, 4), (128, 64, 512, 8), (64, 128, 1024, 8), (128, 32, 256, 4), (32, 64, 8192, 4),
-              (32, 128, 8192, 8), (16, 128, 8192, 4)]
+# Backward column reductions (Config.cols_*), with gemm="merged": label -> Config fields. rows >= tokens: one program
+# per column strip over every token, dB / dm / dbias finished in the kernel.
+COLS_SWEEP = {
+    "cols no y prefetch": dict(cols_prefetch=False),
+    "cols s3": dict(cols_stages=3),
+    "cols bn128 bt64 rows512 w8": dict(cols_bn=128, cols_warps=8),
+    "cols bn64 bt128 rows1024 w8": dict(cols_bt=128, cols_rows=1024, cols_warps=8),
+    "cols bn128 bt32 rows256 w4": dict(cols_bn=128, cols_bt=32, cols_rows=256),
+    "cols bn32 bt64 rows8192 w4": dict(cols_bn=32, cols_rows=8192),
+    "cols bn32 bt128 rows8192 w8": dict(cols_bn=32, cols_bt=128, cols_rows=8192, cols_warps=8),
+    "cols bn16 bt128 rows8192 w4": dict(cols_bn=16, cols_bt=128, cols_rows=8192),
+}
 TUNE_BUDGET_S = float(os.environ.get("DORA_TUNE_BUDGET_S", "85"))
 
 
@@ -295,10 +303,9 @@ def tuning(rec: Recorder, quick: bool, parts=("norm", "modes")) -> None:
                                                         gemm="merged", config=cfg)), x, w, a, b, m, **fwd)
         timed("dora_mode", case + " fwdbwd", "pallas:merged save_merged=False", _fwdbwd(
             "pallas", "merged", scale, Config(save_merged=False)), x, w, a, b, m, dy, flops=6 * tokens * fin * fout)
-        for bn, bt, rows, warps in COLS_SWEEP:
-            cfg = Config(cols_bn=bn, cols_bt=bt, cols_rows=rows, cols_warps=warps)
-            timed("dora_mode", case + " fwdbwd", f"pallas:merged cols bn{bn} bt{bt} rows{rows} w{warps}",
-                  _fwdbwd("pallas", "merged", scale, cfg), x, w, a, b, m, dy, flops=6 * tokens * fin * fout)
+        for label, fields in COLS_SWEEP.items():
+            timed("dora_mode", case + " fwdbwd", f"pallas:merged {label}", _fwdbwd("pallas", "merged", scale, Config(
+                **fields)), x, w, a, b, m, dy, flops=6 * tokens * fin * fout)
 
     # In order of importance. By estimate on an H200: the column-norm sweep ~70 s, the 4096-token modes with their
     # variants ~65 s, the 8192- and 512-token modes ~50 s (DORA_TUNE_BUDGET_S, per call of this function).

@@ -152,6 +152,8 @@ class Config:
     cols_bt: int = 64  # ... tokens per loop step
     cols_rows: int = 512  # ... tokens per program
     cols_warps: int = 4
+    cols_stages: int = 2
+    cols_prefetch: bool = True  # load the next y tile one step ahead (y is no MMA operand: not pipelined by Triton)
 
 
 DEFAULT = Config()
@@ -686,7 +688,7 @@ def epilogue(z, xa, lora_b, g, scale, bias, *, interpret: bool, config: Config =
 # ----------------------------------------------------------------------------------------------------
 
 
-def _cols_kernel(*refs, M, N, R, bt, bn, rows_per_prog, has_bias, finish):
+def _cols_kernel(*refs, M, N, R, bt, bn, rows_per_prog, has_bias, finish, prefetch):
     dy_ref, y_ref, xa_ref = refs[:3]
     bias_ref = refs[3] if has_bias else None
     if finish:
@@ -698,22 +700,37 @@ def _cols_kernel(*refs, M, N, R, bt, bn, rows_per_prog, has_bias, finish):
     bias = _load(bias_ref.at[pl.ds(n0, bn)], cmask).astype(jnp.float32) if has_bias else None
     t_start = split * rows_per_prog
     dt = dy_ref.dtype
+    nsteps = rows_per_prog // bt
 
-    def body(i, carry):
-        p, dmz, db = carry
+    def y_tile(i):  # masked past M and past this program's tokens (a prefetch beyond them fetches nothing)
+        t0 = t_start + i * bt
+        rows_ok = jnp.logical_and(t0 + jnp.arange(bt) < M, i < nsteps)
+        return _load(y_ref.at[pl.ds(t0, bt), pl.ds(n0, bn)], _mask(rows_ok, cmask, (bt, bn)))
+
+    def step(i, p, dmz, db, y):
         t0 = pl.multiple_of(t_start + i * bt, bt)
         rmask = _in_bounds(t0, bt, M, False)
-        m2 = _mask(rmask, cmask, (bt, bn))
-        dy = _load(dy_ref.at[pl.ds(t0, bt), pl.ds(n0, bn)], m2)
-        y = _load(y_ref.at[pl.ds(t0, bt), pl.ds(n0, bn)], m2).astype(jnp.float32)
+        dy = _load(dy_ref.at[pl.ds(t0, bt), pl.ds(n0, bn)], _mask(rmask, cmask, (bt, bn)))
         xa = _load(xa_ref.at[pl.ds(t0, bt), :], _mask(rmask, None, (bt, R)))
         p = p + _backend.dot(xa, dy.astype(dt), trans_a=True)
         dy = dy.astype(jnp.float32)
-        z = y - bias[None, :] if has_bias else y
+        z = y.astype(jnp.float32)
+        z = z - bias[None, :] if has_bias else z
         return p, dmz + dy * z, db + dy  # (bt, bn) tiles; reduced over tokens once at the end
 
+    if prefetch:
+        # dy feeds an MMA, so Triton pipelines its load; y does not: load the next step's y tile one step ahead.
+        def body(i, carry):
+            *acc, y = carry
+            y_next = y_tile(i + 1)
+            return (*step(i, *acc, y), y_next)
+    else:
+        def body(i, carry):
+            return step(i, *carry, y_tile(i))
+
     zeros = jnp.zeros((bt, bn), jnp.float32)
-    p, dmz, db = lax.fori_loop(0, rows_per_prog // bt, body, (jnp.zeros((R, bn), jnp.float32), zeros, zeros))
+    init = (jnp.zeros((R, bn), jnp.float32), zeros, zeros) + ((y_tile(0),) if prefetch else ())
+    p, dmz, db = lax.fori_loop(0, nsteps, body, init)[:3]
     dmz, db = jnp.sum(dmz, axis=0), jnp.sum(db, axis=0)
     if finish:  # one program covers every token: the final dB = P g s, dm = sum dy (y - bias) / m, dbias
         gs = _load(gs_ref.at[pl.ds(n0, bn)], cmask)
@@ -741,7 +758,7 @@ def backward_columns(dy, y, xa, bias, *, interpret: bool, config: Config = DEFAU
     nsplit = _cdiv(M, rows_per_prog)
     in_kernel = finish is not None and nsplit == 1
     kernel = functools.partial(_cols_kernel, M=M, N=N, R=R, bt=bt, bn=bn, rows_per_prog=rows_per_prog,
-                               has_bias=bias is not None, finish=in_kernel)
+                               has_bias=bias is not None, finish=in_kernel, prefetch=config.cols_prefetch)
     args = (dy, y, xa) + ((bias,) if bias is not None else ())
     if in_kernel:
         gs, m, p_dt, dm_dt, db_dt = finish
@@ -758,7 +775,7 @@ def backward_columns(dy, y, xa, bias, *, interpret: bool, config: Config = DEFAU
         name="pallas_fused_dora_bwd_cols",
         interpret=interpret,
         num_warps=config.cols_warps,
-        num_stages=2,
+        num_stages=config.cols_stages,
     )(*args)
     if in_kernel:
         return p, dmz, db

@@ -131,7 +131,7 @@ MERGE_CONFIGS = {
     "merged_in_norm": Config(merge_in_norm=True, xnorm_bk=16, xnorm_bn=16),
     # backward column reductions over 3 token ranges, finished by XLA (the default config covers the 37 tokens
     # with one program per column strip: finished in the kernel)
-    "merged_cols_split3": Config(cols_rows=16, cols_bt=16),
+    "merged_cols_split3": Config(cols_rows=16, cols_bt=16, cols_prefetch=False),
     "merged_unsaved": Config(save_merged=False),  # the backward forms the merged weight again
 }
 
