@@ -242,8 +242,8 @@ def adam_q8(s, g, mc, ma, vc, va, p=None, *, inplace: bool, interpret: bool, row
     Returns (update or p, mc, ma, vc, va); with inplace=True the outputs are written over p and the
     state operands (donate them under jit). rows / num_warps / load_mode / variant default to QROWS /
     Q_NUM_WARPS / Q_LOAD_MODE / Q_VARIANT (read at call time). Both variants compute the same codes
-    (`encode_segments` / `encode_binade` are `encode` bit for bit); "segments" and "binade" handle 1 or 2
-    blocks per program (more costs registers for nothing: 255 at 4).
+    (`encode_segments` / `encode_binade` are `encode` bit for bit); the lookup variants handle 1 or 2
+    blocks per program (more costs registers for nothing: 255 at 4), 1 when the number of blocks is odd.
     """
     load_mode = _check_mode(load_mode or Q_LOAD_MODE)
     variant = variant or Q_VARIANT
@@ -253,6 +253,7 @@ def adam_q8(s, g, mc, ma, vc, va, p=None, *, inplace: bool, interpret: bool, row
     if variant != "table":
         if rows not in (1, 2):
             raise ValueError(f"rows: the {variant!r} variant handles 1 or 2 blocks per program, got rows={rows}")
+        rows = rows if ma.shape[0] % rows == 0 else 1  # an odd number of blocks: one per program, no row mask
         return _adam_q8_lookup(s, g, mc, ma, vc, va, p, inplace=inplace, interpret=interpret, rows=rows,
                                num_warps=num_warps or Q_NUM_WARPS, u_dtype=u_dtype, load_mode=load_mode,
                                variant=variant)
@@ -322,7 +323,7 @@ def _q8_tables(variant):
     return jnp.asarray(f), jnp.asarray(i), foffs, ioffs
 
 
-def _q8_lookup_kernel(*refs, n, nb, rows, has_p, inplace, load_mode, variant):
+def _q8_lookup_kernel(*refs, n, rows, has_p, inplace, load_mode, variant):
     if inplace:
         (s_ref, f_ref, i_ref, p_ref, g_ref, mc_ref, ma_ref, vc_ref, va_ref,
          out_ref, mc_out, ma_out, vc_out, va_out) = refs
@@ -340,9 +341,9 @@ def _q8_lookup_kernel(*refs, n, nb, rows, has_p, inplace, load_mode, variant):
     row = pl.program_id(0) * rows + jnp.arange(rows)
     idx = (pl.program_id(0) * (rows * QBLOCK) + (jnp.arange(QBLOCK // 4) * 4)[:, None, None]
            + jnp.arange(4)[None, :, None] + (jnp.arange(rows) * QBLOCK)[None, None, :])
-    full_rows = nb % rows == 0
-    rmask = None if full_rows else row < nb
-    mask = None if n % QBLOCK == 0 and full_rows else idx < n  # no masks when all is full (n, nb static)
+    # rows divides nb (see adam_q8), so only a partial last block needs a mask (n is static). Masks cost
+    # ~25% more instructions: a tensor of whole blocks has none.
+    mask = None if n % QBLOCK == 0 else idx < n
     s = _scalars(s_ref)
     _, _, foffs, ioffs = _q8_tables(variant)
 
@@ -350,8 +351,7 @@ def _q8_lookup_kernel(*refs, n, nb, rows, has_p, inplace, load_mode, variant):
         return lambda i: load(ref.at[i + offset], eviction_policy="evict_last")
 
     def absmax(ref):
-        x = load(ref.at[row]) if rmask is None else load(ref.at[row], mask=rmask, other=0.0)
-        return x[None, None, :]
+        return load(ref.at[row])[None, None, :]
 
     p = None if p_ref is None else _stream_load(p_ref, idx, mask, 0.0, load_mode).astype(jnp.float32)
     g = _stream_load(g_ref, idx, mask, 0.0, load_mode).astype(jnp.float32)
@@ -368,8 +368,9 @@ def _q8_lookup_kernel(*refs, n, nb, rows, has_p, inplace, load_mode, variant):
     m, v = m * absmax(ma_ref), v * absmax(va_ref)
     if variant.startswith("segments"):
         fm, fv = [[lookup(f_ref, o) for o in foffs[k:k + 2]] for k in (2, 4)]
-        kw = {"encoders": (lambda a: encode_segments(a, lookup(i_ref, ioffs[0]), *fm),
-                           lambda a: encode_segments(a, lookup(i_ref, ioffs[1]), *fv))}
+        # v >= 0 needs no abs: v * inv_absmax goes straight in (-0 reads the code-0 half of the binade table).
+        kw = {"encoders": (lambda a: encode_segments(a, lookup(i_ref, ioffs[0]), *fm), None),
+              "signed_encoders": (None, lambda a: encode_segments(a, lookup(i_ref, ioffs[1]), *fv))}
     else:
         # m: |m| * inv_absmax through the positive half of its tables (one cache line per warp, not one per
         # sign) and the sign by `encode_signed`; v >= 0 needs no abs. Both: magic = the constant 2**23.
@@ -382,11 +383,10 @@ def _q8_lookup_kernel(*refs, n, nb, rows, has_p, inplace, load_mode, variant):
     store(out_ref.at[idx], out.astype(out_ref.dtype), mask=mask)
     ma_new, va_new, mc_new, vc_new = q8_requantize(m_new, v_new, axis=(0, 1), **kw)
     # Codes are stored for whole blocks, the padding past the tensor's end included.
-    block_mask = None if rmask is None else jnp.broadcast_to(rmask[None, None, :], idx.shape)
-    store(mc_out.at[idx], mc_new.astype(jnp.uint8), mask=block_mask)
-    store(vc_out.at[idx], vc_new.astype(jnp.uint8), mask=block_mask)
-    store(ma_out.at[row], ma_new, mask=rmask)
-    store(va_out.at[row], va_new, mask=rmask)
+    store(mc_out.at[idx], mc_new.astype(jnp.uint8))
+    store(vc_out.at[idx], vc_new.astype(jnp.uint8))
+    store(ma_out.at[row], ma_new)
+    store(va_out.at[row], va_new)
 
 
 @functools.partial(jax.jit, static_argnames=("inplace", "interpret", "rows", "num_warps", "u_dtype", "load_mode",
@@ -405,12 +405,12 @@ def _adam_q8_lookup(s, g, mc, ma, vc, va, p, *, inplace, interpret, rows, num_wa
         operands = (s, ftab, itab, g, mc, ma, vc, va) + ((p,) if has_p else ())
         out_shape = (jax.ShapeDtypeStruct(g.shape, u_dtype or g.dtype),) + state_shapes
         aliases = {}
-    kernel = functools.partial(_q8_lookup_kernel, n=n, nb=nb, rows=rows, has_p=has_p, inplace=inplace,
+    kernel = functools.partial(_q8_lookup_kernel, n=n, rows=rows, has_p=has_p, inplace=inplace,
                                load_mode=load_mode, variant=variant)
     return _backend.triton_call(
         kernel,
         out_shape=out_shape,
-        grid=(_cdiv(nb, rows),),
+        grid=(nb // rows,),
         name="pallas_fused_adam8bit_step" if inplace else "pallas_fused_adam8bit_update",
         interpret=interpret,
         num_warps=num_warps,

@@ -200,14 +200,14 @@ class SegmentTables(NamedTuple):
     boundary inside it (bits 0..23; 2**23, never reached, if none): s = (t >> 24) + (mantissa >= (t & 0xFFFFFF)).
     """
 
-    binade: np.ndarray  # (256,) int32, indexed by the biased exponent of a
+    binade: np.ndarray  # (512,) int32, indexed by the sign and biased exponent of a (negative a: code 0)
     coef_a: np.ndarray  # (16,) fp32, indexed by segment (zero padded)
     coef_c: np.ndarray  # (16,) fp32
 
 
 def _segment_tables(dmap: DynamicMap) -> SegmentTables:
     cuts = [int(np.float32(b).view(np.uint32)) for b in (*dmap.bounds, dmap.one_bound)]
-    binade = np.zeros(256, np.int64)
+    binade = np.full(512, 1 << 23, np.int64)  # e >= 256 (negative a, only -0 in practice): segment 0
     for e in range(256):
         start, stop = e << 23, (e + 1) << 23
         inside = [c for c in cuts if start < c < stop]
@@ -236,11 +236,12 @@ def encode_segments(a, binade, coef_a, coef_c):
     binade / coef_a / coef_c are lookups: functions from an int32 index array to the table's values
     (jnp indexing here; loads from a table operand in the kernels)."""
     bits = jax.lax.bitcast_convert_type(a, jnp.int32)
-    t = binade(bits >> 23)
+    t = binade(jax.lax.shift_right_logical(bits, 23))
     seg = (t >> 24) + ((bits & 0x7FFFFF) >= (t & 0xFFFFFF)).astype(jnp.int32)
-    # a * A + C >= 0 in every segment, so truncation is the floor of `encode`.
-    code = (a * coef_a(seg) + coef_c(seg)).astype(jnp.int32)
-    return jnp.minimum(code, (2 << seg) - 2)
+    # floor(t) + 2**23 is exact and its fp32 bits are 0x4B000000 + floor(t): the clip and the conversion in
+    # integer ops, without the clamps of a float-to-int conversion (t >= 0 in every segment).
+    code = jax.lax.bitcast_convert_type(jnp.floor(a * coef_a(seg) + coef_c(seg)) + 2.0**23, jnp.int32)
+    return jnp.minimum(code, (0x4B000000 - 2) + (2 << seg)) & 0xFF
 
 
 def table_lookups(tables):

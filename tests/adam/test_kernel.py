@@ -70,7 +70,7 @@ def test_encode_segments_is_encode(dmap, seg):
     """The kernels' table-lookup encoder gives the same code as `encode` for every input swept (dense over
     [0, 1], every value near a decade bound or a midpoint between codes; an exhaustive sweep of all fp32 in
     [0, 1] found no difference either)."""
-    a = jnp.asarray(_fp32_sweep(dmap, stride=251))
+    a = jnp.asarray(np.concatenate([_fp32_sweep(dmap, stride=251), [-0.0]]).astype(np.float32))
     ref = jax.jit(lambda a: R.encode(a, dmap))(a)
     out = jax.jit(lambda a: R.encode_segments(a, *R.table_lookups(seg)))(a)
     bad = np.flatnonzero(np.asarray(ref) != np.asarray(out))
@@ -199,8 +199,8 @@ def _q8_inputs(n, seed=0, dtype=jnp.float32):
     (19 * 256, jnp.float32, "binade_arith", 2), (5003, jnp.float32, "segments_arith", 1),
 ])
 def test_q8_kernel_matches_reference(n, dtype, variant, rows):
-    """Both ends masked or not: a partial last block (5003, 4700), full blocks (4096, 4864), an odd number of
-    blocks for 2 blocks per program (4700, 4864: a program with one valid block)."""
+    """A partial last block (5003, 4700) or none (4096, 4864); an odd number of blocks with rows=2 (4700,
+    4864: the lookup variants fall back to one block per program)."""
     g, p, mc, ma, vc, va = _q8_inputs(n, dtype=dtype)
     g = g.at[17].set(jnp.nan)
     s = _scalars()
