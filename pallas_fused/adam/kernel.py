@@ -34,13 +34,14 @@ instead of select chains, use `adam_math(fast=True)`, and store the update befor
   variant           rows  regs  bar.sync  instr/elem  lookups/elem  L1 wavefronts / 32 elem (estimate)
   table                1    91         8       139.0           2  ~20
   table (8 warps)      8   104        23       165.0           2  ~20
-  segments             1    64         0       103.0           8
-  segments             2    95         0        97.0           8  ~23
+  segments             1    64         0       101.0           8
+  segments             2    96         0        93.5           8  ~23
   binade               1    64         0        96.0          10
   binade               2    95         0        86.5          10  ~26
   binade_arith         2   136         0       122.0          12  ~20
-  segments_arith       2   128         0       130.5          10
-(no spills anywhere; 2 warps add 5 bar.sync for the cross-warp absmax: binade rows=2 at 2 warps is 103.0).
+  segments_arith       2   105         0       127.5          10
+(no spills anywhere; 2 warps add 5 bar.sync for the cross-warp absmax: binade rows=2 at 2 warps is 103.0;
+a tensor with a partial last block runs the masked body, ~25% more instructions, in its last program only).
 Instruction issue costs instr/elem / 4 cycles per 32 elements per SM (4 warp-instructions per clock); a
 warp-wide lookup costs the L1 one wavefront (~a cycle) per distinct cache line it touches. The estimate
 counts lines for the benchmark's states (scratch simulation): decode m 3.6 (by magnitude), v 6.5, binade
@@ -341,9 +342,25 @@ def _q8_lookup_kernel(*refs, n, rows, has_p, inplace, load_mode, variant):
     row = pl.program_id(0) * rows + jnp.arange(rows)
     idx = (pl.program_id(0) * (rows * QBLOCK) + (jnp.arange(QBLOCK // 4) * 4)[:, None, None]
            + jnp.arange(4)[None, :, None] + (jnp.arange(rows) * QBLOCK)[None, None, :])
-    # rows divides nb (see adam_q8), so only a partial last block needs a mask (n is static). Masks cost
-    # ~25% more instructions: a tensor of whole blocks has none.
-    mask = None if n % QBLOCK == 0 else idx < n
+    # rows divides nb (see adam_q8), so only a partial last block needs masks (n is static). Masks cost ~25%
+    # more instructions, so the last program alone takes the masked branch.
+    if n % QBLOCK == 0:
+        _q8_lookup_body(None, s_ref, f_ref, i_ref, p_ref, g_ref, mc_ref, ma_ref, vc_ref, va_ref,
+                        out_ref, mc_out, ma_out, vc_out, va_out, row=row, idx=idx, inplace=inplace,
+                        load_mode=load_mode, variant=variant)
+    else:
+        def branch(masked):
+            def run():
+                _q8_lookup_body(idx < n if masked else None, s_ref, f_ref, i_ref, p_ref, g_ref, mc_ref, ma_ref,
+                                vc_ref, va_ref, out_ref, mc_out, ma_out, vc_out, va_out, row=row, idx=idx,
+                                inplace=inplace, load_mode=load_mode, variant=variant)
+            return run
+
+        jax.lax.cond(pl.program_id(0) == pl.num_programs(0) - 1, branch(True), branch(False))
+
+
+def _q8_lookup_body(mask, s_ref, f_ref, i_ref, p_ref, g_ref, mc_ref, ma_ref, vc_ref, va_ref,
+                    out_ref, mc_out, ma_out, vc_out, va_out, *, row, idx, inplace, load_mode, variant):
     s = _scalars(s_ref)
     _, _, foffs, ioffs = _q8_tables(variant)
 
