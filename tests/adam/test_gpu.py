@@ -35,15 +35,21 @@ def test_gpu_orbax_round_trip(tmp_path):
     api.test_orbax_round_trip("pallas", tmp_path)
 
 
+@pytest.mark.parametrize("path", ["inplace", "optax"])
 @pytest.mark.parametrize("state_bits", [None, 8])
-def test_gpu_inplace_step_has_no_copies(state_bits):
+def test_gpu_step_has_no_copies(state_bits, path):
+    """Donated params and state: neither the in-place step nor the optax path copies a tensor-sized buffer."""
     shapes = [(4096, 1024), (4096, 1000), (4096, 1024)]
     params = [rand(i, s) for i, s in enumerate(shapes)]
     grads = [rand(10 + i, s) for i, s in enumerate(shapes)]
-    state = A.adamw(1e-3, state_bits=state_bits).init(params)
+    opt = A.adamw(1e-3, weight_decay=0.01, state_bits=state_bits, implementation="pallas")
+    state = opt.init(params)
 
     def step(params, grads, state):
-        return A.adamw_step(params, grads, state, learning_rate=1e-3, weight_decay=0.01, implementation="pallas")
+        if path == "inplace":
+            return A.adamw_step(params, grads, state, learning_rate=1e-3, weight_decay=0.01, implementation="pallas")
+        updates, state = opt.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
 
     hlo = jax.jit(step, donate_argnums=(0, 2)).lower(params, grads, state).compile().as_text()
     copies = [line for line in hlo.splitlines() if re.search(r"= \w+\[4096,10\d\d\]\{[^}]*\} copy\(", line)
