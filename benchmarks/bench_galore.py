@@ -187,22 +187,26 @@ def step_cases(rec, quick):
 # halve the L2 traffic of the N and P slices, and wgmma takes fp16 B operands N-contiguous (TF32 B must be
 # K-major: Triton transposes fp32 P/N slices into shared memory with 4-byte cp.async). Offline (triton 3.6,
 # ptxas sm_90a, r128) with f16, none spills: 32x128x32/4/3 124 registers; 32x128x128/4/2 tm 8 137 (mma.sync);
-# 64x128x128/8/2 w_first tm 8 170 (wgmma, 96 KiB); 64x128x128/8/3 tm 8 p16 148; 64x128x128/4/2 tm 8 236;
-# 128x128x128/8/2 tm 4 254; 64x256x128/8/2 tm 4 248; 64x64x128/4/2 w_first tm 8 p16 157 (189 without p16).
-# (64x128x128/4/2 and 128x128x128/8/2 with w_first and tm spill: the prefetched W tile.)
+# 64x128x128/8/2 w_first tm 8 170 (wgmma, 96 KiB); 64x128x128/8/3 tm 8 p16 148;
+# 64x256x128/8/2 tm 4 248; 64x64x128/4/2 w_first tm 8 p16 157. Single tiles with W loaded before the GEMM
+# (w_first): 32x128x128/4/2 157 (3 CTAs/SM), 64x128x128/4/2 222, 128x128x128/8/2 236, 64x256x128/8/2 239.
+# Why W's latency matters: in a tm/tn loop Triton pipelines (cp.async, num_stages) only the loads feeding the dot;
+# W's tile is a plain load inside the loop (the ttgir shows it), so a program has one W tile in flight unless
+# w_first prefetches the next one through the loop carry (two tiles, register-hungry); single-tile programs with
+# w_first issue W before the GEMM and rely on several CTAs per SM instead.
 UP_CANDIDATES = [
     kernel.UpConfig(32, 128, 32, 4, 3, False, 1, 1),  # session 3's best on side right (fp32 operands)
     kernel.UpConfig(64, 64, 128, 4, 2, True, 1, 8),  # session 3's best on side left (fp32 operands)
-    kernel.UpConfig(32, 128, 128, 4, 2, True, 1, 8),
     kernel.UpConfig(32, 128, 32, 4, 3, False, 1, 1, True),
     kernel.UpConfig(32, 128, 128, 4, 2, False, 1, 8, True),
-    kernel.UpConfig(64, 64, 128, 4, 2, True, 1, 8, True),
     kernel.UpConfig(64, 64, 128, 4, 2, True, 1, 8, True, True),
     kernel.UpConfig(64, 128, 128, 8, 2, True, 1, 8, True),
     kernel.UpConfig(64, 128, 128, 8, 3, False, 1, 8, True, True),
-    kernel.UpConfig(64, 128, 128, 4, 2, False, 1, 8, True),
-    kernel.UpConfig(128, 128, 128, 8, 2, False, 1, 4, True),
+    kernel.UpConfig(32, 128, 128, 4, 2, True, 1, 1, True, True),
     kernel.UpConfig(64, 256, 128, 8, 2, False, 1, 4, True),
+    kernel.UpConfig(64, 128, 128, 4, 2, True, 1, 1, True, True),
+    kernel.UpConfig(128, 128, 128, 8, 2, True, 1, 1, True, True),
+    kernel.UpConfig(64, 256, 128, 8, 2, True, 1, 1, True, True),
 ]
 # Split-K down-projection: DownConfig(bm, bk, splits, br, warps, stages); programs = (kept / bm) x splits at r128
 # (4096^2: 32 row blocks of 128; 4096x11008: 86 column blocks of 128). Offline (r128): 128x32 K chunks/8 warps/
