@@ -212,7 +212,8 @@ UP_CANDIDATES = [
 # (4096^2: 32 row blocks of 128; 4096x11008: 86 column blocks of 128). Offline (r128): 128x32 K chunks/8 warps/
 # 3 stages 162-168 registers (1 CTA/SM), 96 KiB, wgmma TF32 on both sides; 64x32/4 warps/3 stages 156-168, 72 KiB;
 # none spills. Side left: G's tile reaches shared memory transposed through 4-byte cp.async (P^T is the K-major
-# operand), or with g_regs through registers (16-byte cp.async, A operand from registers): the sweep tries both.
+# operand), or with g_regs through registers (16-byte cp.async, A operand from registers): the sweep tries both;
+# p_nat also takes P's tile through registers (no XLA transpose of P): 166 registers at 128x32/8/3.
 DOWN_CANDIDATES = [
     kernel.DownConfig(128, 32, 8, 128, 8, 3),
     kernel.DownConfig(128, 32, 4, 128, 8, 3),
@@ -221,11 +222,13 @@ DOWN_CANDIDATES = [
     kernel.DownConfig(64, 32, 4, 128, 4, 3),
     kernel.DownConfig(64, 64, 8, 128, 4, 3),
     kernel.DownConfig(128, 32, 2, 128, 8, 4),
-    # side left only (g_regs means nothing on side right)
+    # side left only (g_regs, p_nat mean nothing on side right)
     kernel.DownConfig(128, 32, 4, 128, 8, 3, True),
     kernel.DownConfig(128, 32, 8, 128, 8, 3, True),
     kernel.DownConfig(64, 32, 4, 128, 4, 3, True),
     kernel.DownConfig(128, 64, 4, 128, 8, 2, True),
+    kernel.DownConfig(128, 32, 4, 128, 8, 3, True, True),  # P through registers too: no XLA transpose of P
+    kernel.DownConfig(128, 64, 4, 128, 8, 2, True, True),
 ]
 # the fused kernel's best of session 3 (4096^2 r128: 0.0567 ms), kept as a comparison row
 FUSED_DOWN = (32, 128, 4, 3)
@@ -314,7 +317,7 @@ def tuning(rec, quick):
         case = f"tune down {M}x{N} r{r} (amortized x{k_amort})"
         downb = (M * N + 4 * r * max(M, N)) * 4
         for cfg in DOWN_CANDIDATES:
-            if cfg.g_regs and side == "right":
+            if (cfg.g_regs or cfg.p_nat) and side == "right":
                 continue
 
             def op(g, p, m, v, sc, cfg=cfg, side=side):

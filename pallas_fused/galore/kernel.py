@@ -89,6 +89,8 @@ class DownConfig(NamedTuple):
     # memory. False: Triton transposes it on the way in (4-byte cp.async). True: a (redundant) mask select
     # routes it through registers (16-byte cp.async, then Triton stages it transposed for wgmma's A operand).
     g_regs: bool = False
+    # side left: P's tile straight from P through registers (True) or from P^T transposed by XLA (False)
+    p_nat: bool = False
 
 
 # The default up-projection configuration, one for all or a dict side ("right" / "left") -> UpConfig: set it
@@ -285,11 +287,12 @@ def _splitk_right_kernel(g_ref, p_ref, o_ref, *, M, N, R, BM, BK, BR, KSTEPS):
     _backend.store(o_ref.at[sp, pl.ds(i * BM, BM), pl.ds(j * BR, BR)], acc, mask=rmask[:, None] & qmask[None, :])
 
 
-def _splitk_left_kernel(g_ref, pt_ref, o_ref, *, M, N, R, BN, BK, BR, KSTEPS, g_regs):
+def _splitk_left_kernel(g_ref, p_ref, o_ref, *, M, N, R, BN, BK, BR, KSTEPS, g_regs, p_nat):
     # o[s, rrows, cols] = P^T[rrows, K slice s] @ G[K slice s, cols], computed transposed,
-    # acc[cols, rrows] = G^T @ (P^T)^T: G's tile (K x cols, cols contiguous) is not K-major, so it is the A
-    # operand (Triton transposes it into shared memory, or with g_regs routes it through registers); P^T (r, M),
-    # transposed once by XLA, is the K-major B operand.
+    # acc[cols, rrows] = G^T @ P: G's tile (K x cols, cols contiguous) is not K-major, so it is the A operand
+    # (Triton transposes it into shared memory, or with g_regs routes it through registers). P's tile is the B
+    # operand: from P^T (r, M), transposed once by XLA, K-major as TF32 wgmma wants it; or (p_nat) from P itself
+    # (M, r), routed through registers for Triton to stage it K-major (no XLA transpose, more shared-memory work).
     j, q, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     cmask = j * BN + jnp.arange(BN) < N
     qmask = q * BR + jnp.arange(BR) < R
@@ -302,7 +305,12 @@ def _splitk_left_kernel(g_ref, pt_ref, o_ref, *, M, N, R, BN, BK, BR, KSTEPS, g_
         g = _backend.load(g_ref.at[pl.ds(start, BK), pl.ds(j * BN, BN)], mask=gmask, other=0.0)
         if g_regs:  # the same values; the select keeps Triton from copying G straight into shared memory
             g = jnp.where(gmask, g, 0.0)
-        pt = _backend.load(pt_ref.at[pl.ds(q * BR, BR), pl.ds(start, BK)], mask=qmask[:, None] & kmask[None, :],
+        if p_nat:
+            pmask = kmask[:, None] & qmask[None, :]
+            p = _backend.load(p_ref.at[pl.ds(start, BK), pl.ds(q * BR, BR)], mask=pmask, other=0.0)
+            p = jnp.where(pmask, p, 0.0)  # (as g_regs)
+            return acc + _backend.dot(g.astype(F32), p.astype(F32), trans_a=True, allow_tf32=True)
+        pt = _backend.load(p_ref.at[pl.ds(q * BR, BR), pl.ds(start, BK)], mask=qmask[:, None] & kmask[None, :],
                            other=0.0)
         return acc + _backend.dot(g.astype(F32), pt.astype(F32), trans_a=True, trans_b=True, allow_tf32=True)
 
@@ -337,8 +345,8 @@ def _down_splitk(g, p, *, side, interpret, cfg: DownConfig):
         operand = p
     else:
         kern = functools.partial(_splitk_left_kernel, M=M, N=N, R=R, BN=cfg.bm, BK=cfg.bk, BR=br, KSTEPS=ksteps,
-                                 g_regs=cfg.g_regs)
-        operand = p.T  # (r, M): 2 MB at M 4096, r 128, transposed once
+                                 g_regs=cfg.g_regs, p_nat=cfg.p_nat)
+        operand = p if cfg.p_nat else p.T  # P^T (r, M): 2 MB at M 4096, r 128, transposed once
     call = _backend.triton_call(kern, out_shape=jax.ShapeDtypeStruct((splits, *low), F32), grid=grid,
                                 name="pallas_fused_galore_down_splitk", interpret=interpret,
                                 num_warps=cfg.warps, num_stages=cfg.stages)

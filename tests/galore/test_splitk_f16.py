@@ -12,9 +12,9 @@ from tests.helpers import assert_all_written, assert_close, rand
 
 # DownConfig(bm, bk, splits, br, warps, stages) on rank 24 (rank block 32): 3 splits over 3 K chunks of 16 with a
 # masked tail; splits past the K chunks (clipped to their number: 2); two rank blocks of 16 (the second masked
-# past rank 24), G through registers on side left.
+# past rank 24), G and P (not P^T) through registers on side left.
 DOWN_CONFIGS = [kernel.DownConfig(16, 16, 3, 32, 4, 2), kernel.DownConfig(32, 32, 9, 32, 4, 3),
-                kernel.DownConfig(16, 16, 2, 16, 4, 2, True)]
+                kernel.DownConfig(16, 16, 2, 16, 4, 2, True, True)]
 
 
 def _tf32(x):
