@@ -233,36 +233,55 @@ def down_adam_fused(g, p, m, v, scalars, *, side: str, interpret: bool = False, 
 
 
 # ------------------------------------------------------------------------------ elementwise low-rank Adam
-def _lowrank_adam_kernel(r_ref, m_ref, v_ref, s_ref, m_out, v_out, n_out, *, size, splits, BLOCK):
+def _lowrank_adam_kernel(*refs, size, splits, size_p, BLOCK):
     # r_ref: (splits * size,) fp32 partial sums (split-K) or (size,) with splits == 1; summed in a fixed order.
+    # With size_p, the same programs also cast P (flattened, size_p elements) to fp16 (p16_out).
+    if size_p:
+        r_ref, m_ref, v_ref, s_ref, p_ref, m_out, v_out, n_out, p16_out = refs
+    else:
+        r_ref, m_ref, v_ref, s_ref, m_out, v_out, n_out = refs
     i = pl.program_id(0)
     idx = pl.ds(i * BLOCK, BLOCK)
-    mask = i * BLOCK + jnp.arange(BLOCK) < size
+    offs = i * BLOCK + jnp.arange(BLOCK)
+    mask = offs < size
     r = _backend.load(r_ref.at[idx], mask=mask, other=0.0).astype(F32)
     for k in range(1, splits):
         r = r + _backend.load(r_ref.at[pl.ds(k * size + i * BLOCK, BLOCK)], mask=mask, other=0.0).astype(F32)
     _store_adam(r, m_ref, v_ref, m_out, v_out, n_out, idx, mask, _scalars(s_ref))
+    if size_p:
+        pmask = offs < size_p
+        pv = _backend.load(p_ref.at[idx], mask=pmask, other=0.0).astype(F32)
+        _backend.store(p16_out.at[idx], pv.astype(jnp.float16), mask=pmask)
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "n_dtype"))
-def lowrank_adam(r, m, v, scalars, *, interpret: bool = False, n_dtype=F32):
+def lowrank_adam(r, m, v, scalars, *, interpret: bool = False, n_dtype=F32, p=None):
     """Elementwise low-rank Adam on an already projected R (the "hybrid" path). Returns (m', v', N).
 
     `r` is R (m's shape) or split-K partial sums of it (splits, *m.shape) that the kernel adds (fixed order).
-    `n_dtype`: N's dtype (fp32, or fp16 for an fp16 up-projection: clamped to +-F16_MAX)."""
+    `n_dtype`: N's dtype (fp32, or fp16 for an fp16 up-projection: clamped to +-F16_MAX). With `p` (the
+    projector) the same launch also returns P cast to fp16: (m', v', N, P16), for an up-projection on fp16
+    operands (UpConfig.p16) without a separate cast."""
     shape = m.shape
     size = m.size
     splits = 1 if r.shape == shape else r.shape[0]
     if r.shape[-2:] != shape or r.ndim not in (2, 3):
         raise ValueError(f"lowrank_adam: r must have m's shape {shape} or (splits, *{shape}), got {r.shape}")
     block = 1024
+    size_p = 0 if p is None else p.size
     outs = (jax.ShapeDtypeStruct((size,), m.dtype), jax.ShapeDtypeStruct((size,), v.dtype),
             jax.ShapeDtypeStruct((size,), n_dtype))
-    kern = functools.partial(_lowrank_adam_kernel, size=size, splits=splits, BLOCK=block)
-    call = _backend.triton_call(kern, out_shape=outs, grid=(_cdiv(size, block),), name="pallas_fused_galore_adam",
-                                interpret=interpret, num_warps=4, input_output_aliases={1: 0, 2: 1})
-    m2, v2, n = call(r.reshape(-1), m.reshape(-1), v.reshape(-1), scalars)
-    return m2.reshape(shape), v2.reshape(shape), n.reshape(shape)
+    args = (r.reshape(-1), m.reshape(-1), v.reshape(-1), scalars)
+    if size_p:
+        outs += (jax.ShapeDtypeStruct((size_p,), jnp.float16),)
+        args += (p.reshape(-1),)
+    kern = functools.partial(_lowrank_adam_kernel, size=size, splits=splits, size_p=size_p, BLOCK=block)
+    call = _backend.triton_call(kern, out_shape=outs, grid=(_cdiv(max(size, size_p), block),),
+                                name="pallas_fused_galore_adam", interpret=interpret, num_warps=4,
+                                input_output_aliases={1: 0, 2: 1})
+    m2, v2, n, *p16 = call(*args)
+    out = (m2.reshape(shape), v2.reshape(shape), n.reshape(shape))
+    return (*out, p16[0].reshape(p.shape)) if size_p else out
 
 
 # ------------------------------------------------------------------------------------ split-K down-projection
@@ -493,15 +512,17 @@ def leaf_step(variant: str, w, g, m, v, p, scalars, *, side: str, inplace: bool,
     up = UpConfig(*up_blocks) if up_blocks else _blocks_up(rank, side)
     # an fp16 up-projection takes N in fp16 straight from the Adam kernel (and P cast once with p16)
     n_dtype = jnp.float16 if up.f16 and variant != "xla_up" else F32  # (as `up_operands`)
+    p16 = up.f16 and up.p16 and variant != "xla_up"  # the Adam kernel also casts P to fp16 (one launch)
+    p_up = p
     if variant == "fused":
         m, v, n = down_adam_fused(g, p, m, v, scalars, side=side, interpret=interpret, blocks=down_blocks)
-    elif variant == "splitk":
-        partials = down_splitk(g, p, side=side, interpret=interpret, blocks=down_blocks)
-        m, v, n = lowrank_adam(partials, m, v, scalars, interpret=interpret, n_dtype=n_dtype)
+        p_up = p.astype(jnp.float16) if p16 else p
     else:
-        m, v, n = lowrank_adam(reference.project(g, p, side), m, v, scalars, interpret=interpret, n_dtype=n_dtype)
+        r = (down_splitk(g, p, side=side, interpret=interpret, blocks=down_blocks) if variant == "splitk"
+             else reference.project(g, p, side))
+        m, v, n, *cast = lowrank_adam(r, m, v, scalars, interpret=interpret, n_dtype=n_dtype, p=p if p16 else None)
+        p_up = cast[0] if p16 else p
     if variant != "xla_up":
-        p_up = p.astype(jnp.float16) if up.f16 and up.p16 else p
         out = up_update(w, n, p_up, scalars, side=side, inplace=inplace, interpret=interpret, blocks=up,
                         out_dtype=g.dtype)
         return out, m, v

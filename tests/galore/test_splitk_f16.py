@@ -51,6 +51,12 @@ def test_lowrank_adam_fp16_n_and_bad_partials(kernel_impl):
     _, _, n16 = kernel.lowrank_adam(r, m, v, s.pack(), interpret=kernel_impl == "interpret", n_dtype=jnp.float16)
     assert n16.dtype == jnp.float16
     assert_close(n16, np.asarray(n_ex, np.float64), floor=1e-3, what="fp16 N")  # fp16 rounding: 2^-11 relative
+    # with p: the same launch casts P to fp16 (P here has more elements than m: the grid covers both)
+    m2, v2, n2, p16 = kernel.lowrank_adam(r, m, v, s.pack(), interpret=kernel_impl == "interpret",
+                                          n_dtype=jnp.float16, p=p)
+    assert p.size > m.size and p16.dtype == jnp.float16 and p16.shape == p.shape
+    np.testing.assert_array_equal(p16, p.astype(jnp.float16))
+    np.testing.assert_array_equal(n2, n16)
     with pytest.raises(ValueError, match="r must have"):
         kernel.lowrank_adam(jnp.ones((2, 5, 37)), m, v, s.pack(), interpret=True)
 
@@ -121,23 +127,24 @@ def test_leaf_step_splitk_fp16_up(kernel_impl, side, dtype):
 
 
 def test_api_splitk_and_fp16_default(monkeypatch):
-    """kernel="splitk" through the optax transform and the in-place step, with an fp16 default up configuration:
-    the reference's numbers at TF32 tolerance."""
+    """kernel="splitk" / "hybrid" through the optax transform and the in-place step, with an fp16 (and p16:
+    P cast by the Adam kernel) default up configuration: the reference's numbers at TF32 tolerance."""
     monkeypatch.setattr(kernel, "UP_CONFIG", kernel.UpConfig(16, 32, 16, 4, 2, True, 1, 2, True, True))
     monkeypatch.setattr(kernel, "DOWN_CONFIG", kernel.DownConfig(16, 16, 2, 16, 4, 2))
     params = {"w": jax.random.normal(jax.random.key(0), (24, 40)), "b": jnp.ones((40,))}
     grads = {"w": jax.random.normal(jax.random.key(1), (24, 40)), "b": jnp.ones((40,))}
     outs = {}
-    for impl, kern in [("xla", "auto"), ("interpret", "splitk")]:
+    for impl, kern in [("xla", "auto"), ("interpret", "splitk"), ("interpret", "hybrid")]:
         tx = api.galore_adamw(1e-2, rank=4, weight_decay=0.1, implementation=impl, kernel=kern)
         state = tx.init(params)
         u, state = tx.update(grads, state, params)
         u, state = tx.update(grads, state, params)
         step = api.galore_adamw_inplace(1e-2, rank=4, weight_decay=0.1, implementation=impl, kernel=kern)
         p2, _ = step.step(params, grads, step.init(params))
-        outs[impl] = (u["w"], p2["w"], state.mu["w"])
-    for a, b in zip(outs["xla"], outs["interpret"]):
-        np.testing.assert_allclose(a, b, rtol=3e-3, atol=3e-5)
+        outs[kern if impl == "interpret" else impl] = (u["w"], p2["w"], state.mu["w"])
+    for kern in ("splitk", "hybrid"):
+        for a, b in zip(outs["xla"], outs[kern]):
+            np.testing.assert_allclose(a, b, rtol=3e-3, atol=3e-5, err_msg=kern)
 
 
 @pytest.mark.gpu
