@@ -1,20 +1,25 @@
 """Pallas (Triton lowering) kernels of the GaLore Adam step. Knows nothing of optax.
 
-Three kernels, all launched through `_backend.triton_call` and reading the step's runtime scalars from
+Four kernels, all launched through `_backend.triton_call` and reading the step's runtime scalars from
 an (8,) fp32 operand (see `reference.Scalars`):
 
   down_adam_fused   the down-projection GEMM R = G P^T (side "right") or P^T G (side "left"), fp32
                     accumulate, with the low-rank Adam step in its epilogue: writes m', v' (aliased onto
                     m, v) and the normalized update N (fp32). One program owns all r columns of its
                     output rows, so the Adam epilogue sees finished sums (no split-K).
-  lowrank_adam      the same epilogue as an elementwise kernel, after an XLA down-projection ("hybrid").
+  lowrank_adam      the same epilogue as an elementwise kernel, after an XLA down-projection ("hybrid") or after
+                    down_splitk (adding its partial sums); optionally writes N in fp16 and casts P to fp16.
+  down_splitk       the down-projection GEMM split along its contraction (grid: kept-dim blocks x rank blocks x
+                    splits, TF32 on fp32 G) writing fp32 partial sums ("splitk": enough programs to fill the GPU
+                    where one program per row block does not).
   up_update         the up-projection GEMM (N P or P N, K = r) with the full-rank update in its epilogue:
                     out = a W + c backproject(N), stored as the update (optax path) or added to W and
                     written over W through input_output_aliases (in-place path). One pass over W; none
                     when w is None (no weight decay on the optax path). A program may own several tiles.
+                    Operands fp32 (TF32) or fp16 (UpConfig.f16: as exact as TF32, see the note there).
 
-Block sizes come from `UP_CONFIG` / `_blocks_down` below (overridable per call with `blocks=` for tuning), and
-`leaf_step` runs one projected leaf through one of `VARIANTS`; `choose_variant` picks it from
+Block sizes come from `UP_CONFIG` / `DOWN_CONFIG` / `_blocks_down` below (overridable per call with `blocks=` for
+tuning), and `leaf_step` runs one projected leaf through one of `VARIANTS`; `choose_variant` picks it from
 `MEASURED_VARIANT`, the table the tuning sweep in benchmarks/bench_galore.py prints.
 """
 
