@@ -7,6 +7,7 @@ Implementations (all jitted with params and state donated, timed with `bench_car
   pallas:inplace_8bit   adamw_step on state_bits=8 states
   pallas:optax_8bit     the composable path on state_bits=8 states
   xla                   adamw_step with implementation="xla" (our jnp reference, fused by XLA)
+  xla:optax             the composable path with implementation="xla" (XLA may fuse it with apply_updates)
   peer:optax_adamw      optax.adamw + apply_updates
   peer:optax_adamw_returns_grads  the same timed as ANCHORS.md's peers_jax.py does: the step returns the grads
                         too, and that costs a copy of every gradient (a non-donated input returned as an output;
@@ -15,9 +16,9 @@ Implementations (all jitted with params and state donated, timed with `bench_car
   peer:torch_fused_adamw torch.optim.AdamW(fused=True).step() (skipped without torch/CUDA)
 Without --quick the in-place kernels are also swept (105M case only, bounded to SWEEP_SECONDS) over block
 size, warps and how the streaming loads are issued (kernel.LOAD_MODES: evict_first / plain / volatile):
-"pallas:inplace_b<B>w<W>_<mode>" and "pallas:inplace_8bit_r<R>w<W>_<mode>"; a variant that fails or does not
+"pallas:inplace_b<B>w<W>_<mode>" and "pallas:inplace_8bit_<variant>_r<R>w<W>_<mode>"; a variant that fails or does not
 fit the time is recorded with an error, not raised. The fastest row of each sweep names the defaults
-(kernel.BLOCK / NUM_WARPS / LOAD_MODE and QROWS / Q_NUM_WARPS / Q_LOAD_MODE).
+(kernel.BLOCK / NUM_WARPS / LOAD_MODE and Q_VARIANT / QROWS / Q_NUM_WARPS / Q_LOAD_MODE).
 
 Floor bytes per parameter: fp32 states 7 passes x 4 B = 28 B (read p, g, m, v; write p, m, v);
 8-bit states: p 4+4, g 4, m and v codes 1+1 each, absmax 4+4 B per 256 elements each = 16 + 16/256 B.
@@ -43,13 +44,14 @@ Q8_BYTES = 16.0 + 16.0 / 256
 SIZES_M = [100, 400]  # millions (2**20) of parameters
 IMPL = "pallas" if _backend.gpu_device() is not None else None  # explicit on a GPU: never time a fallback
 SWEEP_SECONDS = 60.0
-# (block, warps, load mode) for the fp32-state kernel; (rows, warps, load mode) for the 8-bit one. Run in
-# SWEEP_ORDER (most telling first, the sweep is time-bounded).
+# (block, warps, load mode) for the fp32-state kernel; (variant, rows, warps, load mode) for the 8-bit one
+# (kernel.Q_VARIANTS). Run in SWEEP_ORDER (most telling first, the sweep is time-bounded).
 FP32_SWEEP = [(1024, 4, "volatile"), (4096, 8, "volatile"), (1024, 4, "plain"), (512, 4, "volatile"),
               (4096, 8, "plain"), (2048, 8, "volatile"), (512, 2, "volatile"), (2048, 4, "volatile"),
               (1024, 4, "evict_first")]
-Q8_SWEEP = [(8, 8, "volatile"), (4, 4, "volatile"), (1, 1, "volatile"), (8, 8, "plain"), (2, 2, "volatile"),
-            (4, 4, "evict_first"), (1, 2, "volatile")]
+Q8_SWEEP = [("binade", 1, 1, "volatile"), ("segments", 1, 1, "volatile"), ("table", 1, 1, "volatile"),
+            ("binade", 1, 2, "volatile"), ("binade", 1, 1, "plain"), ("segments", 1, 2, "volatile"),
+            ("binade", 1, 1, "evict_first"), ("table", 8, 8, "volatile")]
 
 
 def _inplace_step(impl=IMPL):
@@ -125,10 +127,12 @@ def run(rec, quick: bool):
         _time(rec, case, "pallas:optax", functools.partial(_optax_step, ours32), init32, shapes, n, reps,
               fp32)
         _time(rec, case, "pallas:inplace_8bit", _inplace_step, init8, shapes, n, reps, q8,
-              rows=K.QROWS, num_warps=K.Q_NUM_WARPS, load_mode=K.Q_LOAD_MODE)
+              variant=K.Q_VARIANT, rows=K.QROWS, num_warps=K.Q_NUM_WARPS, load_mode=K.Q_LOAD_MODE)
         _time(rec, case, "pallas:optax_8bit", functools.partial(_optax_step, ours8), init8,
               shapes, n, reps, q8)
         _time(rec, case, "xla", _xla_step, init32, shapes, n, reps, fp32)
+        ours_xla = A.adamw(LR, weight_decay=WD, implementation="xla")
+        _time(rec, case, "xla:optax", functools.partial(_optax_step, ours_xla), ours_xla.init, shapes, n, reps, fp32)
         peer = optax.adamw(LR, weight_decay=WD)
         _time(rec, case, "peer:optax_adamw", functools.partial(_optax_step, peer), peer.init, shapes, n, reps, fp32)
         _time(rec, case, "peer:optax_adamw_returns_grads", functools.partial(_optax_step, peer, return_grads=True),
@@ -142,12 +146,12 @@ def run(rec, quick: bool):
 def _sweep(rec, case, shapes, n, reps, fp32, q8, init32, init8):
     """Tuning sweeps of the in-place kernels, bounded to SWEEP_SECONDS in all; the module defaults are
     restored afterwards. The sweep reads the module variables at trace time (each step is a fresh jit)."""
-    saved = K.BLOCK, K.NUM_WARPS, K.LOAD_MODE, K.QROWS, K.Q_NUM_WARPS, K.Q_LOAD_MODE
+    saved = K.BLOCK, K.NUM_WARPS, K.LOAD_MODE, K.Q_VARIANT, K.QROWS, K.Q_NUM_WARPS, K.Q_LOAD_MODE
     deadline = time.perf_counter() + SWEEP_SECONDS
     fp32_jobs = [(f"pallas:inplace_b{b}w{w}_{mode}", init32, fp32, dict(block=b, num_warps=w, load_mode=mode))
                  for b, w, mode in FP32_SWEEP]
-    q8_jobs = [(f"pallas:inplace_8bit_r{r}w{w}_{mode}", init8, q8, dict(rows=r, num_warps=w, load_mode=mode))
-               for r, w, mode in Q8_SWEEP]
+    q8_jobs = [(f"pallas:inplace_8bit_{var}_r{r}w{w}_{mode}", init8, q8,
+                dict(variant=var, rows=r, num_warps=w, load_mode=mode)) for var, r, w, mode in Q8_SWEEP]
     jobs = fp32_jobs[:4] + q8_jobs[:3] + fp32_jobs[4:] + q8_jobs[3:]
     try:
         for impl, init, nbytes, knobs in jobs:
@@ -155,9 +159,10 @@ def _sweep(rec, case, shapes, n, reps, fp32, q8, init32, init8):
                 rec.add("adam", case, impl, None, error=f"skipped: sweep time ({SWEEP_SECONDS:.0f} s) used up", **knobs)
                 continue
             if "rows" in knobs:
-                K.QROWS, K.Q_NUM_WARPS, K.Q_LOAD_MODE = knobs["rows"], knobs["num_warps"], knobs["load_mode"]
+                K.Q_VARIANT, K.QROWS = knobs["variant"], knobs["rows"]
+                K.Q_NUM_WARPS, K.Q_LOAD_MODE = knobs["num_warps"], knobs["load_mode"]
             else:
                 K.BLOCK, K.NUM_WARPS, K.LOAD_MODE = knobs["block"], knobs["num_warps"], knobs["load_mode"]
             _time(rec, case, impl, _inplace_step, init, shapes, n, reps, nbytes, **knobs)
     finally:
-        K.BLOCK, K.NUM_WARPS, K.LOAD_MODE, K.QROWS, K.Q_NUM_WARPS, K.Q_LOAD_MODE = saved
+        K.BLOCK, K.NUM_WARPS, K.LOAD_MODE, K.Q_VARIANT, K.QROWS, K.Q_NUM_WARPS, K.Q_LOAD_MODE = saved

@@ -23,11 +23,14 @@ loads does not stop it, ptxas moves the math above the barrier). Volatile loads 
 loads (LDG.E.128.STRONG.SYS: L2, no L1), which streaming data does not mind. The GPU sweep in
 benchmarks/bench_adam.py decides the default.
 
-Cost of the 8-bit kernel (sm_90 SASS): ~145-175 instructions per element, against ~45 for the fp32 one,
-so it is bound by instruction issue, not memory (105M elements x 175 / 32 lanes is ~0.55 ms of issue at
-a perfect 4 warp-instructions per clock per SM; measured 0.99 ms). About 40% are the encode's select
-chains (FSEL/SEL/FSETP per decade), ~15% layout conversions through shared memory (23 bar.sync per
-program): the table gather gets its own register layout and every tile is converted to it and back.
+Cost of the 8-bit kernels (sm_90 SASS from an offline compile, 105M params, instructions per element =
+per-thread SASS instructions / elements per thread; no loops, so static = dynamic). The session-2 "table"
+kernel: 148 per element (1 row, 1 warp), instruction-issue bound (105M x 148 / 32 lanes is ~0.47 ms of
+issue at a perfect 4 warp-instructions per clock per SM): ~40% the encode's select chains (FSEL/SEL/FSETP
+per decade), ~15% layout conversions through shared memory (8 bar.sync per program at 1 warp, 23 at 2+).
+The "segments" / "binade" kernels (see _q8_lookup_kernel) see a block as a (64, 4) tile, so lookups and
+vector loads share one register layout (0 bar.sync, no shared memory), encode with a few table lookups
+instead of select chains, and use `adam_math(fast=True)`: 102 / 92 instructions per element, 72 registers.
 """
 
 from __future__ import annotations
@@ -36,15 +39,22 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 
 from pallas_fused import _backend
 from pallas_fused.adam.reference import (
     NUM_SCALARS,
     QBLOCK,
+    SIGNED_BINADES,
     SIGNED_MAP,
+    SIGNED_SEGMENTS,
+    UNSIGNED_BINADES,
     UNSIGNED_MAP,
+    UNSIGNED_SEGMENTS,
     adam_math,
+    encode_binade,
+    encode_segments,
     q8_step,
 )
 
@@ -61,11 +71,18 @@ Q_NUM_WARPS = 1
 LOAD_MODES = ("evict_first", "plain", "volatile")
 LOAD_MODE = "volatile"
 Q_LOAD_MODE = "volatile"
+# 8-bit kernel variant (see adam_q8): "segments" / "binade" (one block per program as a (64, 4) tile,
+# encode by table lookups, see _q8_lookup_kernel) or "table" (the session-2 kernel: rows of 256, encode by
+# select chains).
+Q_VARIANTS = ("segments", "binade", "table")
+Q_VARIANT = "binade"
 
 
 def _stream_load(ref, idx, mask, other, mode):
     """A load of data used once: with evict-first hints, plain, or volatile (kept in program order)."""
     kw = {"evict_first": {"eviction_policy": "evict_first"}, "plain": {}, "volatile": {"volatile": True}}[mode]
+    if mask is None:
+        return load(ref.at[idx], **kw)
     return load(ref.at[idx], mask=mask, other=other, **kw)
 
 
@@ -199,15 +216,27 @@ def _q8_kernel(*refs, n, nb, rows, has_p, inplace, load_mode):
 
 
 def adam_q8(s, g, mc, ma, vc, va, p=None, *, inplace: bool, interpret: bool, rows: int | None = None,
-            num_warps: int | None = None, u_dtype=None, load_mode: str | None = None):
+            num_warps: int | None = None, u_dtype=None, load_mode: str | None = None, variant: str | None = None):
     """Fused step for 8-bit blockwise states. g, p flat (n,); mc, vc uint8 (blocks*256,); ma, va (blocks,).
 
     Returns (update or p, mc, ma, vc, va); with inplace=True the outputs are written over p and the
-    state operands (donate them under jit). rows / num_warps / load_mode default to QROWS / Q_NUM_WARPS /
-    Q_LOAD_MODE.
+    state operands (donate them under jit). rows / num_warps / load_mode / variant default to QROWS /
+    Q_NUM_WARPS / Q_LOAD_MODE / Q_VARIANT (read at call time). Both variants compute the same codes
+    (`encode_segments` / `encode_binade` are `encode` bit for bit); "segments" and "binade" handle one block
+    per program (rows must be 1).
     """
     load_mode = _check_mode(load_mode or Q_LOAD_MODE)
-    return _adam_q8(s, g, mc, ma, vc, va, p, inplace=inplace, interpret=interpret, rows=rows or QROWS,
+    variant = variant or Q_VARIANT
+    if variant not in Q_VARIANTS:
+        raise ValueError(f"variant: expected one of {Q_VARIANTS}, got {variant!r}")
+    rows = rows or QROWS
+    if variant != "table":
+        if rows != 1:
+            raise ValueError(f"rows: the {variant!r} variant handles one block per program, got rows={rows}")
+        return _adam_q8_lookup(s, g, mc, ma, vc, va, p, inplace=inplace, interpret=interpret,
+                               num_warps=num_warps or Q_NUM_WARPS, u_dtype=u_dtype, load_mode=load_mode,
+                               variant=variant)
+    return _adam_q8(s, g, mc, ma, vc, va, p, inplace=inplace, interpret=interpret, rows=rows,
                     num_warps=num_warps or Q_NUM_WARPS, u_dtype=u_dtype, load_mode=load_mode)
 
 
@@ -232,6 +261,111 @@ def _adam_q8(s, g, mc, ma, vc, va, p, *, inplace, interpret, rows, num_warps, u_
         kernel,
         out_shape=out_shape,
         grid=(_cdiv(nb, rows),),
+        name="pallas_fused_adam8bit_step" if inplace else "pallas_fused_adam8bit_update",
+        interpret=interpret,
+        num_warps=num_warps,
+        input_output_aliases=aliases,
+    )(*operands)
+
+
+# The "segments" and "binade" 8-bit kernels. Why a (64, 4) tile: Triton gives every load its own register
+# layout, from the contiguity of its addresses. A table lookup (addresses from data) gets one element per
+# thread, the streaming loads a vector per thread; on a (1, 256) tile those put different elements in each
+# thread, so every tile crosses shared memory on its way between them (23 bar.sync per program in the
+# "table" kernel). On a (64, 4) tile with rows of 4 contiguous elements, the vector layout is thread t
+# holding rows t, t + 32, ..., and the lookup layout (threads along dim 0 first) is the same mapping: no
+# conversion at all, so the encoder can afford lookups too. The two differ in the encoder:
+# - "segments": `encode_segments` (3 lookups per code: binade, coef_a, coef_c; abs, clip and sign in ALU),
+# - "binade": `encode_binade` (5 lookups: bound, coef_a, coef_c, top, magic; ~6 instructions fewer).
+# Tables: one fp32 operand (the two decode maps, then the encoders' fp32 tables) and one int32 operand.
+
+
+def _q8_tables(variant):
+    """(fp32 table, int32 table, fp32 offsets (the two decode maps, then each map's encoder tables),
+    int32 offsets (each map's))."""
+    if variant == "segments":
+        m, v = SIGNED_SEGMENTS, UNSIGNED_SEGMENTS
+        fparts = [m.coef_a, m.coef_c, v.coef_a, v.coef_c]
+        iparts = [m.binade, v.binade]
+    else:
+        m, v = SIGNED_BINADES, UNSIGNED_BINADES
+        fparts = [m.coef_a, m.coef_c, m.top, m.magic, v.coef_a, v.coef_c, v.top, v.magic]
+        iparts = [m.bound, v.bound]
+    fparts = [SIGNED_MAP.table, UNSIGNED_MAP.table] + fparts
+    foffs = np.cumsum([0] + [x.size for x in fparts])[:-1].tolist()
+    ioffs = np.cumsum([0] + [x.size for x in iparts])[:-1].tolist()
+    f = np.concatenate(fparts).astype(np.float32)
+    i = np.concatenate(iparts).astype(np.int32)
+    return jnp.asarray(f), jnp.asarray(i), foffs, ioffs
+
+
+def _q8_lookup_kernel(*refs, n, has_p, inplace, load_mode, variant):
+    if inplace:
+        (s_ref, f_ref, i_ref, p_ref, g_ref, mc_ref, ma_ref, vc_ref, va_ref,
+         out_ref, mc_out, ma_out, vc_out, va_out) = refs
+    elif has_p:
+        (s_ref, f_ref, i_ref, g_ref, mc_ref, ma_ref, vc_ref, va_ref, p_ref,
+         out_ref, mc_out, ma_out, vc_out, va_out) = refs
+    else:
+        (s_ref, f_ref, i_ref, g_ref, mc_ref, ma_ref, vc_ref, va_ref,
+         out_ref, mc_out, ma_out, vc_out, va_out) = refs
+        p_ref = None
+    b = pl.program_id(0)
+    idx = b * QBLOCK + (jnp.arange(QBLOCK // 4) * 4)[:, None] + jnp.arange(4)[None, :]
+    mask = None if n % QBLOCK == 0 else idx < n  # no mask when the blocks are full (n is static)
+    s = _scalars(s_ref)
+    _, _, foffs, ioffs = _q8_tables(variant)
+
+    def lookup(ref, offset):
+        return lambda i: load(ref.at[i + offset], eviction_policy="evict_last")
+
+    p = None if p_ref is None else _stream_load(p_ref, idx, mask, 0.0, load_mode).astype(jnp.float32)
+    g = _stream_load(g_ref, idx, mask, 0.0, load_mode).astype(jnp.float32)
+    mc = _stream_load(mc_ref, idx, mask, 0, load_mode).astype(jnp.int32)
+    vc = _stream_load(vc_ref, idx, mask, 0, load_mode).astype(jnp.int32)
+    m = lookup(f_ref, foffs[0])(mc) * ma_ref[b]
+    v = lookup(f_ref, foffs[1])(vc) * va_ref[b]
+    if variant == "segments":
+        fm, fv = [[lookup(f_ref, o) for o in foffs[k:k + 2]] for k in (2, 4)]
+        encoders = (lambda a: encode_segments(a, lookup(i_ref, ioffs[0]), *fm),
+                    lambda a: encode_segments(a, lookup(i_ref, ioffs[1]), *fv))
+        kw = {"encoders": encoders}
+    else:
+        fm, fv = [[lookup(f_ref, o) for o in foffs[k:k + 4]] for k in (2, 6)]
+        signed = (lambda a: encode_binade(a, lookup(i_ref, ioffs[0]), *fm),
+                  lambda a: encode_binade(a, lookup(i_ref, ioffs[1]), *fv))
+        kw = {"signed_encoders": signed}
+    u, ma_new, va_new, mc_new, vc_new = q8_step(g, m, v, p, s, mask, axis=None, **kw)
+    # The grid covers whole blocks: codes are stored unmasked, the padding past the tensor's end included.
+    store(mc_out.at[idx], mc_new.astype(jnp.uint8))
+    store(vc_out.at[idx], vc_new.astype(jnp.uint8))
+    ma_out[b] = ma_new
+    va_out[b] = va_new
+    out = p + u if inplace else u
+    store(out_ref.at[idx], out.astype(out_ref.dtype), mask=mask)
+
+
+@functools.partial(jax.jit, static_argnames=("inplace", "interpret", "num_warps", "u_dtype", "load_mode", "variant"))
+def _adam_q8_lookup(s, g, mc, ma, vc, va, p, *, inplace, interpret, num_warps, u_dtype, load_mode, variant):
+    n = g.shape[0]
+    nb = ma.shape[0]
+    has_p = p is not None
+    ftab, itab, _, _ = _q8_tables(variant)
+    state_shapes = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (mc, ma, vc, va))
+    if inplace:
+        operands = (s, ftab, itab, p, g, mc, ma, vc, va)
+        out_shape = (jax.ShapeDtypeStruct(p.shape, p.dtype),) + state_shapes
+        aliases = {3: 0, 5: 1, 6: 2, 7: 3, 8: 4}
+    else:
+        operands = (s, ftab, itab, g, mc, ma, vc, va) + ((p,) if has_p else ())
+        out_shape = (jax.ShapeDtypeStruct(g.shape, u_dtype or g.dtype),) + state_shapes
+        aliases = {}
+    kernel = functools.partial(_q8_lookup_kernel, n=n, has_p=has_p, inplace=inplace, load_mode=load_mode,
+                               variant=variant)
+    return _backend.triton_call(
+        kernel,
+        out_shape=out_shape,
+        grid=(nb,),
         name="pallas_fused_adam8bit_step" if inplace else "pallas_fused_adam8bit_update",
         interpret=interpret,
         num_warps=num_warps,

@@ -25,12 +25,15 @@ decades; so small and large magnitudes both keep ~2-3 significant digits.
 
 Encoding is arithmetic (no search): the decade is found by comparing with the fixed midpoints between
 decades, the index inside it by one multiply-add and a floor; decoding is a 256-entry table lookup.
+`encode` is the definition; `encode_segments` computes the same codes (bit for bit) with three small
+table lookups instead of a compare-and-select chain per decade, for the kernels (see `SegmentTables`).
 """
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -43,29 +46,34 @@ MIN_QUANTIZED_SIZE = 4096  # smaller tensors keep fp32 moments (as bitsandbytes 
 # Adam math, one element at a time (fp32 in, fp32 out)
 
 
-def adam_math(g, m, v, p, s, *, exact_division=True):
+def adam_math(g, m, v, p, s, *, fast=False):
     """One Adam(W) step on fp32 values. Returns (update, m_new, v_new, ok).
 
     `update` already includes -lr and the decoupled weight decay (when `p` is given), in optax's
     order of operations: u = -lr * (mhat / (sqrt(vhat + eps_root) + eps) + wd * p).
-    exact_division=False multiplies by the reciprocals of the bias corrections (computed once per
-    program) instead of dividing each element: one ulp off optax, two divisions fewer per element;
-    the 8-bit kernels use it (their quantization error dwarfs an ulp).
     `ok` is False where the new moments are not finite (a non-finite gradient, or g*g overflowing):
     callers keep the old parameter and moments there, so a bad gradient never poisons the state.
+    fast=True (the 8-bit kernels, whose quantization error dwarfs an ulp) trades ulps for instructions:
+    the bias corrections are multiplied by their reciprocals (computed once per program), the
+    division by d = sqrt(vhat + eps_root) + eps is a multiply by rsqrt(d * d) (a few ulps; Triton's
+    fp32 division is ~8 instructions with its range fix-ups), and one test v_new + |m_new| < inf
+    replaces the two finiteness tests (v_new >= 0; the sum overflows only where the moments are ~1e38,
+    where skipping the step is as good).
     """
     neg_lr, b1, omb1, b2, omb2, eps, eps_root, wd, bc1, bc2 = (s[i] for i in range(NUM_SCALARS))
     m_new = omb1 * g + b1 * m
     v_new = omb2 * (g * g) + b2 * v
-    if exact_division:
-        u = (m_new / bc1) / (jnp.sqrt(v_new / bc2 + eps_root) + eps)
+    if fast:
+        d = jnp.sqrt(v_new * (1.0 / bc2) + eps_root) + eps
+        u = (m_new * (1.0 / bc1)) * jax.lax.rsqrt(d * d)
+        ok = v_new + jnp.abs(m_new) < jnp.inf
     else:
-        u = (m_new * (1.0 / bc1)) / (jnp.sqrt(v_new * (1.0 / bc2) + eps_root) + eps)
+        u = (m_new / bc1) / (jnp.sqrt(v_new / bc2 + eps_root) + eps)
+        # |x| < inf is isfinite(x) (NaN compares false) in two instructions; Triton lowers isfinite to ~10.
+        ok = (jnp.abs(m_new) < jnp.inf) & (jnp.abs(v_new) < jnp.inf)
     if p is not None:
         u = u + wd * p
     u = neg_lr * u
-    # |x| < inf is isfinite(x) (NaN compares false) in two instructions; Triton lowers isfinite to ~10.
-    ok = (jnp.abs(m_new) < jnp.inf) & (jnp.abs(v_new) < jnp.inf)
     return u, m_new, v_new, ok
 
 
@@ -158,12 +166,145 @@ def encode(a, dmap: DynamicMap):
     return jnp.where(a >= dmap.one_bound, dmap.one_code, code)
 
 
-def encode_signed(x, inv_absmax, dmap: DynamicMap):
-    """Codes of x * inv_absmax (signed map: sign in bit 7; unsigned map: x must be >= 0)."""
-    code = encode(jnp.abs(x) * inv_absmax, dmap)
+def encode_signed(x, inv_absmax, dmap: DynamicMap, encode_fn=None, signed_fn=None):
+    """Codes of x * inv_absmax (signed map: sign in bit 7; unsigned map: x must be >= 0).
+
+    encode_fn(a) replaces `encode(a, dmap)` (the kernels pass `encode_segments` with their table loads);
+    signed_fn(x * inv_absmax) replaces the whole function (the kernels' `encode_binade`)."""
+    if signed_fn is not None:
+        return signed_fn(x * inv_absmax)
+    a = jnp.abs(x) * inv_absmax
+    code = encode(a, dmap) if encode_fn is None else encode_fn(a)
     if dmap.signed:
         code = jnp.where(x < 0, code + 128, code)
     return code
+
+
+
+# ----------------------------------------------------------------------------------------------
+# The same encoder by table lookups (for the kernels)
+
+
+class SegmentTables(NamedTuple):
+    """`encode` as a piecewise-linear function of `a`, looked up instead of selected.
+
+    The boundaries of `encode` (bounds[0], the decade bounds, one_bound) cut [0, 1] into segments
+    s = 0 (code 0), 1.. (one per decade), last (code one_code). Segment s has code
+    min(floor(a * coef_a[s] + coef_c[s]), (2 << s) - 2), the same constants and rounding as `encode`
+    (segment 0 and the last have coef_a = 0; the clip (2 << s) - 2 is each decade's last code).
+    No binade [2**e, 2**(e+1)) holds two boundaries, so the segment of `a` is found from its fp32 bits:
+    `binade[e]` packs the segment of the binade's start (bits 24..31) and the mantissa bits of the one
+    boundary inside it (bits 0..23; 2**23, never reached, if none): s = (t >> 24) + (mantissa >= (t & 0xFFFFFF)).
+    """
+
+    binade: np.ndarray  # (256,) int32, indexed by the biased exponent of a
+    coef_a: np.ndarray  # (16,) fp32, indexed by segment (zero padded)
+    coef_c: np.ndarray  # (16,) fp32
+
+
+def _segment_tables(dmap: DynamicMap) -> SegmentTables:
+    cuts = [int(np.float32(b).view(np.uint32)) for b in (*dmap.bounds, dmap.one_bound)]
+    binade = np.zeros(256, np.int64)
+    for e in range(256):
+        start, stop = e << 23, (e + 1) << 23
+        inside = [c for c in cuts if start < c < stop]
+        assert len(inside) <= 1, (e, inside)
+        below = sum(c <= start for c in cuts)
+        binade[e] = (below << 24) | ((inside[0] & 0x7FFFFF) if inside else 1 << 23)
+    coef_a = np.zeros(16, np.float32)
+    coef_c = np.zeros(16, np.float32)
+    nseg = len(cuts) + 1
+    coef_a[1:nseg - 1] = dmap.coef_a
+    coef_c[1:nseg - 1] = dmap.coef_c
+    coef_c[nseg - 1] = dmap.one_code
+    # the clip (2 << s) - 2 is each decade's last code, and no clip for the first and last segments
+    assert [(2 << s) - 2 for s in range(1, nseg - 1)] == list(dmap.hi)
+    assert (2 << (nseg - 1)) - 2 >= dmap.one_code
+    return SegmentTables(binade.astype(np.int32), coef_a, coef_c)
+
+
+SIGNED_SEGMENTS = _segment_tables(SIGNED_MAP)
+UNSIGNED_SEGMENTS = _segment_tables(UNSIGNED_MAP)
+
+
+def encode_segments(a, binade, coef_a, coef_c):
+    """`encode(a, dmap)` for a in [0, 1] (fp32) from the map's `SegmentTables`, bit for bit.
+
+    binade / coef_a / coef_c are lookups: functions from an int32 index array to the table's values
+    (jnp indexing here; loads from a table operand in the kernels)."""
+    bits = jax.lax.bitcast_convert_type(a, jnp.int32)
+    t = binade(bits >> 23)
+    seg = (t >> 24) + ((bits & 0x7FFFFF) >= (t & 0xFFFFFF)).astype(jnp.int32)
+    # a * A + C >= 0 in every segment, so truncation is the floor of `encode`.
+    code = (a * coef_a(seg) + coef_c(seg)).astype(jnp.int32)
+    return jnp.minimum(code, (2 << seg) - 2)
+
+
+def table_lookups(tables):
+    """The lookups of `encode_segments` / `encode_binade` (one per table of the NamedTuple) by jnp indexing."""
+
+    def lookup(table):
+        table = jnp.asarray(table)
+        return lambda i: table[i]
+
+    return tuple(lookup(t) for t in tables)
+
+
+
+class BinadeTables(NamedTuple):
+    """`encode_signed(x, inv_absmax, dmap)` as lookups indexed by the binade of a = x * inv_absmax (its
+    fp32 sign and exponent bits, e = bits >> 23, 0..511) and by which side of the one segment boundary
+    inside that binade (`SegmentTables`) it lies: i = 2 e + (bits >= bound[e], unsigned). Row i holds its
+    segment's coef_a (negated for negative a, so a * coef_a is |a| * A exactly), coef_c, top (the clip, as
+    fp32) and magic = 2**23 (+ 128 for negative a with the signed map): floor(t) clipped plus magic is an
+    fp32 whose low byte is the code, sign bit included. No abs, no integer conversion, one compare.
+    Negative a with the unsigned map (never produced: v >= 0) gets code 0; so do -0 and negative
+    denormals with the signed map (as `encode_signed` on XLA:CPU, which treats denormals as zero)."""
+
+    bound: np.ndarray  # (512,) uint32 as int32: bits of the boundary inside binade e, or of the next binade
+    coef_a: np.ndarray  # (1024,) fp32
+    coef_c: np.ndarray  # (1024,) fp32
+    top: np.ndarray  # (1024,) fp32
+    magic: np.ndarray  # (1024,) fp32
+
+
+def _binade_tables(dmap: DynamicMap, seg: SegmentTables) -> BinadeTables:
+    bound = np.zeros(512, np.uint32)
+    coef_a, coef_c, top = (np.zeros(1024, np.float32) for _ in range(3))
+    magic = np.full(1024, 2.0**23, np.float32)
+    tops = [(2 << s) - 2 for s in range(16)]
+    tops[int(np.count_nonzero(seg.coef_a)) + 1] = dmap.one_code  # the last segment: its code is coef_c
+    for e in range(512):
+        neg, exp = e >> 8, e & 255
+        t = int(seg.binade[exp])
+        below, thr = t >> 24, t & 0xFFFFFF
+        bits = (exp << 23) | thr if thr < (1 << 23) else min((exp + 1) << 23, 0x80000000)
+        bound[e] = bits | (neg << 31)
+        if neg and not dmap.signed:
+            continue  # code 0
+        for up in (0, 1):
+            s_ = min(below + up, 15)
+            i = 2 * e + up
+            coef_a[i] = -seg.coef_a[s_] if neg else seg.coef_a[s_]
+            coef_c[i], top[i] = seg.coef_c[s_], tops[s_]
+            magic[i] += 128 * (neg and exp > 0)  # -0 and negative denormals: code 0, as x < 0 is False (DAZ)
+    return BinadeTables(bound.view(np.int32), coef_a, coef_c, top, magic)
+
+
+SIGNED_BINADES = _binade_tables(SIGNED_MAP, SIGNED_SEGMENTS)
+UNSIGNED_BINADES = _binade_tables(UNSIGNED_MAP, UNSIGNED_SEGMENTS)
+
+
+def encode_binade(a, bound, coef_a, coef_c, top, magic):
+    """`encode_signed` of a = x * inv_absmax (fp32, |a| <= 1) from the map's `BinadeTables`, bit for bit.
+
+    The five arguments are lookups (functions from an int32 index array to the table's values)."""
+    bits = jax.lax.bitcast_convert_type(a, jnp.uint32)
+    e = jax.lax.shift_right_logical(bits, jnp.uint32(23)).astype(jnp.int32)
+    up = bits >= jax.lax.bitcast_convert_type(bound(e), jnp.uint32)
+    i = 2 * e + up.astype(jnp.int32)
+    code = jnp.minimum(jnp.floor(a * coef_a(i) + coef_c(i)), top(i)) + magic(i)
+    return jax.lax.bitcast_convert_type(code, jnp.int32) & 0xFF
 
 
 def block_inv_absmax(absmax):
@@ -195,20 +336,27 @@ def dequantize_blockwise(codes, absmax, shape, signed: bool):
     return vals.reshape(-1)[:n].reshape(shape)
 
 
-def q8_step(g, m, v, p, s, valid):
-    """The 8-bit step on (blocks, 256) fp32 tiles, shared by the kernel and the reference: Adam on the
-    dequantized moments (elements whose new moments are not finite keep the old ones, update 0), then
-    each block's new absmax and codes. `valid` masks elements past the tensor's end.
-    Returns (update, m_absmax, v_absmax, m_codes, v_codes); codes are int32."""
-    u, m_new, v_new, ok = adam_math(g, m, v, p, s, exact_division=False)
-    ok = ok & valid
-    m_new = jnp.where(ok, m_new, jnp.where(valid, m, 0.0))
-    v_new = jnp.where(ok, v_new, jnp.where(valid, v, 0.0))
+def q8_step(g, m, v, p, s, valid, *, axis=1, encoders=(None, None), signed_encoders=(None, None)):
+    """The 8-bit step on fp32 tiles, shared by the kernels and the reference: Adam on the dequantized
+    moments (elements whose new moments are not finite keep the old ones, update 0), then each block's
+    new absmax and codes. `valid` masks elements past the tensor's end (None: all valid). A block is a
+    row of a (blocks, 256) tile (axis=1) or the whole tile (axis=None). encoders / signed_encoders: the
+    `encode_fn` / `signed_fn` of `encode_signed` for m and v (None: `encode`).
+    Returns (update, m_absmax, v_absmax, m_codes, v_codes); codes are int32, absmaxes (blocks,) or scalars."""
+    u, m_new, v_new, ok = adam_math(g, m, v, p, s, fast=True)
+    if valid is not None:
+        ok = ok & valid
+        m, v = jnp.where(valid, m, 0.0), jnp.where(valid, v, 0.0)
+    m_new = jnp.where(ok, m_new, m)
+    v_new = jnp.where(ok, v_new, v)
     u = jnp.where(ok, u, 0.0)
-    ma_new = jnp.max(jnp.abs(m_new), axis=1)
-    va_new = jnp.max(v_new, axis=1)
-    mc_new = encode_signed(m_new, block_inv_absmax(ma_new)[:, None], SIGNED_MAP)
-    vc_new = encode_signed(v_new, block_inv_absmax(va_new)[:, None], UNSIGNED_MAP)
+    keep = axis is not None
+    ma_new = jnp.max(jnp.abs(m_new), axis=axis, keepdims=keep)
+    va_new = jnp.max(v_new, axis=axis, keepdims=keep)
+    mc_new = encode_signed(m_new, block_inv_absmax(ma_new), SIGNED_MAP, encoders[0], signed_encoders[0])
+    vc_new = encode_signed(v_new, block_inv_absmax(va_new), UNSIGNED_MAP, encoders[1], signed_encoders[1])
+    if keep:
+        ma_new, va_new = ma_new.squeeze(axis), va_new.squeeze(axis)
     return u, ma_new, va_new, mc_new, vc_new
 
 

@@ -121,22 +121,42 @@ def _dense_w(kind, ops, dtype):
     return ops[0].astype(dtype)
 
 
-def _merged_weight(kind, ops, ap, bp, g, scale, interpret, config):
-    """(W + s A B) * g in the compute dtype (K, N): one Pallas pass over W (the epilogue kernel with z = W,
-    xa = A). Dense or int8 W (QDoRA with gemm="merged": a transient full-precision weight, never stored)."""
+def _check_mergeable(kind):
     if kind not in ("dense", "int8"):
         raise ValueError("dora_dense: gemm='merged' supports dense and Int8Kernel kernels; use gemm='auto' or "
                          "'pallas' for NF4Kernel")
 
+
+def _merged_weight(kind, ops, ap, bp, g, scale, interpret, config):
+    """(W + s A B) * g in the compute dtype (K, N): one Pallas pass over W. Dense or int8 W (QDoRA with
+    gemm="merged": a transient full-precision weight)."""
+    _check_mergeable(kind)
+
     def launch(*a):  # sharded: both weight axes split, the rank gathered
-        w, zscale = (a[0], None) if kind == "dense" else a[:2]
-        return K.epilogue(w, *a[-4:], None, interpret=interpret, config=config, zscale=zscale, out_dtype=ap.dtype)
+        ap_, bp_, g_, scale_ = a[-4:]
+        return K.merge_weight(a[:-4], kind, ap_, bp_, scale_, g=g_, interpret=interpret, config=config)
 
     return _shard(launch, kind, "{w}, k r, r n, n, -> k n", replicated=("r",))(*ops, ap, bp, g, scale)
 
 
+def _norm_and_merged_weight(kind, ops, ap, bp, scale, m, interpret, config):
+    """(n, g, (W + s A B) * g, B g s or None). On one device two launches and no XLA op between them: the column
+    norm's partial sums over row ranges, then the merge launch, which finishes g (and B g s) from them; sharded,
+    the norm + psum, then the merge."""
+    _check_mergeable(kind)
+    if jax.device_count() == 1:
+        if config.merge_in_norm and kind == "dense" and K.expand_supported(ops, kind, ap, config.expand_max_rank):
+            return (*K.norm_and_merge(ops, ap, bp, scale, m, interpret=interpret, config=config), None)
+        parts = K.column_partials(ops, kind, ap, bp, scale, interpret=interpret, config=config, rows=config.mnorm_rows)
+        wm, n, g, bg = K.merge_weight(ops, kind, ap, bp, scale, partials=parts, magnitude=m, interpret=interpret,
+                                      config=config)
+        return n, g, wm, bg
+    n, g = _column_norm_scale(ops, kind, ap, bp, scale, m, interpret, config)
+    return n, g, _merged_weight(kind, ops, ap, bp, g, scale, interpret, config), None
+
+
 def _xa(x, ap):
-    return jnp.dot(x, ap, preferred_element_type=jnp.float32).astype(x.dtype)
+    return jnp.dot(x, ap)  # cuBLAS accumulates in float32 and rounds once to x's dtype
 
 
 def _forward(statics, x, ops, a, b, m, bias, scale):
@@ -144,17 +164,14 @@ def _forward(statics, x, ops, a, b, m, bias, scale):
     dt = x.dtype
     ap, bp = _pad_rank(a, b)
     if gemm == "merged":
-        # y = x ((W + s A B) g) + bias: one cuBLAS GEMM on the merged weight (x A is left to the backward).
-        if (config.merge_in_norm and kind == "dense" and jax.device_count() == 1
-                and K.expand_supported(ops, kind, ap, config.expand_max_rank)):
-            n, g, wm = K.norm_and_merge(ops, ap, bp, scale, m, interpret=interpret, config=config)
-        else:
-            n, g = _column_norm_scale(ops, kind, ap, bp, scale, m, interpret, config)
-            wm = _merged_weight(kind, ops, ap, bp, g, scale, interpret, config)
+        # y = x ((W + s A B) g) + bias: one cuBLAS GEMM on the merged weight (x A is left to the backward). The
+        # merged weight is kept for the backward's dx = dy wm^T (one bf16 copy of W per layer in memory).
+        n, g, wm, bg = _norm_and_merged_weight(kind, ops, ap, bp, scale, m, interpret, config)
+        saved = (wm, bg) if config.save_merged else (None, bg)
         if bias is None:
-            return jnp.dot(x, wm), (ap, bp, n, g, None)
+            return jnp.dot(x, wm), (ap, bp, n, g, None, saved)
         y = jnp.dot(x, wm, preferred_element_type=jnp.float32) + bias.astype(jnp.float32)
-        return y.astype(dt), (ap, bp, n, g, None)
+        return y.astype(dt), (ap, bp, n, g, None, saved)
     n, g = _column_norm_scale(ops, kind, ap, bp, scale, m, interpret, config)
     xa = _xa(x, ap)
     if gemm in ("pallas", "fused"):
@@ -176,7 +193,7 @@ def _forward(statics, x, ops, a, b, m, bias, scale):
             rule = "m n, m r, r n, n, " + ("" if bias is None else ", n") + " -> m n"
             y = _shard(epi, "dense", rule, replicated=("r",))(jnp.dot(x, w), xa, bp, g, scale,
                                                               *(() if bias is None else (bias,)))
-            return y, (ap, bp, n, g, xa)
+            return y, (ap, bp, n, g, xa, (None, None))
         if gemm == "xla_epilogue":
             # cuBLAS x W and (x A) B, the scale + bias left to an XLA elementwise fusion (what the
             # jnp reference does, with the Pallas column norm).
@@ -194,7 +211,7 @@ def _forward(statics, x, ops, a, b, m, bias, scale):
         if bias is not None:
             y = y + bias.astype(jnp.float32)
         y = y.astype(dt)
-    return y, (ap, bp, n, g, xa)
+    return y, (ap, bp, n, g, xa, (None, None))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -203,17 +220,20 @@ def _dora_2d(statics, x, ops, a, b, m, bias, scale):
 
 
 def _dora_2d_fwd(statics, x, ops, a, b, m, bias, scale):
-    y, (ap, bp, n, g, xa) = _forward(statics, x, ops, a, b, m, bias, scale)
-    return y, (x, ops, ap, bp, m, bias, scale, n, g, xa, y)
+    y, (ap, bp, n, g, xa, (wm, bg)) = _forward(statics, x, ops, a, b, m, bias, scale)
+    return y, (x, ops, ap, bp, m, bias, scale, n, g, xa, y, wm, bg)
 
 
 def _dora_2d_bwd(statics, res, dy):
     kind, gemm, interpret, config, exact, rank, fin = statics
-    x, ops, ap, bp, m, bias, scale, n, g, xa, y = res
+    x, ops, ap, bp, m, bias, scale, n, g, xa, y, wm, bg = res
     dt = x.dtype
     gs = g * scale
-    # us = s (dy * g) B^T, with g folded into the tiny B instead of the big dy.
-    us = jnp.dot(dy, (bp.astype(jnp.float32) * gs[None, :]).astype(dt).T, preferred_element_type=jnp.float32).astype(dt)
+    # us = s (dy * g) B^T, with g folded into the tiny B instead of the big dy (gemm="merged": the merge launch
+    # wrote B g s).
+    if bg is None:
+        bg = (bp.astype(jnp.float32) * gs[None, :]).astype(dt)
+    us = jnp.dot(dy, bg.T)  # cuBLAS rounds once to dt
     if gemm == "pallas":
         gw = g * ops[1] if kind == "int8" else g
         def bwd_dx(dy, gw, *a):  # sharded: tokens and input features split; N and the rank gathered
@@ -225,7 +245,9 @@ def _dora_2d_bwd(statics, res, dy):
         # (one Pallas pass over W, and no float32 (M, in) partial results); with few tokens g goes on dy
         # and the low-rank term is a second, small GEMM.
         fin_, fout_ = ap.shape[0], bp.shape[1]
-        if kind == "int8" or dy.shape[0] * (fout_ + 3.5 * fin_) >= fin_ * fout_:
+        if wm is not None:  # gemm="merged" kept it
+            dx = jnp.dot(dy, wm.T)
+        elif kind == "int8" or dy.shape[0] * (fout_ + 3.5 * fin_) >= fin_ * fout_:
             dx = jnp.dot(dy, _merged_weight(kind, ops, ap, bp, g, scale, interpret, config).T)
         else:
             w = _dense_w(kind, ops, dt)
@@ -233,6 +255,16 @@ def _dora_2d_bwd(statics, res, dy):
             dx = (dx + jnp.dot(us, ap.T, preferred_element_type=jnp.float32)).astype(dt)
     if xa is None:  # gemm="merged" never formed x A in the forward
         xa = _xa(x, ap)
+    if not exact and jax.device_count() == 1:
+        # Unsharded, constant norm: the column launch returns the finished dB, dm and dbias (in-kernel when one
+        # program covers every token), x^T us is rounded once by cuBLAS: no float32 intermediates left to cast.
+        db_dt = jnp.float32 if bias is None else bias.dtype
+        dbm, dm, db = K.backward_columns(dy, y, xa, bias, interpret=interpret, config=config,
+                                         finish=(gs, m, bp.dtype, m.dtype, db_dt))
+        da = jnp.dot(x.T, us)
+        return (dx, tuple(_zero_cotangent(o) for o in ops), da[:, :rank], dbm[:rank], dm,
+                None if bias is None else db, jnp.zeros_like(scale))
+
     def bwd_cols(dy, y, xa, *bias_):  # sharded: output features split, tokens summed per shard + psum
         return K.backward_columns(dy, y, xa, bias_[0] if bias_ else None, interpret=interpret, config=config)
 
@@ -289,7 +321,9 @@ def dora_dense(x, kernel, lora_a, lora_b, magnitude, bias=None, *, scale, exact_
         "pallas": Pallas GEMMs both ways (the fused-epilogue forward, the dx GEMM; W dequantised in-kernel).
         "fused": the fused-epilogue Pallas GEMM forward, cuBLAS dx backward.
         "epilogue": cuBLAS x W, then one Pallas pass (x W + s (x A) B) * g + bias.
-        "merged": one Pallas pass forms (W + s A B) * g, then one cuBLAS GEMM (x A waits for the backward).
+        "merged": one Pallas pass forms (W + s A B) * g, then one cuBLAS GEMM (x A waits for the backward). The
+        merged weight is kept for the backward's dx (one copy of W per layer in the compute dtype, held from the
+        forward to the backward; `Config(save_merged=False)` forms it again in the backward instead).
         "xla": XLA GEMMs on g-scaled weights, x (W g) + (x A)(s B g); "xla_concat": one forward GEMM over
         the concatenated K, [x, xA] @ [W g; s B g]; "xla_epilogue": cuBLAS x W + s (x A) B with the
         g-scale and bias fused by XLA afterwards.

@@ -112,6 +112,7 @@ class Config:
     norm_rows: int = 128  # column norm: rows per program (split-K; partial sums reduced after)
     norm_warps: int = 4
     norm_stages: int = 2
+    norm_prefetch: bool = False  # "direct": load the next W tile into registers one step ahead (sweep rows "direct+pf")
     # "expand": sum W^2 + 2 s sum_r B (A^T W) + s^2 B^T (A^T A) B, so W is an MMA operand (pipelined by
     # cp.async) and never meets the A B tile in registers; dense bf16/fp16 and int8 weights only (fp32
     # weights and NF4 keep "direct": (W + s A B)^2 tile by tile).
@@ -131,6 +132,19 @@ class Config:
     # gemm="merged": form (W + s A B) g inside the column-norm launch (one program per column strip, over all
     # rows; tiles xnorm_*) instead of a second pass over W by the epilogue kernel. Untimed: the sweep decides.
     merge_in_norm: bool = False
+    # gemm="merged": keep the merged weight (W + s A B) g from the forward for the backward's dx = dy (that)^T:
+    # one bf16 copy of W per layer held until the backward (Llama-7B: ~12.5 GB over 32 blocks). False: the
+    # backward forms it again (one more pass over W: read W, write the copy).
+    save_merged: bool = True
+    # gemm="merged" (forward): the column norm launch writes partial sums over row ranges of `mnorm_rows` (more
+    # programs in flight than one per column strip) and the merge launch finishes g from them (`merge_weight`).
+    mnorm_rows: int = 1024
+    # merge_weight tiles: (W rows, W columns) per program; H200 session 2, as the epilogue kernel forming the
+    # merged weight: 128 x 64 with 4 warps was the fastest of 4 tilings at 4096 -> 4096 (0.2261 ms layer forward).
+    merge_bk: int = 128
+    merge_bn: int = 64
+    merge_warps: int = 4
+    merge_reverse: bool = True  # walk W in the reverse of the norm launch's order (L2 hits on the tiles it read last)
     epi_bm: int = 64  # gemm="epilogue": tile of the standalone epilogue kernel (untimed guess)
     epi_bn: int = 128
     epi_warps: int = 4
@@ -138,6 +152,8 @@ class Config:
     cols_bt: int = 64  # ... tokens per loop step
     cols_rows: int = 512  # ... tokens per program
     cols_warps: int = 4
+    cols_stages: int = 2
+    cols_prefetch: bool = True  # load the next y tile one step ahead (y is no MMA operand: not pipelined by Triton)
 
 
 DEFAULT = Config()
@@ -159,7 +175,7 @@ def _grouped_pid(pid, num_m: int, num_n: int, group_m: int):
 # ----------------------------------------------------------------------------------------------------
 
 
-def _colnorm_kernel(*refs, kind, K, N, R, bk, bn, rows_per_prog, kloop):
+def _colnorm_kernel(*refs, kind, K, N, R, bk, bn, rows_per_prog, kloop, prefetch):
     nw = _num_weight_refs(kind)
     w_refs = refs[:nw]
     a_ref, b_ref, s_ref, out_ref = refs[nw:]
@@ -177,15 +193,36 @@ def _colnorm_kernel(*refs, kind, K, N, R, bk, bn, rows_per_prog, kloop):
         rmask = _in_bounds(k0, bk, K, False)
         return _load(a_ref.at[pl.ds(k0, bk), :], _mask(rmask, None, (bk, R)))
 
+    nsteps = rows_per_prog // bk
+
+    def w_tile(i):  # masked past K and past this program's rows (a prefetch beyond them fetches nothing)
+        k0 = k_start + i * bk
+        rows_ok = jnp.logical_and(k0 + jnp.arange(bk) < K, i < nsteps)
+        return _load(w_refs[0].at[pl.ds(k0, bk), pl.ds(n0, bn)], _mask(rows_ok, cmask, (bk, bn)))
+
+    def square(k0, w, acc):
+        w = w.astype(jnp.float32)
+        if kind == "int8":
+            w = w * wscale[None, :]
+        v = w + s * _backend.dot(a_tile(k0), b_t)
+        return acc + v * v
+
+    if kind in ("dense", "int8") and prefetch:
+        # W is no MMA operand here, so Triton's pipeliner leaves its load synchronous: load the next step's tile
+        # into registers before this step's math (one tile in flight per program while it computes).
+        def body(i, carry):
+            acc, w = carry
+            w_next = w_tile(i + 1)
+            return square(pl.multiple_of(k_start + i * bk, bk), w, acc), w_next
+
+        acc, _ = lax.fori_loop(0, nsteps, body, (jnp.zeros((bk, bn), jnp.float32), w_tile(0)))
+        _store(out_ref.at[split, pl.ds(n0, bn)], jnp.sum(acc, axis=0), cmask)
+        return
     if kind in ("dense", "int8"):
         def body(i, acc):
             k0 = pl.multiple_of(k_start + i * bk, bk)
             rmask = _in_bounds(k0, bk, K, False)
-            w = _load(w_refs[0].at[pl.ds(k0, bk), pl.ds(n0, bn)], _mask(rmask, cmask, (bk, bn))).astype(jnp.float32)
-            if kind == "int8":
-                w = w * wscale[None, :]
-            v = w + s * _backend.dot(a_tile(k0), b_t)
-            return acc + v * v
+            return square(k0, _load(w_refs[0].at[pl.ds(k0, bk), pl.ds(n0, bn)], _mask(rmask, cmask, (bk, bn))), acc)
     else:
         packed_ref, absmax_ref = w_refs
 
@@ -210,8 +247,17 @@ def _colnorm_kernel(*refs, kind, K, N, R, bk, bn, rows_per_prog, kloop):
 
 def column_sumsq(weight, kind: str, lora_a, lora_b, scale, *, interpret: bool, config: Config = DEFAULT):
     """sum over the input axis of (W + s A B)^2, float32 (out,). `lora_a` (K, R), `lora_b` (R, N), R padded."""
+    return jnp.sum(column_partials(weight, kind, lora_a, lora_b, scale, interpret=interpret, config=config), axis=0)
+
+
+def column_partials(weight, kind: str, lora_a, lora_b, scale, *, interpret: bool, config: Config = DEFAULT,
+                    rows: int | None = None):
+    """Partial sums of squares of W + s A B over row ranges, float32 (nsplit, out): one launch, no reduction
+    after it (`merge_weight` or `column_sumsq` sums the nsplit rows). `rows`: rows per program of the "expand"
+    kernel (default config.xnorm_rows)."""
     if config.norm_mode == "expand" and expand_supported(weight, kind, lora_a, config.expand_max_rank):
-        return _expand_launch(weight, kind, lora_a, lora_b, scale, None, interpret=interpret, config=config)
+        return _expand_launch(weight, kind, lora_a, lora_b, scale, None, interpret=interpret, config=config,
+                              rows=rows)
     K, R = lora_a.shape
     N = lora_b.shape[1]
     if kind == "nf4":
@@ -227,7 +273,7 @@ def column_sumsq(weight, kind: str, lora_a, lora_b, scale, *, interpret: bool, c
         rows_per_prog = max(bk, min(config.norm_rows, _pow2(kloop, bk)))
     nsplit = _cdiv(kloop, rows_per_prog)
     kernel = functools.partial(_colnorm_kernel, kind=kind, K=K, N=N, R=R, bk=bk, bn=bn,
-                               rows_per_prog=rows_per_prog, kloop=kloop)
+                               rows_per_prog=rows_per_prog, kloop=kloop, prefetch=config.norm_prefetch)
     partial_sums = _backend.triton_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((nsplit, N), jnp.float32),
@@ -237,7 +283,7 @@ def column_sumsq(weight, kind: str, lora_a, lora_b, scale, *, interpret: bool, c
         num_warps=config.norm_warps,
         num_stages=config.norm_stages,
     )(*weight, lora_a, lora_b, jnp.reshape(jnp.asarray(scale, jnp.float32), (1,)))
-    return jnp.sum(partial_sums, axis=0)
+    return partial_sums
 
 
 def _bf16_parts(v, n: int):
@@ -353,11 +399,12 @@ def expand_supported(weight, kind: str, lora_a, max_rank: int | None = None) -> 
     return kind == "dense" and weight[0].dtype == lora_a.dtype
 
 
-def _expand_launch(weight, kind, lora_a, lora_b, scale, magnitude, *, interpret, config):
+def _expand_launch(weight, kind, lora_a, lora_b, scale, magnitude, *, interpret, config, rows=None):
+    """(n, g) when `magnitude` is given and one program covers all rows; otherwise (nsplit, N) partial sums."""
     K, R = lora_a.shape
     N = lora_b.shape[1]
     bk, bn = _tile(K, config.xnorm_bk), _tile(N, config.xnorm_bn)
-    rows_per_prog = max(bk, min(_pow2(config.xnorm_rows, bk), _pow2(K, bk)))
+    rows_per_prog = max(bk, min(_pow2(rows or config.xnorm_rows, bk), _pow2(K, bk)))
     nsplit = _cdiv(K, rows_per_prog)
     finish = magnitude is not None and nsplit == 1
     kernel = functools.partial(_colnorm_expand_kernel, kind=kind, K=K, N=N, R=R, bk=bk, bn=bn,
@@ -374,7 +421,7 @@ def _expand_launch(weight, kind, lora_a, lora_b, scale, magnitude, *, interpret,
         num_warps=config.xnorm_warps,
         num_stages=config.xnorm_stages,
     )(*args, *((magnitude,) if finish else ()))
-    return out if finish else jnp.sum(out, axis=0)
+    return out
 
 
 def norm_and_merge(weight, lora_a, lora_b, scale, magnitude, *, interpret: bool, config: Config = DEFAULT):
@@ -397,6 +444,85 @@ def norm_and_merge(weight, lora_a, lora_b, scale, magnitude, *, interpret: bool,
     )(*weight, lora_a, lora_b, jnp.reshape(jnp.asarray(scale, jnp.float32), (1,)), magnitude)
 
 
+# ----------------------------------------------------------------------------------------------------
+# Merged weight: (W + s A B) * g, g finished from the column norm's partial sums in the same launch.
+# ----------------------------------------------------------------------------------------------------
+
+
+def _merge_kernel(*refs, kind, K, N, R, bk, bn, nsplit, from_partials, reverse):
+    nw = _num_weight_refs(kind)
+    w_refs = refs[:nw]
+    a_ref, b_ref, s_ref = refs[nw:nw + 3]
+    if from_partials:
+        part_ref, m_ref, vg_ref, n_ref, g_ref, bg_ref = refs[nw + 3:]
+    else:
+        gin_ref, vg_ref = refs[nw + 3:]
+    nkb, nnb = _cdiv(K, bk), _cdiv(N, bn)
+    pid = pl.program_id(0)
+    if reverse:  # the norm launch read W top to bottom: start where it ended (those tiles are likeliest in L2)
+        pid = nkb * nnb - 1 - pid
+    kb, nb = pid // nnb, pid % nnb
+    k0 = pl.multiple_of(kb * bk, bk)
+    n0 = pl.multiple_of(nb * bn, bn)
+    rmask = _in_bounds(k0, bk, K, K % bk == 0)
+    cmask = _in_bounds(n0, bn, N, N % bn == 0)
+    if from_partials:
+        # g = m / sqrt(sum of the nsplit partial sums), per program (nsplit x bn floats: cheap); row block 0
+        # also writes n, g and B g s for the backward.
+        sp = _pow2(nsplit, 1)
+        smask = None if sp == nsplit else jnp.arange(sp) < nsplit
+        part = _load(part_ref.at[pl.ds(0, sp), pl.ds(n0, bn)], _mask(smask, cmask, (sp, bn)))
+        n = jnp.sqrt(jnp.sum(part, axis=0))
+        g = _load(m_ref.at[pl.ds(n0, bn)], cmask, 1.0).astype(jnp.float32) / n
+        first = jnp.logical_and(n0 + jnp.arange(bn) < N, kb == 0)
+        _backend.store(n_ref.at[pl.ds(n0, bn)], n, mask=first)
+        _backend.store(g_ref.at[pl.ds(n0, bn)], g, mask=first)
+    else:
+        g = _load(gin_ref.at[pl.ds(n0, bn)], cmask, 1.0).astype(jnp.float32)
+    w = _load(w_refs[0].at[pl.ds(k0, bk), pl.ds(n0, bn)], _mask(rmask, cmask, (bk, bn))).astype(jnp.float32)
+    if kind == "int8":
+        w = w * _load(w_refs[1].at[pl.ds(n0, bn)], cmask, 1.0)[None, :]
+    a = _load(a_ref.at[pl.ds(k0, bk), :], _mask(rmask, None, (bk, R)))
+    b = _load(b_ref.at[:, pl.ds(n0, bn)], _mask(None, cmask, (R, bn)))
+    if from_partials:
+        bg = (b.astype(jnp.float32) * (g * s_ref[0])[None, :]).astype(bg_ref.dtype)
+        _backend.store(bg_ref.at[:, pl.ds(n0, bn)], bg, mask=jnp.broadcast_to(first[None, :], (R, bn)))
+    v = (w + s_ref[0] * _backend.dot(a, b)) * g[None, :]
+    _store(vg_ref.at[pl.ds(k0, bk), pl.ds(n0, bn)], v.astype(vg_ref.dtype), _mask(rmask, cmask, (bk, bn)))
+
+
+def merge_weight(weight, kind: str, lora_a, lora_b, scale, *, g=None, partials=None, magnitude=None,
+                 interpret: bool, config: Config = DEFAULT):
+    """The merged weight (W + s A B) * g in A's dtype (K, N), for a dense or int8 W; A (K, R), B (R, N) rank-padded.
+
+    Either `g` (float32 (N,)) is given, or the column norm's `partials` ((nsplit, N) sums of squares, from
+    `column_partials`) and `magnitude`: then g = m / sqrt(sum partials) is formed in this launch (no XLA op
+    between the two launches) and (wm, n, g, B g s) is returned (B g s in B's dtype: the backward's
+    us = dy (B g s)^T takes it as is).
+    """
+    if kind not in ("dense", "int8"):
+        raise ValueError(f"merge_weight: dense or int8 weights only, got {kind!r}")
+    K, R = lora_a.shape
+    N = lora_b.shape[1]
+    bk, bn = _tile(K, config.merge_bk), _tile(N, config.merge_bn)
+    from_partials = partials is not None
+    nsplit = partials.shape[0] if from_partials else 0
+    kernel = functools.partial(_merge_kernel, kind=kind, K=K, N=N, R=R, bk=bk, bn=bn, nsplit=nsplit,
+                               from_partials=from_partials, reverse=config.merge_reverse)
+    wm = jax.ShapeDtypeStruct((K, N), lora_a.dtype)
+    col = jax.ShapeDtypeStruct((N,), jnp.float32)
+    args = (*weight, lora_a, lora_b, jnp.reshape(jnp.asarray(scale, jnp.float32), (1,)))
+    args += (partials, magnitude) if from_partials else (g.astype(jnp.float32),)
+    return _backend.triton_call(
+        kernel,
+        out_shape=(wm, col, col, jax.ShapeDtypeStruct((R, N), lora_b.dtype)) if from_partials else wm,
+        grid=(_cdiv(K, bk) * _cdiv(N, bn),),
+        name="pallas_fused_dora_merge",
+        interpret=interpret,
+        num_warps=config.merge_warps,
+    )(*args)
+
+
 def column_norm_scale(weight, kind: str, lora_a, lora_b, scale, magnitude, *, interpret: bool,
                       config: Config = DEFAULT):
     """(n, g): n = ||W + s A B|| per output column and g = m / n, float32 (N,); A, B rank-padded.
@@ -408,7 +534,7 @@ def column_norm_scale(weight, kind: str, lora_a, lora_b, scale, magnitude, *, in
         out = _expand_launch(weight, kind, lora_a, lora_b, scale, magnitude, interpret=interpret, config=config)
         if isinstance(out, tuple):
             return out
-        n = jnp.sqrt(out)
+        n = jnp.sqrt(jnp.sum(out, axis=0))
     else:
         n = jnp.sqrt(column_sumsq(weight, kind, lora_a, lora_b, scale, interpret=interpret, config=config))
     return n, magnitude.astype(jnp.float32) / n
@@ -562,9 +688,11 @@ def epilogue(z, xa, lora_b, g, scale, bias, *, interpret: bool, config: Config =
 # ----------------------------------------------------------------------------------------------------
 
 
-def _cols_kernel(*refs, M, N, R, bt, bn, rows_per_prog, has_bias):
+def _cols_kernel(*refs, M, N, R, bt, bn, rows_per_prog, has_bias, finish, prefetch):
     dy_ref, y_ref, xa_ref = refs[:3]
     bias_ref = refs[3] if has_bias else None
+    if finish:
+        gs_ref, m_ref = refs[3 + has_bias:5 + has_bias]
     p_ref, dmz_ref, db_ref = refs[-3:]
     j, split = pl.program_id(0), pl.program_id(1)
     n0 = pl.multiple_of(j * bn, bn)
@@ -572,49 +700,90 @@ def _cols_kernel(*refs, M, N, R, bt, bn, rows_per_prog, has_bias):
     bias = _load(bias_ref.at[pl.ds(n0, bn)], cmask).astype(jnp.float32) if has_bias else None
     t_start = split * rows_per_prog
     dt = dy_ref.dtype
+    nsteps = rows_per_prog // bt
 
-    def body(i, carry):
-        p, dmz, db = carry
+    def y_tile(i):  # masked past M and past this program's tokens (a prefetch beyond them fetches nothing)
+        t0 = t_start + i * bt
+        rows_ok = jnp.logical_and(t0 + jnp.arange(bt) < M, i < nsteps)
+        return _load(y_ref.at[pl.ds(t0, bt), pl.ds(n0, bn)], _mask(rows_ok, cmask, (bt, bn)))
+
+    def step(i, p, dmz, db, y):
         t0 = pl.multiple_of(t_start + i * bt, bt)
         rmask = _in_bounds(t0, bt, M, False)
-        m2 = _mask(rmask, cmask, (bt, bn))
-        dy = _load(dy_ref.at[pl.ds(t0, bt), pl.ds(n0, bn)], m2)
-        y = _load(y_ref.at[pl.ds(t0, bt), pl.ds(n0, bn)], m2).astype(jnp.float32)
+        dy = _load(dy_ref.at[pl.ds(t0, bt), pl.ds(n0, bn)], _mask(rmask, cmask, (bt, bn)))
         xa = _load(xa_ref.at[pl.ds(t0, bt), :], _mask(rmask, None, (bt, R)))
         p = p + _backend.dot(xa, dy.astype(dt), trans_a=True)
         dy = dy.astype(jnp.float32)
-        z = y - bias[None, :] if has_bias else y
+        z = y.astype(jnp.float32)
+        z = z - bias[None, :] if has_bias else z
         return p, dmz + dy * z, db + dy  # (bt, bn) tiles; reduced over tokens once at the end
 
+    if prefetch:
+        # dy feeds an MMA, so Triton pipelines its load; y does not: load the next step's y tile one step ahead.
+        def body(i, carry):
+            *acc, y = carry
+            y_next = y_tile(i + 1)
+            return (*step(i, *acc, y), y_next)
+    else:
+        def body(i, carry):
+            return step(i, *carry, y_tile(i))
+
     zeros = jnp.zeros((bt, bn), jnp.float32)
-    p, dmz, db = lax.fori_loop(0, rows_per_prog // bt, body, (jnp.zeros((R, bn), jnp.float32), zeros, zeros))
+    init = (jnp.zeros((R, bn), jnp.float32), zeros, zeros) + ((y_tile(0),) if prefetch else ())
+    p, dmz, db = lax.fori_loop(0, nsteps, body, init)[:3]
+    dmz, db = jnp.sum(dmz, axis=0), jnp.sum(db, axis=0)
+    if finish:  # one program covers every token: the final dB = P g s, dm = sum dy (y - bias) / m, dbias
+        gs = _load(gs_ref.at[pl.ds(n0, bn)], cmask)
+        _store(p_ref.at[:, pl.ds(n0, bn)], (p * gs[None, :]).astype(p_ref.dtype), _mask(None, cmask, (R, bn)))
+        m = _load(m_ref.at[pl.ds(n0, bn)], cmask, 1.0).astype(jnp.float32)
+        _store(dmz_ref.at[pl.ds(n0, bn)], (dmz / m).astype(dmz_ref.dtype), cmask)
+        _store(db_ref.at[pl.ds(n0, bn)], db.astype(db_ref.dtype), cmask)
+        return
     _store(p_ref.at[split, :, pl.ds(n0, bn)], p, _mask(None, cmask, (R, bn)))
-    _store(dmz_ref.at[split, pl.ds(n0, bn)], jnp.sum(dmz, axis=0), cmask)
-    _store(db_ref.at[split, pl.ds(n0, bn)], jnp.sum(db, axis=0), cmask)
+    _store(dmz_ref.at[split, pl.ds(n0, bn)], dmz, cmask)
+    _store(db_ref.at[split, pl.ds(n0, bn)], db, cmask)
 
 
-def backward_columns(dy, y, xa, bias, *, interpret: bool, config: Config = DEFAULT):
-    """(xa^T dy (R, N), sum_t dy*(y - bias) (N,), sum_t dy (N,)), all float32."""
+def backward_columns(dy, y, xa, bias, *, interpret: bool, config: Config = DEFAULT, finish=None):
+    """(xa^T dy (R, N), sum_t dy*(y - bias) (N,), sum_t dy (N,)), all float32.
+
+    finish=(gs, magnitude, dB dtype, dm dtype, dbias dtype): return (xa^T dy * gs, sum_t dy*(y - bias) / m,
+    sum_t dy) in those dtypes instead - inside the kernel when one program covers all tokens (config.cols_rows
+    >= tokens: no XLA op after the launch), otherwise by XLA from the partial sums.
+    """
     M, N = dy.shape
     R = xa.shape[1]
     bt, bn = _tile(M, config.cols_bt), _tile(N, config.cols_bn)
     rows_per_prog = max(bt, min(config.cols_rows, _pow2(M, bt)))
     nsplit = _cdiv(M, rows_per_prog)
+    in_kernel = finish is not None and nsplit == 1
     kernel = functools.partial(_cols_kernel, M=M, N=N, R=R, bt=bt, bn=bn, rows_per_prog=rows_per_prog,
-                               has_bias=bias is not None)
+                               has_bias=bias is not None, finish=in_kernel, prefetch=config.cols_prefetch)
     args = (dy, y, xa) + ((bias,) if bias is not None else ())
+    if in_kernel:
+        gs, m, p_dt, dm_dt, db_dt = finish
+        args += (gs.astype(jnp.float32), m)
+        out_shape = (jax.ShapeDtypeStruct((R, N), p_dt), jax.ShapeDtypeStruct((N,), dm_dt),
+                     jax.ShapeDtypeStruct((N,), db_dt))
+    else:
+        out_shape = (jax.ShapeDtypeStruct((nsplit, R, N), jnp.float32), jax.ShapeDtypeStruct((nsplit, N), jnp.float32),
+                     jax.ShapeDtypeStruct((nsplit, N), jnp.float32))
     p, dmz, db = _backend.triton_call(
         kernel,
-        out_shape=(jax.ShapeDtypeStruct((nsplit, R, N), jnp.float32),
-                   jax.ShapeDtypeStruct((nsplit, N), jnp.float32),
-                   jax.ShapeDtypeStruct((nsplit, N), jnp.float32)),
+        out_shape=out_shape,
         grid=(_cdiv(N, bn), nsplit),
         name="pallas_fused_dora_bwd_cols",
         interpret=interpret,
         num_warps=config.cols_warps,
-        num_stages=2,
+        num_stages=config.cols_stages,
     )(*args)
-    return jnp.sum(p, axis=0), jnp.sum(dmz, axis=0), jnp.sum(db, axis=0)
+    if in_kernel:
+        return p, dmz, db
+    p, dmz, db = jnp.sum(p, axis=0), jnp.sum(dmz, axis=0), jnp.sum(db, axis=0)
+    if finish is None:
+        return p, dmz, db
+    gs, m, p_dt, dm_dt, db_dt = finish
+    return (p * gs[None, :]).astype(p_dt), (dmz / m.astype(jnp.float32)).astype(dm_dt), db.astype(db_dt)
 
 
 # ----------------------------------------------------------------------------------------------------

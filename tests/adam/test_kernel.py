@@ -51,6 +51,77 @@ def test_encode_is_nearest_code(dmap):
     np.testing.assert_array_equal(np.abs(mags[code].astype(np.float64) - a), best)
 
 
+def _fp32_sweep(dmap, stride):
+    """Every `stride`-th fp32 in [0, 1] (and a little over 1), plus every fp32 within 40 ulps of each
+    boundary of the encoder (decade bounds) and of each exact midpoint between codes."""
+    one = int(np.float32(1.0).view(np.uint32))
+    mags = (dmap.table[:128] if dmap.signed else dmap.table).astype(np.float64)
+    mids = np.float32((mags[1:] + mags[:-1]) / 2)
+    cuts = np.float32([*dmap.bounds, dmap.one_bound])
+    centers = np.concatenate([mids, cuts, np.float32(mags)]).view(np.uint32).astype(np.int64)
+    near = (centers[:, None] + np.arange(-40, 41)[None, :]).reshape(-1)
+    bits = np.concatenate([np.arange(0, one + 40, stride), near, [0, 1, one - 1, one, one + 1]])
+    return np.clip(bits, 0, None).astype(np.uint32).view(np.float32)
+
+
+@pytest.mark.parametrize("dmap,seg", [(R.SIGNED_MAP, R.SIGNED_SEGMENTS), (R.UNSIGNED_MAP, R.UNSIGNED_SEGMENTS)],
+                         ids=["signed", "unsigned"])
+def test_encode_segments_is_encode(dmap, seg):
+    """The kernels' table-lookup encoder gives the same code as `encode` for every input swept (dense over
+    [0, 1], every value near a decade bound or a midpoint between codes; an exhaustive sweep of all fp32 in
+    [0, 1] found no difference either)."""
+    a = jnp.asarray(_fp32_sweep(dmap, stride=251))
+    ref = jax.jit(lambda a: R.encode(a, dmap))(a)
+    out = jax.jit(lambda a: R.encode_segments(a, *R.table_lookups(seg)))(a)
+    bad = np.flatnonzero(np.asarray(ref) != np.asarray(out))
+    assert bad.size == 0, (np.asarray(a)[bad[:5]], np.asarray(ref)[bad[:5]], np.asarray(out)[bad[:5]])
+
+
+@pytest.mark.parametrize("dmap,tables", [(R.SIGNED_MAP, R.SIGNED_BINADES), (R.UNSIGNED_MAP, R.UNSIGNED_BINADES)],
+                         ids=["signed", "unsigned"])
+def test_encode_binade_is_encode_signed(dmap, tables):
+    """The binade-indexed encoder (sign, abs and clip folded into its tables) against `encode_signed` on the
+    same sweep, both signs for the signed map (-0 and negative denormals included); exhaustively checked too."""
+    a = _fp32_sweep(dmap, stride=251)
+    x = jnp.asarray(np.concatenate([a, -a]) if dmap.signed else a)
+    one = jnp.float32(1.0)
+    ref = jax.jit(lambda x: R.encode_signed(x, one, dmap))(x)
+    out = jax.jit(lambda x: R.encode_binade(x * one, *R.table_lookups(tables)))(x)
+    bad = np.flatnonzero(np.asarray(ref) != np.asarray(out))
+    assert bad.size == 0, (np.asarray(x)[bad[:5]], np.asarray(ref)[bad[:5]], np.asarray(out)[bad[:5]])
+
+
+@pytest.mark.parametrize("variant", ["segments", "binade"])
+@pytest.mark.parametrize("signed", [True, False])
+def test_lookup_encoders_in_kernel_are_encode(signed, variant):
+    """The kernel's own table operands and lookups (interpret mode) against `encode`: quantize with the kernel
+    (zero state, b1 = b2 = 0 so m_new = g and v_new = g*g) values at every code, on both sides of every
+    midpoint between codes and of every decade bound (2e-5 away: XLA:CPU contracts a * A + C to an FMA in
+    jit but not eagerly, which moves codes only within a few ulps of a midpoint), and log-uniform values."""
+    dmap = R.SIGNED_MAP if signed else R.UNSIGNED_MAP
+    mags = (dmap.table[:128] if dmap.signed else dmap.table).astype(np.float64)
+    mids = (mags[1:] + mags[:-1]) / 2
+    cuts = np.asarray([*dmap.bounds, dmap.one_bound], np.float64)
+    rand_mags = 10.0 ** np.random.default_rng(0).uniform(-8, 0, 3000)
+    a = np.concatenate([mags, mids * (1 - 2e-5), mids * (1 + 2e-5), cuts * (1 - 2e-5), cuts * (1 + 2e-5),
+                        rand_mags, [0.0, 1e-30, 1e-9]]).astype(np.float32)
+    if signed:
+        a = np.concatenate([a, -a])
+    a = np.concatenate([a, np.zeros(-a.size % 255, np.float32)])
+    # each block: 255 of the values and a 1.0 (the absmax, so a * inv_absmax == a exactly)
+    blocks = np.concatenate([a.reshape(-1, 255), np.ones((a.size // 255, 1), np.float32)], axis=1).reshape(-1)
+    vals = jnp.asarray(blocks)
+    g = vals if signed else jnp.sqrt(vals)
+    vals = g if signed else g * g  # what the kernel quantizes
+    nb = blocks.size // 256
+    zc, za = jnp.zeros((nb * 256,), jnp.uint8), jnp.zeros((nb,), jnp.float32)
+    s = K.scalar_operand([-1e-3, 0.0, 1.0, 0.0, 1.0, 1e-8, 0.0, 0.0, 1.0, 1.0])
+    out = K.adam_q8(s, g, zc, za, zc, za, inplace=False, interpret=True, variant=variant)
+    ref, _ = R.quantize_blockwise(vals, signed)
+    np.testing.assert_array_equal(np.asarray(out[1] if signed else out[3]), np.asarray(ref))
+    assert len(np.unique(np.asarray(ref))) == 256  # every code is hit
+
+
 @pytest.mark.parametrize("signed", [True, False])
 def test_quantize_round_trip(signed):
     x = rand(1, (37, 129), scale=3.0)
@@ -110,13 +181,14 @@ def _q8_inputs(n, seed=0, dtype=jnp.float32):
     return g, p, mc, ma, vc, va
 
 
+@pytest.mark.parametrize("variant", K.Q_VARIANTS)
 @pytest.mark.parametrize("n,dtype", [(5003, jnp.float32), (4096, jnp.bfloat16)])
-def test_q8_kernel_matches_reference(n, dtype):
+def test_q8_kernel_matches_reference(n, dtype, variant):
     g, p, mc, ma, vc, va = _q8_inputs(n, dtype=dtype)
     g = g.at[17].set(jnp.nan)
     s = _scalars()
     for inplace, pp in ((False, None), (True, p)):
-        out = K.adam_q8(s, g, mc, ma, vc, va, pp, inplace=inplace, interpret=True)
+        out = K.adam_q8(s, g, mc, ma, vc, va, pp, inplace=inplace, interpret=True, variant=variant)
         ref = R.adam_leaf_reference_q8(g, mc, ma, vc, va, s, pp, inplace=inplace)
         for o, r, name in zip(out, ref, ("out", "mc", "ma", "vc", "va")):
             assert o.dtype == r.dtype and o.shape == r.shape, name
@@ -173,20 +245,30 @@ def test_load_modes_match_reference(mode):
         assert_all_written(o, name)
         _close(o, r, f"{name} {mode}")
     g8, p8, mc, ma, vc, va = _q8_inputs(n, seed=3)
-    out = K.adam_q8(s, g8, mc, ma, vc, va, p8, inplace=True, interpret=True, rows=2, num_warps=2, load_mode=mode)
     ref = R.adam_leaf_reference_q8(g8, mc, ma, vc, va, s, p8, inplace=True)
-    _close(out[0], ref[0], f"p 8-bit {mode}")
-    for o, r in zip(out[1:], ref[1:]):
-        if o.dtype == jnp.uint8:
-            assert np.max(np.abs(np.asarray(o, np.int32) - np.asarray(r, np.int32))) <= 1
-        else:
-            _close(o, r, f"absmax 8-bit {mode}")
+    for variant, rows in (("table", 2), ("segments", 1), ("binade", 1)):
+        out = K.adam_q8(s, g8, mc, ma, vc, va, p8, inplace=True, interpret=True, rows=rows, num_warps=2,
+                        load_mode=mode, variant=variant)
+        _close(out[0], ref[0], f"p 8-bit {mode} {variant}")
+        for o, r in zip(out[1:], ref[1:]):
+            if o.dtype == jnp.uint8:
+                assert np.max(np.abs(np.asarray(o, np.int32) - np.asarray(r, np.int32))) <= 1
+            else:
+                _close(o, r, f"absmax 8-bit {mode} {variant}")
 
 
 def test_bad_load_mode():
     x = jnp.zeros((8,))
     with pytest.raises(ValueError, match="load_mode"):
         K.adam_fp32(_scalars(), x, x, x, x, inplace=True, interpret=True, load_mode="streaming")
+
+
+def test_bad_q8_variant_and_rows():
+    g, p, mc, ma, vc, va = _q8_inputs(300)
+    with pytest.raises(ValueError, match="variant"):
+        K.adam_q8(_scalars(), g, mc, ma, vc, va, p, inplace=True, interpret=True, variant="lut")
+    with pytest.raises(ValueError, match="rows"):
+        K.adam_q8(_scalars(), g, mc, ma, vc, va, p, inplace=True, interpret=True, rows=2, variant="segments")
 
 
 def _assert_q8_close(out, ref):
@@ -218,13 +300,17 @@ def test_gpu_fp32_kernel_variants(block, warps, mode):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rows,warps,mode", [(8, 8, "volatile"), (2, 2, "volatile"), (4, 4, "plain")])
-def test_gpu_q8_kernel_variants(rows, warps, mode):
+@pytest.mark.parametrize("variant,rows,warps,mode", [
+    ("table", 8, 8, "volatile"), ("table", 2, 2, "volatile"), ("table", 4, 4, "plain"),
+    ("segments", 1, 1, "volatile"), ("segments", 1, 2, "plain"), ("binade", 1, 1, "volatile"),
+    ("binade", 1, 2, "evict_first"),
+])
+def test_gpu_q8_kernel_variants(variant, rows, warps, mode):
     n = 4096 * 256 + 17
     g, p, mc, ma, vc, va = _q8_inputs(n)
     s = _scalars()
     out = jax.jit(lambda *a: K.adam_q8(*a, inplace=True, interpret=False, rows=rows, num_warps=warps,
-                                       load_mode=mode))(s, g, mc, ma, vc, va, p)
+                                       load_mode=mode, variant=variant))(s, g, mc, ma, vc, va, p)
     ref = jax.jit(lambda *a: R.adam_leaf_reference_q8(*a, inplace=True))(g, mc, ma, vc, va, s, p)
     _assert_q8_close(out, ref)
 

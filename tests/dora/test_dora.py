@@ -122,20 +122,60 @@ def test_exact_norm_grad(kernel_impl, dtype):
     assert float(jnp.max(jnp.abs(grad_a(False) - grad_a(True)))) > 1e-3
 
 
-@pytest.mark.parametrize("gemm", ["pallas", "fused", "epilogue", "merged", "merged_in_norm", "xla", "xla_concat",
-                                  "xla_epilogue"])
+# gemm="merged" variants: the norm launch's partial sums over 3 row ranges (not a power of two) finished by the
+# merge launch, "expand" and "direct" norms, merge tiles ragged at both edges, forward or natural tile order.
+MERGE_CONFIGS = {
+    "merged_split3": Config(mnorm_rows=16, xnorm_bk=16, xnorm_bn=16, merge_bk=16, merge_bn=16),
+    "merged_direct_split3": Config(norm_mode="direct", norm_rows=16, norm_bk=16, merge_bk=32, merge_bn=16,
+                                   merge_reverse=False),
+    "merged_in_norm": Config(merge_in_norm=True, xnorm_bk=16, xnorm_bn=16),
+    # backward column reductions over 3 token ranges, finished by XLA (the default config covers the 37 tokens
+    # with one program per column strip: finished in the kernel)
+    "merged_cols_split3": Config(cols_rows=16, cols_bt=16, cols_prefetch=False),
+    "merged_unsaved": Config(save_merged=False),  # the backward forms the merged weight again
+}
+
+
+@pytest.mark.parametrize("gemm", ["pallas", "fused", "epilogue", "merged", "xla", "xla_concat", "xla_epilogue",
+                                  *MERGE_CONFIGS])
 def test_gemm_variants(kernel_impl, gemm):
     x, w, a, b, m, bias, dy = make(40, *BASE, jnp.bfloat16)
-    config = Config(merge_in_norm=True, xnorm_bk=16, xnorm_bn=16) if gemm == "merged_in_norm" else None
-    check_against_reference(w, x, a, b, m, bias, dy, scale=0.5, impl=kernel_impl, gemm=gemm.replace("_in_norm", ""),
+    config = MERGE_CONFIGS.get(gemm)
+    check_against_reference(w, x, a, b, m, bias, dy, scale=0.5, impl=kernel_impl, gemm=gemm.split("_")[0],
                             what=gemm, config=config)
 
 
-def test_few_tokens_no_bias(kernel_impl):
-    """Few tokens per weight: the cuBLAS backward scales dy by g and adds the low-rank term separately
-    (many tokens: one GEMM on the merged weight, covered by test_gemm_variants); "merged" without bias.
-    ("epilogue" without bias: test_large_rank_no_bias, where "auto" picks it.)"""
-    gemm = "merged"
+def test_merge_weight_outputs(kernel_impl):
+    """merge_weight from partial sums returns ((W + s A B) g, n, g, B g s); from g, the same merged weight."""
+    from pallas_fused.dora import kernel as K
+
+    w, a = rand(84, (70, 40), jnp.bfloat16, scale=0.1), rand(85, (70, 16), jnp.bfloat16)
+    b = rand(86, (16, 40), jnp.bfloat16)
+    m = jnp.abs(rand(87, (40,))) + 0.5
+    cfg = Config(merge_bk=32, merge_bn=16, xnorm_bk=16, xnorm_bn=16)
+    interp = kernel_impl == "interpret"
+    parts = K.column_partials((w,), "dense", a, b, 0.7, interpret=interp, config=cfg, rows=32)
+    assert parts.shape == (3, 40)
+    wm, n, g, bg = K.merge_weight((w,), "dense", a, b, 0.7, partials=parts, magnitude=m, interpret=interp,
+                                  config=cfg)
+    v = w.astype(jnp.float32) + 0.7 * jnp.dot(a.astype(jnp.float32), b.astype(jnp.float32), precision="highest")
+    n_ex = jnp.linalg.norm(v, axis=0)
+    np.testing.assert_allclose(n, n_ex, rtol=2e-6)
+    np.testing.assert_allclose(g, m / n_ex, rtol=2e-6)
+    assert bg.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(bg, (b.astype(jnp.float32) * (g * 0.7)[None, :]).astype(jnp.bfloat16))
+    assert wm.dtype == jnp.bfloat16
+    np.testing.assert_allclose(wm.astype(jnp.float32), (v * (m / n_ex)).astype(jnp.bfloat16).astype(jnp.float32),
+                               rtol=1e-2, atol=1e-3)
+    wm2 = K.merge_weight((w,), "dense", a, b, 0.7, g=g, interpret=interp, config=Config(merge_reverse=False))
+    np.testing.assert_array_equal(wm2.astype(jnp.float32), wm.astype(jnp.float32))
+
+
+@pytest.mark.parametrize("gemm", ["merged", "epilogue"])
+def test_few_tokens_no_bias(kernel_impl, gemm):
+    """Few tokens per weight, no bias. "merged": dx on the merged weight kept from the forward; "epilogue": the
+    cuBLAS backward scales dy by g and adds the low-rank term separately (many tokens: one GEMM on the merged
+    weight, covered by test_gemm_variants)."""
     x, w, a, b, m, _, dy = make(45, (3,), 64, 48, 4, jnp.bfloat16)
     fn = lambda x, a, b, m: dora_dense(x, w, a, b, m, None, scale=0.5, implementation=kernel_impl, gemm=gemm)  # noqa: E731
     ref = lambda x, a, b, m: dora_dense(x, w, a, b, m, None, scale=0.5, implementation="xla")  # noqa: E731
@@ -209,13 +249,16 @@ NORM_CONFIGS = {
     "split_rows": Config(xnorm_rows=64, xnorm_bk=32, xnorm_bn=16),
     "split_ragged": Config(xnorm_rows=128, xnorm_bk=64, xnorm_bn=32),
     "direct": Config(norm_mode="direct"),
+    # next W tile loaded one step ahead, 3 row ranges of 2 steps (the last ragged: prefetches past K masked)
+    "direct_prefetch": Config(norm_mode="direct", norm_prefetch=True, norm_rows=64, norm_bk=32, norm_bn=16),
 }
 
 
 @pytest.mark.parametrize("kind, dtype, cfg", [
     ("dense", jnp.bfloat16, "fused_finish"), ("dense", jnp.bfloat16, "split_rows"), ("dense", jnp.bfloat16, "direct"),
     ("dense", jnp.float16, "split_ragged"), ("int8", jnp.bfloat16, "fused_finish"),
-    ("int8", jnp.bfloat16, "split_ragged"),
+    ("int8", jnp.bfloat16, "split_ragged"), ("dense", jnp.bfloat16, "direct_prefetch"),
+    ("int8", jnp.bfloat16, "direct_prefetch"),
 ], ids=str)
 def test_column_scale_expand(kernel_impl, kind, dtype, cfg):
     from pallas_fused.dora.kernel import expand_supported
@@ -437,15 +480,23 @@ def test_bad_module_args():
 BIG = [((512,), 4096, 4096, 16), ((256,), 4096, 11008, 64)]
 
 
+GPU_CONFIGS = {
+    "merged_in_norm": Config(merge_in_norm=True, xnorm_bn=32, xnorm_bk=128),
+    # norm partials over 8 row ranges from the prefetching "direct" kernel, merge tiles 64 x 128 in forward order
+    "merged_direct_pf": Config(norm_mode="direct", norm_prefetch=True, norm_rows=512, merge_bk=64, merge_bn=128,
+                               merge_reverse=False),
+    "merged_cols_split": Config(cols_rows=128),  # backward column sums over token ranges, finished by XLA
+}
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", BIG, ids=str)
-@pytest.mark.parametrize("gemm", ["auto", "pallas", "merged", "merged_in_norm", "epilogue"])
+@pytest.mark.parametrize("gemm", ["auto", "pallas", "merged", "epilogue", *GPU_CONFIGS])
 def test_gpu_big_shapes(shape, gemm):
     lead, fin, fout, r = shape
     x, w, a, b, m, bias, dy = make(200, lead, fin, fout, r, jnp.bfloat16)
-    config = Config(merge_in_norm=True, xnorm_bn=32, xnorm_bk=128) if gemm == "merged_in_norm" else None
-    check_against_reference(w, x, a, b, m, bias, dy, scale=0.5, impl="pallas", gemm=gemm.replace("_in_norm", ""),
-                            what=f"gpu {shape} {gemm}", config=config)
+    check_against_reference(w, x, a, b, m, bias, dy, scale=0.5, impl="pallas", gemm=gemm.split("_")[0],
+                            what=f"gpu {shape} {gemm}", config=GPU_CONFIGS.get(gemm))
 
 
 @pytest.mark.gpu
