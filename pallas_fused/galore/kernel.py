@@ -101,27 +101,31 @@ class DownConfig(NamedTuple):
 # The default up-projection configuration, one for all or a dict side ("right" / "left") -> UpConfig: set it
 # from the tuning sweep (benchmarks/bench_galore.py prints the winners as a line to paste here).
 UP_CONFIG: UpConfig | dict[str, UpConfig] = {
-    # H200, session 3 (benchmarks/results/logs/h200_s3_call1_galore.log), up-projection alone, in place, r128:
-    "right": UpConfig(bm=32, bn=128, br=32, warps=4, stages=3, w_first=False, tn=1, tm=1),  # 4096^2: 0.0716 ms
-    "left": UpConfig(bm=64, bn=64, br=128, warps=4, stages=2, w_first=True, tn=1, tm=8),  # 4096x11008: 0.1604 ms
+    # H200, session 3 call 2 (benchmarks/results/logs/h200_s3_call2_galore.log), up-projection alone, in place,
+    # r128, amortized over 4 W: 4096^2 0.0518 ms (64% HBM; best fp32-operand config 0.0596); 4096x11008 0.1264 ms
+    # (71%; fp32 operands 0.1613).
+    "right": UpConfig(bm=64, bn=128, br=128, warps=8, stages=2, w_first=True, tn=1, tm=8, f16=True, p16=False),
+    "left": UpConfig(bm=64, bn=64, br=128, warps=4, stages=2, w_first=True, tn=1, tm=8, f16=True, p16=True),
 }
 
 # The default split-K down-projection configuration per side (set from the tuning sweep's printed line).
-# Not measured yet: 4096x4096 r128 gives 32 x 1 x 8 = 256 programs, 4096x11008 86 x 1 x 4 = 344.
+# H200, session 3 call 2, split-K kernel + low-rank Adam alone, r128, amortized over 4 G: 4096^2 0.0400 ms (XLA's
+# GEMM + the Adam kernel, "hybrid": 0.0389); 4096x11008 0.1083 ms (hybrid 0.1096; without g_regs 0.1323).
 DOWN_CONFIG: DownConfig | dict[str, DownConfig] = {
     "right": DownConfig(bm=128, bk=32, splits=8, br=128, warps=8, stages=3),
-    "left": DownConfig(bm=128, bk=32, splits=4, br=128, warps=8, stages=3),
+    "left": DownConfig(bm=128, bk=32, splits=4, br=128, warps=8, stages=3, g_regs=True),
 }
 
 # Measured winners (H200, fp32, TF32, in-place step): (M, N, rank, side) -> variant. `choose_variant` takes
 # the nearest entry of the same side. Paste the `MEASURED_VARIANT = {...}` line the tuning sweep prints.
 MEASURED_VARIANT: dict[tuple[int, int, int, str], str] = {
-    # H200, session 3 (benchmarks/results/logs/h200_s3_call1_galore.log), in-place step, ms (+best_up: UP_CONFIG):
-    (4096, 4096, 128, "right"): "hybrid",  # hybrid+best_up 0.1058, xla_up 0.1429, fused+best_up 0.2007, xla 0.1397
-    (4096, 11008, 128, "left"): "hybrid",  # hybrid+best_up 0.2804, xla_up 0.3566, fused+best_up 0.4910, xla 0.3536
-    (4096, 4096, 32, "right"): "hybrid",  # hybrid+best_up 0.0800, fused+best_up 0.1034, xla_up 0.1293, xla 0.1208
-    (4096, 11008, 32, "left"): "hybrid",  # hybrid+best_up 0.1824, fused+best_up 0.2303, xla_up 0.2519, xla 0.2496
-    # session 3: xla_up 0.2115, hybrid+best_up 0.2278, hybrid 0.4994 (4096x11008 r512 did not run)
+    # H200, session 3 call 2 (benchmarks/results/logs/h200_s3_call2_galore.log), in-place step amortized over 3
+    # leaves, with UP_CONFIG / DOWN_CONFIG above, ms:
+    (4096, 4096, 128, "right"): "hybrid",  # hybrid 0.0838, splitk 0.0892, fused 0.1098, xla_up 0.1346, xla 0.1343
+    (4096, 11008, 128, "left"): "hybrid",  # hybrid 0.2243, splitk 0.2254, xla_up 0.3406, fused 0.4481, xla 0.3440
+    (4096, 4096, 32, "right"): "hybrid",  # hybrid 0.0710, splitk 0.0710, xla_up 0.1081, xla 0.1089
+    (4096, 11008, 32, "left"): "hybrid",  # hybrid 0.1650 (fp32-operand up) / 0.1681, splitk 0.1697, xla 0.2463
+    # call 2: hybrid 0.2665, splitk 0.2965 (xla_up not reached); call 1: xla_up 0.2115, hybrid+best_up 0.2278
     (4096, 4096, 512, "right"): "xla_up",
 }
 
