@@ -192,55 +192,65 @@ def step_cases(rec, quick):
 
 
 # Candidate launch configurations of the tuning sweep: UpConfig(bm, bn, br, warps, stages, w_first, tn, tm, f16,
-# p16). Session 3 on the H200 (fp32 operands, TF32; logs/h200_s3_call1_galore.log): best 32x128x32/4 warps/3 stages
-# (0.0716 ms at 4096^2, mma.sync) and 64x64x128/4/2 tm 8 (0.1604 at 4096x11008); the others lost by 10-100%.
-# fp16 operands (f16: tiles cast in registers, N written in fp16 by the Adam kernel; p16: P cast once by XLA)
-# halve the L2 traffic of the N and P slices, and wgmma takes fp16 B operands N-contiguous (TF32 B must be
-# K-major: Triton transposes fp32 P/N slices into shared memory with 4-byte cp.async). Offline (triton 3.6,
-# ptxas sm_90a, r128) with f16, none spills: 32x128x32/4/3 124 registers; 32x128x128/4/2 tm 8 137 (mma.sync);
-# 64x128x128/8/2 w_first tm 8 170 (wgmma, 96 KiB); 64x128x128/8/3 tm 8 p16 148;
-# 64x256x128/8/2 tm 4 248; 64x64x128/4/2 w_first tm 8 p16 157. Single tiles with W loaded before the GEMM
-# (w_first): 32x128x128/4/2 157 (3 CTAs/SM), 64x128x128/4/2 222, 128x128x128/8/2 236, 64x256x128/8/2 239.
+# p16). fp16 operands (f16: tiles cast in registers, N written in fp16 by the Adam kernel; p16: P cast to fp16 by
+# the Adam kernel too) halve the L2 traffic of the N and P slices, and wgmma takes fp16 B operands N-contiguous
+# (TF32 B must be K-major: Triton transposes fp32 P/N slices into shared memory with 4-byte cp.async).
+# Session 3 call 2 (H200, up alone, r128, amortized; logs/h200_s3_call2_galore.log), 4096^2 / 4096x11008 ms:
+#   64x128x128/8 warps/2 stages w_first tm 8 f16  0.0518 / 0.1776   (170 registers: 1 CTA/SM, 256 programs)
+#   64x64x128/4/2 w_first tm 8 f16 p16            0.0573 / 0.1264   (157 registers: 3 CTAs/SM)
+#   64x128x128/4/2 tm 8 f16                       0.0533 / 0.1431
+#   32x128x128/4/2 tm 8 f16                       0.0543 / 0.1316   (mma.sync)
+#   64x64x128/4/2 w_first tm 8, fp32 operands     0.0596 / 0.1613   (the best without f16)
+#   128x128x128/8/2 tm 4 f16 0.0698 / 0.1972, 64x256x128/8/2 tm 4 f16 0.0675 / 0.1827 (dropped)
 # Why W's latency matters: in a tm/tn loop Triton pipelines (cp.async, num_stages) only the loads feeding the dot;
 # W's tile is a plain load inside the loop (the ttgir shows it), so a program has one W tile in flight unless
 # w_first prefetches the next one through the loop carry (two tiles, register-hungry); single-tile programs with
-# w_first issue W before the GEMM and rely on several CTAs per SM instead.
+# w_first issue W before the GEMM and rely on several CTAs per SM instead. New here: tm 16 / 32 (4096^2 64x128
+# tm 16: 128 programs, one wave at 1 CTA/SM; 4096x11008 64x64 tm 16: 688 programs, tm 32: 344, at 3 CTAs/SM),
+# 32x128x128/4/2 w_first tm 8 p16 (204 registers: 2 CTAs/SM), single tiles with w_first (32x128x128/4/2 157
+# registers, 64x128x128/4/2 222, 128x128x128/8/2 236). None spills (triton 3.6, ptxas sm_90a).
 UP_CANDIDATES = [
-    kernel.UpConfig(32, 128, 32, 4, 3, False, 1, 1),  # session 3's best on side right (fp32 operands)
-    kernel.UpConfig(64, 64, 128, 4, 2, True, 1, 8),  # session 3's best on side left (fp32 operands)
-    kernel.UpConfig(32, 128, 32, 4, 3, False, 1, 1, True),
-    kernel.UpConfig(32, 128, 128, 4, 2, False, 1, 8, True),
-    kernel.UpConfig(64, 64, 128, 4, 2, True, 1, 8, True, True),
+    kernel.UpConfig(64, 64, 128, 4, 2, True, 1, 8),  # the best on fp32 operands (what f16 gains)
     kernel.UpConfig(64, 128, 128, 8, 2, True, 1, 8, True),
-    kernel.UpConfig(64, 128, 128, 8, 3, False, 1, 8, True, True),
+    kernel.UpConfig(64, 128, 128, 8, 2, True, 1, 16, True),
+    kernel.UpConfig(64, 64, 128, 4, 2, True, 1, 8, True, True),
+    kernel.UpConfig(64, 64, 128, 4, 2, True, 1, 16, True, True),
+    kernel.UpConfig(64, 64, 128, 4, 2, True, 1, 32, True, True),
+    kernel.UpConfig(64, 128, 128, 4, 2, False, 1, 8, True),
+    kernel.UpConfig(32, 128, 128, 4, 2, False, 1, 8, True),
+    kernel.UpConfig(32, 128, 128, 4, 2, True, 1, 8, True, True),
     kernel.UpConfig(32, 128, 128, 4, 2, True, 1, 1, True, True),
-    kernel.UpConfig(64, 256, 128, 8, 2, False, 1, 4, True),
     kernel.UpConfig(64, 128, 128, 4, 2, True, 1, 1, True, True),
     kernel.UpConfig(128, 128, 128, 8, 2, True, 1, 1, True, True),
-    kernel.UpConfig(64, 256, 128, 8, 2, True, 1, 1, True, True),
 ]
-# Split-K down-projection: DownConfig(bm, bk, splits, br, warps, stages); programs = (kept / bm) x splits at r128
-# (4096^2: 32 row blocks of 128; 4096x11008: 86 column blocks of 128). Offline (r128): 128x32 K chunks/8 warps/
-# 3 stages 162-168 registers (1 CTA/SM), 96 KiB, wgmma TF32 on both sides; 64x32/4 warps/3 stages 156-168, 72 KiB;
-# none spills. Side left: G's tile reaches shared memory transposed through 4-byte cp.async (P^T is the K-major
-# operand), or with g_regs through registers (16-byte cp.async, A operand from registers): the sweep tries both;
-# p_nat also takes P's tile through registers (no XLA transpose of P): 166 registers at 128x32/8/3.
-DOWN_CANDIDATES = [
-    kernel.DownConfig(128, 32, 8, 128, 8, 3),
-    kernel.DownConfig(128, 32, 4, 128, 8, 3),
-    kernel.DownConfig(128, 32, 16, 128, 8, 3),
-    kernel.DownConfig(128, 64, 8, 128, 8, 2),
-    kernel.DownConfig(64, 32, 4, 128, 4, 3),
-    kernel.DownConfig(64, 64, 8, 128, 4, 3),
-    kernel.DownConfig(128, 32, 2, 128, 8, 4),
-    # side left only (g_regs, p_nat mean nothing on side right)
-    kernel.DownConfig(128, 32, 4, 128, 8, 3, True),
-    kernel.DownConfig(128, 32, 8, 128, 8, 3, True),
-    kernel.DownConfig(64, 32, 4, 128, 4, 3, True),
-    kernel.DownConfig(128, 64, 4, 128, 8, 2, True),
-    kernel.DownConfig(128, 32, 4, 128, 8, 3, True, True),  # P through registers too: no XLA transpose of P
-    kernel.DownConfig(128, 64, 4, 128, 8, 2, True, True),
-]
+# Split-K down-projection per side: DownConfig(bm, bk, splits, br, warps, stages, g_regs, p_nat); programs =
+# (kept / bm) x splits at r128 (4096^2: 32 row blocks of 128; 4096x11008: 86 column blocks of 128). Call 2
+# (split-K + Adam alone, amortized): right 128x32/8 splits/8 warps/3 stages 0.0400 ms, 64x32/4 splits/4 warps/3
+# 0.0427, 128x32/4 splits 0.0445, K chunks of 64 0.057-0.058 (XLA's GEMM + Adam 0.0389); left with g_regs (G
+# through registers) 128x32/4 splits 0.1083, 64x32/4 0.1170, 128x32/8 0.1192, without g_regs 0.132-0.197 (XLA +
+# Adam 0.1096). At ~45% of HBM with 1 CTA/SM (168 registers) the loads in flight are short: deeper pipelines
+# here (4-5 stages of 32-wide K chunks, 8 stages of 16-wide: 128-160 KiB of shared memory, 150-168 registers,
+# no spills), and p_nat (P's tile through registers: no XLA transpose of P).
+DOWN_CANDIDATES = {
+    "right": [
+        kernel.DownConfig(128, 32, 8, 128, 8, 3),
+        kernel.DownConfig(128, 32, 8, 128, 8, 4),
+        kernel.DownConfig(128, 32, 8, 128, 8, 5),
+        kernel.DownConfig(128, 16, 8, 128, 8, 8),
+        kernel.DownConfig(128, 32, 4, 128, 8, 5),
+        kernel.DownConfig(64, 32, 8, 128, 4, 4),
+        kernel.DownConfig(64, 32, 4, 128, 4, 3),
+    ],
+    "left": [
+        kernel.DownConfig(128, 32, 4, 128, 8, 3, True),
+        kernel.DownConfig(128, 32, 4, 128, 8, 5, True),
+        kernel.DownConfig(128, 32, 4, 128, 8, 3, True, True),
+        kernel.DownConfig(128, 32, 4, 128, 8, 5, True, True),
+        kernel.DownConfig(128, 16, 4, 128, 8, 8, True),
+        kernel.DownConfig(64, 32, 4, 128, 4, 4, True),
+        kernel.DownConfig(128, 32, 8, 128, 8, 4, True),
+    ],
+}
 # the fused kernel's best of session 3 (4096^2 r128: 0.0567 ms), kept as a comparison row
 FUSED_DOWN = (32, 128, 4, 3)
 TUNING_BUDGET_S = 115.0
@@ -268,11 +278,10 @@ def tuning(rec, quick):
 
     1. r128, 4096x4096 (side right) then 4096x11008 (side left): the up-projection kernel alone (in place, W
        donated) for each UP_CANDIDATES entry beside XLA's up-projection + update; the down halves alone: the
-       split-K kernel + the low-rank Adam kernel (summing the partials) per DOWN_CANDIDATES entry, XLA's GEMM +
+       split-K kernel + the low-rank Adam kernel (summing the partials) per DOWN_CANDIDATES[side] entry, XLA's GEMM +
        the Adam kernel ("hybrid"), the fused kernel (FUSED_DOWN), XLA's GEMM alone.
-    2. ranks 128, 32 (both shapes) and 512 (4096^2): the whole in-place step for hybrid, splitk (the side's best
-       configurations of part 1; at r128 also with the best fp32-operand up configuration) and xla_up, and the
-       XLA reference.
+    2. ranks 128, 32, 512, 256 (the budget may cut the last ones): the whole in-place step for hybrid, splitk
+       (the side's best configurations of part 1) and xla_up, and the XLA reference.
     Prints the lines to paste into pallas_fused/galore/kernel.py: UP_CONFIG, DOWN_CONFIG, MEASURED_VARIANT."""
     deadline = time.time() + (TUNING_BUDGET_S if not _CPU else 20 * TUNING_BUDGET_S)
     n = 10 if quick else 20
@@ -327,10 +336,7 @@ def tuning(rec, quick):
         del sts
         case = f"tune down {M}x{N} r{r} (amortized x{k_amort})"
         downb = (M * N + 4 * r * max(M, N)) * 4
-        for cfg in DOWN_CANDIDATES:
-            if (cfg.g_regs or cfg.p_nat) and side == "right":
-                continue
-
+        for cfg in DOWN_CANDIDATES[side]:
             def op(g, p, m, v, sc, cfg=cfg, side=side):
                 parts = kernel.down_splitk(g, p, side=side, interpret=INTERPRET, blocks=cfg)
                 m, v, _ = kernel.lowrank_adam(parts, m, v, sc, interpret=INTERPRET)
@@ -356,7 +362,6 @@ def tuning(rec, quick):
         del downs
 
     best_up = {side: min(ts, key=ts.get) for side, ts in up_times.items() if ts}
-    best_up32 = {side: min((c for c in ts if not c.f16), key=ts.get, default=None) for side, ts in up_times.items()}
     best_down = {side: min(ts, key=ts.get) for side, ts in down_times.items() if ts}
     if best_up:
         print(f"  paste into pallas_fused/galore/kernel.py: UP_CONFIG = {best_up!r}", flush=True)
@@ -366,7 +371,10 @@ def tuning(rec, quick):
         rec.add(OP, "tune down best", "info:down_config", None, down_config=repr(best_down))
 
     winners, detail = {}, {}
-    for r, shs in [(_r(128), shapes), (_r(32), shapes), (_r(512), shapes[:1])]:
+    # ranks in order of importance (the budget may cut the tail): 128, 32, 512 and 256 at 4096^2, 256 and 512 at
+    # 4096x11008
+    for r, shs in [(_r(128), shapes), (_r(32), shapes), (_r(512), shapes[:1]), (_r(256), shapes),
+                   (_r(512), shapes[1:])]:
         for (M, N) in shs:
             side = reference.projector_side((M, N), "std")
             make, xla, _ = _steps(side)
@@ -376,11 +384,10 @@ def tuning(rec, quick):
             except Exception as e:  # noqa: BLE001
                 rec.add(OP, case, "reference", None, error=_err(e))
                 continue
-            up, up32, down = best_up.get(side), best_up32.get(side), best_down.get(side)
+            up, down = best_up.get(side), best_down.get(side)
+            # ("fused" lost to "hybrid" by 1.3-2x at every session-3 shape, and the fp32-operand up configurations
+            # by 0.012-0.04 ms in call 2's steps: left out)
             cands = [("hybrid", up, None), ("splitk", up, down), ("xla_up", None, None)]
-            if up32 is not None and up32 != up and r == _r(128):  # what the fp16 operands gain in the step
-                cands += [("hybrid", up32, None), ("splitk", up32, down)]
-            # ("fused" lost to "hybrid" by 1.3-2x at every session-3 shape: left out of the steps)
             times = {}
             kw = dict(nbytes=_nbytes(M, N, r), flops=2 * 2 * M * N * r, matmul_ceiling="tf32_tflops")
             step_states = [_state(M, N, r, side, seed=10 * i + 2) for i in range(k_step)]

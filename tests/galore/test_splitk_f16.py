@@ -150,7 +150,7 @@ def test_api_splitk_and_fp16_default(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", [(4096, 4096), (4096, 11008)])
 def test_splitk_and_fp16_up_gpu(shape):
-    """The split-K kernel under every DOWN_CANDIDATES entry, and the splitk step with every fp16 UP_CANDIDATES
+    """The split-K kernel under every DOWN_CANDIDATES[side] entry, and the splitk step with every fp16 UP_CANDIDATES
     entry, at full size against the HIGHEST-precision reference (TF32 tolerance)."""
     from benchmarks.bench_galore import DOWN_CANDIDATES, UP_CANDIDATES
 
@@ -164,7 +164,7 @@ def test_splitk_and_fp16_up_gpu(shape):
     s = reference.Scalars(0.9, 0.999, 1e-6, 1.0, 1.0, -1e-5, -2.5e-4, 1.0)
     hi = jax.lax.Precision.HIGHEST
     r_hi = reference.project(g, p, side, precision=hi)
-    for cfg in DOWN_CANDIDATES:
+    for cfg in DOWN_CANDIDATES[side]:
         assert_close(kernel.down_splitk(g, p, side=side, blocks=cfg).sum(0), r_hi, floor=5e-3, what=f"splitk {cfg}")
     exact, _, _ = reference.galore_adam_step(w, g, m, v, p, side, s, inplace=True, precision=hi)
     delta = exact - w
