@@ -4,8 +4,8 @@
 Cases (ANCHORS.md): fp32 W and G, TF32 allowed, non-refresh step, proj_type "std".
   pallas:fused    fused down-projection + low-rank Adam kernel, up-projection update kernel, then W + update
   pallas:hybrid   XLA down-projection + elementwise low-rank Adam kernel, same up kernel, then W + update
-  pallas:inplace_<variant>  galore_adamw_inplace's path for each of kernel.VARIANTS (fused, hybrid, xla_up);
-                  pallas:inplace is the best of them
+  pallas:inplace_<variant>  galore_adamw_inplace's path for each of kernel.VARIANTS (fused, hybrid, xla_up,
+                  splitk), default configurations; pallas:inplace is the best of them
   pallas:inplace_api  galore_adamw_inplace's step (count 1: the refresh lax.cond is taken but skips)
   pallas:tx       the whole optax transform (galore_adamw update + apply_updates, count > 0: lax.cond skipped)
   xla             our plain-jnp reference step (donated), default precision (TF32)
@@ -13,8 +13,9 @@ Cases (ANCHORS.md): fp32 W and G, TF32 allowed, non-refresh step, proj_type "std
                   which ANCHORS.md's XLA and optax.contrib.galore figures include)
   peer:optax_contrib_galore   optax.contrib.galore update + apply_updates (params, grads, state donated)
 Every step donates everything it carries (see `_steps`).
-The `tuning` section is the sweep that sets kernel.UP_CONFIG and kernel.MEASURED_VARIANT (it prints the lines);
-run it alone with `GALORE_SECTIONS=tuning python -m benchmarks.run galore`.
+The `tuning` section is the sweep that sets kernel.UP_CONFIG, kernel.DOWN_CONFIG and kernel.MEASURED_VARIANT (it
+prints the lines); run it alone with `GALORE_SECTIONS=tuning python -m benchmarks.run galore`. Its timings are
+amortized over several distinct operand sets per jit (a single call under ~0.05 ms times the host dispatch).
 nbytes = (3 M N + 2 M r + 4 r N) * 4 (read G and W, write W; moments in/out; P) as in peers_jax.py.
 Refresh energy is measured on a low-rank-plus-noise gradient (decaying spectrum): a Gaussian matrix has a
 flat spectrum on which "captured energy" says nothing about real gradients.
@@ -133,6 +134,17 @@ def step_cases(rec, quick):
                 times[impl] = _time_step(rec, case, impl, fn, M, N, r, side, delta_ref, n)
             if r == _r(128):
                 _time_step(rec, case, "xla:g_copied", xla_g_copied, M, N, r, side, delta_ref, n)
+                # the same steps amortized over K_AMORT_STEP distinct leaves per jit (a multi-leaf optimizer step;
+                # a single call near 0.05 ms also times the host dispatch): the auto-chosen variant and XLA
+                auto = api.choose_kernel((M, N), r, side)
+                k = 2 if _CPU else K_AMORT_STEP
+                for impl, fn in [(f"pallas:inplace_{auto}:amortized_x{k}", make(auto, True)),
+                                 (f"xla:amortized_x{k}", xla)]:
+                    try:
+                        ms = _amortized(fn, [_state(M, N, r, side, seed=10 * i + 2) for i in range(k)], n)
+                        rec.add(OP, case, impl, ms, **kw)
+                    except Exception as e:  # noqa: BLE001
+                        rec.add(OP, case, impl, None, error=_err(e))
             inplace = {v: times.get(f"pallas:inplace_{v}") for v in kernel.VARIANTS}
             inplace = {v: t for v, t in inplace.items() if t}
             if inplace:
@@ -180,51 +192,68 @@ def step_cases(rec, quick):
 
 
 # Candidate launch configurations of the tuning sweep: UpConfig(bm, bn, br, warps, stages, w_first, tn, tm, f16,
-# p16). Session 3 on the H200 (fp32 operands, TF32; logs/h200_s3_call1_galore.log): best 32x128x32/4 warps/3 stages
-# (0.0716 ms at 4096^2, mma.sync) and 64x64x128/4/2 tm 8 (0.1604 at 4096x11008); the others lost by 10-100%.
-# fp16 operands (f16: tiles cast in registers, N written in fp16 by the Adam kernel; p16: P cast once by XLA)
-# halve the L2 traffic of the N and P slices, and wgmma takes fp16 B operands N-contiguous (TF32 B must be
-# K-major: Triton transposes fp32 P/N slices into shared memory with 4-byte cp.async). Offline (triton 3.6,
-# ptxas sm_90a, r128) with f16, none spills: 32x128x32/4/3 124 registers; 32x128x128/4/2 tm 8 137 (mma.sync);
-# 64x128x128/8/2 w_first tm 8 170 (wgmma, 96 KiB); 64x128x128/8/3 tm 8 p16 148; 64x128x128/4/2 tm 8 236;
-# 128x128x128/8/2 tm 4 254; 64x256x128/8/2 tm 4 248; 64x64x128/4/2 w_first tm 8 p16 157 (189 without p16).
-# (64x128x128/4/2 and 128x128x128/8/2 with w_first and tm spill: the prefetched W tile.)
+# p16). fp16 operands (f16: tiles cast in registers, N written in fp16 by the Adam kernel; p16: P cast to fp16 by
+# the Adam kernel too) halve the L2 traffic of the N and P slices, and wgmma takes fp16 B operands N-contiguous
+# (TF32 B must be K-major: Triton transposes fp32 P/N slices into shared memory with 4-byte cp.async).
+# Session 3 call 2 (H200, up alone, r128, amortized; logs/h200_s3_call2_galore.log), 4096^2 / 4096x11008 ms:
+#   64x128x128/8 warps/2 stages w_first tm 8 f16  0.0518 / 0.1776   (170 registers: 1 CTA/SM, 256 programs)
+#   64x64x128/4/2 w_first tm 8 f16 p16            0.0573 / 0.1264   (157 registers: 3 CTAs/SM)
+#   64x128x128/4/2 tm 8 f16                       0.0533 / 0.1431
+#   32x128x128/4/2 tm 8 f16                       0.0543 / 0.1316   (mma.sync)
+#   64x64x128/4/2 w_first tm 8, fp32 operands     0.0596 / 0.1613   (the best without f16)
+#   128x128x128/8/2 tm 4 f16 0.0698 / 0.1972, 64x256x128/8/2 tm 4 f16 0.0675 / 0.1827 (dropped)
+# Why W's latency matters: in a tm/tn loop Triton pipelines (cp.async, num_stages) only the loads feeding the dot;
+# W's tile is a plain load inside the loop (the ttgir shows it), so a program has one W tile in flight unless
+# w_first prefetches the next one through the loop carry (two tiles, register-hungry); single-tile programs with
+# w_first issue W before the GEMM and rely on several CTAs per SM instead. New here: tm 16 / 32 (4096^2 64x128
+# tm 16: 128 programs, one wave at 1 CTA/SM; 4096x11008 64x64 tm 16: 688 programs, tm 32: 344, at 3 CTAs/SM),
+# 32x128x128/4/2 w_first tm 8 p16 (204 registers: 2 CTAs/SM), single tiles with w_first (32x128x128/4/2 157
+# registers, 64x128x128/4/2 222, 128x128x128/8/2 236). None spills (triton 3.6, ptxas sm_90a).
 UP_CANDIDATES = [
-    kernel.UpConfig(32, 128, 32, 4, 3, False, 1, 1),  # session 3's best on side right (fp32 operands)
-    kernel.UpConfig(64, 64, 128, 4, 2, True, 1, 8),  # session 3's best on side left (fp32 operands)
-    kernel.UpConfig(32, 128, 128, 4, 2, True, 1, 8),
-    kernel.UpConfig(32, 128, 32, 4, 3, False, 1, 1, True),
-    kernel.UpConfig(32, 128, 128, 4, 2, False, 1, 8, True),
-    kernel.UpConfig(64, 64, 128, 4, 2, True, 1, 8, True),
-    kernel.UpConfig(64, 64, 128, 4, 2, True, 1, 8, True, True),
+    kernel.UpConfig(64, 64, 128, 4, 2, True, 1, 8),  # the best on fp32 operands (what f16 gains)
     kernel.UpConfig(64, 128, 128, 8, 2, True, 1, 8, True),
-    kernel.UpConfig(64, 128, 128, 8, 3, False, 1, 8, True, True),
+    kernel.UpConfig(64, 128, 128, 8, 2, True, 1, 16, True),
+    kernel.UpConfig(64, 64, 128, 4, 2, True, 1, 8, True, True),
+    kernel.UpConfig(64, 64, 128, 4, 2, True, 1, 16, True, True),
+    kernel.UpConfig(64, 64, 128, 4, 2, True, 1, 32, True, True),
     kernel.UpConfig(64, 128, 128, 4, 2, False, 1, 8, True),
-    kernel.UpConfig(128, 128, 128, 8, 2, False, 1, 4, True),
-    kernel.UpConfig(64, 256, 128, 8, 2, False, 1, 4, True),
+    kernel.UpConfig(32, 128, 128, 4, 2, False, 1, 8, True),
+    kernel.UpConfig(32, 128, 128, 4, 2, True, 1, 8, True, True),
+    kernel.UpConfig(32, 128, 128, 4, 2, True, 1, 1, True, True),
+    kernel.UpConfig(64, 128, 128, 4, 2, True, 1, 1, True, True),
+    kernel.UpConfig(128, 128, 128, 8, 2, True, 1, 1, True, True),
 ]
-# Split-K down-projection: DownConfig(bm, bk, splits, br, warps, stages); programs = (kept / bm) x splits at r128
-# (4096^2: 32 row blocks of 128; 4096x11008: 86 column blocks of 128). Offline (r128): 128x32 K chunks/8 warps/
-# 3 stages 162-168 registers (1 CTA/SM), 96 KiB, wgmma TF32 on both sides; 64x32/4 warps/3 stages 156-168, 72 KiB;
-# none spills. Side left: G's tile reaches shared memory transposed through 4-byte cp.async (P^T is the K-major
-# operand), or with g_regs through registers (16-byte cp.async, A operand from registers): the sweep tries both.
-DOWN_CANDIDATES = [
-    kernel.DownConfig(128, 32, 8, 128, 8, 3),
-    kernel.DownConfig(128, 32, 4, 128, 8, 3),
-    kernel.DownConfig(128, 32, 16, 128, 8, 3),
-    kernel.DownConfig(128, 64, 8, 128, 8, 2),
-    kernel.DownConfig(64, 32, 4, 128, 4, 3),
-    kernel.DownConfig(64, 64, 8, 128, 4, 3),
-    kernel.DownConfig(128, 32, 2, 128, 8, 4),
-    # side left only (g_regs means nothing on side right)
-    kernel.DownConfig(128, 32, 4, 128, 8, 3, True),
-    kernel.DownConfig(128, 32, 8, 128, 8, 3, True),
-    kernel.DownConfig(64, 32, 4, 128, 4, 3, True),
-    kernel.DownConfig(128, 64, 4, 128, 8, 2, True),
-]
+# Split-K down-projection per side: DownConfig(bm, bk, splits, br, warps, stages, g_regs, p_nat); programs =
+# (kept / bm) x splits at r128 (4096^2: 32 row blocks of 128; 4096x11008: 86 column blocks of 128). Call 2
+# (split-K + Adam alone, amortized): right 128x32/8 splits/8 warps/3 stages 0.0400 ms, 64x32/4 splits/4 warps/3
+# 0.0427, 128x32/4 splits 0.0445, K chunks of 64 0.057-0.058 (XLA's GEMM + Adam 0.0389); left with g_regs (G
+# through registers) 128x32/4 splits 0.1083, 64x32/4 0.1170, 128x32/8 0.1192, without g_regs 0.132-0.197 (XLA +
+# Adam 0.1096). At ~45% of HBM with 1 CTA/SM (168 registers) the loads in flight are short: deeper pipelines
+# here (4-5 stages of 32-wide K chunks, 8 stages of 16-wide: 128-160 KiB of shared memory, 150-168 registers,
+# no spills), and p_nat (P's tile through registers: no XLA transpose of P).
+DOWN_CANDIDATES = {
+    "right": [
+        kernel.DownConfig(128, 32, 8, 128, 8, 3),
+        kernel.DownConfig(128, 32, 8, 128, 8, 4),
+        kernel.DownConfig(128, 32, 8, 128, 8, 5),
+        kernel.DownConfig(128, 16, 8, 128, 8, 8),
+        kernel.DownConfig(128, 32, 4, 128, 8, 5),
+        kernel.DownConfig(64, 32, 8, 128, 4, 4),
+        kernel.DownConfig(64, 32, 4, 128, 4, 3),
+    ],
+    "left": [
+        kernel.DownConfig(128, 32, 4, 128, 8, 3, True),
+        kernel.DownConfig(128, 32, 4, 128, 8, 5, True),
+        kernel.DownConfig(128, 32, 4, 128, 8, 3, True, True),
+        kernel.DownConfig(128, 32, 4, 128, 8, 5, True, True),
+        kernel.DownConfig(128, 16, 4, 128, 8, 8, True),
+        kernel.DownConfig(64, 32, 4, 128, 4, 4, True),
+        kernel.DownConfig(128, 32, 8, 128, 8, 4, True),
+    ],
+}
 # the fused kernel's best of session 3 (4096^2 r128: 0.0567 ms), kept as a comparison row
 FUSED_DOWN = (32, 128, 4, 3)
-TUNING_BUDGET_S = 110.0
+TUNING_BUDGET_S = 115.0
 # Ops under 0.05 ms time the host dispatch (~0.03 ms a jitted call on the H200) unless amortized: the sweep runs
 # each op on K_AMORT distinct operand sets (together well past the 50 MB L2) in one jit and divides by K_AMORT.
 K_AMORT = 4
@@ -249,11 +278,10 @@ def tuning(rec, quick):
 
     1. r128, 4096x4096 (side right) then 4096x11008 (side left): the up-projection kernel alone (in place, W
        donated) for each UP_CANDIDATES entry beside XLA's up-projection + update; the down halves alone: the
-       split-K kernel + the low-rank Adam kernel (summing the partials) per DOWN_CANDIDATES entry, XLA's GEMM +
+       split-K kernel + the low-rank Adam kernel (summing the partials) per DOWN_CANDIDATES[side] entry, XLA's GEMM +
        the Adam kernel ("hybrid"), the fused kernel (FUSED_DOWN), XLA's GEMM alone.
-    2. ranks 128, 32 (both shapes) and 512 (4096^2): the whole in-place step for the variants with the side's
-       best configurations of part 1 (and the f32-operand best up configuration beside the overall best), and
-       the XLA reference.
+    2. ranks 128, 32, 512, 256 (the budget may cut the last ones): the whole in-place step for hybrid, splitk
+       (the side's best configurations of part 1) and xla_up, and the XLA reference.
     Prints the lines to paste into pallas_fused/galore/kernel.py: UP_CONFIG, DOWN_CONFIG, MEASURED_VARIANT."""
     deadline = time.time() + (TUNING_BUDGET_S if not _CPU else 20 * TUNING_BUDGET_S)
     n = 10 if quick else 20
@@ -308,10 +336,7 @@ def tuning(rec, quick):
         del sts
         case = f"tune down {M}x{N} r{r} (amortized x{k_amort})"
         downb = (M * N + 4 * r * max(M, N)) * 4
-        for cfg in DOWN_CANDIDATES:
-            if cfg.g_regs and side == "right":
-                continue
-
+        for cfg in DOWN_CANDIDATES[side]:
             def op(g, p, m, v, sc, cfg=cfg, side=side):
                 parts = kernel.down_splitk(g, p, side=side, interpret=INTERPRET, blocks=cfg)
                 m, v, _ = kernel.lowrank_adam(parts, m, v, sc, interpret=INTERPRET)
@@ -337,7 +362,6 @@ def tuning(rec, quick):
         del downs
 
     best_up = {side: min(ts, key=ts.get) for side, ts in up_times.items() if ts}
-    best_up32 = {side: min((c for c in ts if not c.f16), key=ts.get, default=None) for side, ts in up_times.items()}
     best_down = {side: min(ts, key=ts.get) for side, ts in down_times.items() if ts}
     if best_up:
         print(f"  paste into pallas_fused/galore/kernel.py: UP_CONFIG = {best_up!r}", flush=True)
@@ -347,7 +371,10 @@ def tuning(rec, quick):
         rec.add(OP, "tune down best", "info:down_config", None, down_config=repr(best_down))
 
     winners, detail = {}, {}
-    for r, shs in [(_r(128), shapes), (_r(32), shapes), (_r(512), shapes[:1])]:
+    # ranks in order of importance (the budget may cut the tail): 128, 32, 512 and 256 at 4096^2, 256 and 512 at
+    # 4096x11008
+    for r, shs in [(_r(128), shapes), (_r(32), shapes), (_r(512), shapes[:1]), (_r(256), shapes),
+                   (_r(512), shapes[1:])]:
         for (M, N) in shs:
             side = reference.projector_side((M, N), "std")
             make, xla, _ = _steps(side)
@@ -357,12 +384,10 @@ def tuning(rec, quick):
             except Exception as e:  # noqa: BLE001
                 rec.add(OP, case, "reference", None, error=_err(e))
                 continue
-            up, up32, down = best_up.get(side), best_up32.get(side), best_down.get(side)
+            up, down = best_up.get(side), best_down.get(side)
+            # ("fused" lost to "hybrid" by 1.3-2x at every session-3 shape, and the fp32-operand up configurations
+            # by 0.012-0.04 ms in call 2's steps: left out)
             cands = [("hybrid", up, None), ("splitk", up, down), ("xla_up", None, None)]
-            if up32 is not None and up32 != up:
-                cands += [("hybrid", up32, None), ("splitk", up32, down)]
-            if r == _r(128):
-                cands += [("fused", up, FUSED_DOWN)]
             times = {}
             kw = dict(nbytes=_nbytes(M, N, r), flops=2 * 2 * M * N * r, matmul_ceiling="tf32_tflops")
             step_states = [_state(M, N, r, side, seed=10 * i + 2) for i in range(k_step)]

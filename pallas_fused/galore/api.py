@@ -132,32 +132,40 @@ def _down_adam_fused(g, p, m, v, packed, *, side, interpret):
                                  reduced_fn=split_contraction)(g, p, m, v, packed)
 
 
-def _down_splitk_adam(g, p, m, v, packed, *, side, interpret, n_dtype):
+def _down_splitk_adam(g, p, m, v, packed, *, side, interpret, n_dtype, p16=False):
     """The split-K down-projection + the low-rank Adam kernel (adding its partial sums) on each shard; a split
-    contraction is projected with XLA's GEMM per shard and all-reduced, as in `_down_adam_fused`."""
+    contraction is projected with XLA's GEMM per shard and all-reduced, as in `_down_adam_fused`. With p16 the
+    Adam kernel also returns P cast to fp16 (a 4th result, sharded as P)."""
     contracted = "n" if side == "right" else "m"
     low = "m r" if side == "right" else "r n"
-    rule = f"m n, {'r n' if side == 'right' else 'm r'}, {low}, {low}, hp -> {low}, {low}, {low}"
+    pf = "r n" if side == "right" else "m r"
+    rule = f"m n, {pf}, {low}, {low}, hp -> {low}, {low}, {low}" + (f", {pf}" if p16 else "")
 
     def local(g, p, m, v, packed):
         partials = kernel.down_splitk(g, p, side=side, interpret=interpret)
-        return kernel.lowrank_adam(partials, m, v, packed, interpret=interpret, n_dtype=n_dtype)
+        return kernel.lowrank_adam(partials, m, v, packed, interpret=interpret, n_dtype=n_dtype,
+                                   p=p if p16 else None)
 
     def split_contraction(axes):
         def fn(g, p, m, v, packed):
             r = lax.psum(reference.project(g, p, side), axes)
-            return kernel.lowrank_adam(r, m, v, packed, interpret=interpret, n_dtype=n_dtype)
+            return kernel.lowrank_adam(r, m, v, packed, interpret=interpret, n_dtype=n_dtype, p=p if p16 else None)
         return fn
 
     return _sharding.partitioned(local, rule, replicated=("r", "hp"), reduced=(contracted,),
                                  reduced_fn=split_contraction)(g, p, m, v, packed)
 
 
-def _lowrank_adam(r, m, v, packed, *, interpret, n_dtype=jnp.float32):
-    """The elementwise low-rank Adam kernel on each shard of R, m, v."""
+def _lowrank_adam(r, m, v, packed, *, interpret, n_dtype=jnp.float32, p=None):
+    """The elementwise low-rank Adam kernel on each shard of R, m, v (and of P, cast to fp16 as a 4th result,
+    when given)."""
+    if p is None:
+        return _sharding.partitioned(
+            lambda r, m, v, packed: kernel.lowrank_adam(r, m, v, packed, interpret=interpret, n_dtype=n_dtype),
+            "a b, a b, a b, hp -> a b, a b, a b", replicated=("hp",))(r, m, v, packed)
     return _sharding.partitioned(
-        lambda r, m, v, packed: kernel.lowrank_adam(r, m, v, packed, interpret=interpret, n_dtype=n_dtype),
-        "a b, a b, a b, hp -> a b, a b, a b", replicated=("hp",))(r, m, v, packed)
+        lambda r, m, v, packed, p: kernel.lowrank_adam(r, m, v, packed, interpret=interpret, n_dtype=n_dtype, p=p),
+        "a b, a b, a b, hp, c d -> a b, a b, a b, c d", replicated=("hp",))(r, m, v, packed, p)
 
 
 def _up_update(w, n, p, packed, *, side, inplace, interpret, out_dtype=None):
@@ -313,14 +321,19 @@ class _GaLore:
             return reference.finish_step(w, n, p, side, s, inplace=inplace, dtype=g.dtype), m, v
         # an fp16 up-projection (kernel.UP_CONFIG) takes N in fp16 from the Adam kernel, and P cast once with p16
         n_dtype, p16 = kernel.up_operands(cfg.rank, side)
+        p_up = p
         if variant == "fused":
             m, v, n = _down_adam_fused(g, p, m, v, packed, side=side, interpret=interpret)
-        elif variant == "splitk":
-            m, v, n = _down_splitk_adam(g, p, m, v, packed, side=side, interpret=interpret, n_dtype=n_dtype)
+            p_up = p.astype(jnp.float16) if p16 else p
+        elif variant == "splitk":  # (with p16 the Adam kernel also casts P: no separate launch)
+            m, v, n, *cast = _down_splitk_adam(g, p, m, v, packed, side=side, interpret=interpret, n_dtype=n_dtype,
+                                               p16=p16)
+            p_up = cast[0] if p16 else p
         else:  # XLA's GEMM (partitioned by XLA: a sharded contraction is all-reduced), then the elementwise kernel
-            m, v, n = _lowrank_adam(reference.project(g, p, side), m, v, packed, interpret=interpret, n_dtype=n_dtype)
-        out = _up_update(w, n, p.astype(jnp.float16) if p16 else p, packed, side=side, inplace=inplace,
-                         interpret=interpret, out_dtype=g.dtype)
+            m, v, n, *cast = _lowrank_adam(reference.project(g, p, side), m, v, packed, interpret=interpret,
+                                           n_dtype=n_dtype, p=p if p16 else None)
+            p_up = cast[0] if p16 else p
+        out = _up_update(w, n, p_up, packed, side=side, inplace=inplace, interpret=interpret, out_dtype=g.dtype)
         return out, m, v
 
     def _update(self, updates, state: GaLoreAdamState, params, inplace: bool):

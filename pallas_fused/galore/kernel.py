@@ -1,20 +1,25 @@
 """Pallas (Triton lowering) kernels of the GaLore Adam step. Knows nothing of optax.
 
-Three kernels, all launched through `_backend.triton_call` and reading the step's runtime scalars from
+Four kernels, all launched through `_backend.triton_call` and reading the step's runtime scalars from
 an (8,) fp32 operand (see `reference.Scalars`):
 
   down_adam_fused   the down-projection GEMM R = G P^T (side "right") or P^T G (side "left"), fp32
                     accumulate, with the low-rank Adam step in its epilogue: writes m', v' (aliased onto
                     m, v) and the normalized update N (fp32). One program owns all r columns of its
                     output rows, so the Adam epilogue sees finished sums (no split-K).
-  lowrank_adam      the same epilogue as an elementwise kernel, after an XLA down-projection ("hybrid").
+  lowrank_adam      the same epilogue as an elementwise kernel, after an XLA down-projection ("hybrid") or after
+                    down_splitk (adding its partial sums); optionally writes N in fp16 and casts P to fp16.
+  down_splitk       the down-projection GEMM split along its contraction (grid: kept-dim blocks x rank blocks x
+                    splits, TF32 on fp32 G) writing fp32 partial sums ("splitk": enough programs to fill the GPU
+                    where one program per row block does not).
   up_update         the up-projection GEMM (N P or P N, K = r) with the full-rank update in its epilogue:
                     out = a W + c backproject(N), stored as the update (optax path) or added to W and
                     written over W through input_output_aliases (in-place path). One pass over W; none
                     when w is None (no weight decay on the optax path). A program may own several tiles.
+                    Operands fp32 (TF32) or fp16 (UpConfig.f16: as exact as TF32, see the note there).
 
-Block sizes come from `UP_CONFIG` / `_blocks_down` below (overridable per call with `blocks=` for tuning), and
-`leaf_step` runs one projected leaf through one of `VARIANTS`; `choose_variant` picks it from
+Block sizes come from `UP_CONFIG` / `DOWN_CONFIG` / `_blocks_down` below (overridable per call with `blocks=` for
+tuning), and `leaf_step` runs one projected leaf through one of `VARIANTS`; `choose_variant` picks it from
 `MEASURED_VARIANT`, the table the tuning sweep in benchmarks/bench_galore.py prints.
 """
 
@@ -89,32 +94,38 @@ class DownConfig(NamedTuple):
     # memory. False: Triton transposes it on the way in (4-byte cp.async). True: a (redundant) mask select
     # routes it through registers (16-byte cp.async, then Triton stages it transposed for wgmma's A operand).
     g_regs: bool = False
+    # side left: P's tile straight from P through registers (True) or from P^T transposed by XLA (False)
+    p_nat: bool = False
 
 
 # The default up-projection configuration, one for all or a dict side ("right" / "left") -> UpConfig: set it
 # from the tuning sweep (benchmarks/bench_galore.py prints the winners as a line to paste here).
 UP_CONFIG: UpConfig | dict[str, UpConfig] = {
-    # H200, session 3 (benchmarks/results/logs/h200_s3_call1_galore.log), up-projection alone, in place, r128:
-    "right": UpConfig(bm=32, bn=128, br=32, warps=4, stages=3, w_first=False, tn=1, tm=1),  # 4096^2: 0.0716 ms
-    "left": UpConfig(bm=64, bn=64, br=128, warps=4, stages=2, w_first=True, tn=1, tm=8),  # 4096x11008: 0.1604 ms
+    # H200, session 3 call 2 (benchmarks/results/logs/h200_s3_call2_galore.log), up-projection alone, in place,
+    # r128, amortized over 4 W: 4096^2 0.0518 ms (64% HBM; best fp32-operand config 0.0596); 4096x11008 0.1264 ms
+    # (71%; fp32 operands 0.1613).
+    "right": UpConfig(bm=64, bn=128, br=128, warps=8, stages=2, w_first=True, tn=1, tm=8, f16=True, p16=False),
+    "left": UpConfig(bm=64, bn=64, br=128, warps=4, stages=2, w_first=True, tn=1, tm=8, f16=True, p16=True),
 }
 
 # The default split-K down-projection configuration per side (set from the tuning sweep's printed line).
-# Not measured yet: 4096x4096 r128 gives 32 x 1 x 8 = 256 programs, 4096x11008 86 x 1 x 4 = 344.
+# H200, session 3 call 2, split-K kernel + low-rank Adam alone, r128, amortized over 4 G: 4096^2 0.0400 ms (XLA's
+# GEMM + the Adam kernel, "hybrid": 0.0389); 4096x11008 0.1083 ms (hybrid 0.1096; without g_regs 0.1323).
 DOWN_CONFIG: DownConfig | dict[str, DownConfig] = {
     "right": DownConfig(bm=128, bk=32, splits=8, br=128, warps=8, stages=3),
-    "left": DownConfig(bm=128, bk=32, splits=4, br=128, warps=8, stages=3),
+    "left": DownConfig(bm=128, bk=32, splits=4, br=128, warps=8, stages=3, g_regs=True),
 }
 
 # Measured winners (H200, fp32, TF32, in-place step): (M, N, rank, side) -> variant. `choose_variant` takes
 # the nearest entry of the same side. Paste the `MEASURED_VARIANT = {...}` line the tuning sweep prints.
 MEASURED_VARIANT: dict[tuple[int, int, int, str], str] = {
-    # H200, session 3 (benchmarks/results/logs/h200_s3_call1_galore.log), in-place step, ms (+best_up: UP_CONFIG):
-    (4096, 4096, 128, "right"): "hybrid",  # hybrid+best_up 0.1058, xla_up 0.1429, fused+best_up 0.2007, xla 0.1397
-    (4096, 11008, 128, "left"): "hybrid",  # hybrid+best_up 0.2804, xla_up 0.3566, fused+best_up 0.4910, xla 0.3536
-    (4096, 4096, 32, "right"): "hybrid",  # hybrid+best_up 0.0800, fused+best_up 0.1034, xla_up 0.1293, xla 0.1208
-    (4096, 11008, 32, "left"): "hybrid",  # hybrid+best_up 0.1824, fused+best_up 0.2303, xla_up 0.2519, xla 0.2496
-    # session 3: xla_up 0.2115, hybrid+best_up 0.2278, hybrid 0.4994 (4096x11008 r512 did not run)
+    # H200, session 3 call 2 (benchmarks/results/logs/h200_s3_call2_galore.log), in-place step amortized over 3
+    # leaves, with UP_CONFIG / DOWN_CONFIG above, ms:
+    (4096, 4096, 128, "right"): "hybrid",  # hybrid 0.0838, splitk 0.0892, fused 0.1098, xla_up 0.1346, xla 0.1343
+    (4096, 11008, 128, "left"): "hybrid",  # hybrid 0.2243, splitk 0.2254, xla_up 0.3406, fused 0.4481, xla 0.3440
+    (4096, 4096, 32, "right"): "hybrid",  # hybrid 0.0710, splitk 0.0710, xla_up 0.1081, xla 0.1089
+    (4096, 11008, 32, "left"): "hybrid",  # hybrid 0.1650 (fp32-operand up) / 0.1681, splitk 0.1697, xla 0.2463
+    # call 2: hybrid 0.2665, splitk 0.2965 (xla_up not reached); call 1: xla_up 0.2115, hybrid+best_up 0.2278
     (4096, 4096, 512, "right"): "xla_up",
 }
 
@@ -231,36 +242,55 @@ def down_adam_fused(g, p, m, v, scalars, *, side: str, interpret: bool = False, 
 
 
 # ------------------------------------------------------------------------------ elementwise low-rank Adam
-def _lowrank_adam_kernel(r_ref, m_ref, v_ref, s_ref, m_out, v_out, n_out, *, size, splits, BLOCK):
+def _lowrank_adam_kernel(*refs, size, splits, size_p, BLOCK):
     # r_ref: (splits * size,) fp32 partial sums (split-K) or (size,) with splits == 1; summed in a fixed order.
+    # With size_p, the same programs also cast P (flattened, size_p elements) to fp16 (p16_out).
+    if size_p:
+        r_ref, m_ref, v_ref, s_ref, p_ref, m_out, v_out, n_out, p16_out = refs
+    else:
+        r_ref, m_ref, v_ref, s_ref, m_out, v_out, n_out = refs
     i = pl.program_id(0)
     idx = pl.ds(i * BLOCK, BLOCK)
-    mask = i * BLOCK + jnp.arange(BLOCK) < size
+    offs = i * BLOCK + jnp.arange(BLOCK)
+    mask = offs < size
     r = _backend.load(r_ref.at[idx], mask=mask, other=0.0).astype(F32)
     for k in range(1, splits):
         r = r + _backend.load(r_ref.at[pl.ds(k * size + i * BLOCK, BLOCK)], mask=mask, other=0.0).astype(F32)
     _store_adam(r, m_ref, v_ref, m_out, v_out, n_out, idx, mask, _scalars(s_ref))
+    if size_p:
+        pmask = offs < size_p
+        pv = _backend.load(p_ref.at[idx], mask=pmask, other=0.0).astype(F32)
+        _backend.store(p16_out.at[idx], pv.astype(jnp.float16), mask=pmask)
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "n_dtype"))
-def lowrank_adam(r, m, v, scalars, *, interpret: bool = False, n_dtype=F32):
+def lowrank_adam(r, m, v, scalars, *, interpret: bool = False, n_dtype=F32, p=None):
     """Elementwise low-rank Adam on an already projected R (the "hybrid" path). Returns (m', v', N).
 
     `r` is R (m's shape) or split-K partial sums of it (splits, *m.shape) that the kernel adds (fixed order).
-    `n_dtype`: N's dtype (fp32, or fp16 for an fp16 up-projection: clamped to +-F16_MAX)."""
+    `n_dtype`: N's dtype (fp32, or fp16 for an fp16 up-projection: clamped to +-F16_MAX). With `p` (the
+    projector) the same launch also returns P cast to fp16: (m', v', N, P16), for an up-projection on fp16
+    operands (UpConfig.p16) without a separate cast."""
     shape = m.shape
     size = m.size
     splits = 1 if r.shape == shape else r.shape[0]
     if r.shape[-2:] != shape or r.ndim not in (2, 3):
         raise ValueError(f"lowrank_adam: r must have m's shape {shape} or (splits, *{shape}), got {r.shape}")
     block = 1024
+    size_p = 0 if p is None else p.size
     outs = (jax.ShapeDtypeStruct((size,), m.dtype), jax.ShapeDtypeStruct((size,), v.dtype),
             jax.ShapeDtypeStruct((size,), n_dtype))
-    kern = functools.partial(_lowrank_adam_kernel, size=size, splits=splits, BLOCK=block)
-    call = _backend.triton_call(kern, out_shape=outs, grid=(_cdiv(size, block),), name="pallas_fused_galore_adam",
-                                interpret=interpret, num_warps=4, input_output_aliases={1: 0, 2: 1})
-    m2, v2, n = call(r.reshape(-1), m.reshape(-1), v.reshape(-1), scalars)
-    return m2.reshape(shape), v2.reshape(shape), n.reshape(shape)
+    args = (r.reshape(-1), m.reshape(-1), v.reshape(-1), scalars)
+    if size_p:
+        outs += (jax.ShapeDtypeStruct((size_p,), jnp.float16),)
+        args += (p.reshape(-1),)
+    kern = functools.partial(_lowrank_adam_kernel, size=size, splits=splits, size_p=size_p, BLOCK=block)
+    call = _backend.triton_call(kern, out_shape=outs, grid=(_cdiv(max(size, size_p), block),),
+                                name="pallas_fused_galore_adam", interpret=interpret, num_warps=4,
+                                input_output_aliases={1: 0, 2: 1})
+    m2, v2, n, *p16 = call(*args)
+    out = (m2.reshape(shape), v2.reshape(shape), n.reshape(shape))
+    return (*out, p16[0].reshape(p.shape)) if size_p else out
 
 
 # ------------------------------------------------------------------------------------ split-K down-projection
@@ -285,11 +315,12 @@ def _splitk_right_kernel(g_ref, p_ref, o_ref, *, M, N, R, BM, BK, BR, KSTEPS):
     _backend.store(o_ref.at[sp, pl.ds(i * BM, BM), pl.ds(j * BR, BR)], acc, mask=rmask[:, None] & qmask[None, :])
 
 
-def _splitk_left_kernel(g_ref, pt_ref, o_ref, *, M, N, R, BN, BK, BR, KSTEPS, g_regs):
+def _splitk_left_kernel(g_ref, p_ref, o_ref, *, M, N, R, BN, BK, BR, KSTEPS, g_regs, p_nat):
     # o[s, rrows, cols] = P^T[rrows, K slice s] @ G[K slice s, cols], computed transposed,
-    # acc[cols, rrows] = G^T @ (P^T)^T: G's tile (K x cols, cols contiguous) is not K-major, so it is the A
-    # operand (Triton transposes it into shared memory, or with g_regs routes it through registers); P^T (r, M),
-    # transposed once by XLA, is the K-major B operand.
+    # acc[cols, rrows] = G^T @ P: G's tile (K x cols, cols contiguous) is not K-major, so it is the A operand
+    # (Triton transposes it into shared memory, or with g_regs routes it through registers). P's tile is the B
+    # operand: from P^T (r, M), transposed once by XLA, K-major as TF32 wgmma wants it; or (p_nat) from P itself
+    # (M, r), routed through registers for Triton to stage it K-major (no XLA transpose, more shared-memory work).
     j, q, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     cmask = j * BN + jnp.arange(BN) < N
     qmask = q * BR + jnp.arange(BR) < R
@@ -302,7 +333,12 @@ def _splitk_left_kernel(g_ref, pt_ref, o_ref, *, M, N, R, BN, BK, BR, KSTEPS, g_
         g = _backend.load(g_ref.at[pl.ds(start, BK), pl.ds(j * BN, BN)], mask=gmask, other=0.0)
         if g_regs:  # the same values; the select keeps Triton from copying G straight into shared memory
             g = jnp.where(gmask, g, 0.0)
-        pt = _backend.load(pt_ref.at[pl.ds(q * BR, BR), pl.ds(start, BK)], mask=qmask[:, None] & kmask[None, :],
+        if p_nat:
+            pmask = kmask[:, None] & qmask[None, :]
+            p = _backend.load(p_ref.at[pl.ds(start, BK), pl.ds(q * BR, BR)], mask=pmask, other=0.0)
+            p = jnp.where(pmask, p, 0.0)  # (as g_regs)
+            return acc + _backend.dot(g.astype(F32), p.astype(F32), trans_a=True, allow_tf32=True)
+        pt = _backend.load(p_ref.at[pl.ds(q * BR, BR), pl.ds(start, BK)], mask=qmask[:, None] & kmask[None, :],
                            other=0.0)
         return acc + _backend.dot(g.astype(F32), pt.astype(F32), trans_a=True, trans_b=True, allow_tf32=True)
 
@@ -337,8 +373,8 @@ def _down_splitk(g, p, *, side, interpret, cfg: DownConfig):
         operand = p
     else:
         kern = functools.partial(_splitk_left_kernel, M=M, N=N, R=R, BN=cfg.bm, BK=cfg.bk, BR=br, KSTEPS=ksteps,
-                                 g_regs=cfg.g_regs)
-        operand = p.T  # (r, M): 2 MB at M 4096, r 128, transposed once
+                                 g_regs=cfg.g_regs, p_nat=cfg.p_nat)
+        operand = p if cfg.p_nat else p.T  # P^T (r, M): 2 MB at M 4096, r 128, transposed once
     call = _backend.triton_call(kern, out_shape=jax.ShapeDtypeStruct((splits, *low), F32), grid=grid,
                                 name="pallas_fused_galore_down_splitk", interpret=interpret,
                                 num_warps=cfg.warps, num_stages=cfg.stages)
@@ -485,15 +521,17 @@ def leaf_step(variant: str, w, g, m, v, p, scalars, *, side: str, inplace: bool,
     up = UpConfig(*up_blocks) if up_blocks else _blocks_up(rank, side)
     # an fp16 up-projection takes N in fp16 straight from the Adam kernel (and P cast once with p16)
     n_dtype = jnp.float16 if up.f16 and variant != "xla_up" else F32  # (as `up_operands`)
+    p16 = up.f16 and up.p16 and variant != "xla_up"  # the Adam kernel also casts P to fp16 (one launch)
+    p_up = p
     if variant == "fused":
         m, v, n = down_adam_fused(g, p, m, v, scalars, side=side, interpret=interpret, blocks=down_blocks)
-    elif variant == "splitk":
-        partials = down_splitk(g, p, side=side, interpret=interpret, blocks=down_blocks)
-        m, v, n = lowrank_adam(partials, m, v, scalars, interpret=interpret, n_dtype=n_dtype)
+        p_up = p.astype(jnp.float16) if p16 else p
     else:
-        m, v, n = lowrank_adam(reference.project(g, p, side), m, v, scalars, interpret=interpret, n_dtype=n_dtype)
+        r = (down_splitk(g, p, side=side, interpret=interpret, blocks=down_blocks) if variant == "splitk"
+             else reference.project(g, p, side))
+        m, v, n, *cast = lowrank_adam(r, m, v, scalars, interpret=interpret, n_dtype=n_dtype, p=p if p16 else None)
+        p_up = cast[0] if p16 else p
     if variant != "xla_up":
-        p_up = p.astype(jnp.float16) if up.f16 and up.p16 else p
         out = up_update(w, n, p_up, scalars, side=side, inplace=inplace, interpret=interpret, blocks=up,
                         out_dtype=g.dtype)
         return out, m, v
