@@ -195,6 +195,11 @@ NORM_SWEEP = [
     ("expand", 64, 128, 4096, 8, 5, [_R16, _R64]),  # one launch, N/64 programs
     ("expand", 128, 128, 4096, 8, 3, [_R64]),  # one launch, N/128 programs
     ("expand", 128, 64, 512, 8, 3, [_R64]),
+    ("expand+gram", 128, 64, 1024, 8, 4, [_R64]),  # A^T A passed in (Config.xnorm_gram_rank), not per program
+    ("expand+gram", 64, 128, 1024, 8, 3, [_R64]),
+    ("expand+gram", 128, 128, 4096, 8, 3, [_R64]),
+    ("expand+gram", 64, 64, 512, 4, 3, [_R64]),
+    ("expand+gram", 64, 128, 4096, 8, 4, [_R64]),
     ("direct", 64, 64, 128, 4, 2, [_R16, _R64]),  # the "direct" default (used at rank > expand_max_rank)
     ("direct", 128, 64, 256, 8, 3, [_R16, _R64]),
     ("direct", 64, 128, 512, 8, 3, [_R64]),
@@ -225,6 +230,8 @@ MERGED_SWEEP = {
     "mnorm direct+pf bn128 bk64 rows1024 w8": dict(norm_mode="direct", norm_prefetch=True, norm_bn=128, norm_bk=64,
                                                    norm_rows=1024, norm_warps=8),
     "merge 128x64 w8": dict(merge_warps=8),
+    "mnorm expand+gram bn128 bk64 s4": dict(expand_max_rank=128, xnorm_gram_rank=16, xnorm_bn=128, xnorm_bk=64,
+                                            xnorm_stages=4),
 }
 # Backward column reductions (Config.cols_*), with gemm="merged": label -> Config fields. rows >= tokens: one program
 # per column strip over every token, dB / dm / dbias finished in the kernel.
@@ -271,7 +278,7 @@ def tuning(rec: Recorder, quick: bool, parts=("norm", "modes")) -> None:
                              norm_stages=stages, norm_prefetch=mode == "direct+pf")
             else:
                 cfg = Config(xnorm_bn=bn, xnorm_bk=bk, xnorm_rows=rows, xnorm_warps=warps, xnorm_stages=stages,
-                             expand_max_rank=128)
+                             expand_max_rank=128, xnorm_gram_rank=16 if mode == "expand+gram" else 1024)
             impl = f"pallas:{mode} bn{bn} bk{bk} rows{rows} w{warps} s{stages}"
             if time.perf_counter() > deadline:
                 rec.add("dora_tune_colnorm", case, impl, None, error=skipped)

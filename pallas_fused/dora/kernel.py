@@ -129,6 +129,9 @@ class Config:
     xnorm_warps: int = 8
     xnorm_stages: int = 3
     expand_max_rank: int = 32  # above this (padded) rank the column norm uses "direct"
+    # "expand" at (padded) rank >= this: A^T A computed once by XLA (one small extra launch) and passed in, instead
+    # of accumulated by every program (R^2 MMA work per column block per row). 1024: never (untimed).
+    xnorm_gram_rank: int = 1024
     # gemm="merged": form (W + s A B) g inside the column-norm launch (one program per column strip, over all
     # rows; tiles xnorm_*) instead of a second pass over W by the epilogue kernel. Untimed: the sweep decides.
     merge_in_norm: bool = False
@@ -310,17 +313,20 @@ def _dot_f32_exact(a32, b_dtype, b):
     return out
 
 
-def _colnorm_expand_kernel(*refs, kind, K, N, R, bk, bn, rows_per_prog, finish, merge=False):
+def _colnorm_expand_kernel(*refs, kind, K, N, R, bk, bn, rows_per_prog, finish, merge=False, gram=False):
     """||W + s A B||^2 per column as sum W^2 + 2 s sum_r B (A^T W) + s^2 sum_r B (A^T A B), per row range.
 
     W is the right operand of an MMA (A^T W), so Triton streams it through shared memory with cp.async
     (num_stages deep); the squares read the same tile. With `finish` (one program per column block) the
     program also writes n = sqrt(sum) and g = m / n: the whole column scale is one launch. With `merge`
-    it then walks its column strip again (just read: mostly L2 hits) writing (W + s A B) * g.
+    it then walks its column strip again (just read: mostly L2 hits) writing (W + s A B) * g. With `gram`, A^T A
+    (R, R) float32 is an operand, not accumulated by every program (its MMA work grows as R^2 per column block).
     """
     nw = _num_weight_refs(kind)
     w_refs = refs[:nw]
     a_ref, b_ref, s_ref = refs[nw:nw + 3]
+    if gram:
+        gram_ref, refs = refs[nw + 3], refs[:nw + 3] + refs[nw + 4:]
     if merge:
         m_ref, n_ref, g_ref, vg_ref = refs[nw + 3:]
     elif finish:
@@ -350,9 +356,23 @@ def _colnorm_expand_kernel(*refs, kind, K, N, R, bk, bn, rows_per_prog, finish, 
         return (sq + wf * wf, wa + _backend.dot(w.astype(mma_dt), a, trans_a=True),
                 aa + _backend.dot(a, a, trans_a=True), a_next)
 
-    init = (jnp.zeros((bk, bn), jnp.float32), jnp.zeros((bn, R), jnp.float32), jnp.zeros((R, R), jnp.float32),
-            a_tile(k_start))
-    sq, wa, aa, _ = lax.fori_loop(0, rows_per_prog // bk, body, init)
+    def gram_body(i, carry):  # A only feeds an MMA here: Triton pipelines its load, no hand-made prefetch
+        sq, wa = carry
+        k0 = pl.multiple_of(k_start + i * bk, bk)
+        rmask = _in_bounds(k0, bk, K, rows_aligned)
+        w = _load(w_refs[0].at[pl.ds(k0, bk), pl.ds(n0, bn)], _mask(rmask, cmask, (bk, bn)))
+        wf = w.astype(jnp.float32)
+        return sq + wf * wf, wa + _backend.dot(w.astype(mma_dt), a_tile(k0), trans_a=True)
+
+    if gram:
+        sq, wa = lax.fori_loop(0, rows_per_prog // bk, gram_body,
+                               (jnp.zeros((bk, bn), jnp.float32), jnp.zeros((bn, R), jnp.float32)))
+        # the s^2 B^T (A^T A) B term once per column: in the first row range's partial sum
+        aa = _backend.load(gram_ref) * (split == 0).astype(jnp.float32)
+    else:
+        init = (jnp.zeros((bk, bn), jnp.float32), jnp.zeros((bn, R), jnp.float32), jnp.zeros((R, R), jnp.float32),
+                a_tile(k_start))
+        sq, wa, aa, _ = lax.fori_loop(0, rows_per_prog // bk, body, init)
     s = s_ref[0]
     b = _load(b_ref.at[:, pl.ds(n0, bn)], _mask(None, cmask, (R, bn))).astype(jnp.float32)
     sq = jnp.sum(sq, axis=0)
@@ -407,11 +427,14 @@ def _expand_launch(weight, kind, lora_a, lora_b, scale, magnitude, *, interpret,
     rows_per_prog = max(bk, min(_pow2(rows or config.xnorm_rows, bk), _pow2(K, bk)))
     nsplit = _cdiv(K, rows_per_prog)
     finish = magnitude is not None and nsplit == 1
+    gram = R >= config.xnorm_gram_rank
     kernel = functools.partial(_colnorm_expand_kernel, kind=kind, K=K, N=N, R=R, bk=bk, bn=bn,
-                               rows_per_prog=rows_per_prog, finish=finish)
+                               rows_per_prog=rows_per_prog, finish=finish, gram=gram)
     col = jax.ShapeDtypeStruct((N,), jnp.float32)
     out_shape = (col, col) if finish else jax.ShapeDtypeStruct((nsplit, N), jnp.float32)
     args = (*weight, lora_a, lora_b, jnp.reshape(jnp.asarray(scale, jnp.float32), (1,)))
+    if gram:  # A^T A once (products of 16-bit values are exact in the float32 accumulator)
+        args += (lax.dot_general(lora_a, lora_a, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32),)
     out = _backend.triton_call(
         kernel,
         out_shape=out_shape,

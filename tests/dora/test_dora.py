@@ -251,6 +251,9 @@ NORM_CONFIGS = {
     "direct": Config(norm_mode="direct"),
     # next W tile loaded one step ahead, 3 row ranges of 2 steps (the last ragged: prefetches past K masked)
     "direct_prefetch": Config(norm_mode="direct", norm_prefetch=True, norm_rows=64, norm_bk=32, norm_bn=16),
+    # A^T A passed in (XLA) instead of accumulated per program: one launch, and 3 row ranges (added once)
+    "gram_finish": Config(xnorm_gram_rank=16),
+    "gram_split": Config(xnorm_gram_rank=16, xnorm_rows=64, xnorm_bk=32, xnorm_bn=16),
 }
 
 
@@ -258,7 +261,8 @@ NORM_CONFIGS = {
     ("dense", jnp.bfloat16, "fused_finish"), ("dense", jnp.bfloat16, "split_rows"), ("dense", jnp.bfloat16, "direct"),
     ("dense", jnp.float16, "split_ragged"), ("int8", jnp.bfloat16, "fused_finish"),
     ("int8", jnp.bfloat16, "split_ragged"), ("dense", jnp.bfloat16, "direct_prefetch"),
-    ("int8", jnp.bfloat16, "direct_prefetch"),
+    ("int8", jnp.bfloat16, "direct_prefetch"), ("dense", jnp.bfloat16, "gram_finish"),
+    ("dense", jnp.float16, "gram_split"), ("int8", jnp.bfloat16, "gram_split"),
 ], ids=str)
 def test_column_scale_expand(kernel_impl, kind, dtype, cfg):
     from pallas_fused.dora.kernel import expand_supported
