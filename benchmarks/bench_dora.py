@@ -324,6 +324,65 @@ def tuning(rec: Recorder, quick: bool, parts=("norm", "modes")) -> None:
             modes(tokens, *shape, variants=tokens == TUNE_TOKENS[0])
 
 
+def parts(rec: Recorder, quick: bool) -> None:
+    """dora_parts: each launch of the default gemm="merged" forward + backward alone, amortized over k distinct
+    inputs per jit (k * the largest operand >= AMORTIZE_BYTES), at 4096 tokens. Their sum against the dora_mode
+    fwd / fwdbwd rows shows what the gaps between launches cost; each row against its bytes (% HBM) shows which
+    launch is short of the floor."""
+    for shape in TUNE_WEIGHTS:
+        _parts_at(rec, 4096, *shape)
+
+
+def _parts_at(rec, tokens, fin, fout, r):
+    from pallas_fused.dora import kernel as K
+
+    cfg, scale = K.DEFAULT, 2.0
+    ss = jnp.float32(scale)
+    interp = jax.default_backend() != "gpu"  # interpret mode off the GPU (a CPU smoke run of this section)
+    case = f"{tokens}x{fin}->{fout} r{r} bf16"
+    k = max(2, math.ceil(AMORTIZE_BYTES / (max(tokens, fin) * fout * 2)))
+    from pallas_fused.dora.api import _pad_rank
+
+    sets = []
+    for _ in range(k):  # same values, distinct buffers; the rank zero-padded as the layer does (a no-op at 16, 64)
+        x, w, a, b, m, dy = _data(tokens, fin, fout, r)
+        sets.append((x, w, *_pad_rank(a, b), m, dy))
+
+    def row(name, fn, args, nbytes):
+        def many(*xs):
+            return [fn(*a) for a in zip(*xs)]
+        try:
+            ms = bench(jax.jit(many), *[list(c) for c in zip(*args)], n=10, reps=3) / k
+        except Exception as e:  # noqa: BLE001 - a failing piece is a result
+            return rec.add("dora_parts", case, name, None, error=f"{type(e).__name__}: {str(e)[:300]}")
+        return rec.add("dora_parts", case, name, ms, nbytes=nbytes, k=k)
+
+    def partials(w, a, b):
+        return K.column_partials((w,), "dense", a, b, ss, interpret=interp, config=cfg, rows=cfg.mnorm_rows)
+
+    def merge(w, a, b, m, p):
+        return K.merge_weight((w,), "dense", a, b, ss, partials=p, magnitude=m, interpret=interp, config=cfg)
+
+    def cols(dy, y, xa, gs, m):
+        return K.backward_columns(dy, y, xa, None, interpret=interp, config=cfg,
+                                  finish=(gs, m, jnp.bfloat16, m.dtype, jnp.float32))
+
+    wb, xb, yb = fin * fout * 2, tokens * fin * 2, tokens * fout * 2
+    row("norm partials (fwd)", partials, [(w, a, b) for _, w, a, b, _, _ in sets], wb)
+    pre = [(w, a, b, m, partials(w, a, b)) for _, w, a, b, m, _ in sets]
+    row("merge (finishes g)", merge, pre, 2 * wb)
+    wms = [merge(*t) for t in pre]  # (W', n, g, B g s)
+    row("x @ W' (cuBLAS)", lambda x, wm: x @ wm, [(st[0], wm[0]) for st, wm in zip(sets, wms)], xb + wb + yb)
+    row("dx = dy @ W'^T (cuBLAS)", lambda dy, wm: dy @ wm.T, [(st[5], wm[0]) for st, wm in zip(sets, wms)],
+        xb + wb + yb)
+    row("us = dy @ (B g s)^T", lambda dy, bg: dy @ bg.T, [(st[5], wm[3]) for st, wm in zip(sets, wms)], yb)
+    row("xa = x @ A", lambda x, a: x @ a, [(st[0], st[2]) for st in sets], xb)
+    us = [st[5] @ wm[3].T for st, wm in zip(sets, wms)]
+    row("dA = x^T @ us", lambda x, u: x.T @ u, [(st[0], u) for st, u in zip(sets, us)], xb)
+    cols_args = [(st[5], st[0] @ wm[0], st[0] @ st[2], wm[2] * scale, st[4]) for st, wm in zip(sets, wms)]
+    row("column sums (dB, dm, dbias)", cols, cols_args, 2 * yb)
+
+
 def tune_norm(rec: Recorder, quick: bool) -> None:
     """The column-norm sweep of `tuning` alone (its own DORA_TUNE_BUDGET_S)."""
     tuning(rec, quick, parts=("norm",))
@@ -335,10 +394,10 @@ def tune_modes(rec: Recorder, quick: bool) -> None:
 
 
 def run(rec: Recorder, quick: bool) -> None:
-    """Sections: main_cases, tuning (= tune_norm + tune_modes under one budget), tune_norm, tune_modes;
+    """Sections: main_cases, tuning (= tune_norm + tune_modes under one budget), tune_norm, tune_modes, parts;
     DORA_SECTIONS=tune_norm,tune_modes (comma-separated names) runs a subset, each with its own time budget."""
     wanted = os.environ.get("DORA_SECTIONS", "main_cases,tuning").split(",")
-    for section in (main_cases, tuning, tune_norm, tune_modes):
+    for section in (main_cases, tuning, tune_norm, tune_modes, parts):
         if section.__name__ not in wanted:
             continue
         start = time.time()
