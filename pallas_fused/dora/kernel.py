@@ -147,6 +147,8 @@ class Config:
     merge_bk: int = 128
     merge_bn: int = 64
     merge_warps: int = 4
+    merge_rows: int = 128  # rows per program (merge_bk per step; g, B and the partial sums loaded once per program)
+    merge_stages: int = 2
     merge_reverse: bool = True  # walk W in the reverse of the norm launch's order (L2 hits on the tiles it read last)
     epi_bm: int = 64  # gemm="epilogue": tile of the standalone epilogue kernel (untimed guess)
     epi_bn: int = 128
@@ -472,7 +474,7 @@ def norm_and_merge(weight, lora_a, lora_b, scale, magnitude, *, interpret: bool,
 # ----------------------------------------------------------------------------------------------------
 
 
-def _merge_kernel(*refs, kind, K, N, R, bk, bn, nsplit, from_partials, reverse):
+def _merge_kernel(*refs, kind, K, N, R, bk, bn, steps, nsplit, from_partials, reverse):
     nw = _num_weight_refs(kind)
     w_refs = refs[:nw]
     a_ref, b_ref, s_ref = refs[nw:nw + 3]
@@ -480,14 +482,13 @@ def _merge_kernel(*refs, kind, K, N, R, bk, bn, nsplit, from_partials, reverse):
         part_ref, m_ref, vg_ref, n_ref, g_ref, bg_ref = refs[nw + 3:]
     else:
         gin_ref, vg_ref = refs[nw + 3:]
-    nkb, nnb = _cdiv(K, bk), _cdiv(N, bn)
+    rows = bk * steps  # rows per program, in `steps` tiles of bk
+    nkb, nnb = _cdiv(K, rows), _cdiv(N, bn)
     pid = pl.program_id(0)
     if reverse:  # the norm launch read W top to bottom: start where it ended (those tiles are likeliest in L2)
         pid = nkb * nnb - 1 - pid
     kb, nb = pid // nnb, pid % nnb
-    k0 = pl.multiple_of(kb * bk, bk)
     n0 = pl.multiple_of(nb * bn, bn)
-    rmask = _in_bounds(k0, bk, K, K % bk == 0)
     cmask = _in_bounds(n0, bn, N, N % bn == 0)
     if from_partials:
         # g = m / sqrt(sum of the nsplit partial sums), per program (nsplit x bn floats: cheap); row block 0
@@ -502,16 +503,41 @@ def _merge_kernel(*refs, kind, K, N, R, bk, bn, nsplit, from_partials, reverse):
         _backend.store(g_ref.at[pl.ds(n0, bn)], g, mask=first)
     else:
         g = _load(gin_ref.at[pl.ds(n0, bn)], cmask, 1.0).astype(jnp.float32)
-    w = _load(w_refs[0].at[pl.ds(k0, bk), pl.ds(n0, bn)], _mask(rmask, cmask, (bk, bn))).astype(jnp.float32)
-    if kind == "int8":
-        w = w * _load(w_refs[1].at[pl.ds(n0, bn)], cmask, 1.0)[None, :]
-    a = _load(a_ref.at[pl.ds(k0, bk), :], _mask(rmask, None, (bk, R)))
     b = _load(b_ref.at[:, pl.ds(n0, bn)], _mask(None, cmask, (R, bn)))
     if from_partials:
         bg = (b.astype(jnp.float32) * (g * s_ref[0])[None, :]).astype(bg_ref.dtype)
         _backend.store(bg_ref.at[:, pl.ds(n0, bn)], bg, mask=jnp.broadcast_to(first[None, :], (R, bn)))
-    v = (w + s_ref[0] * _backend.dot(a, b)) * g[None, :]
-    _store(vg_ref.at[pl.ds(k0, bk), pl.ds(n0, bn)], v.astype(vg_ref.dtype), _mask(rmask, cmask, (bk, bn)))
+    wscale = _load(w_refs[1].at[pl.ds(n0, bn)], cmask, 1.0)[None, :] if kind == "int8" else None
+    k_start = kb * rows
+
+    def w_tile(i):  # masked past K and past this program's rows (the last step's prefetch fetches nothing)
+        k0 = k_start + i * bk
+        if steps == 1:
+            ok = _in_bounds(k0, bk, K, K % rows == 0)
+        else:
+            ok = jnp.logical_and(k0 + jnp.arange(bk) < K, i < steps)
+        return _load(w_refs[0].at[pl.ds(k0, bk), pl.ds(n0, bn)], _mask(ok, cmask, (bk, bn)))
+
+    def tile(i, w):
+        k0 = pl.multiple_of(k_start + i * bk, bk)
+        rmask = _in_bounds(k0, bk, K, K % rows == 0)
+        w = w.astype(jnp.float32)
+        if kind == "int8":
+            w = w * wscale
+        a = _load(a_ref.at[pl.ds(k0, bk), :], _mask(rmask, None, (bk, R)))
+        v = (w + s_ref[0] * _backend.dot(a, b)) * g[None, :]
+        _store(vg_ref.at[pl.ds(k0, bk), pl.ds(n0, bn)], v.astype(vg_ref.dtype), _mask(rmask, cmask, (bk, bn)))
+
+    if steps == 1:
+        tile(0, w_tile(0))
+        return
+
+    def body(i, w):  # W is no MMA operand: its next tile is loaded by hand one step ahead
+        w_next = w_tile(i + 1)
+        tile(i, w)
+        return w_next
+
+    lax.fori_loop(0, steps, body, w_tile(0))
 
 
 def merge_weight(weight, kind: str, lora_a, lora_b, scale, *, g=None, partials=None, magnitude=None,
@@ -528,9 +554,10 @@ def merge_weight(weight, kind: str, lora_a, lora_b, scale, *, g=None, partials=N
     K, R = lora_a.shape
     N = lora_b.shape[1]
     bk, bn = _tile(K, config.merge_bk), _tile(N, config.merge_bn)
+    steps = max(1, min(config.merge_rows, _pow2(K, bk)) // bk)
     from_partials = partials is not None
     nsplit = partials.shape[0] if from_partials else 0
-    kernel = functools.partial(_merge_kernel, kind=kind, K=K, N=N, R=R, bk=bk, bn=bn, nsplit=nsplit,
+    kernel = functools.partial(_merge_kernel, kind=kind, K=K, N=N, R=R, bk=bk, bn=bn, steps=steps, nsplit=nsplit,
                                from_partials=from_partials, reverse=config.merge_reverse)
     wm = jax.ShapeDtypeStruct((K, N), lora_a.dtype)
     col = jax.ShapeDtypeStruct((N,), jnp.float32)
@@ -539,10 +566,11 @@ def merge_weight(weight, kind: str, lora_a, lora_b, scale, *, g=None, partials=N
     return _backend.triton_call(
         kernel,
         out_shape=(wm, col, col, jax.ShapeDtypeStruct((R, N), lora_b.dtype)) if from_partials else wm,
-        grid=(_cdiv(K, bk) * _cdiv(N, bn),),
+        grid=(_cdiv(K, bk * steps) * _cdiv(N, bn),),
         name="pallas_fused_dora_merge",
         interpret=interpret,
         num_warps=config.merge_warps,
+        num_stages=config.merge_stages,
     )(*args)
 
 

@@ -126,6 +126,8 @@ def test_exact_norm_grad(kernel_impl, dtype):
 # merge launch, "expand" and "direct" norms, merge tiles ragged at both edges, forward or natural tile order.
 MERGE_CONFIGS = {
     "merged_split3": Config(mnorm_rows=16, xnorm_bk=16, xnorm_bn=16, merge_bk=16, merge_bn=16),
+    # merge programs of 2 row tiles (the second ragged at the bottom), next W tile loaded one step ahead
+    "merged_rows2": Config(merge_bk=16, merge_bn=16, merge_rows=32),
     "merged_direct_split3": Config(norm_mode="direct", norm_rows=16, norm_bk=16, merge_bk=32, merge_bn=16,
                                    merge_reverse=False),
     "merged_in_norm": Config(merge_in_norm=True, xnorm_bk=16, xnorm_bn=16),
@@ -167,8 +169,9 @@ def test_merge_weight_outputs(kernel_impl):
     assert wm.dtype == jnp.bfloat16
     np.testing.assert_allclose(wm.astype(jnp.float32), (v * (m / n_ex)).astype(jnp.bfloat16).astype(jnp.float32),
                                rtol=1e-2, atol=1e-3)
-    wm2 = K.merge_weight((w,), "dense", a, b, 0.7, g=g, interpret=interp, config=Config(merge_reverse=False))
-    np.testing.assert_array_equal(wm2.astype(jnp.float32), wm.astype(jnp.float32))
+    for cfg2 in (Config(merge_reverse=False), Config(merge_bk=16, merge_rows=64, merge_bn=32)):
+        wm2 = K.merge_weight((w,), "dense", a, b, 0.7, g=g, interpret=interp, config=cfg2)
+        np.testing.assert_array_equal(wm2.astype(jnp.float32), wm.astype(jnp.float32))
 
 
 @pytest.mark.parametrize("gemm", ["merged", "epilogue"])
@@ -193,7 +196,7 @@ def test_qdora_int8_merged(kernel_impl):
     """int8 W with gemm="merged": the merged weight is formed from the codes and scales (fwd and dx)."""
     x, w, a, b, m, bias, dy = make(55, (27,), 150, 36, 6, jnp.bfloat16, w_dtype=jnp.float32)
     check_against_reference(quantize_int8(w), x, a, b, m, bias, dy, scale=0.5, impl=kernel_impl, gemm="merged",
-                            what="int8 merged")
+                            what="int8 merged", config=Config(merge_bk=64, merge_rows=128))  # 2 row tiles a program
 
 
 @pytest.mark.parametrize("kind, dtype, exact", [("int8", jnp.bfloat16, False), ("nf4", jnp.bfloat16, False),
