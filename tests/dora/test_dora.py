@@ -530,12 +530,21 @@ def test_gpu_odd_shapes(dtype):
     check_against_reference(w, x, a, b, m, bias, dy, scale=0.5, impl="pallas", what="gpu odd")
 
 
+GPU_NORM_CONFIGS = {
+    **NORM_CONFIGS,
+    "one_launch_4096": Config(xnorm_rows=4096, xnorm_bn=32, xnorm_bk=128),
+    # "expand" at any rank, with A^T A passed in: split rows, and one launch
+    "gram_any_rank": Config(expand_max_rank=128, xnorm_gram_rank=16, xnorm_bn=128, xnorm_bk=64),
+    "gram_one_launch": Config(expand_max_rank=128, xnorm_gram_rank=16, xnorm_bn=128, xnorm_bk=128, xnorm_rows=4096),
+}
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("cfg", list(NORM_CONFIGS) + ["one_launch_4096"], ids=str)
+@pytest.mark.parametrize("cfg", list(GPU_NORM_CONFIGS), ids=str)
 @pytest.mark.parametrize("fout, r", [(4096, 16), (11008, 64)])
 def test_gpu_column_scale(cfg, fout, r):
     """The column norm variants at the benchmark shapes vs a float32 reference of the same 16-bit inputs."""
-    config = Config(xnorm_rows=4096, xnorm_bn=32, xnorm_bk=128) if cfg == "one_launch_4096" else NORM_CONFIGS[cfg]
+    config = GPU_NORM_CONFIGS[cfg]
     w = rand(230, (4096, fout), jnp.bfloat16, scale=4096 ** -0.5)
     a, b = rand(231, (4096, r), jnp.bfloat16, scale=r ** -0.5), rand(232, (r, fout), jnp.bfloat16, scale=0.05)
     m = jnp.abs(rand(233, (fout,))) + 0.5
