@@ -493,6 +493,7 @@ GPU_CONFIGS = {
     "merged_direct_pf": Config(norm_mode="direct", norm_prefetch=True, norm_rows=512, merge_bk=64, merge_bn=128,
                                merge_reverse=False),
     "merged_cols_split": Config(cols_rows=128),  # backward column sums over token ranges, finished by XLA
+    "merged_rows512": Config(merge_rows=512, cols_prefetch=False),  # 4 row tiles per merge program
 }
 
 
