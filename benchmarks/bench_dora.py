@@ -195,7 +195,10 @@ NORM_SWEEP = [
     ("expand", 64, 128, 4096, 8, 5, [_R16, _R64]),  # one launch, N/64 programs
     ("expand", 128, 128, 4096, 8, 3, [_R64]),  # one launch, N/128 programs
     ("expand", 128, 64, 512, 8, 3, [_R64]),
-    ("expand+gram", 128, 64, 1024, 8, 4, [_R64]),  # A^T A passed in (Config.xnorm_gram_rank), not per program
+    ("expand+gram", 64, 128, 1024, 8, 3, [_R16]),  # A^T A passed in (Config.xnorm_gram_rank): one more (XLA) launch,
+    ("expand+gram", 32, 256, 4096, 4, 4, [_R16]),  # but no per-step A^T A MMA (16 ldmatrix + 16 mma.sync per warp at
+    ("expand+gram", 64, 256, 1024, 8, 3, [_R16]),  # r16, replicated over the warps)
+    ("expand+gram", 128, 64, 1024, 8, 4, [_R64]),
     ("expand+gram", 64, 128, 1024, 8, 3, [_R64]),
     ("expand+gram", 128, 128, 4096, 8, 3, [_R64]),
     ("expand+gram", 64, 64, 512, 4, 3, [_R64]),
