@@ -176,7 +176,20 @@ def main_cases(rec: Recorder, quick: bool) -> None:
 # partial sums over row ranges, summed and finished by XLA (a second, small launch). Timed amortized.
 _R16, _R64 = (4096, 4096, 16), (4096, 11008, 64)
 NORM_SWEEP = [
-    ("expand", 64, 128, 1024, 8, 3, [_R16]),  # Config() default: 256 programs + XLA finish
+    # "+mma": sum W^2 as diag(W^T W) on the tensor cores (Config.xnorm_mma_squares, the default); plain "expand"
+    # rows square W in registers. "+gram": A^T A passed in (Config.xnorm_gram_rank): one more (XLA) launch, but no
+    # per-step A^T A MMA (at r16: 16 ldmatrix + 16 mma.sync per warp, replicated over the warps).
+    ("expand+mma", 64, 128, 1024, 8, 3, [_R16]),  # Config() default: 256 programs + XLA finish
+    ("expand+mma", 64, 256, 1024, 8, 3, [_R16]),
+    ("expand+mma", 128, 64, 1024, 8, 4, [_R16]),
+    ("expand+mma", 128, 128, 2048, 8, 3, [_R16]),
+    ("expand+mma", 64, 128, 4096, 8, 4, [_R16]),  # one launch, N/64 programs
+    ("expand+mma", 64, 128, 512, 8, 3, [_R16]),
+    ("expand+mma+gram", 64, 128, 1024, 8, 3, [_R16, _R64]),
+    ("expand+mma+gram", 64, 256, 1024, 8, 3, [_R16]),
+    ("expand+mma+gram", 128, 64, 1024, 8, 4, [_R64]),
+    ("expand+mma+gram", 128, 128, 4096, 8, 3, [_R64]),
+    ("expand", 64, 128, 1024, 8, 3, [_R16]),  # session 2's default (squares in registers)
     ("expand", 64, 128, 512, 8, 3, [_R16]),
     ("expand", 64, 128, 1024, 8, 4, [_R16]),
     ("expand", 64, 64, 1024, 8, 4, [_R16]),
@@ -195,9 +208,9 @@ NORM_SWEEP = [
     ("expand", 64, 128, 4096, 8, 5, [_R16, _R64]),  # one launch, N/64 programs
     ("expand", 128, 128, 4096, 8, 3, [_R64]),  # one launch, N/128 programs
     ("expand", 128, 64, 512, 8, 3, [_R64]),
-    ("expand+gram", 64, 128, 1024, 8, 3, [_R16]),  # A^T A passed in (Config.xnorm_gram_rank): one more (XLA) launch,
-    ("expand+gram", 32, 256, 4096, 4, 4, [_R16]),  # but no per-step A^T A MMA (16 ldmatrix + 16 mma.sync per warp at
-    ("expand+gram", 64, 256, 1024, 8, 3, [_R16]),  # r16, replicated over the warps)
+    ("expand+gram", 64, 128, 1024, 8, 3, [_R16]),
+    ("expand+gram", 32, 256, 4096, 4, 4, [_R16]),
+    ("expand+gram", 64, 256, 1024, 8, 3, [_R16]),
     ("expand+gram", 128, 64, 1024, 8, 4, [_R64]),
     ("expand+gram", 64, 128, 1024, 8, 3, [_R64]),
     ("expand+gram", 128, 128, 4096, 8, 3, [_R64]),
@@ -238,6 +251,8 @@ MERGED_SWEEP = {
     "merge 128x64 w8": dict(merge_warps=8),
     "mnorm expand+gram bn128 bk64 s4": dict(expand_max_rank=128, xnorm_gram_rank=16, xnorm_bn=128, xnorm_bk=64,
                                             xnorm_stages=4),
+    "mnorm squares in registers": dict(xnorm_mma_squares=False),
+    "mnorm +gram": dict(xnorm_gram_rank=16, expand_max_rank=128),
 }
 # Backward column reductions (Config.cols_*), with gemm="merged": label -> Config fields. rows >= tokens: one program
 # per column strip over every token, dB / dm / dbias finished in the kernel.
@@ -284,7 +299,8 @@ def tuning(rec: Recorder, quick: bool, parts=("norm", "modes")) -> None:
                              norm_stages=stages, norm_prefetch=mode == "direct+pf")
             else:
                 cfg = Config(xnorm_bn=bn, xnorm_bk=bk, xnorm_rows=rows, xnorm_warps=warps, xnorm_stages=stages,
-                             expand_max_rank=128, xnorm_gram_rank=16 if mode == "expand+gram" else 1024)
+                             expand_max_rank=128, xnorm_gram_rank=16 if "gram" in mode else 1024,
+                             xnorm_mma_squares="mma" in mode)
             impl = f"pallas:{mode} bn{bn} bk{bk} rows{rows} w{warps} s{stages}"
             if time.perf_counter() > deadline:
                 rec.add("dora_tune_colnorm", case, impl, None, error=skipped)

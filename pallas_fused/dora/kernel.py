@@ -132,6 +132,12 @@ class Config:
     # "expand" at (padded) rank >= this: A^T A computed once by XLA (one small extra launch) and passed in, instead
     # of accumulated by every program (R^2 MMA work per column block per row). 1024: never (untimed).
     xnorm_gram_rank: int = 1024
+    # "expand": sum of W^2 per column as diag(W^T W) on the tensor cores instead of a convert + FMA per element in
+    # registers. By the compiled loop (ptxas, sm_90a, default tiles): 191 instead of 238 PTX instructions per thread
+    # per 16 KiB of W (137 with the Gram matrix passed in), where ~240 need ~60% of an SM's issue rate at HBM speed.
+    # Untimed (the sweep's "expand+mma" rows against "expand" decide). Only at xnorm_bn >= 64: below, Triton takes
+    # mma.sync for the (bn, bn) product and no longer pipelines W (compiled: no cp.async).
+    xnorm_mma_squares: bool = True
     # gemm="merged": form (W + s A B) g inside the column-norm launch (one program per column strip, over all
     # rows; tiles xnorm_*) instead of a second pass over W by the epilogue kernel. Untimed: the sweep decides.
     merge_in_norm: bool = False
@@ -315,7 +321,8 @@ def _dot_f32_exact(a32, b_dtype, b):
     return out
 
 
-def _colnorm_expand_kernel(*refs, kind, K, N, R, bk, bn, rows_per_prog, finish, merge=False, gram=False):
+def _colnorm_expand_kernel(*refs, kind, K, N, R, bk, bn, rows_per_prog, finish, merge=False, gram=False,
+                           mma_squares=False):
     """||W + s A B||^2 per column as sum W^2 + 2 s sum_r B (A^T W) + s^2 sum_r B (A^T A B), per row range.
 
     W is the right operand of an MMA (A^T W), so Triton streams it through shared memory with cp.async
@@ -323,6 +330,9 @@ def _colnorm_expand_kernel(*refs, kind, K, N, R, bk, bn, rows_per_prog, finish, 
     program also writes n = sqrt(sum) and g = m / n: the whole column scale is one launch. With `merge`
     it then walks its column strip again (just read: mostly L2 hits) writing (W + s A B) * g. With `gram`, A^T A
     (R, R) float32 is an operand, not accumulated by every program (its MMA work grows as R^2 per column block).
+    With `mma_squares` the column sums of W^2 are the diagonal of W^T W on the tensor cores (W read from shared
+    memory by the MMA, as for W^T A) instead of a convert + FMA per element in registers: the loop's instruction
+    count per byte, not the MMA work (2 bn FLOPs per element of W), was the limit.
     """
     nw = _num_weight_refs(kind)
     w_refs = refs[:nw]
@@ -345,6 +355,15 @@ def _colnorm_expand_kernel(*refs, kind, K, N, R, bk, bn, rows_per_prog, finish, 
     def a_tile(k0):  # masked always: the last step's prefetch reads past the row range (maybe past K)
         return _load(a_ref.at[pl.ds(k0, bk), :], _mask(_in_bounds(k0, bk, K, False), None, (bk, R)))
 
+    def squares(sq, w):
+        if mma_squares:
+            wm = w.astype(mma_dt)
+            return sq + _backend.dot(wm, wm, trans_a=True)  # (bn, bn); its diagonal is wanted
+        wf = w.astype(jnp.float32)
+        return sq + wf * wf  # (bk, bn) tile, reduced over rows once at the end
+
+    sq0 = jnp.zeros((bn, bn) if mma_squares else (bk, bn), jnp.float32)
+
     def body(i, carry):
         sq, wa, aa, a = carry
         k0 = pl.multiple_of(k_start + i * bk, bk)
@@ -353,9 +372,9 @@ def _colnorm_expand_kernel(*refs, kind, K, N, R, bk, bn, rows_per_prog, finish, 
         # The A tile of the next step is loaded now (a hand-made prefetch): A feeds a transposed
         # register operand (A^T A), which Triton's pipeliner leaves as a synchronous load.
         a_next = a_tile(k0 + bk)
-        wf = w.astype(jnp.float32)  # int8 codes and bf16/fp16 values are exact in the MMA dtype
         # W^T A with W^T the transposed left operand: W streams through shared memory (wgmma reads it there).
-        return (sq + wf * wf, wa + _backend.dot(w.astype(mma_dt), a, trans_a=True),
+        # int8 codes and bf16/fp16 values are exact in the MMA dtype.
+        return (squares(sq, w), wa + _backend.dot(w.astype(mma_dt), a, trans_a=True),
                 aa + _backend.dot(a, a, trans_a=True), a_next)
 
     def gram_body(i, carry):  # A only feeds an MMA here: Triton pipelines its load, no hand-made prefetch
@@ -363,21 +382,22 @@ def _colnorm_expand_kernel(*refs, kind, K, N, R, bk, bn, rows_per_prog, finish, 
         k0 = pl.multiple_of(k_start + i * bk, bk)
         rmask = _in_bounds(k0, bk, K, rows_aligned)
         w = _load(w_refs[0].at[pl.ds(k0, bk), pl.ds(n0, bn)], _mask(rmask, cmask, (bk, bn)))
-        wf = w.astype(jnp.float32)
-        return sq + wf * wf, wa + _backend.dot(w.astype(mma_dt), a_tile(k0), trans_a=True)
+        return squares(sq, w), wa + _backend.dot(w.astype(mma_dt), a_tile(k0), trans_a=True)
 
     if gram:
-        sq, wa = lax.fori_loop(0, rows_per_prog // bk, gram_body,
-                               (jnp.zeros((bk, bn), jnp.float32), jnp.zeros((bn, R), jnp.float32)))
+        sq, wa = lax.fori_loop(0, rows_per_prog // bk, gram_body, (sq0, jnp.zeros((bn, R), jnp.float32)))
         # the s^2 B^T (A^T A) B term once per column: in the first row range's partial sum
         aa = _backend.load(gram_ref) * (split == 0).astype(jnp.float32)
     else:
-        init = (jnp.zeros((bk, bn), jnp.float32), jnp.zeros((bn, R), jnp.float32), jnp.zeros((R, R), jnp.float32),
-                a_tile(k_start))
+        init = (sq0, jnp.zeros((bn, R), jnp.float32), jnp.zeros((R, R), jnp.float32), a_tile(k_start))
         sq, wa, aa, _ = lax.fori_loop(0, rows_per_prog // bk, body, init)
     s = s_ref[0]
     b = _load(b_ref.at[:, pl.ds(n0, bn)], _mask(None, cmask, (R, bn))).astype(jnp.float32)
-    sq = jnp.sum(sq, axis=0)
+    if mma_squares:  # the diagonal of W^T W
+        eye = jnp.arange(bn)[:, None] == jnp.arange(bn)[None, :]
+        sq = jnp.sum(jnp.where(eye, sq, 0.0), axis=0)
+    else:
+        sq = jnp.sum(sq, axis=0)
     if kind == "int8":  # W = q * wscale: every term linear in W takes one wscale, W^2 two
         wscale = _load(w_refs[1].at[pl.ds(n0, bn)], cmask, 1.0)
         sq, wa = sq * wscale * wscale, wa * wscale[:, None]
@@ -431,7 +451,8 @@ def _expand_launch(weight, kind, lora_a, lora_b, scale, magnitude, *, interpret,
     finish = magnitude is not None and nsplit == 1
     gram = R >= config.xnorm_gram_rank
     kernel = functools.partial(_colnorm_expand_kernel, kind=kind, K=K, N=N, R=R, bk=bk, bn=bn,
-                               rows_per_prog=rows_per_prog, finish=finish, gram=gram)
+                               rows_per_prog=rows_per_prog, finish=finish, gram=gram,
+                               mma_squares=config.xnorm_mma_squares and bn >= 64)
     col = jax.ShapeDtypeStruct((N,), jnp.float32)
     out_shape = (col, col) if finish else jax.ShapeDtypeStruct((nsplit, N), jnp.float32)
     args = (*weight, lora_a, lora_b, jnp.reshape(jnp.asarray(scale, jnp.float32), (1,)))

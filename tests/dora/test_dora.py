@@ -257,6 +257,11 @@ NORM_CONFIGS = {
     # A^T A passed in (XLA) instead of accumulated per program: one launch, and 3 row ranges (added once)
     "gram_finish": Config(xnorm_gram_rank=16),
     "gram_split": Config(xnorm_gram_rank=16, xnorm_rows=64, xnorm_bk=32, xnorm_bn=16),
+    # sum of W^2 as diag(W^T W) on the MMA: one launch; split rows with A^T A passed in
+    "mma_squares": Config(xnorm_mma_squares=True),
+    "mma_squares_gram_split": Config(xnorm_mma_squares=True, xnorm_gram_rank=16, xnorm_rows=64, xnorm_bk=32,
+                                     xnorm_bn=64),
+    "register_squares": Config(xnorm_mma_squares=False),
 }
 
 
@@ -265,7 +270,9 @@ NORM_CONFIGS = {
     ("dense", jnp.float16, "split_ragged"), ("int8", jnp.bfloat16, "fused_finish"),
     ("int8", jnp.bfloat16, "split_ragged"), ("dense", jnp.bfloat16, "direct_prefetch"),
     ("int8", jnp.bfloat16, "direct_prefetch"), ("dense", jnp.bfloat16, "gram_finish"),
-    ("dense", jnp.float16, "gram_split"), ("int8", jnp.bfloat16, "gram_split"),
+    ("dense", jnp.float16, "gram_split"), ("int8", jnp.bfloat16, "gram_split"), ("dense", jnp.bfloat16, "mma_squares"),
+    ("int8", jnp.bfloat16, "mma_squares"), ("dense", jnp.float16, "mma_squares_gram_split"),
+    ("dense", jnp.bfloat16, "register_squares"),
 ], ids=str)
 def test_column_scale_expand(kernel_impl, kind, dtype, cfg):
     from pallas_fused.dora.kernel import expand_supported
