@@ -551,8 +551,13 @@ GPU_NORM_CONFIGS = {
 @pytest.mark.parametrize("cfg", list(GPU_NORM_CONFIGS), ids=str)
 @pytest.mark.parametrize("fout, r", [(4096, 16), (11008, 64)])
 def test_gpu_column_scale(cfg, fout, r):
-    """The column norm variants at the benchmark shapes vs a float32 reference of the same 16-bit inputs."""
+    """The column norm variants at the benchmark shapes vs a float32 reference of the same 16-bit inputs.
+
+    Sums of W^2 on the tensor cores (xnorm_mma_squares at bn >= 64) are accumulated by the MMA unit, whose float32
+    additions may truncate: up to 5e-5 relative is allowed there (XLA's bf16 reference errs by ~6e-5 at this
+    shape: it rounds W + s A B to bf16), 1e-5 for squares summed by FMAs."""
     config = GPU_NORM_CONFIGS[cfg]
+    rtol = 5e-5 if config.xnorm_mma_squares and config.xnorm_bn >= 64 else 1e-5
     w = rand(230, (4096, fout), jnp.bfloat16, scale=4096 ** -0.5)
     a, b = rand(231, (4096, r), jnp.bfloat16, scale=r ** -0.5), rand(232, (r, fout), jnp.bfloat16, scale=0.05)
     m = jnp.abs(rand(233, (fout,))) + 0.5
@@ -560,4 +565,4 @@ def test_gpu_column_scale(cfg, fout, r):
     with jax.default_matmul_precision("highest"):
         ref = column_scale_reference(w.astype(jnp.float32), a.astype(jnp.float32), b.astype(jnp.float32), m, 2.0,
                                      jnp.float32)
-    np.testing.assert_allclose(g, ref, rtol=1e-5)
+    np.testing.assert_allclose(g, ref, rtol=rtol)
