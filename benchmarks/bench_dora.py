@@ -257,7 +257,8 @@ MERGED_SWEEP = {
 # Backward column reductions (Config.cols_*), with gemm="merged": label -> Config fields. rows >= tokens: one program
 # per column strip over every token, dB / dm / dbias finished in the kernel.
 COLS_SWEEP = {
-    "cols no y prefetch": dict(cols_prefetch=False),
+    "cols elementwise sums": dict(cols_mma_sums=False),  # the sums in registers, y prefetched (default: on the MMA)
+    "cols elementwise sums, no y prefetch": dict(cols_mma_sums=False, cols_prefetch=False),
     "cols s3": dict(cols_stages=3),
     "cols bn128 bt64 rows512 w8": dict(cols_bn=128, cols_warps=8),
     "cols bn64 bt128 rows1024 w8": dict(cols_bt=128, cols_rows=1024, cols_warps=8),

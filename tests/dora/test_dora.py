@@ -133,7 +133,9 @@ MERGE_CONFIGS = {
     "merged_in_norm": Config(merge_in_norm=True, xnorm_bk=16, xnorm_bn=16),
     # backward column reductions over 3 token ranges, finished by XLA (the default config covers the 37 tokens
     # with one program per column strip: finished in the kernel)
-    "merged_cols_split3": Config(cols_rows=16, cols_bt=16, cols_prefetch=False),
+    "merged_cols_split3": Config(cols_rows=16, cols_bt=16, cols_prefetch=False, cols_mma_sums=False),
+    # ... with a prefetched y (below 64 output features: the default; the MMA sums: test_backward_columns)
+    "merged_cols_prefetch": Config(cols_mma_sums=False),
     "merged_unsaved": Config(save_merged=False),  # the backward forms the merged weight again
 }
 
@@ -145,6 +147,27 @@ def test_gemm_variants(kernel_impl, gemm):
     config = MERGE_CONFIGS.get(gemm)
     check_against_reference(w, x, a, b, m, bias, dy, scale=0.5, impl=kernel_impl, gemm=gemm.split("_")[0],
                             what=gemm, config=config)
+
+
+@pytest.mark.parametrize("cfg", ["mma_finish", "mma_split", "elementwise_finish", "elementwise_split"])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_backward_columns(kernel_impl, cfg, with_bias):
+    """The backward column reductions (dB = xa^T dy g s, dm = sum dy (y - bias) / m, dbias = sum dy) against jnp:
+    sums on the MMA or elementwise, finished in the kernel (one program over all tokens) or by XLA (3 ranges)."""
+    from pallas_fused.dora import kernel as K
+
+    M, N, R = 37, 70, 16  # N > 64: 64-column tiles (the MMA sums need them), the second one ragged
+    dy, y, xa = rand(90, (M, N), jnp.bfloat16), rand(91, (M, N), jnp.bfloat16), rand(92, (M, R), jnp.bfloat16)
+    bias = rand(93, (N,), jnp.bfloat16, scale=0.5) if with_bias else None
+    gs, m = rand(94, (N,)), jnp.abs(rand(95, (N,))) + 0.5
+    config = Config(cols_mma_sums=cfg.startswith("mma"), **({"cols_rows": 16, "cols_bt": 16} if "split" in cfg else {}))
+    p, dm, db = K.backward_columns(dy, y, xa, bias, interpret=kernel_impl == "interpret", config=config,
+                                   finish=(gs, m, jnp.float32, jnp.float32, jnp.float32))
+    f = lambda v: np.asarray(v, np.float64)  # noqa: E731
+    z = f(y) - (0 if bias is None else f(bias))
+    np.testing.assert_allclose(p, f(xa).T @ f(dy) * f(gs), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(dm, (f(dy) * z).sum(0) / f(m), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(db, f(dy).sum(0), rtol=1e-5, atol=1e-5)
 
 
 def test_merge_weight_outputs(kernel_impl):
@@ -500,7 +523,7 @@ GPU_CONFIGS = {
     "merged_direct_pf": Config(norm_mode="direct", norm_prefetch=True, norm_rows=512, merge_bk=64, merge_bn=128,
                                merge_reverse=False),
     "merged_cols_split": Config(cols_rows=128),  # backward column sums over token ranges, finished by XLA
-    "merged_rows512": Config(merge_rows=512, cols_prefetch=False),  # 4 row tiles per merge program
+    "merged_rows512": Config(merge_rows=512, cols_mma_sums=False),  # 4 row tiles per merge program; sums in registers
 }
 
 
