@@ -179,7 +179,8 @@ NORM_SWEEP = [
     # "+mma": sum W^2 as diag(W^T W) on the tensor cores (Config.xnorm_mma_squares, the default); plain "expand"
     # rows square W in registers. "+gram": A^T A passed in (Config.xnorm_gram_rank): one more (XLA) launch, but no
     # per-step A^T A MMA (at r16: 16 ldmatrix + 16 mma.sync per warp, replicated over the warps).
-    ("expand+mma", 64, 128, 1024, 8, 3, [_R16]),  # Config() default: 256 programs + XLA finish
+    ("direct", 64, 64, 128, 4, 2, [_R64]),  # Config() default at r64 (rank > expand_max_rank)
+    ("expand+mma", 64, 128, 1024, 8, 3, [_R16]),  # Config() default at r16: 256 programs + XLA finish
     ("expand+mma", 64, 256, 1024, 8, 3, [_R16]),
     ("expand+mma", 128, 64, 1024, 8, 4, [_R16]),
     ("expand+mma", 128, 128, 2048, 8, 3, [_R16]),
@@ -190,33 +191,24 @@ NORM_SWEEP = [
     ("expand+mma+gram", 128, 64, 1024, 8, 4, [_R64]),
     ("expand+mma+gram", 128, 128, 4096, 8, 3, [_R64]),
     ("expand", 64, 128, 1024, 8, 3, [_R16]),  # session 2's default (squares in registers)
-    ("expand", 64, 128, 512, 8, 3, [_R16]),
-    ("expand", 64, 128, 1024, 8, 4, [_R16]),
-    ("expand", 64, 64, 1024, 8, 4, [_R16]),
     ("expand", 128, 64, 1024, 8, 4, [_R16, _R64]),
-    ("expand", 64, 128, 2048, 8, 4, [_R16]),
     ("expand", 64, 256, 1024, 8, 3, [_R16]),  # 32 KiB per step: half the per-step overhead per byte
-    ("expand", 64, 256, 2048, 8, 3, [_R16]),
     ("expand", 128, 128, 1024, 8, 3, [_R16]),
     ("expand", 64, 128, 1024, 4, 3, [_R16]),  # 4 warps: 3 programs per SM by registers
     ("expand", 32, 128, 4096, 4, 4, [_R16]),  # one launch, N/32 programs (one per SM at 4096), 8 KiB tiles
     ("expand", 32, 256, 4096, 4, 4, [_R16]),  # ... 16 KiB tiles, 3 in flight
     ("expand", 32, 256, 4096, 8, 4, [_R16]),
-    ("expand", 32, 128, 4096, 4, 6, [_R16]),
     ("expand", 16, 256, 4096, 4, 4, [_R16]),  # one launch, N/16 programs (2 per SM)
-    ("expand", 16, 128, 4096, 4, 6, [_R16]),
     ("expand", 64, 128, 4096, 8, 5, [_R16, _R64]),  # one launch, N/64 programs
     ("expand", 128, 128, 4096, 8, 3, [_R64]),  # one launch, N/128 programs
     ("expand", 128, 64, 512, 8, 3, [_R64]),
     ("expand+gram", 64, 128, 1024, 8, 3, [_R16]),
     ("expand+gram", 32, 256, 4096, 4, 4, [_R16]),
-    ("expand+gram", 64, 256, 1024, 8, 3, [_R16]),
     ("expand+gram", 128, 64, 1024, 8, 4, [_R64]),
     ("expand+gram", 64, 128, 1024, 8, 3, [_R64]),
     ("expand+gram", 128, 128, 4096, 8, 3, [_R64]),
     ("expand+gram", 64, 64, 512, 4, 3, [_R64]),
     ("expand+gram", 64, 128, 4096, 8, 4, [_R64]),
-    ("direct", 64, 64, 128, 4, 2, [_R16, _R64]),  # the "direct" default (used at rank > expand_max_rank)
     ("direct", 128, 64, 256, 8, 3, [_R16, _R64]),
     ("direct", 64, 128, 512, 8, 3, [_R64]),
     ("direct", 128, 64, 1024, 8, 3, [_R64]),
