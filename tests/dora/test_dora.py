@@ -136,7 +136,6 @@ MERGE_CONFIGS = {
     "merged_cols_split3": Config(cols_rows=16, cols_bt=16, cols_prefetch=False, cols_mma_sums=False),
     # ... with a prefetched y (below 64 output features: the default; the MMA sums: test_backward_columns)
     "merged_cols_prefetch": Config(cols_mma_sums=False),
-    "merged_unsaved": Config(save_merged=False),  # the backward forms the merged weight again
 }
 
 
@@ -168,6 +167,25 @@ def test_backward_columns(kernel_impl, cfg, with_bias):
     np.testing.assert_allclose(p, f(xa).T @ f(dy) * f(gs), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(dm, (f(dy) * z).sum(0) / f(m), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(db, f(dy).sum(0), rtol=1e-5, atol=1e-5)
+
+
+def test_save_merged_flag(kernel_impl):
+    """save_merged=False (the backward forms the merged weight again) gives the gradients of the default (kept),
+    through dora_dense and the linen module; and the kept weight really is a residual of the VJP."""
+    x, w, a, b, m, bias, dy = make(47, (21,), 40, 24, 4, jnp.bfloat16)
+    outs = {}
+    for keep in (True, False):
+        fn = lambda x, a, b, m, keep=keep: dora_dense(x, w, a, b, m, bias, scale=0.5, implementation=kernel_impl,  # noqa: E731
+                                                      gemm="merged", save_merged=keep)
+        outs[keep] = vjp_all(fn, (x, a, b, m), dy)
+        _, pull = jax.vjp(fn, x, a, b, m)
+        kept = [leaf for leaf in jax.tree.leaves(pull) if getattr(leaf, "shape", None) == w.shape]
+        assert (len(kept) >= 2) == keep, (keep, len(kept))  # W itself, plus the merged weight when kept
+    for o, n in zip(jax.tree.leaves(outs[True]), jax.tree.leaves(outs[False])):
+        np.testing.assert_array_equal(np.asarray(o, np.float32), np.asarray(n, np.float32))
+    module = DoRADense(24, rank=4, save_merged=False, implementation=kernel_impl, gemm="merged")
+    params = module.init(jax.random.key(0), x)
+    assert module.apply(params, x).shape == (21, 24)
 
 
 def test_merge_weight_outputs(kernel_impl):
