@@ -117,12 +117,11 @@ class Config:
     # cp.async) and never meets the A B tile in registers; dense bf16/fp16 and int8 weights only (fp32
     # weights and NF4 keep "direct": (W + s A B)^2 tile by tile).
     norm_mode: str = "expand"
-    # "expand" tiles: untimed guesses (the bench's tuning section sweeps them): 256 programs of 8 warps at
-    # 4096 -> 4096, 3 W tiles (8 KiB each) in flight per program; 73 registers, no spills (ptxas, sm_90a).
-    # H200 sweep, session 2 (benchmarks/results/logs/h200_s2_rotary_adam_dora.log): at 4096 -> 4096 r16 these
-    # tiles took 0.041 ms (the first guess, bk 64 and 4 stages: 0.045; "direct": 0.047). At 4096 -> 11008 r64
-    # every "expand" tiling lost to "direct" (0.064 ms against 0.072 at best): the (A^T A) B term grows as
-    # r^2, hence `expand_max_rank`.
+    # "expand" tiles: 256 programs of 8 warps at 4096 -> 4096, 16 KiB W tiles, 3 stages; 80 registers with
+    # xnorm_mma_squares, no spills (ptxas, sm_90a). The session-2 H200 sweep behind them was timed one call at a
+    # time, which measured the ~0.03 ms host dispatch (void); the bench's tune_norm section re-times every
+    # candidate amortized. At 4096 -> 11008 r64 "direct" beat every "expand" tiling there: per program the A^T A
+    # accumulation grows as r^2 (hence `expand_max_rank`; `xnorm_gram_rank` passes A^T A in instead).
     xnorm_bn: int = 64  # "expand" mode: columns per program
     xnorm_bk: int = 128  # ... rows per loop step
     xnorm_rows: int = 1024  # ... rows per program (>= in features: one program per column block, g fused)
@@ -139,7 +138,7 @@ class Config:
     # mma.sync for the (bn, bn) product and no longer pipelines W (compiled: no cp.async).
     xnorm_mma_squares: bool = True
     # gemm="merged": form (W + s A B) g inside the column-norm launch (one program per column strip, over all
-    # rows; tiles xnorm_*) instead of a second pass over W by the epilogue kernel. Untimed: the sweep decides.
+    # rows; tiles xnorm_*) instead of the merge launch. Session 2: slower than two launches at every shape.
     merge_in_norm: bool = False
     # gemm="merged": keep the merged weight (W + s A B) g from the forward for the backward's dx = dy (that)^T:
     # one bf16 copy of W per layer held until the backward (Llama-7B: ~12.5 GB over 32 blocks). False: the
