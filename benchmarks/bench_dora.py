@@ -28,6 +28,13 @@ Floors (bf16, 4096 tokens, 4096 -> 4096, r16; HBM ~4.1 TB/s, cuBLAS x W 0.1895 m
     is x, dy, y once each (24 us) - a single pass over tokens that also reduces over columns (us) and rows (dA)
     needs grid-wide reductions (atomics) - so fwd + bwd >= 0.19 + 0.19 + 16 + 24 us = 0.42 ms, against the
     0.43 ms target; with the separate passes above, ~0.44 ms.
+  512 tokens: the base matmul takes ~0.052 ms, so 1.10x leaves 5 us for everything else, less than the norm's
+    own floor (8 us): out of reach at that size by construction.
+
+Sections (DORA_SECTIONS, comma-separated; default main_cases,tuning): main_cases (the ANCHORS rows; --quick: the
+4096-token cases), tune_norm (column-norm candidates, amortized), tune_modes (gemm modes and their Config variants
+per token count), tuning (both under one budget), parts (each launch of the merged forward + backward alone).
+DORA_TUNE_BUDGET_S bounds each tuning section (what does not fit is recorded as skipped).
 """
 
 from __future__ import annotations
