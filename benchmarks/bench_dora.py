@@ -282,8 +282,10 @@ def tuning(rec: Recorder, quick: bool, parts=("norm", "modes")) -> None:
     scale = 2.0
     skipped = "skipped: tuning time budget (DORA_TUNE_BUDGET_S)"
 
+    until = [deadline]  # the current case's share of the budget (modes)
+
     def timed(op, case, impl, fn, *args, **kw):
-        if time.perf_counter() > deadline:
+        if time.perf_counter() > min(deadline, until[0]):
             return rec.add(op, case, impl, None, error=skipped)
         return rec.time(op, case, impl, fn, *args, n=20, reps=3, **kw)
 
@@ -342,9 +344,13 @@ def tuning(rec: Recorder, quick: bool, parts=("norm", "modes")) -> None:
         for i, shape in enumerate(TUNE_WEIGHTS):
             now = time.perf_counter()
             colnorm(*shape, until=now + (deadline - now) / (len(TUNE_WEIGHTS) - i))
-    for tokens in TUNE_TOKENS if "modes" in parts else []:
-        for shape in TUNE_WEIGHTS:
-            modes(tokens, *shape, variants=tokens == TUNE_TOKENS[0])
+    # The modes' budget shared between the cases, the first token count's (with the Config variants) weighing 3.
+    calls = [(t, shape) for t in TUNE_TOKENS for shape in TUNE_WEIGHTS] if "modes" in parts else []
+    weights = [3 if t == TUNE_TOKENS[0] else 1 for t, _ in calls]
+    for i, (tokens, shape) in enumerate(calls):
+        now = time.perf_counter()
+        until[0] = now + (deadline - now) * weights[i] / sum(weights[i:])
+        modes(tokens, *shape, variants=tokens == TUNE_TOKENS[0])
 
 
 def parts(rec: Recorder, quick: bool) -> None:
