@@ -192,6 +192,8 @@ NORM_SWEEP = [
     ("expand+mma", 128, 64, 1024, 8, 4, [_R16]),
     ("expand+mma", 128, 128, 2048, 8, 3, [_R16]),
     ("expand+mma", 64, 128, 4096, 8, 4, [_R16]),  # one launch, N/64 programs
+    ("expand+mma", 64, 128, 4096, 8, 6, [_R16]),  # ... 80 KiB in flight per program
+    ("expand+mma", 64, 256, 4096, 8, 4, [_R16]),  # ... 96 KiB in flight per program
     ("expand+mma", 64, 128, 512, 8, 3, [_R16]),
     ("expand+mma+gram", 64, 128, 1024, 8, 3, [_R16, _R64]),
     ("expand+mma+gram", 64, 256, 1024, 8, 3, [_R16]),
