@@ -253,6 +253,8 @@ MERGED_SWEEP = {
     "mnorm expand+gram bn128 bk64 s4": dict(expand_max_rank=128, xnorm_gram_rank=16, xnorm_bn=128, xnorm_bk=64,
                                             xnorm_stages=4),
     "mnorm squares in registers": dict(xnorm_mma_squares=False),
+    "mnorm s5": dict(xnorm_stages=5),
+    "mnorm bk256": dict(xnorm_bk=256),
     "mnorm +gram": dict(xnorm_gram_rank=16, expand_max_rank=128),
 }
 # Backward column reductions (Config.cols_*), with gemm="merged": label -> Config fields. rows >= tokens: one program
