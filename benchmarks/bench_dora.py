@@ -33,7 +33,8 @@ Floors (bf16, 4096 tokens, 4096 -> 4096, r16; HBM ~4.1 TB/s, cuBLAS x W 0.1895 m
 
 Sections (DORA_SECTIONS, comma-separated; default main_cases,tuning): main_cases (the ANCHORS rows; --quick: the
 4096-token cases), tune_norm (column-norm candidates, amortized), tune_modes (gemm modes and their Config variants
-per token count), tuning (both under one budget), parts (each launch of the merged forward + backward alone).
+per token count), tune_variants (Config variants of gemm="merged" at 4096 tokens), tuning (the three under one
+budget), parts (each launch of the merged forward + backward alone).
 DORA_TUNE_BUDGET_S bounds each tuning section (what does not fit is recorded as skipped).
 """
 
@@ -273,7 +274,7 @@ COLS_SWEEP = {
 TUNE_BUDGET_S = float(os.environ.get("DORA_TUNE_BUDGET_S", "85"))
 
 
-def tuning(rec: Recorder, quick: bool, parts=("norm", "modes")) -> None:
+def tuning(rec: Recorder, quick: bool, parts=("norm", "modes", "variants")) -> None:
     """Sweeps that decide the defaults; each failure, and each case past the time budget, is a row (no raise):
     - dora_tune_colnorm: NORM_SWEEP (Config.norm_* / xnorm_*), amortized over k distinct weights per jit (the
       session-2 single-call sweep measured the host dispatch), with XLA's amortized time beside;
@@ -317,16 +318,17 @@ def tuning(rec: Recorder, quick: bool, parts=("norm", "modes")) -> None:
             time_norm_amortized(rec, "dora_tune_colnorm", case, "xla", lambda w, a, b, m: column_scale_reference(
                 w, a, b, m, scale), sets, k, n=10, reps=3, nbytes=nbytes)
 
-    def modes(tokens, fin, fout, r, variants):
+    def modes(tokens, fin, fout, r, plain, variants):
         x, w, a, b, m, dy = _data(tokens, fin, fout, r)
         case = f"{tokens}x{fin}->{fout} r{r} bf16"
         fwd_bytes = (tokens * fin + fin * fout + tokens * fout) * 2
         fwd = dict(nbytes=fwd_bytes, flops=2 * tokens * fin * fout)
-        timed("dora_mode", case + " fwd", "peer:base_matmul", jax.jit(lambda x, w: x @ w), x, w, **fwd)
-        for mode in FWD_MODES:
+        if plain or variants:  # the reference points of the variants too
+            timed("dora_mode", case + " fwd", "peer:base_matmul", jax.jit(lambda x, w: x @ w), x, w, **fwd)
+        for mode in FWD_MODES if plain else ["merged"] if variants else []:
             timed("dora_mode", case + " fwd", f"pallas:{mode}", jax.jit(lambda x, w, a, b, m, mode=mode: dora_dense(
                 x, w, a, b, m, scale=scale, implementation="pallas", gemm=mode)), x, w, a, b, m, **fwd)
-        for mode in FWDBWD_MODES:
+        for mode in FWDBWD_MODES if plain else ["merged"] if variants else []:
             timed("dora_mode", case + " fwdbwd", f"pallas:{mode}", _fwdbwd("pallas", mode, scale),
                   x, w, a, b, m, dy, flops=6 * tokens * fin * fout)
         if not variants:
@@ -348,13 +350,15 @@ def tuning(rec: Recorder, quick: bool, parts=("norm", "modes")) -> None:
         for i, shape in enumerate(TUNE_WEIGHTS):
             now = time.perf_counter()
             colnorm(*shape, until=now + (deadline - now) / (len(TUNE_WEIGHTS) - i))
-    # The modes' budget shared between the cases, the first token count's (with the Config variants) weighing 3.
-    calls = [(t, shape) for t in TUNE_TOKENS for shape in TUNE_WEIGHTS] if "modes" in parts else []
-    weights = [3 if t == TUNE_TOKENS[0] else 1 for t, _ in calls]
-    for i, (tokens, shape) in enumerate(calls):
+    # The budget shared between the cases: "modes" = the gemm modes at every token count, "variants" = the Config
+    # variants of gemm="merged" (MERGED_SWEEP, COLS_SWEEP) at the first token count.
+    calls = [(t, shape, True, False) for t in TUNE_TOKENS for shape in TUNE_WEIGHTS] if "modes" in parts else []
+    calls += [(TUNE_TOKENS[0], shape, False, True) for shape in TUNE_WEIGHTS] if "variants" in parts else []
+    weights = [3 if variants else 1 for *_, variants in calls]
+    for i, (tokens, shape, plain, variants) in enumerate(calls):
         now = time.perf_counter()
         until[0] = now + (deadline - now) * weights[i] / sum(weights[i:])
-        modes(tokens, *shape, variants=tokens == TUNE_TOKENS[0])
+        modes(tokens, *shape, plain=plain, variants=variants)
 
 
 def parts(rec: Recorder, quick: bool) -> None:
@@ -422,15 +426,21 @@ def tune_norm(rec: Recorder, quick: bool) -> None:
 
 
 def tune_modes(rec: Recorder, quick: bool) -> None:
-    """The dora_mode rows of `tuning` alone (its own DORA_TUNE_BUDGET_S)."""
+    """The gemm modes' dora_mode rows of `tuning` at every token count (its own DORA_TUNE_BUDGET_S)."""
     tuning(rec, quick, parts=("modes",))
 
 
+def tune_variants(rec: Recorder, quick: bool) -> None:
+    """The merged mode's Config variants (MERGED_SWEEP, COLS_SWEEP) at 4096 tokens (its own DORA_TUNE_BUDGET_S)."""
+    tuning(rec, quick, parts=("variants",))
+
+
 def run(rec: Recorder, quick: bool) -> None:
-    """Sections: main_cases, tuning (= tune_norm + tune_modes under one budget), tune_norm, tune_modes, parts;
+    """Sections: main_cases, tuning (= tune_norm + tune_modes + tune_variants under one budget), tune_norm, tune_modes,
+    tune_variants, parts;
     DORA_SECTIONS=tune_norm,tune_modes (comma-separated names) runs a subset, each with its own time budget."""
     wanted = os.environ.get("DORA_SECTIONS", "main_cases,tuning").split(",")
-    for section in (main_cases, tuning, tune_norm, tune_modes, parts):
+    for section in (main_cases, tuning, tune_norm, tune_modes, tune_variants, parts):
         if section.__name__ not in wanted:
             continue
         start = time.time()
