@@ -28,6 +28,14 @@ Floors (bf16, 4096 tokens, 4096 -> 4096, r16; HBM ~4.1 TB/s, cuBLAS x W 0.1895 m
     is x, dy, y once each (24 us) - a single pass over tokens that also reduces over columns (us) and rows (dA)
     needs grid-wide reductions (atomics) - so fwd + bwd >= 0.19 + 0.19 + 16 + 24 us = 0.42 ms, against the
     0.43 ms target; with the separate passes above, ~0.44 ms.
+  512 tokens: the base matmul takes ~0.052 ms, so 1.10x leaves 5 us for everything else, less than the norm's
+    own floor (8 us): out of reach at that size by construction.
+
+Sections (DORA_SECTIONS, comma-separated; default main_cases,tuning): main_cases (the ANCHORS rows; --quick: the
+4096-token cases), tune_norm (column-norm candidates, amortized), tune_modes (gemm modes and their Config variants
+per token count), tune_variants (Config variants of gemm="merged" at 4096 tokens), tuning (the three under one
+budget), parts (each launch of the merged forward + backward alone).
+DORA_TUNE_BUDGET_S bounds each tuning section (what does not fit is recorded as skipped).
 """
 
 from __future__ import annotations
@@ -176,26 +184,41 @@ def main_cases(rec: Recorder, quick: bool) -> None:
 # partial sums over row ranges, summed and finished by XLA (a second, small launch). Timed amortized.
 _R16, _R64 = (4096, 4096, 16), (4096, 11008, 64)
 NORM_SWEEP = [
-    ("expand", 64, 128, 1024, 8, 3, [_R16]),  # Config() default: 256 programs + XLA finish
-    ("expand", 64, 128, 512, 8, 3, [_R16]),
-    ("expand", 64, 128, 1024, 8, 4, [_R16]),
-    ("expand", 64, 64, 1024, 8, 4, [_R16]),
+    # "+mma": sum W^2 as diag(W^T W) on the tensor cores (Config.xnorm_mma_squares, the default); plain "expand"
+    # rows square W in registers. "+gram": A^T A passed in (Config.xnorm_gram_rank): one more (XLA) launch, but no
+    # per-step A^T A MMA (at r16: 16 ldmatrix + 16 mma.sync per warp, replicated over the warps).
+    ("direct", 64, 64, 128, 4, 2, [_R64]),  # Config() default at r64 (rank > expand_max_rank)
+    ("expand+mma", 64, 128, 1024, 8, 3, [_R16]),  # Config() default at r16: 256 programs + XLA finish
+    ("expand+mma", 64, 256, 1024, 8, 3, [_R16]),
+    ("expand+mma", 128, 64, 1024, 8, 4, [_R16]),
+    ("expand+mma", 128, 128, 2048, 8, 3, [_R16]),
+    ("expand+mma", 64, 128, 4096, 8, 4, [_R16]),  # one launch, N/64 programs
+    ("expand+mma", 64, 128, 4096, 8, 6, [_R16]),  # ... 80 KiB in flight per program
+    ("expand+mma", 64, 256, 4096, 8, 4, [_R16]),  # ... 96 KiB in flight per program
+    ("expand+mma", 64, 128, 512, 8, 3, [_R16]),
+    ("expand+mma+gram", 64, 128, 1024, 8, 3, [_R16, _R64]),
+    ("expand+mma+gram", 64, 256, 1024, 8, 3, [_R16]),
+    ("expand+mma+gram", 128, 64, 1024, 8, 4, [_R64]),
+    ("expand+mma+gram", 128, 128, 4096, 8, 3, [_R64]),
+    ("expand", 64, 128, 1024, 8, 3, [_R16]),  # session 2's default (squares in registers)
     ("expand", 128, 64, 1024, 8, 4, [_R16, _R64]),
-    ("expand", 64, 128, 2048, 8, 4, [_R16]),
     ("expand", 64, 256, 1024, 8, 3, [_R16]),  # 32 KiB per step: half the per-step overhead per byte
-    ("expand", 64, 256, 2048, 8, 3, [_R16]),
     ("expand", 128, 128, 1024, 8, 3, [_R16]),
     ("expand", 64, 128, 1024, 4, 3, [_R16]),  # 4 warps: 3 programs per SM by registers
     ("expand", 32, 128, 4096, 4, 4, [_R16]),  # one launch, N/32 programs (one per SM at 4096), 8 KiB tiles
     ("expand", 32, 256, 4096, 4, 4, [_R16]),  # ... 16 KiB tiles, 3 in flight
     ("expand", 32, 256, 4096, 8, 4, [_R16]),
-    ("expand", 32, 128, 4096, 4, 6, [_R16]),
     ("expand", 16, 256, 4096, 4, 4, [_R16]),  # one launch, N/16 programs (2 per SM)
-    ("expand", 16, 128, 4096, 4, 6, [_R16]),
     ("expand", 64, 128, 4096, 8, 5, [_R16, _R64]),  # one launch, N/64 programs
     ("expand", 128, 128, 4096, 8, 3, [_R64]),  # one launch, N/128 programs
     ("expand", 128, 64, 512, 8, 3, [_R64]),
-    ("direct", 64, 64, 128, 4, 2, [_R16, _R64]),  # the "direct" default (used at rank > expand_max_rank)
+    ("expand+gram", 64, 128, 1024, 8, 3, [_R16]),
+    ("expand+gram", 32, 256, 4096, 4, 4, [_R16]),
+    ("expand+gram", 128, 64, 1024, 8, 4, [_R64]),
+    ("expand+gram", 64, 128, 1024, 8, 3, [_R64]),
+    ("expand+gram", 128, 128, 4096, 8, 3, [_R64]),
+    ("expand+gram", 64, 64, 512, 4, 3, [_R64]),
+    ("expand+gram", 64, 128, 4096, 8, 4, [_R64]),
     ("direct", 128, 64, 256, 8, 3, [_R16, _R64]),
     ("direct", 64, 128, 512, 8, 3, [_R64]),
     ("direct", 128, 64, 1024, 8, 3, [_R64]),
@@ -221,15 +244,25 @@ MERGED_SWEEP = {
     "merge 256x64 w8": dict(merge_bk=256, merge_bn=64, merge_warps=8),
     "merge 64x64 w4": dict(merge_bk=64, merge_bn=64),
     "merge forward order": dict(merge_reverse=False),
+    "merge rows512 (4 x 128x64)": dict(merge_rows=512),
+    "merge rows1024 (8 x 128x64) w8": dict(merge_rows=1024, merge_warps=8),
+    "merge rows512 (8 x 64x128)": dict(merge_bk=64, merge_bn=128, merge_rows=512),
     "merge_in_norm bn64 bk64 w8 s4": dict(merge_in_norm=True, xnorm_bn=64, xnorm_bk=64, xnorm_warps=8, xnorm_stages=4),
     "mnorm direct+pf bn128 bk64 rows1024 w8": dict(norm_mode="direct", norm_prefetch=True, norm_bn=128, norm_bk=64,
                                                    norm_rows=1024, norm_warps=8),
     "merge 128x64 w8": dict(merge_warps=8),
+    "mnorm expand+gram bn128 bk64 s4": dict(expand_max_rank=128, xnorm_gram_rank=16, xnorm_bn=128, xnorm_bk=64,
+                                            xnorm_stages=4),
+    "mnorm squares in registers": dict(xnorm_mma_squares=False),
+    "mnorm s5": dict(xnorm_stages=5),
+    "mnorm bk256": dict(xnorm_bk=256),
+    "mnorm +gram": dict(xnorm_gram_rank=16, expand_max_rank=128),
 }
 # Backward column reductions (Config.cols_*), with gemm="merged": label -> Config fields. rows >= tokens: one program
 # per column strip over every token, dB / dm / dbias finished in the kernel.
 COLS_SWEEP = {
-    "cols no y prefetch": dict(cols_prefetch=False),
+    "cols elementwise sums": dict(cols_mma_sums=False),  # the sums in registers, y prefetched (default: on the MMA)
+    "cols elementwise sums, no y prefetch": dict(cols_mma_sums=False, cols_prefetch=False),
     "cols s3": dict(cols_stages=3),
     "cols bn128 bt64 rows512 w8": dict(cols_bn=128, cols_warps=8),
     "cols bn64 bt128 rows1024 w8": dict(cols_bt=128, cols_rows=1024, cols_warps=8),
@@ -241,7 +274,7 @@ COLS_SWEEP = {
 TUNE_BUDGET_S = float(os.environ.get("DORA_TUNE_BUDGET_S", "85"))
 
 
-def tuning(rec: Recorder, quick: bool, parts=("norm", "modes")) -> None:
+def tuning(rec: Recorder, quick: bool, parts=("norm", "modes", "variants")) -> None:
     """Sweeps that decide the defaults; each failure, and each case past the time budget, is a row (no raise):
     - dora_tune_colnorm: NORM_SWEEP (Config.norm_* / xnorm_*), amortized over k distinct weights per jit (the
       session-2 single-call sweep measured the host dispatch), with XLA's amortized time beside;
@@ -254,12 +287,14 @@ def tuning(rec: Recorder, quick: bool, parts=("norm", "modes")) -> None:
     scale = 2.0
     skipped = "skipped: tuning time budget (DORA_TUNE_BUDGET_S)"
 
+    until = [deadline]  # the current case's share of the budget (modes)
+
     def timed(op, case, impl, fn, *args, **kw):
-        if time.perf_counter() > deadline:
+        if time.perf_counter() > min(deadline, until[0]):
             return rec.add(op, case, impl, None, error=skipped)
         return rec.time(op, case, impl, fn, *args, n=20, reps=3, **kw)
 
-    def colnorm(fin, fout, r):
+    def colnorm(fin, fout, r, until):
         k, sets = _norm_sets(fin, fout, r)
         nbytes = (fin * fout + fin * r + r * fout + 2 * fout) * 2
         case = f"{fin}->{fout} r{r} bf16 amortized"
@@ -271,27 +306,29 @@ def tuning(rec: Recorder, quick: bool, parts=("norm", "modes")) -> None:
                              norm_stages=stages, norm_prefetch=mode == "direct+pf")
             else:
                 cfg = Config(xnorm_bn=bn, xnorm_bk=bk, xnorm_rows=rows, xnorm_warps=warps, xnorm_stages=stages,
-                             expand_max_rank=128)
+                             expand_max_rank=128, xnorm_gram_rank=16 if "gram" in mode else 1024,
+                             xnorm_mma_squares="mma" in mode)
             impl = f"pallas:{mode} bn{bn} bk{bk} rows{rows} w{warps} s{stages}"
-            if time.perf_counter() > deadline:
+            if time.perf_counter() > until:
                 rec.add("dora_tune_colnorm", case, impl, None, error=skipped)
                 continue
             time_norm_amortized(rec, "dora_tune_colnorm", case, impl, lambda w, a, b, m, cfg=cfg: column_scale(
                 w, a, b, m, scale=scale, implementation="pallas", config=cfg), sets, k, n=10, reps=3, nbytes=nbytes)
-        if time.perf_counter() <= deadline:
+        if time.perf_counter() <= until + 10:
             time_norm_amortized(rec, "dora_tune_colnorm", case, "xla", lambda w, a, b, m: column_scale_reference(
                 w, a, b, m, scale), sets, k, n=10, reps=3, nbytes=nbytes)
 
-    def modes(tokens, fin, fout, r, variants):
+    def modes(tokens, fin, fout, r, plain, variants):
         x, w, a, b, m, dy = _data(tokens, fin, fout, r)
         case = f"{tokens}x{fin}->{fout} r{r} bf16"
         fwd_bytes = (tokens * fin + fin * fout + tokens * fout) * 2
         fwd = dict(nbytes=fwd_bytes, flops=2 * tokens * fin * fout)
-        timed("dora_mode", case + " fwd", "peer:base_matmul", jax.jit(lambda x, w: x @ w), x, w, **fwd)
-        for mode in FWD_MODES:
+        if plain or variants:  # the reference points of the variants too
+            timed("dora_mode", case + " fwd", "peer:base_matmul", jax.jit(lambda x, w: x @ w), x, w, **fwd)
+        for mode in FWD_MODES if plain else ["merged"] if variants else []:
             timed("dora_mode", case + " fwd", f"pallas:{mode}", jax.jit(lambda x, w, a, b, m, mode=mode: dora_dense(
                 x, w, a, b, m, scale=scale, implementation="pallas", gemm=mode)), x, w, a, b, m, **fwd)
-        for mode in FWDBWD_MODES:
+        for mode in FWDBWD_MODES if plain else ["merged"] if variants else []:
             timed("dora_mode", case + " fwdbwd", f"pallas:{mode}", _fwdbwd("pallas", mode, scale),
                   x, w, a, b, m, dy, flops=6 * tokens * fin * fout)
         if not variants:
@@ -309,12 +346,78 @@ def tuning(rec: Recorder, quick: bool, parts=("norm", "modes")) -> None:
 
     # In order of importance. By estimate on an H200: the column-norm sweep ~70 s, the 4096-token modes with their
     # variants ~65 s, the 8192- and 512-token modes ~50 s (DORA_TUNE_BUDGET_S, per call of this function).
-    if "norm" in parts:
-        for shape in TUNE_WEIGHTS:
-            colnorm(*shape)
-    for tokens in TUNE_TOKENS if "modes" in parts else []:
-        for shape in TUNE_WEIGHTS:
-            modes(tokens, *shape, variants=tokens == TUNE_TOKENS[0])
+    if "norm" in parts:  # the budget shared between the weight shapes (and XLA's row always timed, 10 s of grace)
+        for i, shape in enumerate(TUNE_WEIGHTS):
+            now = time.perf_counter()
+            colnorm(*shape, until=now + (deadline - now) / (len(TUNE_WEIGHTS) - i))
+    # The budget shared between the cases: "modes" = the gemm modes at every token count, "variants" = the Config
+    # variants of gemm="merged" (MERGED_SWEEP, COLS_SWEEP) at the first token count.
+    calls = [(t, shape, True, False) for t in TUNE_TOKENS for shape in TUNE_WEIGHTS] if "modes" in parts else []
+    calls += [(TUNE_TOKENS[0], shape, False, True) for shape in TUNE_WEIGHTS] if "variants" in parts else []
+    weights = [3 if variants else 1 for *_, variants in calls]
+    for i, (tokens, shape, plain, variants) in enumerate(calls):
+        now = time.perf_counter()
+        until[0] = now + (deadline - now) * weights[i] / sum(weights[i:])
+        modes(tokens, *shape, plain=plain, variants=variants)
+
+
+def parts(rec: Recorder, quick: bool) -> None:
+    """dora_parts: each launch of the default gemm="merged" forward + backward alone, amortized over k distinct
+    inputs per jit (k * the largest operand >= AMORTIZE_BYTES), at 4096 tokens. Their sum against the dora_mode
+    fwd / fwdbwd rows shows what the gaps between launches cost; each row against its bytes (% HBM) shows which
+    launch is short of the floor."""
+    for shape in TUNE_WEIGHTS:
+        _parts_at(rec, 4096, *shape)
+
+
+def _parts_at(rec, tokens, fin, fout, r):
+    from pallas_fused.dora import kernel as K
+
+    cfg, scale = K.DEFAULT, 2.0
+    ss = jnp.float32(scale)
+    interp = jax.default_backend() != "gpu"  # interpret mode off the GPU (a CPU smoke run of this section)
+    case = f"{tokens}x{fin}->{fout} r{r} bf16"
+    k = max(2, math.ceil(AMORTIZE_BYTES / (max(tokens, fin) * fout * 2)))
+    from pallas_fused.dora.api import _pad_rank
+
+    sets = []
+    for _ in range(k):  # same values, distinct buffers; the rank zero-padded as the layer does (a no-op at 16, 64)
+        x, w, a, b, m, dy = _data(tokens, fin, fout, r)
+        sets.append((x, w, *_pad_rank(a, b), m, dy))
+
+    def row(name, fn, args, nbytes):
+        def many(*xs):
+            return [fn(*a) for a in zip(*xs)]
+        try:
+            ms = bench(jax.jit(many), *[list(c) for c in zip(*args)], n=10, reps=3) / k
+        except Exception as e:  # noqa: BLE001 - a failing piece is a result
+            return rec.add("dora_parts", case, name, None, error=f"{type(e).__name__}: {str(e)[:300]}")
+        return rec.add("dora_parts", case, name, ms, nbytes=nbytes, k=k)
+
+    def partials(w, a, b):
+        return K.column_partials((w,), "dense", a, b, ss, interpret=interp, config=cfg, rows=cfg.mnorm_rows)
+
+    def merge(w, a, b, m, p):
+        return K.merge_weight((w,), "dense", a, b, ss, partials=p, magnitude=m, interpret=interp, config=cfg)
+
+    def cols(dy, y, xa, gs, m):
+        return K.backward_columns(dy, y, xa, None, interpret=interp, config=cfg,
+                                  finish=(gs, m, jnp.bfloat16, m.dtype, jnp.float32))
+
+    wb, xb, yb = fin * fout * 2, tokens * fin * 2, tokens * fout * 2
+    row("norm partials (fwd)", partials, [(w, a, b) for _, w, a, b, _, _ in sets], wb)
+    pre = [(w, a, b, m, partials(w, a, b)) for _, w, a, b, m, _ in sets]
+    row("merge (finishes g)", merge, pre, 2 * wb)
+    wms = [merge(*t) for t in pre]  # (W', n, g, B g s)
+    row("x @ W' (cuBLAS)", lambda x, wm: x @ wm, [(st[0], wm[0]) for st, wm in zip(sets, wms)], xb + wb + yb)
+    row("dx = dy @ W'^T (cuBLAS)", lambda dy, wm: dy @ wm.T, [(st[5], wm[0]) for st, wm in zip(sets, wms)],
+        xb + wb + yb)
+    row("us = dy @ (B g s)^T", lambda dy, bg: dy @ bg.T, [(st[5], wm[3]) for st, wm in zip(sets, wms)], yb)
+    row("xa = x @ A", lambda x, a: x @ a, [(st[0], st[2]) for st in sets], xb)
+    us = [st[5] @ wm[3].T for st, wm in zip(sets, wms)]
+    row("dA = x^T @ us", lambda x, u: x.T @ u, [(st[0], u) for st, u in zip(sets, us)], xb)
+    cols_args = [(st[5], st[0] @ wm[0], st[0] @ st[2], wm[2] * scale, st[4]) for st, wm in zip(sets, wms)]
+    row("column sums (dB, dm, dbias)", cols, cols_args, 2 * yb)
 
 
 def tune_norm(rec: Recorder, quick: bool) -> None:
@@ -323,15 +426,21 @@ def tune_norm(rec: Recorder, quick: bool) -> None:
 
 
 def tune_modes(rec: Recorder, quick: bool) -> None:
-    """The dora_mode rows of `tuning` alone (its own DORA_TUNE_BUDGET_S)."""
+    """The gemm modes' dora_mode rows of `tuning` at every token count (its own DORA_TUNE_BUDGET_S)."""
     tuning(rec, quick, parts=("modes",))
 
 
+def tune_variants(rec: Recorder, quick: bool) -> None:
+    """The merged mode's Config variants (MERGED_SWEEP, COLS_SWEEP) at 4096 tokens (its own DORA_TUNE_BUDGET_S)."""
+    tuning(rec, quick, parts=("variants",))
+
+
 def run(rec: Recorder, quick: bool) -> None:
-    """Sections: main_cases, tuning (= tune_norm + tune_modes under one budget), tune_norm, tune_modes;
+    """Sections: main_cases, tuning (= tune_norm + tune_modes + tune_variants under one budget), tune_norm, tune_modes,
+    tune_variants, parts;
     DORA_SECTIONS=tune_norm,tune_modes (comma-separated names) runs a subset, each with its own time budget."""
     wanted = os.environ.get("DORA_SECTIONS", "main_cases,tuning").split(",")
-    for section in (main_cases, tuning, tune_norm, tune_modes):
+    for section in (main_cases, tuning, tune_norm, tune_modes, tune_variants, parts):
         if section.__name__ not in wanted:
             continue
         start = time.time()

@@ -64,6 +64,7 @@ class DoRADense(nn.Module):
     exact_norm_grad: bool = False
     implementation: str | None = None
     gemm: str = "auto"
+    save_merged: bool = True  # see dora_dense: keep the merged weight for the backward (memory) or form it again
 
     @nn.compact
     def __call__(self, inputs: jax.Array, deterministic: bool | None = None) -> jax.Array:
@@ -92,7 +93,8 @@ class DoRADense(nn.Module):
         x = jnp.asarray(inputs, dtype)
         if quantizer is None:
             kernel = jnp.asarray(kernel, dtype)
-        kw = dict(scale=s, exact_norm_grad=self.exact_norm_grad, implementation=self.implementation, gemm=self.gemm)
+        kw = dict(scale=s, exact_norm_grad=self.exact_norm_grad, implementation=self.implementation, gemm=self.gemm,
+                  save_merged=self.save_merged)
         deterministic = nn.merge_param("deterministic", self.deterministic, deterministic) \
             if self.dropout > 0 else True
         if self.dropout > 0 and not deterministic:
@@ -150,7 +152,8 @@ class DoRALinear(nnx.Linear):
     def __init__(self, in_features: int, out_features: int, *, rank: int, alpha: float | None = None,
                  use_rslora: bool = False, dropout: float = 0.0, a_initializer=_HE_UNIFORM,
                  b_initializer=_ZEROS, exact_norm_grad: bool = False,
-                 implementation: str | None = None, gemm: str = "auto", rngs: nnx.Rngs, **kwargs):
+                 implementation: str | None = None, gemm: str = "auto", save_merged: bool = True, rngs: nnx.Rngs,
+                 **kwargs):
         super().__init__(in_features, out_features, rngs=rngs, **kwargs)
         if rank < 1 or rank > min(in_features, out_features):
             raise ValueError(f"DoRALinear: rank must be in [1, min(in, out) = {min(in_features, out_features)}], "
@@ -165,6 +168,7 @@ class DoRALinear(nnx.Linear):
         self.exact_norm_grad = exact_norm_grad
         self.implementation = implementation
         self.gemm = gemm
+        self.save_merged = save_merged
 
     def __call__(self, inputs: jax.Array, out_sharding=None) -> jax.Array:
         del out_sharding
@@ -173,7 +177,7 @@ class DoRALinear(nnx.Linear):
         bias = self.bias[...] if self.bias is not None else None
         args = (jnp.asarray(self.kernel[...], dtype), self.lora_a[...], self.lora_b[...], self.magnitude[...], bias)
         kw = dict(scale=self.scale, exact_norm_grad=self.exact_norm_grad, implementation=self.implementation,
-                  gemm=self.gemm)
+                  gemm=self.gemm, save_merged=self.save_merged)
         if self.dropout is not None and not self.dropout.deterministic:
             return dora_dense_dropout(x, self.dropout(x), *args, **kw)
         return dora_dense(x, *args, **kw)

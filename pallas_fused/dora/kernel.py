@@ -117,20 +117,28 @@ class Config:
     # cp.async) and never meets the A B tile in registers; dense bf16/fp16 and int8 weights only (fp32
     # weights and NF4 keep "direct": (W + s A B)^2 tile by tile).
     norm_mode: str = "expand"
-    # "expand" tiles: untimed guesses (the bench's tuning section sweeps them): 256 programs of 8 warps at
-    # 4096 -> 4096, 3 W tiles (8 KiB each) in flight per program; 73 registers, no spills (ptxas, sm_90a).
-    # H200 sweep, session 2 (benchmarks/results/logs/h200_s2_rotary_adam_dora.log): at 4096 -> 4096 r16 these
-    # tiles took 0.041 ms (the first guess, bk 64 and 4 stages: 0.045; "direct": 0.047). At 4096 -> 11008 r64
-    # every "expand" tiling lost to "direct" (0.064 ms against 0.072 at best): the (A^T A) B term grows as
-    # r^2, hence `expand_max_rank`.
+    # "expand" tiles: 256 programs of 8 warps at 4096 -> 4096, 16 KiB W tiles, 3 stages; 80 registers with
+    # xnorm_mma_squares, no spills (ptxas, sm_90a). The session-2 H200 sweep behind them was timed one call at a
+    # time, which measured the ~0.03 ms host dispatch (void); the bench's tune_norm section re-times every
+    # candidate amortized. At 4096 -> 11008 r64 "direct" beat every "expand" tiling there: per program the A^T A
+    # accumulation grows as r^2 (hence `expand_max_rank`; `xnorm_gram_rank` passes A^T A in instead).
     xnorm_bn: int = 64  # "expand" mode: columns per program
     xnorm_bk: int = 128  # ... rows per loop step
     xnorm_rows: int = 1024  # ... rows per program (>= in features: one program per column block, g fused)
     xnorm_warps: int = 8
     xnorm_stages: int = 3
     expand_max_rank: int = 32  # above this (padded) rank the column norm uses "direct"
+    # "expand" at (padded) rank >= this: A^T A computed once by XLA (one small extra launch) and passed in, instead
+    # of accumulated by every program (R^2 MMA work per column block per row). 1024: never (untimed).
+    xnorm_gram_rank: int = 1024
+    # "expand": sum of W^2 per column as diag(W^T W) on the tensor cores instead of a convert + FMA per element in
+    # registers. By the compiled loop (ptxas, sm_90a, default tiles): 191 instead of 238 PTX instructions per thread
+    # per 16 KiB of W (137 with the Gram matrix passed in), where ~240 need ~60% of an SM's issue rate at HBM speed.
+    # Untimed (the sweep's "expand+mma" rows against "expand" decide). Only at xnorm_bn >= 64: below, Triton takes
+    # mma.sync for the (bn, bn) product and no longer pipelines W (compiled: no cp.async).
+    xnorm_mma_squares: bool = True
     # gemm="merged": form (W + s A B) g inside the column-norm launch (one program per column strip, over all
-    # rows; tiles xnorm_*) instead of a second pass over W by the epilogue kernel. Untimed: the sweep decides.
+    # rows; tiles xnorm_*) instead of the merge launch. Session 2: slower than two launches at every shape.
     merge_in_norm: bool = False
     # gemm="merged": keep the merged weight (W + s A B) g from the forward for the backward's dx = dy (that)^T:
     # one bf16 copy of W per layer held until the backward (Llama-7B: ~12.5 GB over 32 blocks). False: the
@@ -144,6 +152,8 @@ class Config:
     merge_bk: int = 128
     merge_bn: int = 64
     merge_warps: int = 4
+    merge_rows: int = 128  # rows per program (merge_bk per step; g, B and the partial sums loaded once per program)
+    merge_stages: int = 2
     merge_reverse: bool = True  # walk W in the reverse of the norm launch's order (L2 hits on the tiles it read last)
     epi_bm: int = 64  # gemm="epilogue": tile of the standalone epilogue kernel (untimed guess)
     epi_bn: int = 128
@@ -154,6 +164,11 @@ class Config:
     cols_warps: int = 4
     cols_stages: int = 2
     cols_prefetch: bool = True  # load the next y tile one step ahead (y is no MMA operand: not pipelined by Triton)
+    # 16-bit dy: sum_t dy y and sum_t dy as MMAs too (diag(dy^T y), e0^T dy), as the column norm's squares: dy and y
+    # both pipelined MMA operands, no per-element register work (cols_prefetch then does not apply). By the compiled
+    # loop (sm_90a, default tiles): 164 instead of 281 PTX instructions per thread per step, 104 registers instead
+    # of 163. Only at cols_bn >= 64 (below, no wgmma for dy^T y and y is no longer pipelined). Untimed.
+    cols_mma_sums: bool = True
 
 
 DEFAULT = Config()
@@ -310,17 +325,24 @@ def _dot_f32_exact(a32, b_dtype, b):
     return out
 
 
-def _colnorm_expand_kernel(*refs, kind, K, N, R, bk, bn, rows_per_prog, finish, merge=False):
+def _colnorm_expand_kernel(*refs, kind, K, N, R, bk, bn, rows_per_prog, finish, merge=False, gram=False,
+                           mma_squares=False):
     """||W + s A B||^2 per column as sum W^2 + 2 s sum_r B (A^T W) + s^2 sum_r B (A^T A B), per row range.
 
     W is the right operand of an MMA (A^T W), so Triton streams it through shared memory with cp.async
     (num_stages deep); the squares read the same tile. With `finish` (one program per column block) the
     program also writes n = sqrt(sum) and g = m / n: the whole column scale is one launch. With `merge`
-    it then walks its column strip again (just read: mostly L2 hits) writing (W + s A B) * g.
+    it then walks its column strip again (just read: mostly L2 hits) writing (W + s A B) * g. With `gram`, A^T A
+    (R, R) float32 is an operand, not accumulated by every program (its MMA work grows as R^2 per column block).
+    With `mma_squares` the column sums of W^2 are the diagonal of W^T W on the tensor cores (W read from shared
+    memory by the MMA, as for W^T A) instead of a convert + FMA per element in registers: the loop's instruction
+    count per byte, not the MMA work (2 bn FLOPs per element of W), was the limit.
     """
     nw = _num_weight_refs(kind)
     w_refs = refs[:nw]
     a_ref, b_ref, s_ref = refs[nw:nw + 3]
+    if gram:
+        gram_ref, refs = refs[nw + 3], refs[:nw + 3] + refs[nw + 4:]
     if merge:
         m_ref, n_ref, g_ref, vg_ref = refs[nw + 3:]
     elif finish:
@@ -337,6 +359,15 @@ def _colnorm_expand_kernel(*refs, kind, K, N, R, bk, bn, rows_per_prog, finish, 
     def a_tile(k0):  # masked always: the last step's prefetch reads past the row range (maybe past K)
         return _load(a_ref.at[pl.ds(k0, bk), :], _mask(_in_bounds(k0, bk, K, False), None, (bk, R)))
 
+    def squares(sq, w):
+        if mma_squares:
+            wm = w.astype(mma_dt)
+            return sq + _backend.dot(wm, wm, trans_a=True)  # (bn, bn); its diagonal is wanted
+        wf = w.astype(jnp.float32)
+        return sq + wf * wf  # (bk, bn) tile, reduced over rows once at the end
+
+    sq0 = jnp.zeros((bn, bn) if mma_squares else (bk, bn), jnp.float32)
+
     def body(i, carry):
         sq, wa, aa, a = carry
         k0 = pl.multiple_of(k_start + i * bk, bk)
@@ -345,17 +376,32 @@ def _colnorm_expand_kernel(*refs, kind, K, N, R, bk, bn, rows_per_prog, finish, 
         # The A tile of the next step is loaded now (a hand-made prefetch): A feeds a transposed
         # register operand (A^T A), which Triton's pipeliner leaves as a synchronous load.
         a_next = a_tile(k0 + bk)
-        wf = w.astype(jnp.float32)  # int8 codes and bf16/fp16 values are exact in the MMA dtype
         # W^T A with W^T the transposed left operand: W streams through shared memory (wgmma reads it there).
-        return (sq + wf * wf, wa + _backend.dot(w.astype(mma_dt), a, trans_a=True),
+        # int8 codes and bf16/fp16 values are exact in the MMA dtype.
+        return (squares(sq, w), wa + _backend.dot(w.astype(mma_dt), a, trans_a=True),
                 aa + _backend.dot(a, a, trans_a=True), a_next)
 
-    init = (jnp.zeros((bk, bn), jnp.float32), jnp.zeros((bn, R), jnp.float32), jnp.zeros((R, R), jnp.float32),
-            a_tile(k_start))
-    sq, wa, aa, _ = lax.fori_loop(0, rows_per_prog // bk, body, init)
+    def gram_body(i, carry):  # A only feeds an MMA here: Triton pipelines its load, no hand-made prefetch
+        sq, wa = carry
+        k0 = pl.multiple_of(k_start + i * bk, bk)
+        rmask = _in_bounds(k0, bk, K, rows_aligned)
+        w = _load(w_refs[0].at[pl.ds(k0, bk), pl.ds(n0, bn)], _mask(rmask, cmask, (bk, bn)))
+        return squares(sq, w), wa + _backend.dot(w.astype(mma_dt), a_tile(k0), trans_a=True)
+
+    if gram:
+        sq, wa = lax.fori_loop(0, rows_per_prog // bk, gram_body, (sq0, jnp.zeros((bn, R), jnp.float32)))
+        # the s^2 B^T (A^T A) B term once per column: in the first row range's partial sum
+        aa = _backend.load(gram_ref) * (split == 0).astype(jnp.float32)
+    else:
+        init = (sq0, jnp.zeros((bn, R), jnp.float32), jnp.zeros((R, R), jnp.float32), a_tile(k_start))
+        sq, wa, aa, _ = lax.fori_loop(0, rows_per_prog // bk, body, init)
     s = s_ref[0]
     b = _load(b_ref.at[:, pl.ds(n0, bn)], _mask(None, cmask, (R, bn))).astype(jnp.float32)
-    sq = jnp.sum(sq, axis=0)
+    if mma_squares:  # the diagonal of W^T W
+        eye = jnp.arange(bn)[:, None] == jnp.arange(bn)[None, :]
+        sq = jnp.sum(jnp.where(eye, sq, 0.0), axis=0)
+    else:
+        sq = jnp.sum(sq, axis=0)
     if kind == "int8":  # W = q * wscale: every term linear in W takes one wscale, W^2 two
         wscale = _load(w_refs[1].at[pl.ds(n0, bn)], cmask, 1.0)
         sq, wa = sq * wscale * wscale, wa * wscale[:, None]
@@ -407,11 +453,15 @@ def _expand_launch(weight, kind, lora_a, lora_b, scale, magnitude, *, interpret,
     rows_per_prog = max(bk, min(_pow2(rows or config.xnorm_rows, bk), _pow2(K, bk)))
     nsplit = _cdiv(K, rows_per_prog)
     finish = magnitude is not None and nsplit == 1
+    gram = R >= config.xnorm_gram_rank
     kernel = functools.partial(_colnorm_expand_kernel, kind=kind, K=K, N=N, R=R, bk=bk, bn=bn,
-                               rows_per_prog=rows_per_prog, finish=finish)
+                               rows_per_prog=rows_per_prog, finish=finish, gram=gram,
+                               mma_squares=config.xnorm_mma_squares and bn >= 64)
     col = jax.ShapeDtypeStruct((N,), jnp.float32)
     out_shape = (col, col) if finish else jax.ShapeDtypeStruct((nsplit, N), jnp.float32)
     args = (*weight, lora_a, lora_b, jnp.reshape(jnp.asarray(scale, jnp.float32), (1,)))
+    if gram:  # A^T A once (products of 16-bit values are exact in the float32 accumulator)
+        args += (lax.dot_general(lora_a, lora_a, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32),)
     out = _backend.triton_call(
         kernel,
         out_shape=out_shape,
@@ -449,7 +499,7 @@ def norm_and_merge(weight, lora_a, lora_b, scale, magnitude, *, interpret: bool,
 # ----------------------------------------------------------------------------------------------------
 
 
-def _merge_kernel(*refs, kind, K, N, R, bk, bn, nsplit, from_partials, reverse):
+def _merge_kernel(*refs, kind, K, N, R, bk, bn, steps, nsplit, from_partials, reverse):
     nw = _num_weight_refs(kind)
     w_refs = refs[:nw]
     a_ref, b_ref, s_ref = refs[nw:nw + 3]
@@ -457,14 +507,13 @@ def _merge_kernel(*refs, kind, K, N, R, bk, bn, nsplit, from_partials, reverse):
         part_ref, m_ref, vg_ref, n_ref, g_ref, bg_ref = refs[nw + 3:]
     else:
         gin_ref, vg_ref = refs[nw + 3:]
-    nkb, nnb = _cdiv(K, bk), _cdiv(N, bn)
+    rows = bk * steps  # rows per program, in `steps` tiles of bk
+    nkb, nnb = _cdiv(K, rows), _cdiv(N, bn)
     pid = pl.program_id(0)
     if reverse:  # the norm launch read W top to bottom: start where it ended (those tiles are likeliest in L2)
         pid = nkb * nnb - 1 - pid
     kb, nb = pid // nnb, pid % nnb
-    k0 = pl.multiple_of(kb * bk, bk)
     n0 = pl.multiple_of(nb * bn, bn)
-    rmask = _in_bounds(k0, bk, K, K % bk == 0)
     cmask = _in_bounds(n0, bn, N, N % bn == 0)
     if from_partials:
         # g = m / sqrt(sum of the nsplit partial sums), per program (nsplit x bn floats: cheap); row block 0
@@ -479,16 +528,41 @@ def _merge_kernel(*refs, kind, K, N, R, bk, bn, nsplit, from_partials, reverse):
         _backend.store(g_ref.at[pl.ds(n0, bn)], g, mask=first)
     else:
         g = _load(gin_ref.at[pl.ds(n0, bn)], cmask, 1.0).astype(jnp.float32)
-    w = _load(w_refs[0].at[pl.ds(k0, bk), pl.ds(n0, bn)], _mask(rmask, cmask, (bk, bn))).astype(jnp.float32)
-    if kind == "int8":
-        w = w * _load(w_refs[1].at[pl.ds(n0, bn)], cmask, 1.0)[None, :]
-    a = _load(a_ref.at[pl.ds(k0, bk), :], _mask(rmask, None, (bk, R)))
     b = _load(b_ref.at[:, pl.ds(n0, bn)], _mask(None, cmask, (R, bn)))
     if from_partials:
         bg = (b.astype(jnp.float32) * (g * s_ref[0])[None, :]).astype(bg_ref.dtype)
         _backend.store(bg_ref.at[:, pl.ds(n0, bn)], bg, mask=jnp.broadcast_to(first[None, :], (R, bn)))
-    v = (w + s_ref[0] * _backend.dot(a, b)) * g[None, :]
-    _store(vg_ref.at[pl.ds(k0, bk), pl.ds(n0, bn)], v.astype(vg_ref.dtype), _mask(rmask, cmask, (bk, bn)))
+    wscale = _load(w_refs[1].at[pl.ds(n0, bn)], cmask, 1.0)[None, :] if kind == "int8" else None
+    k_start = kb * rows
+
+    def w_tile(i):  # masked past K and past this program's rows (the last step's prefetch fetches nothing)
+        k0 = k_start + i * bk
+        if steps == 1:
+            ok = _in_bounds(k0, bk, K, K % rows == 0)
+        else:
+            ok = jnp.logical_and(k0 + jnp.arange(bk) < K, i < steps)
+        return _load(w_refs[0].at[pl.ds(k0, bk), pl.ds(n0, bn)], _mask(ok, cmask, (bk, bn)))
+
+    def tile(i, w):
+        k0 = pl.multiple_of(k_start + i * bk, bk)
+        rmask = _in_bounds(k0, bk, K, K % rows == 0)
+        w = w.astype(jnp.float32)
+        if kind == "int8":
+            w = w * wscale
+        a = _load(a_ref.at[pl.ds(k0, bk), :], _mask(rmask, None, (bk, R)))
+        v = (w + s_ref[0] * _backend.dot(a, b)) * g[None, :]
+        _store(vg_ref.at[pl.ds(k0, bk), pl.ds(n0, bn)], v.astype(vg_ref.dtype), _mask(rmask, cmask, (bk, bn)))
+
+    if steps == 1:
+        tile(0, w_tile(0))
+        return
+
+    def body(i, w):  # W is no MMA operand: its next tile is loaded by hand one step ahead
+        w_next = w_tile(i + 1)
+        tile(i, w)
+        return w_next
+
+    lax.fori_loop(0, steps, body, w_tile(0))
 
 
 def merge_weight(weight, kind: str, lora_a, lora_b, scale, *, g=None, partials=None, magnitude=None,
@@ -505,9 +579,10 @@ def merge_weight(weight, kind: str, lora_a, lora_b, scale, *, g=None, partials=N
     K, R = lora_a.shape
     N = lora_b.shape[1]
     bk, bn = _tile(K, config.merge_bk), _tile(N, config.merge_bn)
+    steps = max(1, min(config.merge_rows, _pow2(K, bk)) // bk)
     from_partials = partials is not None
     nsplit = partials.shape[0] if from_partials else 0
-    kernel = functools.partial(_merge_kernel, kind=kind, K=K, N=N, R=R, bk=bk, bn=bn, nsplit=nsplit,
+    kernel = functools.partial(_merge_kernel, kind=kind, K=K, N=N, R=R, bk=bk, bn=bn, steps=steps, nsplit=nsplit,
                                from_partials=from_partials, reverse=config.merge_reverse)
     wm = jax.ShapeDtypeStruct((K, N), lora_a.dtype)
     col = jax.ShapeDtypeStruct((N,), jnp.float32)
@@ -516,10 +591,11 @@ def merge_weight(weight, kind: str, lora_a, lora_b, scale, *, g=None, partials=N
     return _backend.triton_call(
         kernel,
         out_shape=(wm, col, col, jax.ShapeDtypeStruct((R, N), lora_b.dtype)) if from_partials else wm,
-        grid=(_cdiv(K, bk) * _cdiv(N, bn),),
+        grid=(_cdiv(K, bk * steps) * _cdiv(N, bn),),
         name="pallas_fused_dora_merge",
         interpret=interpret,
         num_warps=config.merge_warps,
+        num_stages=config.merge_stages,
     )(*args)
 
 
@@ -688,7 +764,7 @@ def epilogue(z, xa, lora_b, g, scale, bias, *, interpret: bool, config: Config =
 # ----------------------------------------------------------------------------------------------------
 
 
-def _cols_kernel(*refs, M, N, R, bt, bn, rows_per_prog, has_bias, finish, prefetch):
+def _cols_kernel(*refs, M, N, R, bt, bn, rows_per_prog, has_bias, finish, prefetch, mma_sums):
     dy_ref, y_ref, xa_ref = refs[:3]
     bias_ref = refs[3] if has_bias else None
     if finish:
@@ -718,20 +794,43 @@ def _cols_kernel(*refs, M, N, R, bt, bn, rows_per_prog, has_bias, finish, prefet
         z = z - bias[None, :] if has_bias else z
         return p, dmz + dy * z, db + dy  # (bt, bn) tiles; reduced over tokens once at the end
 
-    if prefetch:
-        # dy feeds an MMA, so Triton pipelines its load; y does not: load the next step's y tile one step ahead.
-        def body(i, carry):
-            *acc, y = carry
-            y_next = y_tile(i + 1)
-            return (*step(i, *acc, y), y_next)
-    else:
-        def body(i, carry):
-            return step(i, *carry, y_tile(i))
+    def mma_body(i, carry):
+        # Every reduction on the tensor cores: P = xa^T dy, dy^T y (its diagonal: sum_t dy y per column) and
+        # e0^T dy (its row 0: sum_t dy), so dy and y are both MMA operands (pipelined by Triton through shared
+        # memory) and no per-element work is left in registers.
+        p, dyy, cs = carry
+        t0 = pl.multiple_of(t_start + i * bt, bt)
+        m2 = _mask(_in_bounds(t0, bt, M, False), cmask, (bt, bn))
+        dy = _load(dy_ref.at[pl.ds(t0, bt), pl.ds(n0, bn)], m2)
+        y = _load(y_ref.at[pl.ds(t0, bt), pl.ds(n0, bn)], m2)
+        xa = _load(xa_ref.at[pl.ds(t0, bt), :], _mask(_in_bounds(t0, bt, M, False), None, (bt, R)))
+        e0 = jnp.where(jnp.arange(16)[None, :] == 0, 1.0, 0.0).astype(dt) + jnp.zeros((bt, 16), dt)
+        return (p + _backend.dot(xa, dy, trans_a=True), dyy + _backend.dot(dy, y, trans_a=True),
+                cs + _backend.dot(e0, dy, trans_a=True))
 
-    zeros = jnp.zeros((bt, bn), jnp.float32)
-    init = (jnp.zeros((R, bn), jnp.float32), zeros, zeros) + ((y_tile(0),) if prefetch else ())
-    p, dmz, db = lax.fori_loop(0, nsteps, body, init)[:3]
-    dmz, db = jnp.sum(dmz, axis=0), jnp.sum(db, axis=0)
+    if mma_sums:
+        init = (jnp.zeros((R, bn), jnp.float32), jnp.zeros((bn, bn), jnp.float32), jnp.zeros((16, bn), jnp.float32))
+        p, dyy, cs = lax.fori_loop(0, nsteps, mma_body, init)
+        eye = jnp.arange(bn)[:, None] == jnp.arange(bn)[None, :]
+        db = jnp.sum(cs, axis=0)  # rows 1..15 are zeros
+        dmz = jnp.sum(jnp.where(eye, dyy, 0.0), axis=0)  # sum dy (y - bias) = sum dy y - bias sum dy
+        if has_bias:
+            dmz = dmz - bias * db
+    else:
+        if prefetch:
+            # dy feeds an MMA, so Triton pipelines its load; y does not: load the next step's y tile one step ahead.
+            def body(i, carry):
+                *acc, y = carry
+                y_next = y_tile(i + 1)
+                return (*step(i, *acc, y), y_next)
+        else:
+            def body(i, carry):
+                return step(i, *carry, y_tile(i))
+
+        zeros = jnp.zeros((bt, bn), jnp.float32)
+        init = (jnp.zeros((R, bn), jnp.float32), zeros, zeros) + ((y_tile(0),) if prefetch else ())
+        p, dmz, db = lax.fori_loop(0, nsteps, body, init)[:3]
+        dmz, db = jnp.sum(dmz, axis=0), jnp.sum(db, axis=0)
     if finish:  # one program covers every token: the final dB = P g s, dm = sum dy (y - bias) / m, dbias
         gs = _load(gs_ref.at[pl.ds(n0, bn)], cmask)
         _store(p_ref.at[:, pl.ds(n0, bn)], (p * gs[None, :]).astype(p_ref.dtype), _mask(None, cmask, (R, bn)))
@@ -758,7 +857,9 @@ def backward_columns(dy, y, xa, bias, *, interpret: bool, config: Config = DEFAU
     nsplit = _cdiv(M, rows_per_prog)
     in_kernel = finish is not None and nsplit == 1
     kernel = functools.partial(_cols_kernel, M=M, N=N, R=R, bt=bt, bn=bn, rows_per_prog=rows_per_prog,
-                               has_bias=bias is not None, finish=in_kernel, prefetch=config.cols_prefetch)
+                               has_bias=bias is not None, finish=in_kernel, prefetch=config.cols_prefetch,
+                               mma_sums=config.cols_mma_sums and dy.dtype in (jnp.bfloat16, jnp.float16)
+                               and bn >= 64 and bt >= 16)
     args = (dy, y, xa) + ((bias,) if bias is not None else ())
     if in_kernel:
         gs, m, p_dt, dm_dt, db_dt = finish
