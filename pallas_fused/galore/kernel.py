@@ -125,9 +125,13 @@ MEASURED_VARIANT: dict[tuple[int, int, int, str], str] = {
     (4096, 11008, 128, "left"): "hybrid",  # hybrid 0.2243, splitk 0.2254, xla_up 0.3406, fused 0.4481, xla 0.3440
     (4096, 4096, 32, "right"): "hybrid",  # hybrid 0.0710, splitk 0.0710, xla_up 0.1081, xla 0.1089
     (4096, 11008, 32, "left"): "hybrid",  # hybrid 0.1650 (fp32-operand up) / 0.1681, splitk 0.1697, xla 0.2463
-    # call 2: hybrid 0.2665, splitk 0.2965 (xla_up not reached); call 1: xla_up 0.2115, hybrid+best_up 0.2278
+    # call 3 (h200_s3_call3_galore.log, same method): xla_up 0.2113, hybrid 0.2418, splitk 0.3165, xla 0.2171
     (4096, 4096, 512, "right"): "xla_up",
+    (4096, 4096, 256, "right"): "hybrid",  # call 3: hybrid 0.1605, xla_up 0.1702, splitk 0.1824, xla 0.1686
+    (4096, 11008, 256, "left"): "hybrid",  # call 3: hybrid 0.3087, splitk 0.3583, xla_up 0.4439, xla 0.4492
 }
+# Call 3 repeated the rank-128 and rank-32 steps within 1-2% of call 2 (4096^2 r128: hybrid 0.0844 with a 4-warp
+# up configuration; 4096x11008 r128: splitk 0.2275, hybrid 0.2276 with tm 32): the configurations above stay.
 
 
 def _cdiv(a: int, b: int) -> int:
