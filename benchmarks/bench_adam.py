@@ -49,10 +49,9 @@ SWEEP_SECONDS = 90.0
 FP32_SWEEP = [(1024, 4, "volatile"), (4096, 8, "volatile"), (1024, 4, "plain"), (512, 4, "volatile"),
               (4096, 8, "plain"), (2048, 8, "volatile"), (512, 2, "volatile"), (2048, 4, "volatile"),
               (1024, 4, "evict_first")]
-Q8_SWEEP = [("segments", 2, 1, "volatile"), ("table", 1, 1, "volatile"), ("binade", 1, 1, "volatile"),
-            ("binade", 2, 2, "volatile"), ("binade", 2, 1, "plain"), ("binade_arith", 2, 1, "volatile"),
-            ("segments", 1, 1, "volatile"), ("binade", 2, 1, "evict_first"), ("segments_arith", 2, 1, "volatile"),
-            ("binade", 2, 1, "volatile"), ("table", 8, 8, "volatile")]
+Q8_SWEEP = [("binade", 1, 1, "volatile"), ("segments", 1, 1, "volatile"), ("table", 1, 1, "volatile"),
+            ("binade", 1, 2, "volatile"), ("binade", 1, 1, "plain"), ("segments", 1, 2, "volatile"),
+            ("binade", 1, 1, "evict_first"), ("table", 8, 8, "volatile")]
 
 
 def _inplace_step(impl=IMPL):

@@ -30,23 +30,7 @@ issue at a perfect 4 warp-instructions per clock per SM): ~40% the encode's sele
 per decade), ~15% layout conversions through shared memory (8 bar.sync per program at 1 warp, 23 at 2+).
 The "segments" / "binade" kernels (see _q8_lookup_kernel) see a block as a (64, 4) tile, so lookups and
 vector loads share one register layout (0 bar.sync, no shared memory), encode with a few table lookups
-instead of select chains, use `adam_math(fast=True)`, and store the update before requantizing. At 1 warp:
-  variant           rows  regs  bar.sync  instr/elem  lookups/elem  L1 wavefronts / 32 elem (estimate)
-  table                1    91         8       139.0           2  ~20
-  table (8 warps)      8   104        23       165.0           2  ~20
-  segments             1    64         0       101.0           8
-  segments             2    96         0        93.5           8  ~23
-  binade               1    64         0        96.0          10
-  binade               2    95         0        86.5          10  ~26
-  binade_arith         2   136         0       122.0          12  ~20
-  segments_arith       2   105         0       127.5          10
-(no spills anywhere; 2 warps add 5 bar.sync for the cross-warp absmax: binade rows=2 at 2 warps is 103.0;
-a tensor with a partial last block runs the masked body, ~25% more instructions, in its last program only).
-Instruction issue costs instr/elem / 4 cycles per 32 elements per SM (4 warp-instructions per clock); a
-warp-wide lookup costs the L1 one wavefront (~a cycle) per distinct cache line it touches. The estimate
-counts lines for the benchmark's states (scratch simulation): decode m 3.6 (by magnitude), v 6.5, binade
-encode m 4, v 5, segments encode 3 + 3, the streaming accesses 7. So "binade" may be L1-bound at ~26
-cycles where its issue needs ~22, "segments" ~24 either way: the sweep decides.
+instead of select chains, and use `adam_math(fast=True)`: 102 / 92 instructions per element, 72 registers.
 """
 
 from __future__ import annotations
@@ -63,39 +47,38 @@ from pallas_fused.adam.reference import (
     NUM_SCALARS,
     QBLOCK,
     SIGNED_BINADES,
-    SIGNED_DECODE,
     SIGNED_MAP,
     SIGNED_SEGMENTS,
     UNSIGNED_BINADES,
-    UNSIGNED_DECODE,
     UNSIGNED_MAP,
     UNSIGNED_SEGMENTS,
     adam_math,
-    decode_arith,
     encode_binade,
     encode_segments,
-    q8_moments,
-    q8_requantize,
     q8_step,
 )
 
 load, store = _backend.load, _backend.store
 
-# Defaults from the H200 sweep of session 2 (benchmarks/results/logs/h200_s2_rotary_adam_dora.log), 105M params:
-# fp32 1.340 ms (b1024 w4 volatile) against 1.395 for the old b4096 w8 evict_first; 8-bit 0.931 ms (1 row,
-# 1 warp, volatile) against 0.980 for 8 rows x 8 warps. Both stay short of XLA's fp32 step (0.947 ms).
+# Defaults from the H200 sweeps, 105M params in place (session 3's timing: the step returns (params, state), so no
+# gradient copies are timed; benchmarks/results/logs/h200_s3_call2_adam.log): fp32 b1024 w4 volatile 0.7223 ms,
+# at the measured HBM ceiling (XLA's fused step 0.7205, torch fused AdamW 0.8517); 8-bit "binade" 1 block per
+# program, 1 warp, volatile 0.4844 ms ("segments" 0.4957, the session-2 "table" kernel 0.7113). A later revision of
+# the lookup kernels (2 blocks per program, m decoded by magnitude, the update stored before requantizing; 86.5
+# instead of 96 SASS instructions per element) measured 0.69 ms for every lookup variant in session 3's call 3
+# (h200_s3_call3_adam.log) and was set aside: fewer instructions did not mean faster here.
 BLOCK = 1024  # elements per program, fp32-state kernels
 NUM_WARPS = 4
-QROWS = 2  # quantization blocks (rows of 256) per program, 8-bit kernels (1 or 2 for the lookup variants)
+QROWS = 1  # quantization blocks (rows of 256) per program, 8-bit kernels
 Q_NUM_WARPS = 1
 # How streaming loads are issued (see the module docstring); read at call time so a benchmark can sweep them.
 LOAD_MODES = ("evict_first", "plain", "volatile")
 LOAD_MODE = "volatile"
 Q_LOAD_MODE = "volatile"
-# 8-bit kernel variant (see adam_q8): "segments" / "binade" (1 or 2 blocks per program as (64, 4) tiles,
-# encode by table lookups, see _q8_lookup_kernel), the same with "_arith" (decode by `decode_arith` instead
-# of a 256-entry table lookup), or "table" (the session-2 kernel: rows of 256, encode by select chains).
-Q_VARIANTS = ("segments", "binade", "table", "segments_arith", "binade_arith")
+# 8-bit kernel variant (see adam_q8): "segments" / "binade" (one block per program as a (64, 4) tile,
+# encode by table lookups, see _q8_lookup_kernel) or "table" (the session-2 kernel: rows of 256, encode by
+# select chains).
+Q_VARIANTS = ("segments", "binade", "table")
 Q_VARIANT = "binade"
 
 
@@ -251,8 +234,8 @@ def adam_q8(s, g, mc, ma, vc, va, p=None, *, inplace: bool, interpret: bool, row
     Returns (update or p, mc, ma, vc, va); with inplace=True the outputs are written over p and the
     state operands (donate them under jit). rows / num_warps / load_mode / variant default to QROWS /
     Q_NUM_WARPS / Q_LOAD_MODE / Q_VARIANT (read at call time). Both variants compute the same codes
-    (`encode_segments` / `encode_binade` are `encode` bit for bit); the lookup variants handle 1 or 2
-    blocks per program (more costs registers for nothing: 255 at 4), 1 when the number of blocks is odd.
+    (`encode_segments` / `encode_binade` are `encode` bit for bit); "segments" and "binade" handle one block
+    per program (rows must be 1).
     """
     load_mode = _check_mode(load_mode or Q_LOAD_MODE)
     variant = variant or Q_VARIANT
@@ -260,10 +243,9 @@ def adam_q8(s, g, mc, ma, vc, va, p=None, *, inplace: bool, interpret: bool, row
         raise ValueError(f"variant: expected one of {Q_VARIANTS}, got {variant!r}")
     rows = rows or QROWS
     if variant != "table":
-        if rows not in (1, 2):
-            raise ValueError(f"rows: the {variant!r} variant handles 1 or 2 blocks per program, got rows={rows}")
-        rows = rows if ma.shape[0] % rows == 0 else 1  # an odd number of blocks: one per program, no row mask
-        return _adam_q8_lookup(s, g, mc, ma, vc, va, p, inplace=inplace, interpret=interpret, rows=rows,
+        if rows != 1:
+            raise ValueError(f"rows: the {variant!r} variant handles one block per program, got rows={rows}")
+        return _adam_q8_lookup(s, g, mc, ma, vc, va, p, inplace=inplace, interpret=interpret,
                                num_warps=num_warps or Q_NUM_WARPS, u_dtype=u_dtype, load_mode=load_mode,
                                variant=variant)
     return _adam_q8(s, g, mc, ma, vc, va, p, inplace=inplace, interpret=interpret, rows=rows,
@@ -307,16 +289,13 @@ def _adam_q8(s, g, mc, ma, vc, va, p, *, inplace, interpret, rows, num_warps, u_
 # conversion at all, so the encoder can afford lookups too. The two differ in the encoder:
 # - "segments": `encode_segments` (3 lookups per code: binade, coef_a, coef_c; abs, clip and sign in ALU),
 # - "binade": `encode_binade` (5 lookups: bound, coef_a, coef_c, top, magic; ~6 instructions fewer).
-# Lookups are cheap in instructions but each warp-wide lookup costs the L1 one cycle per distinct cache line
-# it touches: the 256-entry decode maps touch up to 8, the binade tables 1-2 per sign, the segment tables 1.
-# "_arith" decodes with two lookups of a 16-entry table (one line) and ~9 more instructions per moment.
 # Tables: one fp32 operand (the two decode maps, then the encoders' fp32 tables) and one int32 operand.
 
 
 def _q8_tables(variant):
-    """(fp32 table, int32 table, fp32 offsets (the two decode maps, then each map's encoder tables, then the
-    `DecodeTables` hi, lo of each map), int32 offsets (each map's))."""
-    if variant.startswith("segments"):
+    """(fp32 table, int32 table, fp32 offsets (the two decode maps, then each map's encoder tables),
+    int32 offsets (each map's))."""
+    if variant == "segments":
         m, v = SIGNED_SEGMENTS, UNSIGNED_SEGMENTS
         fparts = [m.coef_a, m.coef_c, v.coef_a, v.coef_c]
         iparts = [m.binade, v.binade]
@@ -324,7 +303,7 @@ def _q8_tables(variant):
         m, v = SIGNED_BINADES, UNSIGNED_BINADES
         fparts = [m.coef_a, m.coef_c, m.top, m.magic, v.coef_a, v.coef_c, v.top, v.magic]
         iparts = [m.bound, v.bound]
-    fparts = [SIGNED_MAP.table, UNSIGNED_MAP.table] + fparts + list(SIGNED_DECODE) + list(UNSIGNED_DECODE)
+    fparts = [SIGNED_MAP.table, UNSIGNED_MAP.table] + fparts
     foffs = np.cumsum([0] + [x.size for x in fparts])[:-1].tolist()
     ioffs = np.cumsum([0] + [x.size for x in iparts])[:-1].tolist()
     f = np.concatenate(fparts).astype(np.float32)
@@ -332,7 +311,7 @@ def _q8_tables(variant):
     return jnp.asarray(f), jnp.asarray(i), foffs, ioffs
 
 
-def _q8_lookup_kernel(*refs, n, rows, has_p, inplace, load_mode, variant):
+def _q8_lookup_kernel(*refs, n, has_p, inplace, load_mode, variant):
     if inplace:
         (s_ref, f_ref, i_ref, p_ref, g_ref, mc_ref, ma_ref, vc_ref, va_ref,
          out_ref, mc_out, ma_out, vc_out, va_out) = refs
@@ -343,80 +322,43 @@ def _q8_lookup_kernel(*refs, n, rows, has_p, inplace, load_mode, variant):
         (s_ref, f_ref, i_ref, g_ref, mc_ref, ma_ref, vc_ref, va_ref,
          out_ref, mc_out, ma_out, vc_out, va_out) = refs
         p_ref = None
-    # A (64, 4, rows) tile: element (i, j, r) is element 4 i + j of the program's block r. The block axis
-    # last keeps thread t on rows t and t + 32 of every block, in the vector and the lookup layouts alike.
-    # (idx built from the program's first element, not from `row`: this form compiles to 93 registers instead of
-    # 128 at rows=2, and fewer instructions.)
-    row = pl.program_id(0) * rows + jnp.arange(rows)
-    idx = (pl.program_id(0) * (rows * QBLOCK) + (jnp.arange(QBLOCK // 4) * 4)[:, None, None]
-           + jnp.arange(4)[None, :, None] + (jnp.arange(rows) * QBLOCK)[None, None, :])
-    # rows divides nb (see adam_q8), so only a partial last block needs masks (n is static). Masks cost ~25%
-    # more instructions, so the last program alone takes the masked branch.
-    if n % QBLOCK == 0:
-        _q8_lookup_body(None, s_ref, f_ref, i_ref, p_ref, g_ref, mc_ref, ma_ref, vc_ref, va_ref,
-                        out_ref, mc_out, ma_out, vc_out, va_out, row=row, idx=idx, inplace=inplace,
-                        load_mode=load_mode, variant=variant)
-    else:
-        def branch(masked):
-            def run():
-                _q8_lookup_body(idx < n if masked else None, s_ref, f_ref, i_ref, p_ref, g_ref, mc_ref, ma_ref,
-                                vc_ref, va_ref, out_ref, mc_out, ma_out, vc_out, va_out, row=row, idx=idx,
-                                inplace=inplace, load_mode=load_mode, variant=variant)
-            return run
-
-        jax.lax.cond(pl.program_id(0) == pl.num_programs(0) - 1, branch(True), branch(False))
-
-
-def _q8_lookup_body(mask, s_ref, f_ref, i_ref, p_ref, g_ref, mc_ref, ma_ref, vc_ref, va_ref,
-                    out_ref, mc_out, ma_out, vc_out, va_out, *, row, idx, inplace, load_mode, variant):
+    b = pl.program_id(0)
+    idx = b * QBLOCK + (jnp.arange(QBLOCK // 4) * 4)[:, None] + jnp.arange(4)[None, :]
+    mask = None if n % QBLOCK == 0 else idx < n  # no mask when the blocks are full (n is static)
     s = _scalars(s_ref)
     _, _, foffs, ioffs = _q8_tables(variant)
 
     def lookup(ref, offset):
         return lambda i: load(ref.at[i + offset], eviction_policy="evict_last")
 
-    def absmax(ref):
-        return load(ref.at[row])[None, None, :]
-
     p = None if p_ref is None else _stream_load(p_ref, idx, mask, 0.0, load_mode).astype(jnp.float32)
     g = _stream_load(g_ref, idx, mask, 0.0, load_mode).astype(jnp.float32)
     mc = _stream_load(mc_ref, idx, mask, 0, load_mode).astype(jnp.int32)
     vc = _stream_load(vc_ref, idx, mask, 0, load_mode).astype(jnp.int32)
-    if variant.endswith("_arith"):
-        m = decode_arith(mc, True, lookup(f_ref, foffs[-4]), lookup(f_ref, foffs[-3]))
-        v = decode_arith(vc, False, lookup(f_ref, foffs[-2]), lookup(f_ref, foffs[-1]))
-    else:
-        # m by magnitude (the map's first half) and sign bit: a warp's lookups touch half as many cache lines.
-        mag = jax.lax.bitcast_convert_type(lookup(f_ref, foffs[0])(mc & 127), jnp.int32)
-        m = jax.lax.bitcast_convert_type(mag | ((mc & 128) << 24), jnp.float32)  # table[c] bit for bit
-        v = lookup(f_ref, foffs[1])(vc)
-    m, v = m * absmax(ma_ref), v * absmax(va_ref)
-    if variant.startswith("segments"):
+    m = lookup(f_ref, foffs[0])(mc) * ma_ref[b]
+    v = lookup(f_ref, foffs[1])(vc) * va_ref[b]
+    if variant == "segments":
         fm, fv = [[lookup(f_ref, o) for o in foffs[k:k + 2]] for k in (2, 4)]
-        # v >= 0 needs no abs: v * inv_absmax goes straight in (-0 reads the code-0 half of the binade table).
-        kw = {"encoders": (lambda a: encode_segments(a, lookup(i_ref, ioffs[0]), *fm), None),
-              "signed_encoders": (None, lambda a: encode_segments(a, lookup(i_ref, ioffs[1]), *fv))}
+        encoders = (lambda a: encode_segments(a, lookup(i_ref, ioffs[0]), *fm),
+                    lambda a: encode_segments(a, lookup(i_ref, ioffs[1]), *fv))
+        kw = {"encoders": encoders}
     else:
-        # m: |m| * inv_absmax through the positive half of its tables (one cache line per warp, not one per
-        # sign) and the sign by `encode_signed`; v >= 0 needs no abs. Both: magic = the constant 2**23.
-        fm, fv = [[lookup(f_ref, o) for o in foffs[k:k + 3]] + [None] for k in (2, 6)]
-        kw = {"encoders": (lambda a: encode_binade(a, lookup(i_ref, ioffs[0]), *fm), None),
-              "signed_encoders": (None, lambda a: encode_binade(a, lookup(i_ref, ioffs[1]), *fv))}
-    u, m_new, v_new = q8_moments(g, m, v, p, s, mask)
-    # The update is stored before the requantization: fewer values (the `ok` predicates) live across it.
-    out = p + u if inplace else u
-    store(out_ref.at[idx], out.astype(out_ref.dtype), mask=mask)
-    ma_new, va_new, mc_new, vc_new = q8_requantize(m_new, v_new, axis=(0, 1), **kw)
-    # Codes are stored for whole blocks, the padding past the tensor's end included.
+        fm, fv = [[lookup(f_ref, o) for o in foffs[k:k + 4]] for k in (2, 6)]
+        signed = (lambda a: encode_binade(a, lookup(i_ref, ioffs[0]), *fm),
+                  lambda a: encode_binade(a, lookup(i_ref, ioffs[1]), *fv))
+        kw = {"signed_encoders": signed}
+    u, ma_new, va_new, mc_new, vc_new = q8_step(g, m, v, p, s, mask, axis=None, **kw)
+    # The grid covers whole blocks: codes are stored unmasked, the padding past the tensor's end included.
     store(mc_out.at[idx], mc_new.astype(jnp.uint8))
     store(vc_out.at[idx], vc_new.astype(jnp.uint8))
-    store(ma_out.at[row], ma_new)
-    store(va_out.at[row], va_new)
+    ma_out[b] = ma_new
+    va_out[b] = va_new
+    out = p + u if inplace else u
+    store(out_ref.at[idx], out.astype(out_ref.dtype), mask=mask)
 
 
-@functools.partial(jax.jit, static_argnames=("inplace", "interpret", "rows", "num_warps", "u_dtype", "load_mode",
-                                             "variant"))
-def _adam_q8_lookup(s, g, mc, ma, vc, va, p, *, inplace, interpret, rows, num_warps, u_dtype, load_mode, variant):
+@functools.partial(jax.jit, static_argnames=("inplace", "interpret", "num_warps", "u_dtype", "load_mode", "variant"))
+def _adam_q8_lookup(s, g, mc, ma, vc, va, p, *, inplace, interpret, num_warps, u_dtype, load_mode, variant):
     n = g.shape[0]
     nb = ma.shape[0]
     has_p = p is not None
@@ -430,12 +372,12 @@ def _adam_q8_lookup(s, g, mc, ma, vc, va, p, *, inplace, interpret, rows, num_wa
         operands = (s, ftab, itab, g, mc, ma, vc, va) + ((p,) if has_p else ())
         out_shape = (jax.ShapeDtypeStruct(g.shape, u_dtype or g.dtype),) + state_shapes
         aliases = STATE_ALIASES
-    kernel = functools.partial(_q8_lookup_kernel, n=n, rows=rows, has_p=has_p, inplace=inplace,
-                               load_mode=load_mode, variant=variant)
+    kernel = functools.partial(_q8_lookup_kernel, n=n, has_p=has_p, inplace=inplace, load_mode=load_mode,
+                               variant=variant)
     return _backend.triton_call(
         kernel,
         out_shape=out_shape,
-        grid=(nb // rows,),
+        grid=(nb,),
         name="pallas_fused_adam8bit_step" if inplace else "pallas_fused_adam8bit_update",
         interpret=interpret,
         num_warps=num_warps,

@@ -25,9 +25,8 @@ decades; so small and large magnitudes both keep ~2-3 significant digits.
 
 Encoding is arithmetic (no search): the decade is found by comparing with the fixed midpoints between
 decades, the index inside it by one multiply-add and a floor; decoding is a 256-entry table lookup.
-`encode` is the definition. For the kernels, `encode_segments` and `encode_binade` compute the same codes
-bit for bit with a few small table lookups instead of a compare-and-select chain per decade (checked on
-every fp32 in [0, 1]), and `decode_arith` the table's values by arithmetic (checked on every code).
+`encode` is the definition; `encode_segments` computes the same codes (bit for bit) with three small
+table lookups instead of a compare-and-select chain per decade, for the kernels (see `SegmentTables`).
 """
 
 from __future__ import annotations
@@ -55,22 +54,19 @@ def adam_math(g, m, v, p, s, *, fast=False):
     `ok` is False where the new moments are not finite (a non-finite gradient, or g*g overflowing):
     callers keep the old parameter and moments there, so a bad gradient never poisons the state.
     fast=True (the 8-bit kernels, whose quantization error dwarfs an ulp) trades ulps for instructions:
-    the bias corrections are multiplied by their reciprocals and -lr is folded into the per-program
-    scalars (-lr / bc1, -lr * wd), the division by d = sqrt(vhat + eps_root) + eps is a multiply by
-    rsqrt(d * d) (a few ulps; Triton's fp32 division is ~8 instructions with its range fix-ups), and one
-    test m_new**2 + v_new < inf replaces the two finiteness tests (v_new >= 0; it overflows only where
-    |m_new| > 1.8e19, where skipping the step is as good).
+    the bias corrections are multiplied by their reciprocals (computed once per program), the
+    division by d = sqrt(vhat + eps_root) + eps is a multiply by rsqrt(d * d) (a few ulps; Triton's
+    fp32 division is ~8 instructions with its range fix-ups), and one test v_new + |m_new| < inf
+    replaces the two finiteness tests (v_new >= 0; the sum overflows only where the moments are ~1e38,
+    where skipping the step is as good).
     """
     neg_lr, b1, omb1, b2, omb2, eps, eps_root, wd, bc1, bc2 = (s[i] for i in range(NUM_SCALARS))
     m_new = omb1 * g + b1 * m
     v_new = omb2 * (g * g) + b2 * v
     if fast:
         d = jnp.sqrt(v_new * (1.0 / bc2) + eps_root) + eps
-        u = (m_new * (neg_lr / bc1)) * jax.lax.rsqrt(d * d)
-        if p is not None:
-            u = u + (neg_lr * wd) * p
-        ok = m_new * m_new + v_new < jnp.inf
-        return u, m_new, v_new, ok
+        u = (m_new * (1.0 / bc1)) * jax.lax.rsqrt(d * d)
+        ok = v_new + jnp.abs(m_new) < jnp.inf
     else:
         u = (m_new / bc1) / (jnp.sqrt(v_new / bc2 + eps_root) + eps)
         # |x| < inf is isfinite(x) (NaN compares false) in two instructions; Triton lowers isfinite to ~10.
@@ -184,6 +180,7 @@ def encode_signed(x, inv_absmax, dmap: DynamicMap, encode_fn=None, signed_fn=Non
     return code
 
 
+
 # ----------------------------------------------------------------------------------------------
 # The same encoder by table lookups (for the kernels)
 
@@ -200,14 +197,14 @@ class SegmentTables(NamedTuple):
     boundary inside it (bits 0..23; 2**23, never reached, if none): s = (t >> 24) + (mantissa >= (t & 0xFFFFFF)).
     """
 
-    binade: np.ndarray  # (512,) int32, indexed by the sign and biased exponent of a (negative a: code 0)
+    binade: np.ndarray  # (256,) int32, indexed by the biased exponent of a
     coef_a: np.ndarray  # (16,) fp32, indexed by segment (zero padded)
     coef_c: np.ndarray  # (16,) fp32
 
 
 def _segment_tables(dmap: DynamicMap) -> SegmentTables:
     cuts = [int(np.float32(b).view(np.uint32)) for b in (*dmap.bounds, dmap.one_bound)]
-    binade = np.full(512, 1 << 23, np.int64)  # e >= 256 (negative a, only -0 in practice): segment 0
+    binade = np.zeros(256, np.int64)
     for e in range(256):
         start, stop = e << 23, (e + 1) << 23
         inside = [c for c in cuts if start < c < stop]
@@ -236,12 +233,11 @@ def encode_segments(a, binade, coef_a, coef_c):
     binade / coef_a / coef_c are lookups: functions from an int32 index array to the table's values
     (jnp indexing here; loads from a table operand in the kernels)."""
     bits = jax.lax.bitcast_convert_type(a, jnp.int32)
-    t = binade(jax.lax.shift_right_logical(bits, 23))
+    t = binade(bits >> 23)
     seg = (t >> 24) + ((bits & 0x7FFFFF) >= (t & 0xFFFFFF)).astype(jnp.int32)
-    # floor(t) + 2**23 is exact and its fp32 bits are 0x4B000000 + floor(t): the clip and the conversion in
-    # integer ops, without the clamps of a float-to-int conversion (t >= 0 in every segment).
-    code = jax.lax.bitcast_convert_type(jnp.floor(a * coef_a(seg) + coef_c(seg)) + 2.0**23, jnp.int32)
-    return jnp.minimum(code, (0x4B000000 - 2) + (2 << seg)) & 0xFF
+    # a * A + C >= 0 in every segment, so truncation is the floor of `encode`.
+    code = (a * coef_a(seg) + coef_c(seg)).astype(jnp.int32)
+    return jnp.minimum(code, (2 << seg) - 2)
 
 
 def table_lookups(tables):
@@ -307,74 +303,8 @@ def encode_binade(a, bound, coef_a, coef_c, top, magic):
     e = jax.lax.shift_right_logical(bits, jnp.uint32(23)).astype(jnp.int32)
     up = bits >= jax.lax.bitcast_convert_type(bound(e), jnp.uint32)
     i = 2 * e + up.astype(jnp.int32)
-    # magic=None: the constant 2**23 (the unsigned map's table is all 2**23), one lookup fewer.
-    code = jnp.minimum(jnp.floor(a * coef_a(i) + coef_c(i)), top(i)) + (2.0**23 if magic is None else magic(i))
+    code = jnp.minimum(jnp.floor(a * coef_a(i) + coef_c(i)), top(i)) + magic(i)
     return jax.lax.bitcast_convert_type(code, jnp.int32) & 0xFF
-
-
-
-class DecodeTables(NamedTuple):
-    """The map's values by arithmetic, for kernels where a 256-entry table lookup costs too much (it touches
-    up to 8 cache lines per warp). Code c (magnitude k = c, or c & 127 with the sign in bit 7) sits in decade
-    e = floor(log2(k + 1)) (e = 0: zero; the top e: 1.0), and its value is M * r_e with the integer
-    M = 18 k + 27 - 16 * 2**e (the map's values are 10**(d-7) (2n + 9 (2j + 1)) / (2n) for the j-th of n
-    values in decade d). r_e = hi[i] + lo[i], i = e (+ 8 for negative codes), with hi rounded to 12 bits so
-    that M * hi is exact: M * hi + M * lo rounds once, to the table's value (checked for every code,
-    with and without FMA contraction)."""
-
-    hi: np.ndarray  # (16,) fp32
-    lo: np.ndarray  # (16,) fp32
-
-
-def _decode_tables(dmap: DynamicMap) -> DecodeTables:
-    from fractions import Fraction
-
-    def round12(x):
-        if x == 0:
-            return Fraction(0)
-        e = 0
-        while abs(x) / 2**e >= 2:
-            e += 1
-        while abs(x) / Fraction(2) ** e < 1:
-            e -= 1
-        scale = Fraction(2) ** (11 - e)
-        return Fraction(round(x * scale)) / scale
-
-    hi, lo = np.zeros(16, np.float32), np.zeros(16, np.float32)
-    top = 7 if dmap.signed else 8  # the decade index of 1.0
-    for e in range(1, top + 1):
-        if e == top:  # 1.0 = M / M
-            k = dmap.one_code
-            r = Fraction(1, 18 * k + 27 - 16 * 2**e)
-        else:
-            d = e if dmap.signed else e - 1
-            r = Fraction(10) ** (d - 7) / 2 ** (e + 1)
-        h = round12(r)
-        hi[e], lo[e] = float(h), float(r - h)
-    if dmap.signed:
-        hi[8:], lo[8:] = -hi[:8], -lo[:8]
-    # every code decodes to its table value
-    codes = np.arange(256)
-    mag = codes & 127 if dmap.signed else codes
-    e = np.floor(np.log2(mag + 1)).astype(np.int64)
-    i = e + np.where(codes >= 128, 8, 0) if dmap.signed else e
-    m = (18 * mag + 27 - 16 * 2**e).astype(np.float32)
-    assert np.array_equal(m * hi[i] + m * lo[i], dmap.table), dmap.signed
-    return DecodeTables(hi, lo)
-
-
-SIGNED_DECODE = _decode_tables(SIGNED_MAP)
-UNSIGNED_DECODE = _decode_tables(UNSIGNED_MAP)
-
-
-def decode_arith(codes, signed: bool, hi, lo):
-    """The map's value of each int32 code (0..255) from its `DecodeTables`: `table[codes]` bit for bit.
-    hi / lo are lookups (functions from an int32 index array to the table's values)."""
-    mag = codes & 127 if signed else codes
-    e = 31 - jax.lax.clz(mag + 1)
-    i = e | ((codes >> 4) & 8) if signed else e
-    m = (18 * mag + 27 - (16 << e)).astype(jnp.float32)
-    return m * hi(i) + m * lo(i)
 
 
 def block_inv_absmax(absmax):
@@ -409,31 +339,25 @@ def dequantize_blockwise(codes, absmax, shape, signed: bool):
 def q8_step(g, m, v, p, s, valid, *, axis=1, encoders=(None, None), signed_encoders=(None, None)):
     """The 8-bit step on fp32 tiles, shared by the kernels and the reference: Adam on the dequantized
     moments (elements whose new moments are not finite keep the old ones, update 0), then each block's
-    new absmax and codes. `valid` masks elements past the tensor's end (None: all valid). Blocks are
-    reduced over `axis`: 1 for a (blocks, 256) tile, (0, 1) for the kernels' (64, 4, blocks) tiles.
-    encoders / signed_encoders: the `encode_fn` / `signed_fn` of `encode_signed` for m and v (None: `encode`).
-    Returns (update, m_absmax, v_absmax, m_codes, v_codes); codes are int32, absmaxes (blocks,)."""
-    u, m_new, v_new = q8_moments(g, m, v, p, s, valid)
-    return (u,) + q8_requantize(m_new, v_new, axis=axis, encoders=encoders, signed_encoders=signed_encoders)
-
-
-def q8_moments(g, m, v, p, s, valid):
-    """The Adam half of `q8_step`: (update, m_new, v_new) with non-finite steps (and invalid elements)
-    replaced by update 0 and the old moments (zeros past the tensor's end)."""
+    new absmax and codes. `valid` masks elements past the tensor's end (None: all valid). A block is a
+    row of a (blocks, 256) tile (axis=1) or the whole tile (axis=None). encoders / signed_encoders: the
+    `encode_fn` / `signed_fn` of `encode_signed` for m and v (None: `encode`).
+    Returns (update, m_absmax, v_absmax, m_codes, v_codes); codes are int32, absmaxes (blocks,) or scalars."""
     u, m_new, v_new, ok = adam_math(g, m, v, p, s, fast=True)
     if valid is not None:
         ok = ok & valid
         m, v = jnp.where(valid, m, 0.0), jnp.where(valid, v, 0.0)
-    return jnp.where(ok, u, 0.0), jnp.where(ok, m_new, m), jnp.where(ok, v_new, v)
-
-
-def q8_requantize(m_new, v_new, *, axis=1, encoders=(None, None), signed_encoders=(None, None)):
-    """The quantization half of `q8_step`: (m_absmax, v_absmax, m_codes, v_codes)."""
-    ma_new = jnp.max(jnp.abs(m_new), axis=axis, keepdims=True)
-    va_new = jnp.max(v_new, axis=axis, keepdims=True)
+    m_new = jnp.where(ok, m_new, m)
+    v_new = jnp.where(ok, v_new, v)
+    u = jnp.where(ok, u, 0.0)
+    keep = axis is not None
+    ma_new = jnp.max(jnp.abs(m_new), axis=axis, keepdims=keep)
+    va_new = jnp.max(v_new, axis=axis, keepdims=keep)
     mc_new = encode_signed(m_new, block_inv_absmax(ma_new), SIGNED_MAP, encoders[0], signed_encoders[0])
     vc_new = encode_signed(v_new, block_inv_absmax(va_new), UNSIGNED_MAP, encoders[1], signed_encoders[1])
-    return ma_new.squeeze(axis), va_new.squeeze(axis), mc_new, vc_new
+    if keep:
+        ma_new, va_new = ma_new.squeeze(axis), va_new.squeeze(axis)
+    return u, ma_new, va_new, mc_new, vc_new
 
 
 def adam_leaf_reference_q8(g, mc, ma, vc, va, s, p=None, *, inplace=False, u_dtype=None):

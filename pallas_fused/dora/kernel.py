@@ -109,10 +109,12 @@ class Config:
     quant_swap_ab: bool = False  # int8/NF4 forward: dequantised W as the left MMA operand (untimed option)
     norm_bn: int = 64  # column norm: columns per program
     norm_bk: int = 64  # column norm: rows per loop step
-    norm_rows: int = 128  # column norm: rows per program (split-K; partial sums reduced after)
+    norm_rows: int = 512  # column norm: rows per program (split-K; partial sums reduced after)
     norm_warps: int = 4
     norm_stages: int = 2
-    norm_prefetch: bool = False  # "direct": load the next W tile into registers one step ahead (sweep rows "direct+pf")
+    norm_prefetch: bool = True  # "direct": load the next W tile into registers one step ahead (sweep rows "direct+pf")
+    # "direct" defaults: H200 session 3 call 3 (h200_s3_call3_dora.log), 4096 -> 11008 r64, amortized over 4 W:
+    # direct+pf bn64 bk64 rows512 w4 s2 0.0432 ms against 0.0606 for the old rows128 without prefetch (XLA 0.0949).
     # "expand": sum W^2 + 2 s sum_r B (A^T W) + s^2 B^T (A^T A) B, so W is an MMA operand (pipelined by
     # cp.async) and never meets the A B tile in registers; dense bf16/fp16 and int8 weights only (fp32
     # weights and NF4 keep "direct": (W + s A B)^2 tile by tile).
@@ -125,7 +127,7 @@ class Config:
     xnorm_bn: int = 64  # "expand" mode: columns per program
     xnorm_bk: int = 128  # ... rows per loop step
     xnorm_rows: int = 1024  # ... rows per program (>= in features: one program per column block, g fused)
-    xnorm_warps: int = 8
+    xnorm_warps: int = 4  # call 3: bn64 bk128 rows1024 4 warps 0.0167 ms at 4096^2 r16 (8 warps 0.0226; XLA 0.0511)
     xnorm_stages: int = 3
     expand_max_rank: int = 32  # above this (padded) rank the column norm uses "direct"
     # "expand" at (padded) rank >= this: A^T A computed once by XLA (one small extra launch) and passed in, instead
@@ -134,9 +136,10 @@ class Config:
     # "expand": sum of W^2 per column as diag(W^T W) on the tensor cores instead of a convert + FMA per element in
     # registers. By the compiled loop (ptxas, sm_90a, default tiles): 191 instead of 238 PTX instructions per thread
     # per 16 KiB of W (137 with the Gram matrix passed in), where ~240 need ~60% of an SM's issue rate at HBM speed.
-    # Untimed (the sweep's "expand+mma" rows against "expand" decide). Only at xnorm_bn >= 64: below, Triton takes
-    # mma.sync for the (bn, bn) product and no longer pipelines W (compiled: no cp.async).
-    xnorm_mma_squares: bool = True
+    # Only at xnorm_bn >= 64: below, Triton takes mma.sync for the (bn, bn) product and no longer pipelines W.
+    # Measured slower (call 3, 4096^2 r16: best "expand+mma" 0.0241 ms against 0.0167 with squares in registers;
+    # merged forward 0.2329 against 0.2268): off by default.
+    xnorm_mma_squares: bool = False
     # gemm="merged": form (W + s A B) g inside the column-norm launch (one program per column strip, over all
     # rows; tiles xnorm_*) instead of the merge launch. Session 2: slower than two launches at every shape.
     merge_in_norm: bool = False
@@ -149,7 +152,9 @@ class Config:
     mnorm_rows: int = 1024
     # merge_weight tiles: (W rows, W columns) per program; H200 session 2, as the epilogue kernel forming the
     # merged weight: 128 x 64 with 4 warps was the fastest of 4 tilings at 4096 -> 4096 (0.2261 ms layer forward).
-    merge_bk: int = 128
+    # Call 3: 64 x 64 took 0.2320 / 0.5914 ms (layer forward, 4096 tokens, r16 / 4096 -> 11008 r64) against
+    # 0.2329 / 0.6142 for 128 x 64.
+    merge_bk: int = 64
     merge_bn: int = 64
     merge_warps: int = 4
     merge_rows: int = 128  # rows per program (merge_bk per step; g, B and the partial sums loaded once per program)
