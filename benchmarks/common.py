@@ -152,15 +152,19 @@ def device_slug() -> str:
 
 
 def write_results(rec: Recorder, ops: list[str], out_dir: str | os.PathLike | None = None) -> Path:
-    """Merge this run's rows into results/<device>.json (rows of ops not run this time are kept)."""
+    """Merge this run's rows into results/<device>.json (rows it did not measure again are kept)."""
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     path = RESULTS_DIR / f"{device_slug()}.json"
     old = json.loads(path.read_text()) if path.exists() else {"rows": []}
-    kept = [r for r in old.get("rows", []) if r["op"] not in ops]
+    # A row is replaced by this run's row of the same (op, case, impl): a run of some sections (or a run cut
+    # short) keeps the rows it did not measure again.
+    measured = {(r.op, r.case, r.impl) for r in rec.rows}
+    kept = [r for r in old.get("rows", []) if (r["op"], r["case"], r["impl"]) not in measured]
     run = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "jax": jax.__version__, "ops": list(ops),
            "ceilings": asdict(rec.ceilings)}
     # Each run's ceilings are kept beside the ops it measured: rows' % figures are of their own run's.
-    runs = [r for r in old.get("runs", []) if set(r["ops"]) - set(ops)] + [run]
+    live = {r.get("run") for r in kept}
+    runs = [r for r in old.get("runs", []) if r["date"] in live] + [run]
     doc = {
         "device": jax.devices()[0].device_kind,
         "method": "median of reps of mean wall time of n async calls (peers_jax.py method)",
