@@ -186,17 +186,33 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _q8_kernel(*refs, n, nb, rows, has_p, inplace, load_mode):
+def _q8_refs(refs, inplace, has_p):
+    """The 8-bit kernels' refs in one order: (scalars, two tables, p or None, g, mc, ma, vc, va, then the five
+    outputs). The operands arrive as the launchers pass them: p first in place, last (or absent) otherwise."""
     if inplace:
-        (s_ref, smap_ref, umap_ref, p_ref, g_ref, mc_ref, ma_ref, vc_ref, va_ref,
-         out_ref, mc_out, ma_out, vc_out, va_out) = refs
+        s, t1, t2, p, g, *rest = refs
     elif has_p:
-        (s_ref, smap_ref, umap_ref, g_ref, mc_ref, ma_ref, vc_ref, va_ref, p_ref,
-         out_ref, mc_out, ma_out, vc_out, va_out) = refs
+        s, t1, t2, g, mc, ma, vc, va, p, *outs = refs
+        rest = [mc, ma, vc, va, *outs]
     else:
-        (s_ref, smap_ref, umap_ref, g_ref, mc_ref, ma_ref, vc_ref, va_ref,
-         out_ref, mc_out, ma_out, vc_out, va_out) = refs
-        p_ref = None
+        s, t1, t2, g, *rest = refs
+        p = None
+    return (s, t1, t2, p, g, *rest)
+
+
+def _q8_launch_args(tables, s, g, mc, ma, vc, va, p, inplace, u_dtype):
+    """(operands, out_shape, input_output_aliases) of an 8-bit launch, in the order `_q8_refs` reads."""
+    state_shapes = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (mc, ma, vc, va))
+    if inplace:
+        return ((s, *tables, p, g, mc, ma, vc, va), (jax.ShapeDtypeStruct(p.shape, p.dtype),) + state_shapes,
+                {3: 0, 5: 1, 6: 2, 7: 3, 8: 4})
+    operands = (s, *tables, g, mc, ma, vc, va) + (() if p is None else (p,))
+    return operands, (jax.ShapeDtypeStruct(g.shape, u_dtype or g.dtype),) + state_shapes, STATE_ALIASES
+
+
+def _q8_kernel(*refs, n, nb, rows, has_p, inplace, load_mode):
+    (s_ref, smap_ref, umap_ref, p_ref, g_ref, mc_ref, ma_ref, vc_ref, va_ref,
+     out_ref, mc_out, ma_out, vc_out, va_out) = _q8_refs(refs, inplace, has_p)
     row = pl.program_id(0) * rows + jnp.arange(rows)
     idx = row[:, None] * QBLOCK + jnp.arange(QBLOCK)[None, :]
     rmask = row < nb
@@ -259,15 +275,7 @@ def _adam_q8(s, g, mc, ma, vc, va, p, *, inplace, interpret, rows, num_warps, u_
     has_p = p is not None
     smap = jnp.asarray(SIGNED_MAP.table)
     umap = jnp.asarray(UNSIGNED_MAP.table)
-    state_shapes = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (mc, ma, vc, va))
-    if inplace:
-        operands = (s, smap, umap, p, g, mc, ma, vc, va)
-        out_shape = (jax.ShapeDtypeStruct(p.shape, p.dtype),) + state_shapes
-        aliases = {3: 0, 5: 1, 6: 2, 7: 3, 8: 4}
-    else:
-        operands = (s, smap, umap, g, mc, ma, vc, va) + ((p,) if has_p else ())
-        out_shape = (jax.ShapeDtypeStruct(g.shape, u_dtype or g.dtype),) + state_shapes
-        aliases = STATE_ALIASES
+    operands, out_shape, aliases = _q8_launch_args((smap, umap), s, g, mc, ma, vc, va, p, inplace, u_dtype)
     kernel = functools.partial(_q8_kernel, n=n, nb=nb, rows=rows, has_p=has_p, inplace=inplace, load_mode=load_mode)
     return _backend.triton_call(
         kernel,
@@ -312,16 +320,8 @@ def _q8_tables(variant):
 
 
 def _q8_lookup_kernel(*refs, n, has_p, inplace, load_mode, variant):
-    if inplace:
-        (s_ref, f_ref, i_ref, p_ref, g_ref, mc_ref, ma_ref, vc_ref, va_ref,
-         out_ref, mc_out, ma_out, vc_out, va_out) = refs
-    elif has_p:
-        (s_ref, f_ref, i_ref, g_ref, mc_ref, ma_ref, vc_ref, va_ref, p_ref,
-         out_ref, mc_out, ma_out, vc_out, va_out) = refs
-    else:
-        (s_ref, f_ref, i_ref, g_ref, mc_ref, ma_ref, vc_ref, va_ref,
-         out_ref, mc_out, ma_out, vc_out, va_out) = refs
-        p_ref = None
+    (s_ref, f_ref, i_ref, p_ref, g_ref, mc_ref, ma_ref, vc_ref, va_ref,
+     out_ref, mc_out, ma_out, vc_out, va_out) = _q8_refs(refs, inplace, has_p)
     b = pl.program_id(0)
     idx = b * QBLOCK + (jnp.arange(QBLOCK // 4) * 4)[:, None] + jnp.arange(4)[None, :]
     mask = None if n % QBLOCK == 0 else idx < n  # no mask when the blocks are full (n is static)
@@ -363,15 +363,7 @@ def _adam_q8_lookup(s, g, mc, ma, vc, va, p, *, inplace, interpret, num_warps, u
     nb = ma.shape[0]
     has_p = p is not None
     ftab, itab, _, _ = _q8_tables(variant)
-    state_shapes = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (mc, ma, vc, va))
-    if inplace:
-        operands = (s, ftab, itab, p, g, mc, ma, vc, va)
-        out_shape = (jax.ShapeDtypeStruct(p.shape, p.dtype),) + state_shapes
-        aliases = {3: 0, 5: 1, 6: 2, 7: 3, 8: 4}
-    else:
-        operands = (s, ftab, itab, g, mc, ma, vc, va) + ((p,) if has_p else ())
-        out_shape = (jax.ShapeDtypeStruct(g.shape, u_dtype or g.dtype),) + state_shapes
-        aliases = STATE_ALIASES
+    operands, out_shape, aliases = _q8_launch_args((ftab, itab), s, g, mc, ma, vc, va, p, inplace, u_dtype)
     kernel = functools.partial(_q8_lookup_kernel, n=n, has_p=has_p, inplace=inplace, load_mode=load_mode,
                                variant=variant)
     return _backend.triton_call(

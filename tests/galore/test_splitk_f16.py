@@ -8,7 +8,7 @@ import pytest
 
 from pallas_fused.galore import api, kernel, reference
 from tests.galore.test_kernels import _exact, _inputs
-from tests.helpers import assert_all_written, assert_close, rand
+from tests.helpers import assert_all_written, assert_close
 
 # DownConfig(bm, bk, splits, br, warps, stages) on rank 24 (rank block 32): 3 splits over 3 K chunks of 16 with a
 # masked tail; splits past the K chunks (clipped to their number: 2); two rank blocks of 16 (the second masked
@@ -153,21 +153,12 @@ def test_splitk_and_fp16_up_gpu(shape):
     """The split-K kernel under every DOWN_CANDIDATES[side] entry, and the splitk step with every fp16 UP_CANDIDATES
     entry, at full size against the HIGHEST-precision reference (TF32 tolerance)."""
     from benchmarks.bench_galore import DOWN_CANDIDATES, UP_CANDIDATES
+    from tests.galore.test_variants import full_size_case
 
-    rank = 128
-    side = reference.projector_side(shape, "std")
-    g, w = rand(0, shape), rand(1, shape)
-    q = jnp.linalg.qr(rand(2, (shape[1] if side == "right" else shape[0], rank)))[0]
-    p = q.T if side == "right" else q
-    low = reference.lowrank_shape(shape, rank, side)
-    m, v = rand(3, low, scale=0.1), jnp.abs(rand(4, low, scale=0.1)) + 0.01
-    s = reference.Scalars(0.9, 0.999, 1e-6, 1.0, 1.0, -1e-5, -2.5e-4, 1.0)
-    hi = jax.lax.Precision.HIGHEST
-    r_hi = reference.project(g, p, side, precision=hi)
+    side, w, g, m, v, p, s, delta = full_size_case(shape)
+    r_hi = reference.project(g, p, side, precision=jax.lax.Precision.HIGHEST)
     for cfg in DOWN_CANDIDATES[side]:
         assert_close(kernel.down_splitk(g, p, side=side, blocks=cfg).sum(0), r_hi, floor=5e-3, what=f"splitk {cfg}")
-    exact, _, _ = reference.galore_adam_step(w, g, m, v, p, side, s, inplace=True, precision=hi)
-    delta = exact - w
     for cfg in [c for c in UP_CANDIDATES if c.f16]:
         out, _, _ = kernel.leaf_step("splitk", w, g, m, v, p, s.pack(), side=side, inplace=True, up_blocks=cfg)
         assert_close(out - w, delta, floor=5e-3, what=f"splitk {cfg} update (TF32 / fp16 operands)")

@@ -110,14 +110,10 @@ def test_optax_path_with_xla_up_variant():
         np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-6)
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("shape", [(4096, 4096), (4096, 11008)])
-def test_variants_and_up_configs_gpu(shape):
-    """Every variant, and the up kernel under every configuration the tuning sweep times, at full size (TF32)."""
-    from benchmarks.bench_galore import UP_CANDIDATES
+def full_size_case(shape, rank=128):
+    """A GPU-size step: (side, w, g, m, v, p, scalars, the exact update at HIGHEST precision)."""
     from tests.helpers import rand
 
-    rank = 128
     side = reference.projector_side(shape, "std")
     g, w = rand(0, shape), rand(1, shape)
     q = jnp.linalg.qr(rand(2, (shape[1] if side == "right" else shape[0], rank)))[0]
@@ -125,9 +121,18 @@ def test_variants_and_up_configs_gpu(shape):
     low = reference.lowrank_shape(shape, rank, side)
     m, v = rand(3, low, scale=0.1), jnp.abs(rand(4, low, scale=0.1)) + 0.01
     s = reference.Scalars(0.9, 0.999, 1e-6, 1.0, 1.0, -1e-5, -2.5e-4, 1.0)
+    exact, _, _ = reference.galore_adam_step(w, g, m, v, p, side, s, inplace=True, precision=jax.lax.Precision.HIGHEST)
+    return side, w, g, m, v, p, s, exact - w
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(4096, 4096), (4096, 11008)])
+def test_variants_and_up_configs_gpu(shape):
+    """Every variant, and the up kernel under every configuration the tuning sweep times, at full size (TF32)."""
+    from benchmarks.bench_galore import UP_CANDIDATES
+
+    side, w, g, m, v, p, s, delta = full_size_case(shape)
     hi = jax.lax.Precision.HIGHEST
-    exact, _, _ = reference.galore_adam_step(w, g, m, v, p, side, s, inplace=True, precision=hi)
-    delta = exact - w
     for variant in kernel.VARIANTS:
         out, _, _ = kernel.leaf_step(variant, w, g, m, v, p, s.pack(), side=side, inplace=True)
         assert_close(out - w, delta, floor=5e-3, what=f"{variant} update (TF32)")
