@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_fused.galore import api, kernel, reference
+from pallas_fused.galore import kernel, reference
 from tests.galore.test_kernels import _exact, _inputs
 from tests.helpers import assert_all_written, assert_close
 
@@ -133,17 +133,11 @@ def test_api_splitk_and_fp16_default(monkeypatch):
     monkeypatch.setattr(kernel, "DOWN_CONFIG", kernel.DownConfig(16, 16, 2, 16, 4, 2))
     params = {"w": jax.random.normal(jax.random.key(0), (24, 40)), "b": jnp.ones((40,))}
     grads = {"w": jax.random.normal(jax.random.key(1), (24, 40)), "b": jnp.ones((40,))}
-    outs = {}
-    for impl, kern in [("xla", "auto"), ("interpret", "splitk"), ("interpret", "hybrid")]:
-        tx = api.galore_adamw(1e-2, rank=4, weight_decay=0.1, implementation=impl, kernel=kern)
-        state = tx.init(params)
-        u, state = tx.update(grads, state, params)
-        u, state = tx.update(grads, state, params)
-        step = api.galore_adamw_inplace(1e-2, rank=4, weight_decay=0.1, implementation=impl, kernel=kern)
-        p2, _ = step.step(params, grads, step.init(params))
-        outs[kern if impl == "interpret" else impl] = (u["w"], p2["w"], state.mu["w"])
+    from tests.galore.test_variants import api_outputs
+
+    expected = api_outputs("xla", "auto", params, grads)
     for kern in ("splitk", "hybrid"):
-        for a, b in zip(outs["xla"], outs[kern]):
+        for a, b in zip(expected, api_outputs("interpret", kern, params, grads)):
             np.testing.assert_allclose(a, b, rtol=3e-3, atol=3e-5, err_msg=kern)
 
 

@@ -93,20 +93,22 @@ def test_choose_variant_table(monkeypatch):
         kernel.leaf_step("nope", None, *([jnp.ones((4, 4))] * 4), jnp.ones(8), side="right", inplace=False)
 
 
+def api_outputs(impl, kern, params, grads):
+    """Two optax-transform updates and one in-place step of galore_adamw: (update, new param, mu) of leaf "w"."""
+    tx = api.galore_adamw(1e-2, rank=4, weight_decay=0.1, implementation=impl, kernel=kern)
+    state = tx.init(params)
+    u, state = tx.update(grads, state, params)
+    u, state = tx.update(grads, state, params)
+    step = api.galore_adamw_inplace(1e-2, rank=4, weight_decay=0.1, implementation=impl, kernel=kern)
+    p2, _ = step.step(params, grads, step.init(params))
+    return u["w"], p2["w"], state.mu["w"]
+
+
 def test_optax_path_with_xla_up_variant():
     """kernel="xla_up" through the optax transform and the in-place step: same numbers as the reference."""
     params = {"w": jax.random.normal(jax.random.key(0), (24, 40))}
     grads = {"w": jax.random.normal(jax.random.key(1), (24, 40))}
-    outs = {}
-    for impl, kern in [("xla", "auto"), ("interpret", "xla_up")]:
-        tx = api.galore_adamw(1e-2, rank=4, weight_decay=0.1, implementation=impl, kernel=kern)
-        state = tx.init(params)
-        u, state = tx.update(grads, state, params)
-        u, state = tx.update(grads, state, params)
-        step = api.galore_adamw_inplace(1e-2, rank=4, weight_decay=0.1, implementation=impl, kernel=kern)
-        p2, _ = step.step(params, grads, step.init(params))
-        outs[impl] = (u["w"], p2["w"])
-    for a, b in zip(outs["xla"], outs["interpret"]):
+    for a, b in zip(api_outputs("xla", "auto", params, grads), api_outputs("interpret", "xla_up", params, grads)):
         np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-6)
 
 
