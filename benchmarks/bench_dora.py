@@ -47,7 +47,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from benchmarks.common import Recorder, bench, rnd
+from benchmarks.common import Recorder, bench_amortized, rnd
 from pallas_fused.dora import Config, column_scale, column_scale_reference, dora_dense, quantize_int8, quantize_nf4
 
 CASES = [(512, 4096, 4096, 16), (4096, 4096, 4096, 16), (8192, 4096, 4096, 16),
@@ -82,19 +82,13 @@ def _norm_sets(fin, fout, r):
         as_.append(rnd(40 + i, (fin, r), jnp.bfloat16, scale=r ** -0.5))
         bs.append(rnd(60 + i, (r, fout), jnp.bfloat16, scale=0.01))
         ms.append(jnp.linalg.norm(w.astype(jnp.float32), axis=0).astype(jnp.bfloat16))
-    return k, (ws, as_, bs, ms)
-
-
-def _amortized(norm_fn):
-    """One jit running norm_fn(w, a, b, m) on each of the k sets; time / k is the GPU time of one column norm (the
-    host dispatch of a jitted call, ~0.03 ms on the H200, is paid once per k and overlaps the GPU work)."""
-    return jax.jit(lambda ws, as_, bs, ms: [norm_fn(*t) for t in zip(ws, as_, bs, ms)])
+    return k, list(zip(ws, as_, bs, ms))
 
 
 def time_norm_amortized(rec, op, case, impl, norm_fn, sets, k, *, n=20, reps=5, **kw):
-    """rec.time of `_amortized(norm_fn)` over the k sets, recorded per column norm (ms / k)."""
+    """The column norm timed by `bench_amortized` over the k (w, a, b, m) sets, recorded per column norm."""
     try:
-        ms = bench(_amortized(norm_fn), *sets, n=n, reps=reps) / k
+        ms = bench_amortized(norm_fn, sets, n=n, reps=reps)
     except Exception as e:  # noqa: BLE001 - a failing variant is a result
         return rec.add(op, case, impl, None, error=f"{type(e).__name__}: {str(e)[:300]}")
     return rec.add(op, case, impl, ms, k=k, **kw)
@@ -123,7 +117,7 @@ def norm_rows(rec, case, fin, fout, r, scale):
     theirs = lambda w, a, b, m: column_scale_reference(w, a, b, m, scale)  # noqa: E731
     time_norm_amortized(rec, "dora_colnorm", case, "pallas", ours, sets, k, nbytes=norm_bytes, flops=norm_flops)
     time_norm_amortized(rec, "dora_colnorm", case, "xla", theirs, sets, k, nbytes=norm_bytes, flops=norm_flops)
-    one = [s[0] for s in sets]
+    one = sets[0]
     rec.time("dora_colnorm", case, "pallas:single_call", jax.jit(ours), *one, nbytes=norm_bytes, flops=norm_flops)
     rec.time("dora_colnorm", case, "xla:single_call", jax.jit(theirs), *one, nbytes=norm_bytes, flops=norm_flops)
     return norm_flops
@@ -386,10 +380,8 @@ def _parts_at(rec, tokens, fin, fout, r):
         sets.append((x, w, *_pad_rank(a, b), m, dy))
 
     def row(name, fn, args, nbytes):
-        def many(*xs):
-            return [fn(*a) for a in zip(*xs)]
         try:
-            ms = bench(jax.jit(many), *[list(c) for c in zip(*args)], n=10, reps=3) / k
+            ms = bench_amortized(fn, args, n=10, reps=3)
         except Exception as e:  # noqa: BLE001 - a failing piece is a result
             return rec.add("dora_parts", case, name, None, error=f"{type(e).__name__}: {str(e)[:300]}")
         return rec.add("dora_parts", case, name, ms, nbytes=nbytes, k=k)

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from benchmarks.common import bench_carry, rnd
+from benchmarks.common import bench_carry, bench_carry_amortized, rnd
 from pallas_fused.galore import api, kernel, projector, reference
 
 OP = "galore"
@@ -141,7 +141,7 @@ def step_cases(rec, quick):
                 for impl, fn in [(f"pallas:inplace_{auto}:amortized_x{k}", make(auto, True)),
                                  (f"xla:amortized_x{k}", xla)]:
                     try:
-                        ms = _amortized(fn, [_state(M, N, r, side, seed=10 * i + 2) for i in range(k)], n)
+                        ms = bench_carry_amortized(fn, [_state(M, N, r, side, seed=10 * i + 2) for i in range(k)], n)
                         rec.add(OP, case, impl, ms, **kw)
                     except Exception as e:  # noqa: BLE001
                         rec.add(OP, case, impl, None, error=_err(e))
@@ -264,14 +264,6 @@ def _err(e):
     return f"{type(e).__name__}: {str(e)[:300]}"
 
 
-def _amortized(op, states, n):
-    """ms per op: `op(*state) -> state` over the k distinct `states` in one jit (all donated: copies of `states`
-    are carried, `states` stay valid for the next candidate), divided by k."""
-    f = jax.jit(lambda sts: [tuple(op(*st)) for st in sts], donate_argnums=0)
-    carried = jax.tree.map(jnp.copy, states)
-    return bench_carry(lambda sts: (f(sts),), (carried,), n=n) / len(states)
-
-
 def tuning(rec, quick):
     """The sweep that sets the defaults, bounded to TUNING_BUDGET_S (what is left is recorded as skipped; every
     failure recorded). All timings amortized over K_AMORT (K_AMORT_STEP for whole steps) distinct operand sets.
@@ -298,7 +290,7 @@ def tuning(rec, quick):
         if not budget_left(case, impl):
             return None
         try:
-            ms = _amortized(op, states, n)
+            ms = bench_carry_amortized(op, states, n)
             rec.add(OP, case, impl, ms, **kw)
             return ms
         except Exception as e:  # noqa: BLE001 - a failing kernel is a result
@@ -402,7 +394,7 @@ def tuning(rec, quick):
                     w0 = jnp.copy(st[0])
                     err = _check(fn(*st)[0] - w0, delta_ref)
                     del st
-                    ms = _amortized(fn, step_states, n)
+                    ms = bench_carry_amortized(fn, step_states, n)
                     rec.add(OP, case, impl, ms, rel_err_update=err, **kw)
                     if ms < times.get(variant, (float("inf"),))[0]:
                         times[variant] = (ms, upc, downc)

@@ -111,46 +111,27 @@ def choose_kernel(shape: tuple[int, int], rank: int, side: str) -> str:
 # side "right" P is (r, N) and R, m, v are (M, r); under side "left" P is (M, r) and R, m, v are (r, N).
 
 
-def _down_adam_fused(g, p, m, v, packed, *, side, interpret):
-    """The fused down-projection + low-rank Adam on each shard. Its contraction (N on side right, M on
-    side left) split: each device projects its shard with XLA's GEMM, the (M, r) / (r, N) partial
-    projections are all-reduced (never G), then the elementwise low-rank Adam kernel runs."""
-    contracted = "n" if side == "right" else "m"
-    low = "m r" if side == "right" else "r n"
-    rule = f"m n, {'r n' if side == 'right' else 'm r'}, {low}, {low}, hp -> {low}, {low}, {low}"
-
-    def local(g, p, m, v, packed):
-        return kernel.down_adam_fused(g, p, m, v, packed, side=side, interpret=interpret)
-
-    def split_contraction(axes):
-        def fn(g, p, m, v, packed):
-            r = lax.psum(reference.project(g, p, side), axes)
-            return kernel.lowrank_adam(r, m, v, packed, interpret=interpret)
-        return fn
-
-    return _sharding.partitioned(local, rule, replicated=("r", "hp"), reduced=(contracted,),
-                                 reduced_fn=split_contraction)(g, p, m, v, packed)
-
-
-def _down_splitk_adam(g, p, m, v, packed, *, side, interpret, n_dtype, p16=False):
-    """The split-K down-projection + the low-rank Adam kernel (adding its partial sums) on each shard; a split
-    contraction is projected with XLA's GEMM per shard and all-reduced, as in `_down_adam_fused`. With p16 the
-    Adam kernel also returns P cast to fp16 (a 4th result, sharded as P)."""
+def _down_adam(g, p, m, v, packed, *, side, interpret, variant, n_dtype=jnp.float32, p16=False):
+    """The down-projection + low-rank Adam on each shard: variant "fused" (one kernel) or "splitk" (the split-K
+    kernel, then the elementwise Adam kernel adding its partial sums; with p16 that kernel also returns P cast to
+    fp16, a 4th result sharded as P). A split contraction (N on side right, M on side left): each device projects
+    its shard with XLA's GEMM, the (M, r) / (r, N) partial projections are all-reduced (never G), then the
+    elementwise low-rank Adam kernel runs."""
     contracted = "n" if side == "right" else "m"
     low = "m r" if side == "right" else "r n"
     pf = "r n" if side == "right" else "m r"
     rule = f"m n, {pf}, {low}, {low}, hp -> {low}, {low}, {low}" + (f", {pf}" if p16 else "")
 
+    def adam(r, m, v, packed, p):
+        return kernel.lowrank_adam(r, m, v, packed, interpret=interpret, n_dtype=n_dtype, p=p if p16 else None)
+
     def local(g, p, m, v, packed):
-        partials = kernel.down_splitk(g, p, side=side, interpret=interpret)
-        return kernel.lowrank_adam(partials, m, v, packed, interpret=interpret, n_dtype=n_dtype,
-                                   p=p if p16 else None)
+        if variant == "fused":
+            return kernel.down_adam_fused(g, p, m, v, packed, side=side, interpret=interpret)
+        return adam(kernel.down_splitk(g, p, side=side, interpret=interpret), m, v, packed, p)
 
     def split_contraction(axes):
-        def fn(g, p, m, v, packed):
-            r = lax.psum(reference.project(g, p, side), axes)
-            return kernel.lowrank_adam(r, m, v, packed, interpret=interpret, n_dtype=n_dtype, p=p if p16 else None)
-        return fn
+        return lambda g, p, m, v, packed: adam(lax.psum(reference.project(g, p, side), axes), m, v, packed, p)
 
     return _sharding.partitioned(local, rule, replicated=("r", "hp"), reduced=(contracted,),
                                  reduced_fn=split_contraction)(g, p, m, v, packed)
@@ -159,13 +140,12 @@ def _down_splitk_adam(g, p, m, v, packed, *, side, interpret, n_dtype, p16=False
 def _lowrank_adam(r, m, v, packed, *, interpret, n_dtype=jnp.float32, p=None):
     """The elementwise low-rank Adam kernel on each shard of R, m, v (and of P, cast to fp16 as a 4th result,
     when given)."""
-    if p is None:
-        return _sharding.partitioned(
-            lambda r, m, v, packed: kernel.lowrank_adam(r, m, v, packed, interpret=interpret, n_dtype=n_dtype),
-            "a b, a b, a b, hp -> a b, a b, a b", replicated=("hp",))(r, m, v, packed)
-    return _sharding.partitioned(
-        lambda r, m, v, packed, p: kernel.lowrank_adam(r, m, v, packed, interpret=interpret, n_dtype=n_dtype, p=p),
-        "a b, a b, a b, hp, c d -> a b, a b, a b, c d", replicated=("hp",))(r, m, v, packed, p)
+    def local(r, m, v, packed, *p):
+        return kernel.lowrank_adam(r, m, v, packed, interpret=interpret, n_dtype=n_dtype, p=p[0] if p else None)
+
+    with_p = ", c d" if p is not None else ""
+    return _sharding.partitioned(local, f"a b, a b, a b, hp{with_p} -> a b, a b, a b{with_p}",
+                                 replicated=("hp",))(r, m, v, packed, *(() if p is None else (p,)))
 
 
 def _up_update(w, n, p, packed, *, side, inplace, interpret, out_dtype=None):
@@ -321,19 +301,17 @@ class _GaLore:
             return reference.finish_step(w, n, p, side, s, inplace=inplace, dtype=g.dtype), m, v
         # an fp16 up-projection (kernel.UP_CONFIG) takes N in fp16 from the Adam kernel, and P cast once with p16
         n_dtype, p16 = kernel.up_operands(cfg.rank, side)
-        p_up = p
-        if variant == "fused":
-            m, v, n = _down_adam_fused(g, p, m, v, packed, side=side, interpret=interpret)
-            p_up = p.astype(jnp.float16) if p16 else p
+        if variant == "fused":  # (its N stays fp32: the up kernel casts its tiles)
+            m, v, n = _down_adam(g, p, m, v, packed, side=side, interpret=interpret, variant="fused")
+            cast = [p.astype(jnp.float16)] if p16 else []
         elif variant == "splitk":  # (with p16 the Adam kernel also casts P: no separate launch)
-            m, v, n, *cast = _down_splitk_adam(g, p, m, v, packed, side=side, interpret=interpret, n_dtype=n_dtype,
-                                               p16=p16)
-            p_up = cast[0] if p16 else p
+            m, v, n, *cast = _down_adam(g, p, m, v, packed, side=side, interpret=interpret, variant="splitk",
+                                        n_dtype=n_dtype, p16=p16)
         else:  # XLA's GEMM (partitioned by XLA: a sharded contraction is all-reduced), then the elementwise kernel
             m, v, n, *cast = _lowrank_adam(reference.project(g, p, side), m, v, packed, interpret=interpret,
                                            n_dtype=n_dtype, p=p if p16 else None)
-            p_up = cast[0] if p16 else p
-        out = _up_update(w, n, p_up, packed, side=side, inplace=inplace, interpret=interpret, out_dtype=g.dtype)
+        out = _up_update(w, n, cast[0] if p16 else p, packed, side=side, inplace=inplace, interpret=interpret,
+                         out_dtype=g.dtype)
         return out, m, v
 
     def _update(self, updates, state: GaLoreAdamState, params, inplace: bool):
