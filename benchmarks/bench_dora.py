@@ -1,8 +1,14 @@
 """DoRA benchmarks (ANCHORS.md "DoRA" table): column norm, layer forward, forward+backward, QDoRA forward.
 
 Cases: tokens x in -> out, rank, bf16. Implementations:
-  pallas             the default (gemm="auto": "merged" or "epilogue" by a byte count, see api.AUTO_DENSE_GEMMS);
-                     the column norm and the backward column reductions are Pallas in every mode
+  pallas             the default (gemm="auto": "sm90" on a Hopper GPU where the shapes fit its tiles, else "merged" or
+                     "epilogue" by a byte count, see api.AUTO_DENSE_GEMMS); the column norm (or the merge pass) and
+                     the backward column reductions are Pallas in every mode
+  pallas:sm90        one Pallas pass forms V = W + s A B and its column sums of squares, then our Mosaic GPU GEMM
+                     (x V) g + bias with g and the bias in its epilogue (gemm="sm90"); backward dx = (dy g) V^T on
+                     cuBLAS with dy g written by the column launch. fwdbwd variants: pallas:sm90_remerge
+                     (save_merged=False: V not kept, the backward forms (W + s A B) g), pallas:sm90_cols_registers
+                     (Config(cols_mma_sums=False): the column launch's register path)
   pallas:all_pallas  as pallas, with the Pallas dx GEMM too (gemm="pallas")
   pallas:xla_gemm    Pallas column norm + XLA GEMMs on g-scaled weights: x (W g) + (x A)(s B g)
   pallas:xla_concat  Pallas column norm + one XLA GEMM over the concatenated K: [x, xA] @ [W g; s B g]
@@ -28,7 +34,10 @@ Floors (bf16, 4096 tokens, 4096 -> 4096, r16; HBM ~4.1 TB/s, cuBLAS x W 0.1895 m
     is x, dy, y once each (24 us) - a single pass over tokens that also reduces over columns (us) and rows (dA)
     needs grid-wide reductions (atomics) - so fwd + bwd >= 0.19 + 0.19 + 16 + 24 us = 0.42 ms, against the
     0.43 ms target; with the separate passes above, ~0.44 ms.
-  512 tokens: the base matmul takes ~0.052 ms, so 1.10x leaves 5 us for everything else, less than the norm's
+  forward ("sm90"): our GEMM (ties cuBLAS at 4096^3, 0.185 ms) + one pass forming V = W + s A B (read + write W,
+    16 us; measured 28 us, where a plain Pallas copy of W takes 21.5 us amortized) = 1.09x at best; ~1.17x
+    measured at 4096 tokens, 1.06x at 8192 (the pass is paid once per weight, not per token).
+  512 tokens: the base matmul takes ~0.03 ms, so 1.10x leaves 3 us for everything else, less than the norm's
     own floor (8 us): out of reach at that size by construction.
 
 Sections (DORA_SECTIONS, comma-separated; default main_cases,tuning): main_cases (the ANCHORS rows; --quick: the
@@ -53,8 +62,18 @@ from pallas_fused.dora import Config, column_scale, column_scale_reference, dora
 CASES = [(512, 4096, 4096, 16), (4096, 4096, 4096, 16), (8192, 4096, 4096, 16),
          (512, 4096, 11008, 64), (4096, 4096, 11008, 64), (8192, 4096, 11008, 64)]
 QUICK = [(4096, 4096, 4096, 16), (4096, 4096, 11008, 64)]
-GEMMS = {"pallas": "auto", "pallas:fused": "fused", "pallas:epilogue": "epilogue", "pallas:merged": "merged",
-         "pallas:xla_gemm": "xla", "pallas:xla_concat": "xla_concat", "pallas:xla_epilogue": "xla_epilogue"}
+GEMMS = {"pallas": "auto", "pallas:sm90": "sm90", "pallas:fused": "fused", "pallas:epilogue": "epilogue",
+         "pallas:merged": "merged", "pallas:xla_gemm": "xla", "pallas:xla_concat": "xla_concat",
+         "pallas:xla_epilogue": "xla_epilogue"}
+SM90_FWDBWD_VARIANTS = {"pallas:sm90_remerge": Config(save_merged=False),
+                        "pallas:sm90_cols_registers": Config(cols_mma_sums=False)}
+
+
+def _gemms(table=None):
+    """`table` (default GEMMS) restricted to the implementations named in DORA_IMPLS (comma-separated; unset: all)."""
+    table = GEMMS if table is None else table
+    wanted = os.environ.get("DORA_IMPLS")
+    return {k: v for k, v in table.items() if wanted is None or k in wanted.split(",")}
 
 
 def _data(tokens, fin, fout, r):
@@ -142,7 +161,7 @@ def main_cases(rec: Recorder, quick: bool) -> None:
                  nbytes=fwd_bytes, flops=2 * tokens * fin * fout)
         rec.time("dora_fwd", case, "xla", jax.jit(lambda x, w, a, b, m: dora_dense(
             x, w, a, b, m, scale=scale, implementation="xla")), x, w, a, b, m, nbytes=fwd_bytes, flops=fwd_flops)
-        for impl, gemm in GEMMS.items():
+        for impl, gemm in _gemms().items():
             rec.time("dora_fwd", case, impl, jax.jit(lambda x, w, a, b, m, gemm=gemm: dora_dense(
                 x, w, a, b, m, scale=scale, implementation="pallas", gemm=gemm)), x, w, a, b, m,
                 nbytes=fwd_bytes, flops=fwd_flops)
@@ -151,8 +170,11 @@ def main_cases(rec: Recorder, quick: bool) -> None:
         fb_flops = fwd_flops + 2 * tokens * fin * fout + 6 * tokens * r * (fin + fout)
 
         rec.time("dora_fwdbwd", case, "xla", _fwdbwd("xla", "pallas", scale), x, w, a, b, m, dy, flops=fb_flops)
-        for impl, gemm in {**GEMMS, "pallas:all_pallas": "pallas"}.items():
+        for impl, gemm in {**_gemms(), **_gemms({"pallas:all_pallas": "pallas"})}.items():
             rec.time("dora_fwdbwd", case, impl, _fwdbwd("pallas", gemm, scale), x, w, a, b, m, dy, flops=fb_flops)
+        for impl, cfg in _gemms(SM90_FWDBWD_VARIANTS).items():
+            rec.time("dora_fwdbwd", case, impl, _fwdbwd("pallas", "sm90", scale, cfg), x, w, a, b, m, dy,
+                     flops=fb_flops)
 
         # QDoRA forward: W int8 / NF4, dequantised inside the kernels (compare with the bf16 "pallas" forward).
         for name, quantize, wbytes in (("int8", quantize_int8, fin * fout), ("nf4", quantize_nf4, fin * fout // 2)):

@@ -14,20 +14,24 @@ from pallas_fused.dora import kernel as K
 from pallas_fused.dora import reference
 from pallas_fused.dora.quant import Int8Kernel, NF4Kernel, dequantize, is_quantized
 
-GEMMS = ("auto", "pallas", "fused", "epilogue", "merged", "xla", "xla_concat", "xla_epilogue")
-# gemm="auto" for dense weights: both candidates run cuBLAS for the big GEMM (the Triton-lowered Pallas GEMM
-# reached ~75% of cuBLAS on an H200) and differ in the one extra pass they make: "merged" reads W and writes
-# (W + s A B) g (4 K N bytes), "epilogue" reads x for x A and reads + writes x W (2 M K + 4 M N bytes).
-# The cheaper pass wins; benchmarks/bench_dora.py "tuning" (dora_mode rows) measures every mode per shape.
+GEMMS = ("auto", "pallas", "fused", "epilogue", "merged", "sm90", "xla", "xla_concat", "xla_epilogue")
+# gemm="auto" for dense weights: "sm90" where it runs (one Hopper GPU, 16-bit, tile-multiple shapes: its Mosaic GPU
+# GEMM ties cuBLAS and takes g and the bias in its epilogue, so DoRA adds one pass over W instead of two). Elsewhere
+# the two candidates below run cuBLAS for the big GEMM (the Triton-lowered Pallas GEMM reached ~75% of cuBLAS on an
+# H200) and differ in the one extra pass they make: "merged" reads W and writes (W + s A B) g (4 K N bytes),
+# "epilogue" reads x for x A and reads + writes x W (2 M K + 4 M N bytes). The cheaper pass wins;
+# benchmarks/bench_dora.py "tuning" (dora_mode rows) measures every mode per shape.
 # Quantised weights always take "pallas" (cuBLAS would need W dequantised in full).
 AUTO_DENSE_GEMMS = ("merged", "epilogue")
 
 
-def _resolve_gemm(gemm: str, kind: str, tokens: int, fin: int, fout: int) -> str:
+def _resolve_gemm(gemm: str, kind: str, tokens: int, fin: int, fout: int, dtype, interpret: bool) -> str:
     if gemm != "auto":
         return gemm
     if kind != "dense":
         return "pallas"
+    if not interpret and _sm90_ok(kind, tokens, fin, fout, dtype):
+        return "sm90"
     merged_bytes, epilogue_bytes = 4 * fin * fout, 2 * tokens * fin + 4 * tokens * fout
     return AUTO_DENSE_GEMMS[0] if merged_bytes <= epilogue_bytes else AUTO_DENSE_GEMMS[1]
 
@@ -156,6 +160,14 @@ def _norm_and_merged_weight(kind, ops, ap, bp, scale, m, interpret, config):
     return n, g, _merged_weight(kind, ops, ap, bp, g, scale, interpret, config), None
 
 
+def _sm90_ok(kind, tokens, fin, fout, dtype) -> bool:
+    """Whether gemm="sm90" can run: a dense 16-bit W on one Hopper device, tile-multiple shapes."""
+    from pallas_fused.dora import kernel_sm90
+
+    return (kind == "dense" and _backend.is_hopper() and jax.device_count() == 1
+            and kernel_sm90.supported(tokens, fout, fin, dtype))
+
+
 def _xa(x, ap):
     return jnp.dot(x, ap)  # cuBLAS accumulates in float32 and rounds once to x's dtype
 
@@ -164,6 +176,22 @@ def _forward(statics, x, ops, a, b, m, bias, scale):
     kind, gemm, interpret, config = statics[:4]
     dt = x.dtype
     ap, bp = _pad_rank(a, b)
+    if gemm == "sm90":
+        # y = (x V) g + bias in one Mosaic GPU GEMM (g and the bias in its epilogue), V = W + s A B formed unscaled
+        # by one Pallas pass that also sums V^2 per column over row ranges (no norm pass ahead of it). V is kept
+        # for the backward's dx = (dy g) V^T.
+        from pallas_fused.dora import kernel_sm90
+
+        if not _sm90_ok(kind, x.shape[0], ap.shape[0], bp.shape[1], x.dtype):
+            cfg = kernel_sm90.config_for(x.shape[0], bp.shape[1], ap.shape[0])
+            raise ValueError(f"dora_dense: gemm='sm90' needs a dense 16-bit kernel on one Hopper GPU and shapes that "
+                             f"are multiples of the tile {cfg.cta_tile} x {cfg.tile_k}; got x {x.shape} {x.dtype}, "
+                             f"kernel {ops[0].shape}")
+        v, parts = K.merge_weight(ops, kind, ap, bp, scale, emit_partials=True, interpret=interpret, config=config)
+        n = jnp.sqrt(jnp.sum(parts, axis=0))
+        g = m.astype(jnp.float32) / n
+        y = kernel_sm90.scaled_matmul(x, v, g, bias)
+        return y, (ap, bp, n, g, None, (v if config.save_merged else None, None))
     if gemm == "merged":
         # y = x ((W + s A B) g) + bias: one cuBLAS GEMM on the merged weight (x A is left to the backward). The
         # merged weight is kept for the backward's dx = dy wm^T (one bf16 copy of W per layer in memory).
@@ -225,6 +253,13 @@ def _dora_2d_fwd(statics, x, ops, a, b, m, bias, scale):
     return y, (x, ops, ap, bp, m, bias, scale, n, g, xa, y, wm, bg)
 
 
+def _backward_columns_finished(dy, y, xa, bias, gs, m, bp, interpret, config, dyg_scale=None):
+    """(dB, dm, dbias) finished in their dtypes by the column launch (one device) [, dy * dyg_scale]."""
+    db_dt = jnp.float32 if bias is None else bias.dtype
+    return K.backward_columns(dy, y, xa, bias, interpret=interpret, config=config,
+                              finish=(gs, m, bp.dtype, m.dtype, db_dt), dyg_scale=dyg_scale)
+
+
 def _dora_2d_bwd(statics, res, dy):
     kind, gemm, interpret, config, exact, rank, fin = statics
     x, ops, ap, bp, m, bias, scale, n, g, xa, y, wm, bg = res
@@ -246,7 +281,17 @@ def _dora_2d_bwd(statics, res, dy):
         # (one Pallas pass over W, and no float32 (M, in) partial results); with few tokens g goes on dy
         # and the low-rank term is a second, small GEMM.
         fin_, fout_ = ap.shape[0], bp.shape[1]
-        if wm is not None:  # gemm="merged" kept it
+        if gemm == "sm90" and wm is not None:
+            # V = W + s A B kept unscaled: dx = (dy g) V^T, dy g written by the column launch (it reads dy anyway).
+            cols = None
+            if xa is None:
+                xa = _xa(x, ap)
+            if exact:
+                dyg = (dy.astype(jnp.float32) * g[None, :]).astype(dt)
+            else:
+                *cols, dyg = _backward_columns_finished(dy, y, xa, bias, gs, m, bp, interpret, config, dyg_scale=g)
+            dx = jnp.dot(dyg, wm.T)
+        elif wm is not None:  # gemm="merged" kept it
             dx = jnp.dot(dy, wm.T)
         elif kind == "int8" or dy.shape[0] * (fout_ + 3.5 * fin_) >= fin_ * fout_:
             dx = jnp.dot(dy, _merged_weight(kind, ops, ap, bp, g, scale, interpret, config).T)
@@ -259,9 +304,10 @@ def _dora_2d_bwd(statics, res, dy):
     if not exact and jax.device_count() == 1:
         # Unsharded, constant norm: the column launch returns the finished dB, dm and dbias (in-kernel when one
         # program covers every token), x^T us is rounded once by cuBLAS: no float32 intermediates left to cast.
-        db_dt = jnp.float32 if bias is None else bias.dtype
-        dbm, dm, db = K.backward_columns(dy, y, xa, bias, interpret=interpret, config=config,
-                                         finish=(gs, m, bp.dtype, m.dtype, db_dt))
+        if gemm == "sm90" and wm is not None:
+            dbm, dm, db = cols
+        else:
+            dbm, dm, db = _backward_columns_finished(dy, y, xa, bias, gs, m, bp, interpret, config)
         da = jnp.dot(x.T, us)
         return (dx, tuple(_zero_cotangent(o) for o in ops), da[:, :rank], dbm[:rank], dm,
                 None if bias is None else db, jnp.zeros_like(scale))
@@ -326,6 +372,10 @@ def dora_dense(x, kernel, lora_a, lora_b, magnitude, bias=None, *, scale, exact_
         "merged": one Pallas pass forms (W + s A B) * g, then one cuBLAS GEMM (x A waits for the backward). The
         merged weight is kept for the backward's dx (one copy of W per layer in the compute dtype, held from the
         forward to the backward; `save_merged=False` forms it again in the backward instead).
+        "sm90" (Hopper, dense 16-bit W, tile-multiple shapes): one Pallas pass forms V = W + s A B and its column
+        sums of squares, then one Mosaic GPU GEMM (x V) g + bias with g and the bias in its epilogue: no norm pass.
+        V is kept for the backward (as "merged"; dx = (dy g) V^T on cuBLAS, dy g written by the backward's column
+        launch), or with `save_merged=False` not kept: the backward forms (W + s A B) g and dx = dy (that)^T.
         "xla": XLA GEMMs on g-scaled weights, x (W g) + (x A)(s B g); "xla_concat": one forward GEMM over
         the concatenated K, [x, xA] @ [W g; s B g]; "xla_epilogue": cuBLAS x W + s (x A) B with the
         g-scale and bias fused by XLA afterwards.
@@ -355,7 +405,7 @@ def dora_dense(x, kernel, lora_a, lora_b, magnitude, bias=None, *, scale, exact_
     if x2.shape[0] == 0:
         return jnp.zeros((*lead, fout), dt)
     kind, ops = _weight_ops(kernel, dt)
-    mode = _resolve_gemm(gemm, kind, x2.shape[0], fin, fout)
+    mode = _resolve_gemm(gemm, kind, x2.shape[0], fin, fout, dt, impl == "interpret")
     config = config or K.DEFAULT
     if save_merged is not None and bool(save_merged) != config.save_merged:
         config = dataclasses.replace(config, save_merged=bool(save_merged))

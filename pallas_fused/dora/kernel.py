@@ -159,6 +159,13 @@ class Config:
     merge_warps: int = 4
     merge_rows: int = 128  # rows per program (merge_bk per step; g, B and the partial sums loaded once per program)
     merge_stages: int = 2
+    # merge_weight with emit_partials (gemm="sm90": V = W + s A B unscaled and its column sums of squares): rows per
+    # step and columns per program (0: 64 up to 4096 columns, else 128). H200, session 4 call 3, amortized over 4 W:
+    # bk32 bn64 0.0281 ms at 4096 -> 4096 r16 (bk64 0.0332; a plain Pallas copy of W 0.0215, XLA's w * 2 0.0255);
+    # bk32 bn128 0.0692 at 4096 -> 11008 r64 (bn64 0.0801; copy 0.0495). The A B tile as R outer products on the
+    # FMA units instead of the MMA measured 1.9x slower at r16 and 7x at r64.
+    vmerge_bk: int = 32
+    vmerge_bn: int = 0
     merge_reverse: bool = True  # walk W in the reverse of the norm launch's order (L2 hits on the tiles it read last)
     epi_bm: int = 64  # gemm="epilogue": tile of the standalone epilogue kernel (untimed guess)
     epi_bn: int = 128
@@ -504,12 +511,14 @@ def norm_and_merge(weight, lora_a, lora_b, scale, magnitude, *, interpret: bool,
 # ----------------------------------------------------------------------------------------------------
 
 
-def _merge_kernel(*refs, kind, K, N, R, bk, bn, steps, nsplit, from_partials, reverse):
+def _merge_kernel(*refs, kind, K, N, R, bk, bn, steps, nsplit, from_partials, reverse, emit_partials):
     nw = _num_weight_refs(kind)
     w_refs = refs[:nw]
     a_ref, b_ref, s_ref = refs[nw:nw + 3]
     if from_partials:
         part_ref, m_ref, vg_ref, n_ref, g_ref, bg_ref = refs[nw + 3:]
+    elif emit_partials:
+        vg_ref, part_out_ref = refs[nw + 3:]
     else:
         gin_ref, vg_ref = refs[nw + 3:]
     rows = bk * steps  # rows per program, in `steps` tiles of bk
@@ -531,6 +540,8 @@ def _merge_kernel(*refs, kind, K, N, R, bk, bn, steps, nsplit, from_partials, re
         first = jnp.logical_and(n0 + jnp.arange(bn) < N, kb == 0)
         _backend.store(n_ref.at[pl.ds(n0, bn)], n, mask=first)
         _backend.store(g_ref.at[pl.ds(n0, bn)], g, mask=first)
+    elif emit_partials:  # V = W + s A B unscaled, and its column sums of squares over this program's rows
+        g = None
     else:
         g = _load(gin_ref.at[pl.ds(n0, bn)], cmask, 1.0).astype(jnp.float32)
     b = _load(b_ref.at[:, pl.ds(n0, bn)], _mask(None, cmask, (R, bn)))
@@ -548,55 +559,72 @@ def _merge_kernel(*refs, kind, K, N, R, bk, bn, steps, nsplit, from_partials, re
             ok = jnp.logical_and(k0 + jnp.arange(bk) < K, i < steps)
         return _load(w_refs[0].at[pl.ds(k0, bk), pl.ds(n0, bn)], _mask(ok, cmask, (bk, bn)))
 
-    def tile(i, w):
+    def tile(i, w):  # -> this tile's column sums of squares of V (masked rows load 0: they add nothing)
         k0 = pl.multiple_of(k_start + i * bk, bk)
         rmask = _in_bounds(k0, bk, K, K % rows == 0)
         w = w.astype(jnp.float32)
         if kind == "int8":
             w = w * wscale
         a = _load(a_ref.at[pl.ds(k0, bk), :], _mask(rmask, None, (bk, R)))
-        v = (w + s_ref[0] * _backend.dot(a, b)) * g[None, :]
-        _store(vg_ref.at[pl.ds(k0, bk), pl.ds(n0, bn)], v.astype(vg_ref.dtype), _mask(rmask, cmask, (bk, bn)))
+        v = w + s_ref[0] * _backend.dot(a, b)
+        out = v if g is None else v * g[None, :]
+        _store(vg_ref.at[pl.ds(k0, bk), pl.ds(n0, bn)], out.astype(vg_ref.dtype), _mask(rmask, cmask, (bk, bn)))
+        return v * v
 
-    if steps == 1:
-        tile(0, w_tile(0))
-        return
+    def body(i, carry):  # W is no MMA operand: its next tile is loaded by hand one step ahead
+        w, sq = carry
+        w_next = w_tile(i + 1) if steps > 1 else w
+        v2 = tile(i, w)
+        return w_next, (sq + v2 if emit_partials else sq)
 
-    def body(i, w):  # W is no MMA operand: its next tile is loaded by hand one step ahead
-        w_next = w_tile(i + 1)
-        tile(i, w)
-        return w_next
-
-    lax.fori_loop(0, steps, body, w_tile(0))
+    # Squares are summed elementwise over the steps and reduced across rows once (a cross-warp reduction per
+    # step measured 2x the pass's time).
+    sq0 = jnp.zeros((bk, bn) if emit_partials else (1, 1), jnp.float32)
+    _, sq = lax.fori_loop(0, steps, body, (w_tile(0), sq0))
+    if emit_partials:
+        _store(part_out_ref.at[kb, pl.ds(n0, bn)], jnp.sum(sq, axis=0), cmask)
 
 
 def merge_weight(weight, kind: str, lora_a, lora_b, scale, *, g=None, partials=None, magnitude=None,
-                 interpret: bool, config: Config = DEFAULT):
+                 emit_partials: bool = False, interpret: bool, config: Config = DEFAULT):
     """The merged weight (W + s A B) * g in A's dtype (K, N), for a dense or int8 W; A (K, R), B (R, N) rank-padded.
 
     Either `g` (float32 (N,)) is given, or the column norm's `partials` ((nsplit, N) sums of squares, from
     `column_partials`) and `magnitude`: then g = m / sqrt(sum partials) is formed in this launch (no XLA op
     between the two launches) and (wm, n, g, B g s) is returned (B g s in B's dtype: the backward's
-    us = dy (B g s)^T takes it as is).
+    us = dy (B g s)^T takes it as is). With `emit_partials` (no g): (V, partials), V = W + s A B unscaled and
+    partials the float32 (nsplit, N) column sums of squares of V over row ranges (V's norm, from the pass that
+    forms it: the sm90 GEMM applies g in its epilogue).
     """
     if kind not in ("dense", "int8"):
         raise ValueError(f"merge_weight: dense or int8 weights only, got {kind!r}")
     K, R = lora_a.shape
     N = lora_b.shape[1]
-    bk, bn = _tile(K, config.merge_bk), _tile(N, config.merge_bn)
+    if emit_partials:
+        bk, bn = _tile(K, config.vmerge_bk), _tile(N, config.vmerge_bn or (64 if N <= 4096 else 128))
+    else:
+        bk, bn = _tile(K, config.merge_bk), _tile(N, config.merge_bn)
     steps = max(1, min(config.merge_rows, _pow2(K, bk)) // bk)
     from_partials = partials is not None
     nsplit = partials.shape[0] if from_partials else 0
     kernel = functools.partial(_merge_kernel, kind=kind, K=K, N=N, R=R, bk=bk, bn=bn, steps=steps, nsplit=nsplit,
-                               from_partials=from_partials, reverse=config.merge_reverse)
+                               from_partials=from_partials, reverse=config.merge_reverse, emit_partials=emit_partials)
     wm = jax.ShapeDtypeStruct((K, N), lora_a.dtype)
     col = jax.ShapeDtypeStruct((N,), jnp.float32)
+    nkb = _cdiv(K, bk * steps)
     args = (*weight, lora_a, lora_b, jnp.reshape(jnp.asarray(scale, jnp.float32), (1,)))
-    args += (partials, magnitude) if from_partials else (g.astype(jnp.float32),)
+    if from_partials:
+        args += (partials, magnitude)
+        out_shape = (wm, col, col, jax.ShapeDtypeStruct((R, N), lora_b.dtype))
+    elif emit_partials:
+        out_shape = (wm, jax.ShapeDtypeStruct((nkb, N), jnp.float32))
+    else:
+        args += (g.astype(jnp.float32),)
+        out_shape = wm
     return _backend.triton_call(
         kernel,
-        out_shape=(wm, col, col, jax.ShapeDtypeStruct((R, N), lora_b.dtype)) if from_partials else wm,
-        grid=(_cdiv(K, bk * steps) * _cdiv(N, bn),),
+        out_shape=out_shape,
+        grid=(nkb * _cdiv(N, bn),),
         name="pallas_fused_dora_merge",
         interpret=interpret,
         num_warps=config.merge_warps,
@@ -769,16 +797,24 @@ def epilogue(z, xa, lora_b, g, scale, bias, *, interpret: bool, config: Config =
 # ----------------------------------------------------------------------------------------------------
 
 
-def _cols_kernel(*refs, M, N, R, bt, bn, rows_per_prog, has_bias, finish, prefetch, mma_sums):
+def _cols_kernel(*refs, M, N, R, bt, bn, rows_per_prog, has_bias, finish, prefetch, mma_sums, emit_dyg):
     dy_ref, y_ref, xa_ref = refs[:3]
     bias_ref = refs[3] if has_bias else None
     if finish:
         gs_ref, m_ref = refs[3 + has_bias:5 + has_bias]
+    if emit_dyg:
+        g_ref, dyg_ref = refs[-5], refs[-1]
+        refs = refs[:-1]
     p_ref, dmz_ref, db_ref = refs[-3:]
     j, split = pl.program_id(0), pl.program_id(1)
     n0 = pl.multiple_of(j * bn, bn)
     cmask = _in_bounds(n0, bn, N, N % bn == 0)
     bias = _load(bias_ref.at[pl.ds(n0, bn)], cmask).astype(jnp.float32) if has_bias else None
+    g = _load(g_ref.at[pl.ds(n0, bn)], cmask).astype(jnp.float32) if emit_dyg else None
+
+    def store_dyg(t0, dy, mask):  # dy * g in dy's dtype, for dx = (dy g) V^T (gemm="sm90")
+        if emit_dyg:
+            _store(dyg_ref.at[pl.ds(t0, bt), pl.ds(n0, bn)], (dy.astype(jnp.float32) * g[None, :]).astype(dt), mask)
     t_start = split * rows_per_prog
     dt = dy_ref.dtype
     nsteps = rows_per_prog // bt
@@ -792,6 +828,7 @@ def _cols_kernel(*refs, M, N, R, bt, bn, rows_per_prog, has_bias, finish, prefet
         t0 = pl.multiple_of(t_start + i * bt, bt)
         rmask = _in_bounds(t0, bt, M, False)
         dy = _load(dy_ref.at[pl.ds(t0, bt), pl.ds(n0, bn)], _mask(rmask, cmask, (bt, bn)))
+        store_dyg(t0, dy, _mask(rmask, cmask, (bt, bn)))
         xa = _load(xa_ref.at[pl.ds(t0, bt), :], _mask(rmask, None, (bt, R)))
         p = p + _backend.dot(xa, dy.astype(dt), trans_a=True)
         dy = dy.astype(jnp.float32)
@@ -807,6 +844,7 @@ def _cols_kernel(*refs, M, N, R, bt, bn, rows_per_prog, has_bias, finish, prefet
         t0 = pl.multiple_of(t_start + i * bt, bt)
         m2 = _mask(_in_bounds(t0, bt, M, False), cmask, (bt, bn))
         dy = _load(dy_ref.at[pl.ds(t0, bt), pl.ds(n0, bn)], m2)
+        store_dyg(t0, dy, m2)
         y = _load(y_ref.at[pl.ds(t0, bt), pl.ds(n0, bn)], m2)
         xa = _load(xa_ref.at[pl.ds(t0, bt), :], _mask(_in_bounds(t0, bt, M, False), None, (bt, R)))
         e0 = jnp.where(jnp.arange(16)[None, :] == 0, 1.0, 0.0).astype(dt) + jnp.zeros((bt, 16), dt)
@@ -848,12 +886,14 @@ def _cols_kernel(*refs, M, N, R, bt, bn, rows_per_prog, has_bias, finish, prefet
     _store(db_ref.at[split, pl.ds(n0, bn)], db, cmask)
 
 
-def backward_columns(dy, y, xa, bias, *, interpret: bool, config: Config = DEFAULT, finish=None):
+def backward_columns(dy, y, xa, bias, *, interpret: bool, config: Config = DEFAULT, finish=None, dyg_scale=None):
     """(xa^T dy (R, N), sum_t dy*(y - bias) (N,), sum_t dy (N,)), all float32.
 
     finish=(gs, magnitude, dB dtype, dm dtype, dbias dtype): return (xa^T dy * gs, sum_t dy*(y - bias) / m,
     sum_t dy) in those dtypes instead - inside the kernel when one program covers all tokens (config.cols_rows
     >= tokens: no XLA op after the launch), otherwise by XLA from the partial sums.
+    dyg_scale=g ((N,)): also return dy * g in dy's dtype, written from the tiles this pass reads anyway
+    (gemm="sm90": dx = (dy g) V^T), as a 4th output.
     """
     M, N = dy.shape
     R = xa.shape[1]
@@ -864,7 +904,7 @@ def backward_columns(dy, y, xa, bias, *, interpret: bool, config: Config = DEFAU
     kernel = functools.partial(_cols_kernel, M=M, N=N, R=R, bt=bt, bn=bn, rows_per_prog=rows_per_prog,
                                has_bias=bias is not None, finish=in_kernel, prefetch=config.cols_prefetch,
                                mma_sums=config.cols_mma_sums and dy.dtype in (jnp.bfloat16, jnp.float16)
-                               and bn >= 64 and bt >= 16)
+                               and bn >= 64 and bt >= 16, emit_dyg=dyg_scale is not None)
     args = (dy, y, xa) + ((bias,) if bias is not None else ())
     if in_kernel:
         gs, m, p_dt, dm_dt, db_dt = finish
@@ -874,7 +914,10 @@ def backward_columns(dy, y, xa, bias, *, interpret: bool, config: Config = DEFAU
     else:
         out_shape = (jax.ShapeDtypeStruct((nsplit, R, N), jnp.float32), jax.ShapeDtypeStruct((nsplit, N), jnp.float32),
                      jax.ShapeDtypeStruct((nsplit, N), jnp.float32))
-    p, dmz, db = _backend.triton_call(
+    if dyg_scale is not None:
+        args += (dyg_scale.astype(jnp.float32),)
+        out_shape += (jax.ShapeDtypeStruct(dy.shape, dy.dtype),)
+    p, dmz, db, *dyg = _backend.triton_call(
         kernel,
         out_shape=out_shape,
         grid=(_cdiv(N, bn), nsplit),
@@ -884,12 +927,12 @@ def backward_columns(dy, y, xa, bias, *, interpret: bool, config: Config = DEFAU
         num_stages=config.cols_stages,
     )(*args)
     if in_kernel:
-        return p, dmz, db
+        return p, dmz, db, *dyg
     p, dmz, db = jnp.sum(p, axis=0), jnp.sum(dmz, axis=0), jnp.sum(db, axis=0)
     if finish is None:
-        return p, dmz, db
+        return p, dmz, db, *dyg
     gs, m, p_dt, dm_dt, db_dt = finish
-    return (p * gs[None, :]).astype(p_dt), (dmz / m.astype(jnp.float32)).astype(dm_dt), db.astype(db_dt)
+    return (p * gs[None, :]).astype(p_dt), (dmz / m.astype(jnp.float32)).astype(dm_dt), db.astype(db_dt), *dyg
 
 
 # ----------------------------------------------------------------------------------------------------

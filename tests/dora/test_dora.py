@@ -98,7 +98,7 @@ def test_large_rank_no_bias(kernel_impl):
     from pallas_fused.dora.api import _resolve_gemm
 
     x, w, a, b, m, _, dy = make(20, (23,), 130, 96, 64, jnp.bfloat16)
-    assert _resolve_gemm("auto", "dense", 23, 130, 96) == "epilogue"
+    assert _resolve_gemm("auto", "dense", 23, 130, 96, jnp.bfloat16, False) == "epilogue"  # 23 tokens: no sm90 tile
     fn = lambda x, a, b, m: dora_dense(x, w, a, b, m, None, scale=0.25, implementation=kernel_impl)  # noqa: E731
     ref = lambda x, a, b, m: dora_dense(x, w, a, b, m, None, scale=0.25, implementation="xla")  # noqa: E731
     w32 = w.astype(jnp.float32)
@@ -160,8 +160,11 @@ def test_backward_columns(kernel_impl, cfg, with_bias):
     bias = rand(93, (N,), jnp.bfloat16, scale=0.5) if with_bias else None
     gs, m = rand(94, (N,)), jnp.abs(rand(95, (N,))) + 0.5
     config = Config(cols_mma_sums=cfg.startswith("mma"), **({"cols_rows": 16, "cols_bt": 16} if "split" in cfg else {}))
-    p, dm, db = K.backward_columns(dy, y, xa, bias, interpret=kernel_impl == "interpret", config=config,
-                                   finish=(gs, m, jnp.float32, jnp.float32, jnp.float32))
+    g = rand(96, (N,))
+    p, dm, db, dyg = K.backward_columns(dy, y, xa, bias, interpret=kernel_impl == "interpret", config=config,
+                                        finish=(gs, m, jnp.float32, jnp.float32, jnp.float32), dyg_scale=g)
+    # dy * g from the same launch (gemm="sm90"), rounded once to dy's dtype
+    np.testing.assert_array_equal(dyg, (dy.astype(jnp.float32) * g[None, :]).astype(jnp.bfloat16))
     f = lambda v: np.asarray(v, np.float64)  # noqa: E731
     z = f(y) - (0 if bias is None else f(bias))
     np.testing.assert_allclose(p, f(xa).T @ f(dy) * f(gs), rtol=1e-5, atol=1e-5)
@@ -213,6 +216,21 @@ def test_merge_weight_outputs(kernel_impl):
     for cfg2 in (Config(merge_reverse=False), Config(merge_bk=16, merge_rows=64, merge_bn=32)):
         wm2 = K.merge_weight((w,), "dense", a, b, 0.7, g=g, interpret=interp, config=cfg2)
         np.testing.assert_array_equal(wm2.astype(jnp.float32), wm.astype(jnp.float32))
+    # emit_partials (gemm="sm90"): V unscaled and V's column sums of squares per row range (3 ranges of 32 rows)
+    cfg3 = Config(merge_bk=16, merge_rows=32, merge_bn=16)  # 2 row tiles a program, a masked last range
+    v2, parts2 = K.merge_weight((w,), "dense", a, b, 0.7, emit_partials=True, interpret=interp, config=cfg3)
+    assert v2.dtype == jnp.bfloat16 and parts2.shape == (3, 40)
+    np.testing.assert_allclose(v2.astype(jnp.float32), v.astype(jnp.bfloat16).astype(jnp.float32), rtol=1e-2,
+                               atol=1e-3)
+    np.testing.assert_allclose(parts2[1], jnp.sum(v[32:64] ** 2, axis=0), rtol=2e-6)
+    np.testing.assert_allclose(jnp.sqrt(parts2.sum(0)), n_ex, rtol=2e-6)
+
+
+def test_sm90_gemm_needs_hopper_and_tile_shapes(kernel_impl):
+    """gemm="sm90" runs only where it can (a Hopper GPU, dense 16-bit W, tile-multiple shapes), else a clear error."""
+    x, w, a, b, m, bias, _ = make(46, (5,), 64, 48, 4, jnp.bfloat16)
+    with pytest.raises(ValueError, match="gemm='sm90' needs"):
+        dora_dense(x, w, a, b, m, bias, scale=0.5, implementation=kernel_impl, gemm="sm90")
 
 
 @pytest.mark.parametrize("gemm", ["merged", "epilogue"])
@@ -536,6 +554,8 @@ BIG = [((512,), 4096, 4096, 16), ((256,), 4096, 11008, 64)]
 
 
 GPU_CONFIGS = {
+    "sm90_remerge": Config(save_merged=False),  # V not kept: the backward forms (W + s A B) g for dx
+    "sm90_cols_registers": Config(cols_mma_sums=False),  # dy g written from the register path of the column launch
     "merged_in_norm": Config(merge_in_norm=True, xnorm_bn=32, xnorm_bk=128),
     # norm partials over 8 row ranges from the prefetching "direct" kernel, merge tiles 64 x 128 in forward order
     "merged_direct_pf": Config(norm_mode="direct", norm_prefetch=True, norm_rows=512, merge_bk=64, merge_bn=128,
@@ -547,12 +567,53 @@ GPU_CONFIGS = {
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", BIG, ids=str)
-@pytest.mark.parametrize("gemm", ["auto", "pallas", "merged", "epilogue", *GPU_CONFIGS])
+@pytest.mark.parametrize("gemm", ["auto", "pallas", "merged", "epilogue", "sm90", *GPU_CONFIGS])
 def test_gpu_big_shapes(shape, gemm):
     lead, fin, fout, r = shape
     x, w, a, b, m, bias, dy = make(200, lead, fin, fout, r, jnp.bfloat16)
     check_against_reference(w, x, a, b, m, bias, dy, scale=0.5, impl="pallas", gemm=gemm.split("_")[0],
                             what=f"gpu {shape} {gemm}", config=GPU_CONFIGS.get(gemm))
+
+
+@pytest.mark.gpu
+def test_gpu_sm90_exact_norm_grad():
+    """gemm="sm90" differentiating through the norm (dy g formed by XLA, the column sums on the sharded path)."""
+    lead, fin, fout, r = BIG[0]
+    x, w, a, b, m, bias, dy = make(205, lead, fin, fout, r, jnp.bfloat16)
+    check_against_reference(w, x, a, b, m, bias, dy, scale=0.5, impl="pallas", gemm="sm90", exact=True,
+                            what="gpu sm90 exact")
+
+
+@pytest.mark.gpu
+def test_gpu_auto_takes_sm90_on_hopper():
+    from pallas_fused import _backend
+    from pallas_fused.dora.api import _resolve_gemm
+
+    want = "sm90" if _backend.is_hopper() else "merged"
+    assert _resolve_gemm("auto", "dense", 4096, 4096, 4096, jnp.bfloat16, False) == want
+    assert _resolve_gemm("auto", "dense", 4096, 4096, 4096, jnp.bfloat16, True) == "merged"  # interpret: no sm90
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("with_bias", [True, False])
+@pytest.mark.parametrize("config", ["LARGE", "SMALL"])
+def test_gpu_sm90_scaled_matmul(dtype, with_bias, config):
+    """The Mosaic GPU GEMM (x V) g + bias against a float32 product of the same 16-bit inputs: one rounding."""
+    from pallas_fused import _backend
+    from pallas_fused.dora import kernel_sm90
+
+    if not _backend.is_hopper():
+        pytest.skip("the sm90 kernel needs a Hopper GPU")
+    x, v = rand(240, (384, 1024), dtype), rand(241, (1024, 768), dtype, scale=1024 ** -0.5)
+    g, bias = jnp.abs(rand(242, (768,))) + 0.5, rand(243, (768,), dtype) if with_bias else None
+    y = kernel_sm90.scaled_matmul(x, v, g, bias, config=getattr(kernel_sm90, config))
+    ref = jnp.dot(x.astype(jnp.float32), v.astype(jnp.float32), precision="highest") * g
+    ref = ref + (0.0 if bias is None else bias.astype(jnp.float32))
+    assert y.dtype == dtype
+    np.testing.assert_allclose(y.astype(jnp.float32), ref, rtol=1e-2, atol=1e-2 * float(jnp.std(ref)))
+    with pytest.raises(ValueError, match="multiples of the tile"):
+        kernel_sm90.scaled_matmul(x[:100], v, g, bias)
 
 
 @pytest.mark.gpu
