@@ -1,9 +1,9 @@
 """DoRA benchmarks (ANCHORS.md "DoRA" table): column norm, layer forward, forward+backward, QDoRA forward.
 
 Cases: tokens x in -> out, rank, bf16. Implementations:
-  pallas             the default (gemm="auto": "sm90" on a Hopper GPU where the shapes fit its tiles, else "merged" or
-                     "epilogue" by a byte count, see api.AUTO_DENSE_GEMMS); the column norm (or the merge pass) and
-                     the backward column reductions are Pallas in every mode
+  pallas             the default (gemm="auto": "merged" or "epilogue" by a byte count, "merged" taken as "sm90" on a
+                     Hopper GPU where the shapes fit its tiles, see api.AUTO_DENSE_GEMMS); the column norm (or the
+                     merge pass) and the backward column reductions are Pallas in every mode
   pallas:sm90        one Pallas pass forms V = W + s A B and its column sums of squares, then our Mosaic GPU GEMM
                      (x V) g + bias with g and the bias in its epilogue (gemm="sm90"); backward dx = (dy g) V^T on
                      cuBLAS with dy g written by the column launch. fwdbwd variants: pallas:sm90_remerge
@@ -313,7 +313,7 @@ def tuning(rec: Recorder, quick: bool, parts=("norm", "modes", "variants")) -> N
     - dora_tune_colnorm: NORM_SWEEP (Config.norm_* / xnorm_*), amortized over k distinct weights per jit (the
       session-2 single-call sweep measured the host dispatch), with XLA's amortized time beside;
     - dora_mode: forward and forward+backward of the cuBLAS-based gemm modes at 4096/8192/512 tokens, with the
-      base matmul x W alone ("auto" picks "merged" or "epilogue" from a byte count: api.AUTO_DENSE_GEMMS), the
+      base matmul x W alone ("auto" picks from a byte count: api.AUTO_DENSE_GEMMS), the
       MERGED_SWEEP variants of the forward (Config.mnorm_rows / merge_*) and COLS_SWEEP of the backward (cols_*).
       These layer timings are one jit each and GPU-bound (>= 0.05 ms), so single-call timing is fine there.
     """

@@ -15,14 +15,13 @@ from pallas_fused.dora import reference
 from pallas_fused.dora.quant import Int8Kernel, NF4Kernel, dequantize, is_quantized
 
 GEMMS = ("auto", "pallas", "fused", "epilogue", "merged", "sm90", "xla", "xla_concat", "xla_epilogue")
-# gemm="auto" for dense weights: "sm90" where it runs (one Hopper GPU, 16-bit, tile-multiple shapes: its Mosaic GPU
-# GEMM ties cuBLAS and takes g and the bias in its epilogue, so DoRA adds one pass over W instead of two). Elsewhere
-# the two candidates below run cuBLAS for the big GEMM (the Triton-lowered Pallas GEMM reached ~75% of cuBLAS on an
-# H200) and differ in the one extra pass they make: "merged" reads W and writes (W + s A B) g (4 K N bytes),
-# "epilogue" reads x for x A and reads + writes x W (2 M K + 4 M N bytes). The cheaper pass wins;
-# benchmarks/bench_dora.py "tuning" (dora_mode rows) measures every mode per shape.
+# gemm="auto" for dense weights: the mode whose one extra pass over memory is cheaper. "merged" reads W and writes
+# (W + s A B) g (4 K N bytes) before one cuBLAS GEMM; "epilogue" reads x for x A and reads + writes x W (2 M K +
+# 4 M N bytes) after one. Where "merged" wins and "sm90" runs (one Hopper GPU, 16-bit, tile-multiple shapes),
+# "sm90" replaces it: the same pass (forming W + s A B, unscaled) but no norm pass ahead of it, since its Mosaic GPU
+# GEMM, which ties cuBLAS, applies g and the bias in its epilogue. benchmarks/bench_dora.py measures every mode.
 # Quantised weights always take "pallas" (cuBLAS would need W dequantised in full).
-AUTO_DENSE_GEMMS = ("merged", "epilogue")
+AUTO_DENSE_GEMMS = ("sm90", "merged", "epilogue")
 
 
 def _resolve_gemm(gemm: str, kind: str, tokens: int, fin: int, fout: int, dtype, interpret: bool) -> str:
@@ -30,10 +29,10 @@ def _resolve_gemm(gemm: str, kind: str, tokens: int, fin: int, fout: int, dtype,
         return gemm
     if kind != "dense":
         return "pallas"
-    if not interpret and _sm90_ok(kind, tokens, fin, fout, dtype):
-        return "sm90"
     merged_bytes, epilogue_bytes = 4 * fin * fout, 2 * tokens * fin + 4 * tokens * fout
-    return AUTO_DENSE_GEMMS[0] if merged_bytes <= epilogue_bytes else AUTO_DENSE_GEMMS[1]
+    if merged_bytes > epilogue_bytes:
+        return "epilogue"
+    return "sm90" if not interpret and _sm90_ok(kind, tokens, fin, fout, dtype) else "merged"
 
 
 def _check(x, kernel, lora_a, lora_b, magnitude, bias, scale):
@@ -364,8 +363,8 @@ def dora_dense(x, kernel, lora_a, lora_b, magnitude, bias=None, *, scale, exact_
       implementation: None (Pallas on a GPU, XLA elsewhere), "pallas", "xla" or "interpret".
       gemm: which big GEMMs the Pallas path uses (the column norm and the backward column reductions are
         Pallas in every mode).
-        "auto" (default): for dense weights "merged" or "epilogue", whichever makes the smaller extra pass
-        over memory at this shape (see `AUTO_DENSE_GEMMS`); "pallas" for quantised weights.
+        "auto" (default): for dense weights "merged" (as "sm90" where that runs) or "epilogue", whichever makes
+        the smaller extra pass over memory at this shape (see `AUTO_DENSE_GEMMS`); "pallas" for quantised weights.
         "pallas": Pallas GEMMs both ways (the fused-epilogue forward, the dx GEMM; W dequantised in-kernel).
         "fused": the fused-epilogue Pallas GEMM forward, cuBLAS dx backward.
         "epilogue": cuBLAS x W, then one Pallas pass (x W + s (x A) B) * g + bias.
