@@ -174,10 +174,12 @@ def matmul(a, b, *, b_layout: str, row_vecs: Sequence[jax.Array] = (), col_vecs:
     `name` names the kernel in profiles. Under vmap the batch runs as a loop of launches (no batching rule).
     """
     plgpu = _backend.mosaic_gpu()
-    m, k = a.shape
-    n = b.shape[1] if b_layout == "kn" else b.shape[0]
     if b_layout not in ("kn", "nk"):
         raise ValueError(f"{name}: b_layout must be 'kn' or 'nk', got {b_layout!r}")
+    if b_layout == "kn" and jnp.dtype(b.dtype).itemsize < 2:
+        raise ValueError(f"{name}: wgmma reads {b.dtype} operands only K-major: pass b as (N, K) with b_layout='nk'")
+    m, k = a.shape
+    n = b.shape[1] if b_layout == "kn" else b.shape[0]
     if not supported(m, n, k, config):
         raise ValueError(f"{name}: shapes {a.shape} x {b.shape} ({b_layout}) must be multiples of the tile "
                          f"{config.cta_tile + (config.tile_k,)}")

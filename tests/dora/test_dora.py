@@ -226,6 +226,20 @@ def test_merge_weight_outputs(kernel_impl):
     np.testing.assert_allclose(jnp.sqrt(parts2.sum(0)), n_ex, rtol=2e-6)
 
 
+def test_sm90_skeleton_rejects_bad_operands():
+    """The shared sm90 GEMM names what is wrong before building a kernel (no GPU needed to get there)."""
+    from pallas_fused import _sm90
+
+    kw = dict(epilogue=lambda acc, rows, cols: acc, out_dtype=jnp.bfloat16, config=_sm90.TileConfig(), name="t")
+    a8 = jnp.zeros((256, 256), jnp.float8_e4m3fn)
+    with pytest.raises(ValueError, match="b_layout must be"):
+        _sm90.matmul(a8, a8, b_layout="kk", **kw)
+    with pytest.raises(ValueError, match="only K-major"):
+        _sm90.matmul(a8, a8, b_layout="kn", **kw)
+    with pytest.raises(ValueError, match="multiples of the tile"):
+        _sm90.matmul(a8[:100], a8, b_layout="nk", **kw)
+
+
 def test_sm90_gemm_needs_hopper_and_tile_shapes(kernel_impl):
     """gemm="sm90" runs only where it can (a Hopper GPU, dense 16-bit W, tile-multiple shapes), else a clear error."""
     x, w, a, b, m, bias, _ = make(46, (5,), 64, 48, 4, jnp.bfloat16)
