@@ -34,7 +34,7 @@ import jax
 import optax
 
 import pallas_fused.adam as A
-from benchmarks.common import bench_carry, bench_torch, rnd
+from benchmarks.common import bench_carry, bench_torch, error_text, rnd
 from pallas_fused import _backend
 from pallas_fused.adam import kernel as K
 
@@ -87,7 +87,7 @@ def _time(rec, case, impl, make_step, init_state, shapes, n, reps, nbytes, **ext
         else:
             ms = bench_carry(lambda p, s: step(p, grads, s), (params, state), n=n, reps=reps)
     except Exception as e:  # noqa: BLE001 - a failing implementation is a result
-        return rec.add("adam", case, impl, None, error=f"{type(e).__name__}: {str(e)[:300]}")
+        return rec.add("adam", case, impl, None, error=error_text(e))
     finally:
         params = grads = state = None
     return rec.add("adam", case, impl, ms, nbytes=nbytes, state_bytes=state_bytes, **extra)

@@ -56,7 +56,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from benchmarks.common import Recorder, bench_amortized, rnd
+from benchmarks.common import Recorder, error_text, rnd
 from pallas_fused.dora import Config, column_scale, column_scale_reference, dora_dense, quantize_int8, quantize_nf4
 
 CASES = [(512, 4096, 4096, 16), (4096, 4096, 4096, 16), (8192, 4096, 4096, 16),
@@ -97,11 +97,7 @@ def _layer_timer(rec, case, sets):
         args = [s[:n_args] for s in sets]
         if len(sets) == 1:
             return rec.time(op, case, impl, jax.jit(fn), *args[0], **kw)
-        try:
-            ms = bench_amortized(fn, args)
-        except Exception as e:  # noqa: BLE001 - a failing implementation is a result
-            return rec.add(op, case, impl, None, error=f"{type(e).__name__}: {str(e)[:300]}")
-        return rec.add(op, case, impl, ms, k=len(sets), **kw)
+        return rec.time_amortized(op, case, impl, fn, args, **kw)
     return time
 
 
@@ -119,16 +115,7 @@ def _norm_sets(fin, fout, r):
         as_.append(rnd(40 + i, (fin, r), jnp.bfloat16, scale=r ** -0.5))
         bs.append(rnd(60 + i, (r, fout), jnp.bfloat16, scale=0.01))
         ms.append(jnp.linalg.norm(w.astype(jnp.float32), axis=0).astype(jnp.bfloat16))
-    return k, list(zip(ws, as_, bs, ms))
-
-
-def time_norm_amortized(rec, op, case, impl, norm_fn, sets, k, *, n=20, reps=5, **kw):
-    """The column norm timed by `bench_amortized` over the k (w, a, b, m) sets, recorded per column norm."""
-    try:
-        ms = bench_amortized(norm_fn, sets, n=n, reps=reps)
-    except Exception as e:  # noqa: BLE001 - a failing variant is a result
-        return rec.add(op, case, impl, None, error=f"{type(e).__name__}: {str(e)[:300]}")
-    return rec.add(op, case, impl, ms, k=k, **kw)
+    return list(zip(ws, as_, bs, ms))
 
 
 def _fwdbwd(impl, gemm, scale, config=None):
@@ -149,11 +136,11 @@ def norm_rows(rec, case, fin, fout, r, scale):
     """
     norm_bytes = (fin * fout + fin * r + r * fout + 2 * fout) * 2
     norm_flops = 2 * fin * r * fout + 3 * fin * fout
-    k, sets = _norm_sets(fin, fout, r)
+    sets = _norm_sets(fin, fout, r)
     ours = lambda w, a, b, m: column_scale(w, a, b, m, scale=scale, implementation="pallas")  # noqa: E731
     theirs = lambda w, a, b, m: column_scale_reference(w, a, b, m, scale)  # noqa: E731
-    time_norm_amortized(rec, "dora_colnorm", case, "pallas", ours, sets, k, nbytes=norm_bytes, flops=norm_flops)
-    time_norm_amortized(rec, "dora_colnorm", case, "xla", theirs, sets, k, nbytes=norm_bytes, flops=norm_flops)
+    rec.time_amortized("dora_colnorm", case, "pallas", ours, sets, nbytes=norm_bytes, flops=norm_flops)
+    rec.time_amortized("dora_colnorm", case, "xla", theirs, sets, nbytes=norm_bytes, flops=norm_flops)
     one = sets[0]
     rec.time("dora_colnorm", case, "pallas:single_call", jax.jit(ours), *one, nbytes=norm_bytes, flops=norm_flops)
     rec.time("dora_colnorm", case, "xla:single_call", jax.jit(theirs), *one, nbytes=norm_bytes, flops=norm_flops)
@@ -329,7 +316,7 @@ def tuning(rec: Recorder, quick: bool, parts=("norm", "modes", "variants")) -> N
         return rec.time(op, case, impl, fn, *args, n=20, reps=3, **kw)
 
     def colnorm(fin, fout, r, until):
-        k, sets = _norm_sets(fin, fout, r)
+        sets = _norm_sets(fin, fout, r)
         nbytes = (fin * fout + fin * r + r * fout + 2 * fout) * 2
         case = f"{fin}->{fout} r{r} bf16 amortized"
         for mode, bn, bk, rows, warps, stages, shapes in NORM_SWEEP:
@@ -346,11 +333,11 @@ def tuning(rec: Recorder, quick: bool, parts=("norm", "modes", "variants")) -> N
             if time.perf_counter() > until:
                 rec.add("dora_tune_colnorm", case, impl, None, error=skipped)
                 continue
-            time_norm_amortized(rec, "dora_tune_colnorm", case, impl, lambda w, a, b, m, cfg=cfg: column_scale(
-                w, a, b, m, scale=scale, implementation="pallas", config=cfg), sets, k, n=10, reps=3, nbytes=nbytes)
+            rec.time_amortized("dora_tune_colnorm", case, impl, lambda w, a, b, m, cfg=cfg: column_scale(
+                w, a, b, m, scale=scale, implementation="pallas", config=cfg), sets, n=10, reps=3, nbytes=nbytes)
         if time.perf_counter() <= until + 10:
-            time_norm_amortized(rec, "dora_tune_colnorm", case, "xla", lambda w, a, b, m: column_scale_reference(
-                w, a, b, m, scale), sets, k, n=10, reps=3, nbytes=nbytes)
+            rec.time_amortized("dora_tune_colnorm", case, "xla", lambda w, a, b, m: column_scale_reference(
+                w, a, b, m, scale), sets, n=10, reps=3, nbytes=nbytes)
 
     def modes(tokens, fin, fout, r, plain, variants):
         x, w, a, b, m, dy = _data(tokens, fin, fout, r)
@@ -420,11 +407,7 @@ def _parts_at(rec, tokens, fin, fout, r):
         sets.append((x, w, *_pad_rank(a, b), m, dy))
 
     def row(name, fn, args, nbytes):
-        try:
-            ms = bench_amortized(fn, args, n=10, reps=3)
-        except Exception as e:  # noqa: BLE001 - a failing piece is a result
-            return rec.add("dora_parts", case, name, None, error=f"{type(e).__name__}: {str(e)[:300]}")
-        return rec.add("dora_parts", case, name, ms, nbytes=nbytes, k=k)
+        return rec.time_amortized("dora_parts", case, name, fn, args, n=10, reps=3, nbytes=nbytes)
 
     def partials(w, a, b):
         return K.column_partials((w,), "dense", a, b, ss, interpret=interp, config=cfg, rows=cfg.mnorm_rows)
@@ -479,5 +462,5 @@ def run(rec: Recorder, quick: bool) -> None:
         try:
             section(rec, quick)
         except Exception as e:  # noqa: BLE001 - keep the other section's numbers
-            rec.add("dora", section.__name__, "error", None, error=f"{type(e).__name__}: {str(e)[:300]}")
+            rec.add("dora", section.__name__, "error", None, error=error_text(e))
         print(f"  [{section.__name__} {time.time() - start:.1f}s]", flush=True)

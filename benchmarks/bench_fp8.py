@@ -22,7 +22,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from benchmarks.common import bench_torch, rnd
+from benchmarks.common import bench_torch, error_text, rnd
 
 FP8_PEAK = 1979.0  # datasheet dense fp8 TFLOP/s (H100 SXM / H200)
 E4 = jnp.float8_e4m3fn
@@ -87,7 +87,7 @@ def _torch_scaled_mm(rec, case, a8, bt8, sa, sb, gran, kw):
         extra = {k: v for k, v in kw.items() if k not in ("n", "reps")}
         rec.add("fp8_mm", case, "peer:torch_scaled_mm", ms, **extra)
     except Exception as e:  # noqa: BLE001 - a missing peer is a recorded result
-        rec.add("fp8_mm", case, "peer:torch_scaled_mm", None, error=f"{type(e).__name__}: {str(e)[:300]}")
+        rec.add("fp8_mm", case, "peer:torch_scaled_mm", None, error=error_text(e))
 
 
 def _quantize(rec, quick):

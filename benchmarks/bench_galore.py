@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from benchmarks.common import bench_carry, bench_carry_amortized, rnd
+from benchmarks.common import bench_carry, bench_carry_amortized, error_text, rnd
 from pallas_fused.galore import api, kernel, projector, reference
 
 OP = "galore"
@@ -106,7 +106,7 @@ def _time_step(rec, case, impl, fn, M, N, r, side, delta_ref, n, **extra):
         rec.add(OP, case, impl, ms, rel_err_update=err, **kw, **extra)
         return ms
     except Exception as e:  # noqa: BLE001 - a failing kernel is a result
-        rec.add(OP, case, impl, None, error=f"{type(e).__name__}: {str(e)[:300]}")
+        rec.add(OP, case, impl, None, error=error_text(e))
         return None
 
 
@@ -140,11 +140,10 @@ def step_cases(rec, quick):
                 k = 2 if _CPU else K_AMORT_STEP
                 for impl, fn in [(f"pallas:inplace_{auto}:amortized_x{k}", make(auto, True)),
                                  (f"xla:amortized_x{k}", xla)]:
-                    try:
-                        ms = bench_carry_amortized(fn, [_state(M, N, r, side, seed=10 * i + 2) for i in range(k)], n)
-                        rec.add(OP, case, impl, ms, **kw)
-                    except Exception as e:  # noqa: BLE001
-                        rec.add(OP, case, impl, None, error=_err(e))
+                    def timing(fn=fn, k=k, M=M, N=N, r=r, side=side, n=n):
+                        return bench_carry_amortized(fn, [_state(M, N, r, side, seed=10 * i + 2) for i in range(k)], n)
+
+                    rec.measure(OP, case, impl, timing, **kw)
             inplace = {v: times.get(f"pallas:inplace_{v}") for v in kernel.VARIANTS}
             inplace = {v: t for v, t in inplace.items() if t}
             if inplace:
@@ -167,7 +166,7 @@ def step_cases(rec, quick):
                     ms = bench_carry(api_step, (params, grads, state), n=20 if quick else 30)
                     rec.add(OP, case, "pallas:inplace_api", ms, auto_choice=api.choose_kernel((M, N), r, side), **kw)
                 except Exception as e:  # noqa: BLE001
-                    rec.add(OP, case, "pallas:inplace_api", None, error=f"{type(e).__name__}: {str(e)[:300]}")
+                    rec.add(OP, case, "pallas:inplace_api", None, error=error_text(e))
             # the whole optax transforms, count > 0 (no refresh); params, grads and state all donated
             for impl, tx_fn in [("pallas:tx", lambda r=r: api.galore_adamw(LR, rank=r, update_proj_gap=10**9,
                                                                            scale=SCALE, eps=EPS)),
@@ -188,7 +187,7 @@ def step_cases(rec, quick):
                     ms = bench_carry(step, (params, grads, state), n=20 if quick else 30)
                     rec.add(OP, case, impl, ms, **kw)
                 except Exception as e:  # noqa: BLE001
-                    rec.add(OP, case, impl, None, error=f"{type(e).__name__}: {str(e)[:300]}")
+                    rec.add(OP, case, impl, None, error=error_text(e))
 
 
 # Candidate launch configurations of the tuning sweep: UpConfig(bm, bn, br, warps, stages, w_first, tn, tm, f16,
@@ -260,10 +259,6 @@ K_AMORT = 4
 K_AMORT_STEP = 3
 
 
-def _err(e):
-    return f"{type(e).__name__}: {str(e)[:300]}"
-
-
 def tuning(rec, quick):
     """The sweep that sets the defaults, bounded to TUNING_BUDGET_S (what is left is recorded as skipped; every
     failure recorded). All timings amortized over K_AMORT (K_AMORT_STEP for whole steps) distinct operand sets.
@@ -289,13 +284,7 @@ def tuning(rec, quick):
     def timed(case, impl, op, states, **kw):
         if not budget_left(case, impl):
             return None
-        try:
-            ms = bench_carry_amortized(op, states, n)
-            rec.add(OP, case, impl, ms, **kw)
-            return ms
-        except Exception as e:  # noqa: BLE001 - a failing kernel is a result
-            rec.add(OP, case, impl, None, error=_err(e))
-            return None
+        return rec.measure(OP, case, impl, lambda: bench_carry_amortized(op, states, n), **kw).ms
 
     shapes = [_d(4096, 4096), _d(4096, 11008)]
     up_times, down_times = {}, {}  # side -> {config: ms}
@@ -374,7 +363,7 @@ def tuning(rec, quick):
             try:
                 delta_ref = _delta_ref(M, N, r, side)
             except Exception as e:  # noqa: BLE001
-                rec.add(OP, case, "reference", None, error=_err(e))
+                rec.add(OP, case, "reference", None, error=error_text(e))
                 continue
             up, down = best_up.get(side), best_down.get(side)
             # ("fused" lost to "hybrid" by 1.3-2x at every session-3 shape, and the fp32-operand up configurations
@@ -399,7 +388,7 @@ def tuning(rec, quick):
                     if ms < times.get(variant, (float("inf"),))[0]:
                         times[variant] = (ms, upc, downc)
                 except Exception as e:  # noqa: BLE001
-                    rec.add(OP, case, impl, None, error=_err(e))
+                    rec.add(OP, case, impl, None, error=error_text(e))
             timed(case, "xla", xla, step_states, **kw)
             del step_states
             if times:
@@ -511,7 +500,7 @@ def llama_layer(rec, quick):
             results[impl] = amort
             rec.add(OP, case, impl, amort, step_ms=ms_step, refresh_ms=ms_refresh)
         except Exception as e:  # noqa: BLE001
-            rec.add(OP, case, impl, None, error=f"{type(e).__name__}: {str(e)[:300]}")
+            rec.add(OP, case, impl, None, error=error_text(e))
     if "peer:optax_contrib_galore" in results:
         for impl in ("pallas:inplace", "pallas:tx"):
             if impl in results:
@@ -544,5 +533,5 @@ def run(rec, quick: bool):
                 raise ValueError(f"GALORE_SECTIONS: unknown section {name!r}; known: {SECTIONS}")
             globals()[name](rec, quick)
         except Exception as e:  # noqa: BLE001 - keep the other sections' numbers
-            rec.add(OP, name, "error", None, error=f"{type(e).__name__}: {str(e)[:300]}")
+            rec.add(OP, name, "error", None, error=error_text(e))
         print(f"  [{name} {time.time() - start:.1f}s]", flush=True)

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import Recorder, bench_torch, rnd
+from benchmarks.common import Recorder, bench_torch, error_text, rnd
 from pallas_fused.rotary.api import apply_rotary_with_config
 from pallas_fused.rotary.kernel import choose_config
 
@@ -124,7 +124,7 @@ def _torch_peer(rec: Recorder, case: str, q, k, positions, gq, gk, nbytes: float
         ms = bench_torch(fb)
         rec.add(OP, f"{case} fwd+bwd", "peer:torch_compile", ms, nbytes=2 * nbytes)
     except Exception as e:  # noqa: BLE001 - a failing peer is a result, not a crash
-        rec.add(OP, f"{case} fwd", "peer:torch_compile", None, error=f"{type(e).__name__}: {str(e)[:300]}")
+        rec.add(OP, f"{case} fwd", "peer:torch_compile", None, error=error_text(e))
 
 
 def run(rec: Recorder, quick: bool) -> None:

@@ -81,6 +81,11 @@ def bench_torch(fn: Callable, n: int = 50, reps: int = 5) -> float:
     return _median_of_means(fn, lambda _: torch.cuda.synchronize(), n, reps)
 
 
+def error_text(e: Exception) -> str:
+    """A failure as a results row records it."""
+    return f"{type(e).__name__}: {str(e)[:300]}"
+
+
 def rnd(seed: int, shape, dtype=jnp.float32, scale: float = 1.0) -> jax.Array:
     """Random normal benchmark data (never zeros: they can run faster than real data)."""
     return (jax.random.normal(jax.random.key(seed), shape, jnp.float32) * scale).astype(dtype)
@@ -154,13 +159,23 @@ class Recorder:
         print(f"  {op:10s} {case:38s} {impl:30s} {shown} {rate}", flush=True)
         return row
 
-    def time(self, op: str, case: str, impl: str, fn: Callable, *args, n: int = 50, reps: int = 5, **kw):
-        """Time `fn(*args)` and record it; a failure is recorded (ms=None, error text), not raised."""
+    def measure(self, op: str, case: str, impl: str, timing: Callable[[], float], **kw) -> Row:
+        """Record the ms that `timing()` returns; a failure is recorded (ms=None, error text), not raised."""
         try:
-            ms = bench(fn, *args, n=n, reps=reps)
+            ms = timing()
         except Exception as e:  # noqa: BLE001 - a failing implementation is a result, not a crash
-            return self.add(op, case, impl, None, error=f"{type(e).__name__}: {str(e)[:300]}")
+            return self.add(op, case, impl, None, error=error_text(e))
         return self.add(op, case, impl, ms, **kw)
+
+    def time(self, op: str, case: str, impl: str, fn: Callable, *args, n: int = 50, reps: int = 5, **kw) -> Row:
+        """Time `fn(*args)` (`bench`) and record it, as `measure`."""
+        return self.measure(op, case, impl, lambda: bench(fn, *args, n=n, reps=reps), **kw)
+
+    def time_amortized(self, op: str, case: str, impl: str, fn: Callable, arg_sets, n: int = 20, reps: int = 5,
+                       **kw) -> Row:
+        """Time `fn` with `bench_amortized` over the k argument tuples and record it (k beside it), as `measure`."""
+        return self.measure(op, case, impl, lambda: bench_amortized(fn, arg_sets, n=n, reps=reps), k=len(arg_sets),
+                            **kw)
 
 
 def device_slug() -> str:

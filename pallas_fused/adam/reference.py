@@ -180,7 +180,6 @@ def encode_signed(x, inv_absmax, dmap: DynamicMap, encode_fn=None, signed_fn=Non
     return code
 
 
-
 # ----------------------------------------------------------------------------------------------
 # The same encoder by table lookups (for the kernels)
 
@@ -248,7 +247,6 @@ def table_lookups(tables):
         return lambda i: table[i]
 
     return tuple(lookup(t) for t in tables)
-
 
 
 class BinadeTables(NamedTuple):

@@ -252,13 +252,6 @@ def _dora_2d_fwd(statics, x, ops, a, b, m, bias, scale):
     return y, (x, ops, ap, bp, m, bias, scale, n, g, xa, y, wm, bg)
 
 
-def _backward_columns_finished(dy, y, xa, bias, gs, m, bp, interpret, config, dyg_scale=None):
-    """(dB, dm, dbias) finished in their dtypes by the column launch (one device) [, dy * dyg_scale]."""
-    db_dt = jnp.float32 if bias is None else bias.dtype
-    return K.backward_columns(dy, y, xa, bias, interpret=interpret, config=config,
-                              finish=(gs, m, bp.dtype, m.dtype, db_dt), dyg_scale=dyg_scale)
-
-
 def _dora_2d_bwd(statics, res, dy):
     kind, gemm, interpret, config, exact, rank, fin = statics
     x, ops, ap, bp, m, bias, scale, n, g, xa, y, wm, bg = res
@@ -269,6 +262,18 @@ def _dora_2d_bwd(statics, res, dy):
     if bg is None:
         bg = (bp.astype(jnp.float32) * gs[None, :]).astype(dt)
     us = jnp.dot(dy, bg.T)  # cuBLAS rounds once to dt
+    if xa is None:  # gemm="merged" / "sm90" never formed x A in the forward
+        xa = _xa(x, ap)
+    # gemm="sm90" keeps V = W + s A B unscaled, so dx = (dy g) V^T: dy g is written by the column launch (it reads
+    # dy anyway) where that launch runs below, by XLA otherwise.
+    dyg_from_v = gemm == "sm90" and wm is not None
+    finished = None
+    if not exact and jax.device_count() == 1:
+        # Unsharded, constant norm: the column launch returns the finished dB, dm and dbias (in-kernel when one
+        # program covers every token), x^T us is rounded once by cuBLAS: no float32 intermediates left to cast.
+        db_dt = jnp.float32 if bias is None else bias.dtype
+        finished = K.backward_columns(dy, y, xa, bias, interpret=interpret, config=config,
+                                      finish=(gs, m, bp.dtype, m.dtype, db_dt), dyg_scale=g if dyg_from_v else None)
     if gemm == "pallas":
         gw = g * ops[1] if kind == "int8" else g
         def bwd_dx(dy, gw, *a):  # sharded: tokens and input features split; N and the rank gathered
@@ -280,15 +285,8 @@ def _dora_2d_bwd(statics, res, dy):
         # (one Pallas pass over W, and no float32 (M, in) partial results); with few tokens g goes on dy
         # and the low-rank term is a second, small GEMM.
         fin_, fout_ = ap.shape[0], bp.shape[1]
-        if gemm == "sm90" and wm is not None:
-            # V = W + s A B kept unscaled: dx = (dy g) V^T, dy g written by the column launch (it reads dy anyway).
-            cols = None
-            if xa is None:
-                xa = _xa(x, ap)
-            if exact:
-                dyg = (dy.astype(jnp.float32) * g[None, :]).astype(dt)
-            else:
-                *cols, dyg = _backward_columns_finished(dy, y, xa, bias, gs, m, bp, interpret, config, dyg_scale=g)
+        if dyg_from_v:
+            dyg = finished[3] if finished is not None else (dy.astype(jnp.float32) * g[None, :]).astype(dt)
             dx = jnp.dot(dyg, wm.T)
         elif wm is not None:  # gemm="merged" kept it
             dx = jnp.dot(dy, wm.T)
@@ -298,15 +296,8 @@ def _dora_2d_bwd(statics, res, dy):
             w = _dense_w(kind, ops, dt)
             dx = jnp.dot((dy.astype(jnp.float32) * g[None, :]).astype(dt), w.T, preferred_element_type=jnp.float32)
             dx = (dx + jnp.dot(us, ap.T, preferred_element_type=jnp.float32)).astype(dt)
-    if xa is None:  # gemm="merged" never formed x A in the forward
-        xa = _xa(x, ap)
-    if not exact and jax.device_count() == 1:
-        # Unsharded, constant norm: the column launch returns the finished dB, dm and dbias (in-kernel when one
-        # program covers every token), x^T us is rounded once by cuBLAS: no float32 intermediates left to cast.
-        if gemm == "sm90" and wm is not None:
-            dbm, dm, db = cols
-        else:
-            dbm, dm, db = _backward_columns_finished(dy, y, xa, bias, gs, m, bp, interpret, config)
+    if finished is not None:
+        dbm, dm, db = finished[:3]
         da = jnp.dot(x.T, us)
         return (dx, tuple(_zero_cotangent(o) for o in ops), da[:, :rank], dbm[:rank], dm,
                 None if bias is None else db, jnp.zeros_like(scale))
