@@ -1,6 +1,8 @@
 """DoRA benchmarks (ANCHORS.md "DoRA" table): column norm, layer forward, forward+backward, QDoRA forward.
 
 Cases: tokens x in -> out, rank, bf16. Implementations:
+  user:DoRADense     (fwd+bwd) the row of record: the linen `DoRADense` layer applied under jit, grads of x, A, B
+                     and m (W frozen), every option at its default
   pallas             the default (gemm="auto": "merged" or "epilogue" by a byte count, "merged" taken as "sm90" on a
                      Hopper GPU where the shapes fit its tiles, see api.AUTO_DENSE_GEMMS); the column norm (or the
                      merge pass) and the backward column reductions are Pallas in every mode
@@ -127,6 +129,20 @@ def _fwdbwd(impl, gemm, scale, config=None):
     return jax.jit(fb)
 
 
+def _module_fwdbwd(scale):
+    """The user's path: the linen `DoRADense` (no bias, W frozen) forward+backward under jit, the same grads."""
+    from pallas_fused.dora import DoRADense
+
+    def fb(x, w, a, b, m, dy):
+        rank = a.shape[1]
+        layer = DoRADense(features=w.shape[1], rank=rank, alpha=scale * rank, use_bias=False, dtype=x.dtype,
+                          param_dtype=w.dtype)
+        _, pull = jax.vjp(lambda x, a, b, m: layer.apply(
+            {"params": {"kernel": w, "lora_a": a, "lora_b": b, "magnitude": m}}, x), x, a, b, m)
+        return pull(dy)
+    return jax.jit(fb)
+
+
 def norm_rows(rec, case, fin, fout, r, scale):
     """dora_colnorm rows: ours and XLA amortized (the numbers to read: "pallas", "xla") and single-call.
 
@@ -175,6 +191,7 @@ def main_cases(rec: Recorder, quick: bool) -> None:
         # Forward + backward (grads of x, A, B, m; W frozen), as ANCHORS' "XLA layer fwd+bwd".
         fb_flops = fwd_flops + 2 * tokens * fin * fout + 6 * tokens * r * (fin + fout)
 
+        layer("dora_fwdbwd", "user:DoRADense", _module_fwdbwd(scale), 6, flops=fb_flops)
         layer("dora_fwdbwd", "xla", _fwdbwd("xla", "pallas", scale), 6, flops=fb_flops)
         for impl, gemm in {**_gemms(), **_gemms({"pallas:all_pallas": "pallas"})}.items():
             layer("dora_fwdbwd", impl, _fwdbwd("pallas", gemm, scale), 6, flops=fb_flops)

@@ -2,14 +2,18 @@
 
 scaled_matmul (e4m3 x e4m3 -> bf16, fast accumulation), rowwise and tensorwise scales, TFLOP/s with
 flops = 2 M N K, % of the datasheet dense fp8 peak (1979 TFLOP/s on H100/H200, `peak_tflops`):
-  pallas:sm90          our Mosaic GPU kernel, operands K-major (a (M, K), bt (N, K): the layout the
-                       Dense path provides)
+  user:scaled_matmul_nt  the row of record, what a user writes: jit(scaled_matmul_nt) on the outputs of the
+                       public `quantize` (x (M, K) and w_t (N, K), axis=-1 or None: (M, 1) / (N, 1) or scalar
+                       scales), default implementation
+  pallas:sm90          kernel only: our Mosaic GPU kernel through the private `_mm_nt`, operands K-major
+                       (a (M, K), bt (N, K): the layout the Dense path provides), scale vectors given
   pallas:triton        our Triton-lowered kernel (the portable fallback)
   xla                  our reference: XLA's fp8 dot (fp32 out) + fp32 rescale, b (K, N)
   peer:torch_scaled_mm torch._scaled_mm, use_fast_accum=True (cuBLAS / CUTLASS rowwise)
   peer:bf16_xla        XLA bf16 matmul, same shape
 
-Dense forward+backward: 16384 tokens, n -> n, bf16 params and activations, ANCHORS.md's method:
+Dense forward+backward (the user's path: `nn.Dense(dot_general_cls=Float8DotGeneral(config=recipe))`, rows
+pallas:<recipe>): 16384 tokens, n -> n, bf16 params and activations, ANCHORS.md's method:
   jax.vjp(apply, params, x)[1](g) timed under jit. Only the gradients are returned, so XLA drops
   the forward GEMM (y is unused): what is timed is the two backward GEMMs plus every quantize pass,
   for ours and the peers alike. The "+y" cases also return y (all three GEMMs).
@@ -26,38 +30,45 @@ from benchmarks.common import bench_torch, error_text, rnd
 
 FP8_PEAK = 1979.0  # datasheet dense fp8 TFLOP/s (H100 SXM / H200)
 E4 = jnp.float8_e4m3fn
+# (M, K, N): the shapes, then the example's (examples/train_llama.py's GPU preset: 16 x 1024 tokens,
+# d_model 2048, 4 kv heads of 128, SwiGLU 5504): forward x W, dx = dy W^T, dW = x^T dy of each projection.
+SHAPES = [(4096, 4096, 4096), (8192, 8192, 8192), (16384, 16384, 16384), (16384, 4096, 11008),
+          (16384, 11008, 4096), (16384, 2048, 5504),
+          (16384, 2048, 2048), (16384, 2048, 512), (16384, 5504, 2048), (16384, 512, 2048),
+          (2048, 16384, 2048), (2048, 16384, 512), (2048, 16384, 5504), (5504, 16384, 2048)]
 
 
 def _matmul(rec, quick):
-    from pallas_fused.fp8 import api, kernel, kernel_sm90, quantize
+    from pallas_fused.fp8 import api, kernel, quantize, scaled_matmul_nt
 
-    shapes = [(8192, 8192, 8192), (16384, 4096, 11008)] if quick else [
-        (4096, 4096, 4096), (8192, 8192, 8192), (16384, 16384, 16384),
-        (16384, 4096, 11008), (16384, 11008, 4096), (16384, 4096, 4096)]
-    n_rep = dict(n=10, reps=3) if quick else {}
-    for m, k, n in shapes:
-        a, b = rnd(1, (m, k), jnp.bfloat16), rnd(2, (k, n), jnp.bfloat16)
+    user = jax.jit(scaled_matmul_nt)
+    for m, k, n in SHAPES if quick else SHAPES + [(16384, 4096, 4096)]:
+        a, wt = rnd(1, (m, k), jnp.bfloat16), rnd(2, (n, k), jnp.bfloat16)
         flops = 2 * m * n * k
+        # ~10 ms of GPU work per timed batch (at ~1300 TFLOP/s), so the small GEMMs (0.03-0.1 ms) are not noise.
+        calls = min(200, max(10 if quick else 50, int(10e-3 * 1300e12 / flops)))
+        n_rep = dict(n=calls, reps=3 if quick else 5)
         for gran in ("rowwise", "tensorwise"):
-            axes = (1, 0) if gran == "rowwise" else (None, None)
-            a8, sa = quantize(a, E4, axes[0], implementation="xla")
-            b8, sb = quantize(b, E4, axes[1], implementation="xla")
-            bt8 = b8.T.copy()
+            axis = -1 if gran == "rowwise" else None
+            a8, sa = quantize(a, E4, axis)  # sa: (M, 1) or ()
+            bt8, sb = quantize(wt, E4, axis)  # sb: (N, 1) or ()
             sav = jnp.broadcast_to(sa.reshape(-1), (m,))
             sbv = jnp.broadcast_to(sb.reshape(-1), (n,))
             case = f"{m}x{k}x{n} {gran}"
             kw = dict(flops=flops, matmul_ceiling="fp8_peak", peak_tflops=FP8_PEAK, **n_rep)
+            rec.time("fp8_mm", case, "user:scaled_matmul_nt", user, a8, bt8, sa, sb,
+                     tile=str(api.sm90_config(m, n, k)), **kw)
             sm90 = jax.jit(lambda a, bt, sa, sb: api._mm_nt(a, bt, sa, sb, jnp.bfloat16, True, "pallas:sm90"))
-            rec.time("fp8_mm", case, "pallas:sm90", sm90, a8, bt8, sav, sbv, layout="a (M,K), bt (N,K)",
-                     tile=str(kernel_sm90.DEFAULT), **kw)
+            rec.time("fp8_mm", case, "pallas:sm90", sm90, a8, bt8, sav, sbv, layout="a (M,K), bt (N,K)", **kw)
             if m == 8192 or (not quick and m * n * k <= 8192**3):  # the portable fallback: ~3.5x slower
                 tri = jax.jit(functools.partial(kernel.scaled_matmul_nt, out_dtype=jnp.bfloat16))
                 rec.time("fp8_mm", case, "pallas:triton", tri, a8, bt8, sav, sbv, **kw)
-            xla = jax.jit(functools.partial(api.scaled_matmul, implementation="xla"))
-            rec.time("fp8_mm", case, "xla", xla, a8, b8, sa, sb, **kw)
+            if m == 8192 or not quick:  # the reference: XLA's fp8 dot + an fp32 rescale pass
+                xla = jax.jit(functools.partial(api.scaled_matmul, implementation="xla"))  # b (K, N): natural layout
+                rec.time("fp8_mm", case, "xla", xla, a8, bt8.T.copy(), sa, sb.reshape(1, -1) if sb.ndim else sb, **kw)
             _torch_scaled_mm(rec, case, a8, bt8, sa, sb, gran, kw)
-            if gran == "rowwise":
-                rec.time("fp8_mm", case, "peer:bf16_xla", jax.jit(jnp.matmul), a, b, flops=flops, **n_rep)
+            if gran == "rowwise" and not quick:
+                rec.time("fp8_mm", case, "peer:bf16_xla", jax.jit(jnp.matmul), a, wt.T, flops=flops, **n_rep)
 
 
 def _torch_scaled_mm(rec, case, a8, bt8, sa, sb, gran, kw):

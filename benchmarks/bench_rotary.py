@@ -1,9 +1,10 @@
 """Rotary embeddings of q and k (bf16): forward and forward+backward, and a decode step.
 
-impls: "pallas" (the fused kernel, heuristic launch config), "pallas:<variant>" (other launch configs, to
-check the heuristic), "xla" (our jnp reference under jit: the same math as the peer in
-../shared/peers/peers_jax.py, which is what a JAX user writes), "peer:torch_compile" (the same rotary in
-torch, torch.compile'd; forward, and forward+backward through autograd).
+impls: "user:apply_rotary" (the row of record: the public `apply_rotary(q, k, positions)` under jit, default
+implementation), "pallas" (the fused kernel through `apply_rotary_with_config`, heuristic launch config),
+"pallas:<variant>" (other launch configs, to check the heuristic), "xla" (our jnp reference under jit: the
+same math as the peer in ../shared/peers/peers_jax.py, which is what a JAX user writes), "peer:torch_compile"
+(the same rotary in torch, torch.compile'd; forward, and forward+backward through autograd).
 
 fwd+bwd returns the rotated q, k and their gradients (the forward output is used, as in training).
 
@@ -21,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.common import Recorder, bench_torch, error_text, rnd
-from pallas_fused.rotary.api import apply_rotary_with_config
+from pallas_fused.rotary.api import apply_rotary, apply_rotary_with_config
 from pallas_fused.rotary.kernel import choose_config
 
 OP = "rotary"
@@ -74,6 +75,8 @@ def _variants(batch, seq_len, hq, hk, d, quick):
 
 def _jax_fns(positions, config, impl):
     def fwd(q, k):
+        if impl == "user":
+            return apply_rotary(q, k, positions)
         return apply_rotary_with_config(q, k, positions, implementation=impl, config=config)
 
     def fwdbwd(q, k, gq, gk):
@@ -137,7 +140,7 @@ def run(rec: Recorder, quick: bool) -> None:
         case = f"B{batch} S{seq_len} Hq{hq} Hk{hk} D{d}" + (" pos~1e5" if kind == "decode" else "")
         decode = kind == "decode"
         n = 20 if quick else 50
-        impls = {"xla": ("xla", None)}
+        impls = {"user:apply_rotary": ("user", None), "xla": ("xla", None)}
         for name, cfg in _variants(batch, seq_len, hq, hk, d, quick).items():
             impls[name] = ("pallas", cfg)
         for name, (impl, cfg) in impls.items():

@@ -4,6 +4,7 @@ On the CPU the Pallas kernels run interpreted (kernel_impl="interpret"); the Mos
 tested against the reference under @pytest.mark.gpu.
 """
 
+import dataclasses
 import functools
 
 import flax.linen as nn
@@ -282,6 +283,41 @@ def test_linear_gemms_follow_config(recipe):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("m,n,k", [(16384, 5504, 2048), (2048, 5504, 16384), (16384, 2048, 5504),
+                                   (5504, 2048, 16384), (256, 384, 128), (1000, 700, 600), (100, 5504, 128)])
+def test_sm90_tile_avoids_padding(m, n, k):
+    """The Hopper GEMM's tile fits the shape whenever one of its two splits does (N = 5504 = 43 x 128 needs the
+    split along M: 256 x 128); otherwise the one that pads less."""
+    from pallas_fused.fp8 import api, kernel_sm90
+
+    config = api.sm90_config(m, n, k)
+    splits = [dataclasses.replace(kernel_sm90.DEFAULT, wg_split=w) for w in ("n", "m")]
+    fits = [c for c in splits if kernel_sm90.supported(m, n, k, E4, E4, c)]
+    if fits:
+        assert config == fits[0]
+    else:
+        padded = [(m + -m % c.cta_tile[0]) * (n + -n % c.cta_tile[1]) for c in (config, *splits)]
+        assert padded[0] == min(padded[1:])
+    assert config.tile_k == kernel_sm90.DEFAULT.tile_k
+
+
+def test_linear_hp_gemm_writes_its_dtype():
+    """rowwise_with_gw_hp: the bf16 weight-gradient GEMM writes bf16 itself (an fp32 result is a full extra
+    write and read of dW for the cast)."""
+    x, w, dy = (rand(i, s, jnp.bfloat16) for i, s in ((40, (32, 24)), (41, (24, 16)), (42, (32, 16))))
+
+    def grads(x, w, dy):
+        return jax.vjp(lambda x, w: fp8_linear(x, w, "rowwise_with_gw_hp", implementation="xla"), x, w)[1](dy)
+
+    text = jax.jit(grads).lower(x, w, dy).as_text()
+    dots = [line for line in text.splitlines() if "dot_general" in line]
+    assert any(line.rstrip().endswith("tensor<24x16xbf16>") for line in dots), dots
+    assert not any("tensor<24x16xf32>" in line for line in dots), dots
+    _, dw = jax.jit(grads)(x, w, dy)
+    assert dw.dtype == jnp.bfloat16
+    assert sqnr(dw, np.asarray(x, np.float32).T @ np.asarray(dy, np.float32)) >= 40  # x^T dy, rounded once
+
+
 def test_linear_kernel_matches_xla(kernel_impl):
     x, w, dy = rand(13, (40, 24), jnp.bfloat16), rand(14, (24, 20), jnp.bfloat16), rand(15, (40, 20), jnp.bfloat16)
     for recipe in RECIPES:
@@ -431,6 +467,25 @@ def test_gpu_scaled_matmul_matches_reference(impl_name, m, k, n, granularity):
     want = scaled_matmul(a8, b8, sa, sb, implementation="xla")
     assert sqnr(out, want) >= 40
     assert sqnr(out, np.asarray(a, np.float32) @ np.asarray(b, np.float32)) >= 25
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("granularity", ["tensorwise", "rowwise"])
+def test_gpu_scaled_matmul_nt_split_m_tile(granularity):
+    """The user's call (quantize outputs into scaled_matmul_nt) at a shape only the 256 x 128 tile fits unpadded."""
+    from pallas_fused.fp8 import api
+
+    if not _backend.is_hopper():
+        pytest.skip("needs Hopper")
+    m, k, n = 512, 256, 384
+    assert api.sm90_config(m, n, k).wg_split == "m"
+    axis = None if granularity == "tensorwise" else -1
+    a8, sa = quantize(rand(35, (m, k), jnp.bfloat16), E4, axis)
+    bt8, sb = quantize(rand(36, (n, k), jnp.bfloat16), E4, axis)
+    out = jax.jit(scaled_matmul_nt)(a8, bt8, sa, sb)
+    want = scaled_matmul_nt(a8, bt8, sa, sb, implementation="xla")
+    assert out.shape == (m, n)
+    assert sqnr(out, want) >= 40
 
 
 @pytest.mark.gpu
