@@ -35,7 +35,10 @@ STEPS = 8  # blocks per program
 CONCURRENT = 2  # pipeline steps in flight per program
 VEC = 4  # elements per thread per register vector: fp32 and bf16 operands share one strided layout
 LANES = 128  # the flat vector is seen as rows of LANES elements (a TMA box dimension holds at most 256)
-SCALARS_PADDED = 16  # the scalar operand padded to 64 bytes (bulk copies move multiples of 16 bytes)
+# Where the kernel reads the runtime scalars: "smem" (each pipeline step copies them into shared memory with
+# the data, padded to 128 bytes: a TMA destination must be 128-byte aligned) or "gmem" (scalar global loads).
+SCALARS = "smem"
+SCALARS_PADDED = 32
 
 
 def _kernel(*refs, has_p, inplace, block):
@@ -88,21 +91,24 @@ def _launch(s16, g, p, m, v, *, inplace, u_dtype, block, steps, concurrent, prog
     p_ref = jax.new_ref(p) if inplace else None
 
     def body(*refs):
+        s_g = refs[0]
         if inplace:
-            s_g, g_g, p_g, m_g, v_g = refs
-            ins, outs = (s_g, p_g, g_g, m_g, v_g), (p_g, m_g, v_g)
+            _, g_g, p_g, m_g, v_g = refs
+            ins, outs = (p_g, g_g, m_g, v_g), (p_g, m_g, v_g)
         else:
-            s_g, g_g, *p_g, m_g, v_g, u_g = refs
-            ins, outs = (s_g, g_g, m_g, v_g, *p_g), (u_g, m_g, v_g)
+            _, g_g, *p_g, m_g, v_g, u_g = refs
+            ins, outs = (g_g, m_g, v_g, *p_g), (u_g, m_g, v_g)
         first = lax.axis_index("programs") * steps
         blk = pl.BlockSpec((block // LANES, LANES), lambda j: (first + j, 0))
-        plgpu.emit_pipeline(
-            lambda _, *smem: _kernel(*smem, has_p=has_p, inplace=inplace, block=block),
-            grid=(steps,),
-            in_specs=[pl.BlockSpec((SCALARS_PADDED,), lambda j: (0,))] + [blk] * (len(ins) - 1),
-            out_specs=[blk] * 3,
-            max_concurrent_steps=concurrent,
-        )(*ins, *outs)
+        kern = functools.partial(_kernel, has_p=has_p, inplace=inplace, block=block)
+        if SCALARS == "smem":
+            ins, in_specs = (s_g, *ins), [pl.BlockSpec((SCALARS_PADDED,), lambda j: (0,))] + [blk] * len(ins)
+            step = lambda _, *smem: kern(*smem)  # noqa: E731
+        else:
+            in_specs = [blk] * len(ins)
+            step = lambda _, *smem: kern(s_g, *smem)  # noqa: E731
+        plgpu.emit_pipeline(step, grid=(steps,), in_specs=in_specs, out_specs=[blk] * 3,
+                            max_concurrent_steps=concurrent)(*ins, *outs)
 
     if inplace:
         plgpu.kernel(body, out_type=(), grid=(programs,), grid_names=("programs",))(s16, g, p_ref, m_ref, v_ref)
