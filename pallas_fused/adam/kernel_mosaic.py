@@ -3,18 +3,19 @@
 The pilot of moving the memory-bound kernels off the deprecated Triton backend (docs/triton_to_mosaic_gpu.md).
 Same operands, math (`reference.adam_math`) and results as `kernel.adam_fp32`; only the launch differs:
 
-- The flat vector is cut into blocks of `block` elements. `programs` CTAs (one warpgroup of 128 threads each)
-  each walk `steps` consecutive blocks with `plgpu.emit_pipeline`, which keeps the copies of `concurrent`
-  blocks in flight (bulk async copies GMEM -> SMEM of every operand, compute from SMEM
-  into registers, bulk copies SMEM -> GMEM of the results). Triton instead has every thread load its elements
-  straight into registers, with no shared memory.
-- The programs cover whole groups of `steps` blocks only (a bulk copy past the end of the array would be
-  clamped, but the pipeline's block indexing is not masked). The remaining elements (fewer than block * steps) are
-  stepped by the jnp reference and written into the kernel's outputs in place (a dynamic-update-slice of the
-  aliased buffers), reading p, m, v from those outputs, where the kernel left them untouched.
+- The flat vector is seen as rows of 128 and cut into blocks of `block` elements ((block / 128, 128) tiles).
+  `programs` CTAs (one warpgroup of 128 threads each) each walk `steps` consecutive blocks with
+  `plgpu.emit_pipeline`, which keeps the copies of `concurrent` blocks in flight (TMA copies GMEM -> SMEM of
+  every operand, compute from SMEM into registers, bulk copies SMEM -> GMEM of the results). Triton instead
+  has every thread load its elements straight into registers, with no shared memory.
+- The blocks tile the tensor exactly (`launch_shape` picks the block and steps per tensor); a tensor whose size is
+  not a multiple of 128 x VEC elements is stepped by the jnp reference. No tail is patched into the kernel's
+  results afterwards: XLA (0.11.2, GPU) rejects a dynamic-update-slice into the output of this custom call
+  ("DynamicSliceFusion: DUS target must be a fusion parameter").
 
 Needs jax >= 0.11 (`_backend.resolve_mosaic`): `plgpu.kernel` taking refs (`jax.new_ref`) that it writes in
-place, and contiguous 1-D blocks copied with cp.async.bulk (no 256-element TMA box limit).
+place. Checked on an H200 with jax 0.11.2 against the reference (see tests/adam/test_mosaic.py); the launch
+configuration below is not tuned yet (benchmarks/mosaic_pilot.py sweeps it).
 """
 
 from __future__ import annotations
@@ -29,12 +30,12 @@ from jax.experimental import pallas as pl
 from pallas_fused import _backend
 from pallas_fused.adam.reference import NUM_SCALARS, adam_leaf_reference, adam_math
 
-# Launch configuration (set from the GPU sweep in benchmarks/mosaic_pilot.py).
+# Launch configuration (largest values; `launch_shape` fits them to each tensor).
 BLOCK = 2048  # elements per pipeline step
 STEPS = 8  # blocks per program
 CONCURRENT = 2  # pipeline steps in flight per program
 VEC = 4  # elements per thread per register vector: fp32 and bf16 operands share one strided layout
-LANES = 128  # the flat vector is seen as rows of LANES elements (a TMA box dimension holds at most 256)
+LANES = 128  # the flat vector is seen as rows of LANES elements (a TMA box holds at most 256 per dimension)
 # Where the kernel reads the runtime scalars: "smem" (each pipeline step copies them into shared memory with
 # the data, padded to 128 bytes: a TMA destination must be 128-byte aligned) or "gmem" (scalar global loads).
 SCALARS = "smem"
@@ -119,22 +120,28 @@ def _launch(s16, g, p, m, v, *, inplace, u_dtype, block, steps, concurrent, prog
     return u, m_ref[...], v_ref[...]
 
 
+def launch_shape(n: int, block: int, steps: int) -> tuple[int, int, int] | None:
+    """(block, steps, programs) whose blocks tile all n elements exactly: the largest block of `block`, block / 2,
+    ... (at least a warpgroup's 128 x VEC elements) that divides n, and the most steps <= `steps` that divide
+    the number of blocks. None when no such block divides n (the reference steps the tensor)."""
+    while block >= 128 * VEC:
+        if n % block == 0:
+            blocks = n // block
+            most = max(d for d in range(1, min(steps, blocks) + 1) if blocks % d == 0)
+            return block, most, blocks // most
+        block //= 2
+    return None
+
+
 @functools.partial(jax.jit, static_argnames=("inplace", "u_dtype", "block", "steps", "concurrent"))
 def _adam_fp32(s, g, m, v, p, *, inplace, u_dtype, block, steps, concurrent):
     n = g.shape[0]
-    programs = n // (block * steps)
-    if programs == 0 or n % LANES:  # smaller than one program's share, or not whole rows: the reference
+    shape = launch_shape(n, block, steps)
+    if shape is None:
         return adam_leaf_reference(g, m, v, s, p, inplace=inplace, u_dtype=u_dtype)
-    s16 = jnp.pad(s, (0, SCALARS_PADDED - s.shape[0]))
+    block, steps, programs = shape
+    s_pad = jnp.pad(s, (0, SCALARS_PADDED - s.shape[0]))
     rows = lambda x: None if x is None else x.reshape(n // LANES, LANES)  # noqa: E731 (free: row-major)
-    out, m2, v2 = _launch(s16, rows(g), rows(p), rows(m), rows(v), inplace=inplace, u_dtype=u_dtype, block=block,
-                          steps=steps, concurrent=concurrent, programs=programs)
-    out, m2, v2 = out.reshape(n), m2.reshape(n), v2.reshape(n)
-    done = programs * block * steps
-    if done == n:
-        return out, m2, v2
-    # The tail: p (in place), m and v are read from the kernel's results, which hold their inputs there.
-    p_tail = out[done:] if inplace else (None if p is None else p[done:])
-    t_out, t_m, t_v = adam_leaf_reference(g[done:], m2[done:], v2[done:], s, p_tail, inplace=inplace,
-                                          u_dtype=u_dtype)
-    return out.at[done:].set(t_out), m2.at[done:].set(t_m), v2.at[done:].set(t_v)
+    out = _launch(s_pad, rows(g), rows(p), rows(m), rows(v), inplace=inplace, u_dtype=u_dtype, block=block,
+                  steps=steps, concurrent=concurrent, programs=programs)
+    return tuple(x.reshape(n) for x in out)
