@@ -28,7 +28,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_fused import _backend
-from pallas_fused.adam.reference import NUM_SCALARS, adam_leaf_reference, adam_math
+from pallas_fused.adam.kernel import fp32_refs, fp32_step
+from pallas_fused.adam.reference import NUM_SCALARS, adam_leaf_reference
 
 # Launch configuration (largest values; `launch_shape` fits them to each tensor).
 BLOCK = 2048  # elements per pipeline step
@@ -43,13 +44,7 @@ SCALARS_PADDED = 32
 
 
 def _kernel(*refs, has_p, inplace, block):
-    if inplace:
-        s_ref, p_ref, g_ref, m_ref, v_ref, p_out, m_out, v_out = refs
-    elif has_p:
-        s_ref, g_ref, m_ref, v_ref, p_ref, u_out, m_out, v_out = refs
-    else:
-        s_ref, g_ref, m_ref, v_ref, u_out, m_out, v_out = refs
-        p_ref = None
+    s_ref, p_ref, g_ref, m_ref, v_ref, out_ref, m_out, v_out = fp32_refs(refs, has_p=has_p, inplace=inplace)
     plgpu = _backend.mosaic_gpu()
     layout = plgpu.Layout.WG_STRIDED((block // LANES, LANES), vec_size=VEC)
 
@@ -58,15 +53,9 @@ def _kernel(*refs, has_p, inplace, block):
 
     s = [s_ref[i] for i in range(NUM_SCALARS)]
     p = None if p_ref is None else load(p_ref)
-    g, m, v = load(g_ref), load(m_ref), load(v_ref)
-    u, m_new, v_new, ok = adam_math(g, m, v, p, s)
-    u = jnp.where(ok, u, 0.0)
-    m_out[...] = jnp.where(ok, m_new, m).astype(m_out.dtype)
-    v_out[...] = jnp.where(ok, v_new, v).astype(v_out.dtype)
-    if inplace:
-        p_out[...] = (p + u).astype(p_out.dtype)
-    else:
-        u_out[...] = u.astype(u_out.dtype)
+    out, m2, v2 = fp32_step(p, load(g_ref), load(m_ref), load(v_ref), s, inplace=inplace)
+    for ref, x in ((m_out, m2), (v_out, v2), (out_ref, out)):
+        ref[...] = x.astype(ref.dtype)
 
 
 def adam_fp32(s, g, m, v, p=None, *, inplace: bool, u_dtype=None, block: int | None = None,
