@@ -70,7 +70,7 @@ def adam_fp32(s, g, m, v, p=None, *, inplace: bool, u_dtype=None, block: int | N
                       concurrent=concurrent)
 
 
-def _launch(s16, g, p, m, v, *, inplace, u_dtype, block, steps, concurrent, programs):
+def _launch(s_pad, g, p, m, v, *, inplace, u_dtype, block, steps, concurrent, programs):
     """One `plgpu.kernel` over `programs` CTAs, each an `emit_pipeline` over its `steps` blocks. The state (and p
     in place) goes in as refs (`jax.new_ref`), which the kernel writes: the launch aliases them to its results,
     so a donated step writes over its inputs with no copy (as `input_output_aliases` does for the Triton kernel).
@@ -101,11 +101,11 @@ def _launch(s16, g, p, m, v, *, inplace, u_dtype, block, steps, concurrent, prog
                             max_concurrent_steps=concurrent)(*ins, *outs)
 
     if inplace:
-        plgpu.kernel(body, out_type=(), grid=(programs,), grid_names=("programs",))(s16, g, p_ref, m_ref, v_ref)
+        plgpu.kernel(body, out_type=(), grid=(programs,), grid_names=("programs",))(s_pad, g, p_ref, m_ref, v_ref)
         return p_ref[...], m_ref[...], v_ref[...]
     u_type = jax.ShapeDtypeStruct(g.shape, u_dtype or g.dtype)
     u = plgpu.kernel(body, out_type=u_type, grid=(programs,), grid_names=("programs",))(
-        s16, g, *((p,) if has_p else ()), m_ref, v_ref)
+        s_pad, g, *((p,) if has_p else ()), m_ref, v_ref)
     return u, m_ref[...], v_ref[...]
 
 
