@@ -1,17 +1,29 @@
 # Two commands for a fresh machine: `make demo` (the main job) and `make test`.
+# `make test` runs the CPU suite twice: on the jax floor (PYTHON, Python 3.11, jax pinned by .ci/jax-floor.txt,
+# in VENV) and on the newest jax that pyproject allows (PYTHON_NEW, Python 3.12, in VENV_NEW).
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
+PYTHON_NEW ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12.*/bin/python) python3.12)
+VENV_NEW ?= .venv-newest
+PY_NEW := $(VENV_NEW)/bin/python
+PYTEST_ARGS ?= -q -n 2 -m "not gpu" tests
 OUT ?= $(CURDIR)/runs/gpu-check
 BENCH ?=
 
-.PHONY: setup demo test lint gpu-check bench clean
+.PHONY: setup demo test test-floor test-newest lint gpu-check bench clean
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml .ci/jax-floor.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test,bench]'
+	$(PY) -m pip install -q -c .ci/jax-floor.txt -e '.[test,bench]'
+	touch $@
+
+$(VENV_NEW)/.installed: pyproject.toml
+	$(PYTHON_NEW) -m venv $(VENV_NEW)
+	$(PY_NEW) -m pip install -q --upgrade pip
+	$(PY_NEW) -m pip install -q -e '.[test]'
 	touch $@
 
 setup: $(VENV)/.installed
@@ -22,8 +34,15 @@ demo: setup
 lint: setup
 	$(PY) -m ruff check .
 
-test: lint
-	$(PY) -m pytest -q -n 2 -m "not gpu" tests
+test: lint test-floor test-newest
+
+test-floor: setup
+	$(PY) -c 'import jax, sys; print("floor leg: Python", sys.version.split()[0], "jax", jax.__version__)'
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-newest: $(VENV_NEW)/.installed
+	$(PY_NEW) -c 'import jax, sys; print("newest leg: Python", sys.version.split()[0], "jax", jax.__version__)'
+	$(PY_NEW) -m pytest $(PYTEST_ARGS)
 
 # On the GPU device: jax 0.11.2 is preinstalled and there is no network, so nothing is installed;
 # the package is put on the path. Logs and results go under $(OUT).
@@ -36,4 +55,4 @@ bench:
 	PYTHONPATH=$(CURDIR) $(PYTHON) -m benchmarks.run $(BENCH)
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(VENV_NEW) .pytest_cache .ruff_cache .hypothesis

@@ -138,6 +138,24 @@ def mosaic_gpu():
     return plgpu
 
 
+# Mosaic GPU ports of the Triton kernels (implementation="pallas:mosaic"; the Adam step is the pilot). They use
+# the API of jax >= 0.11: `plgpu.kernel` + `plgpu.emit_pipeline`, and refs (`jax.new_ref`) that the kernel
+# writes in place (how a `plgpu.kernel` aliases its inputs; `pl.pallas_call` no longer lowers to Mosaic GPU
+# there). Measured on jax 0.11.2 (H200); it lowers under 0.12 as well.
+MOSAIC_VARIANT = "pallas:mosaic"
+MOSAIC_MIN_JAX = (0, 11)
+
+
+def resolve_mosaic(op: str) -> str:
+    """Check that `implementation="pallas:mosaic"` can run here (jax >= 0.11, a Hopper or newer GPU), or raise."""
+    if JAX_VERSION < MOSAIC_MIN_JAX:
+        raise ImplementationError(
+            f"{op}: implementation={MOSAIC_VARIANT!r} needs jax >= {'.'.join(map(str, MOSAIC_MIN_JAX))} "
+            f"(the Mosaic GPU pallas_call API), this is jax {jax.__version__}. Use 'pallas' (the Triton kernel).")
+    resolve_implementation("pallas", op=f"{op} ({MOSAIC_VARIANT})", needs=(9, 0))
+    return MOSAIC_VARIANT
+
+
 def num_sms() -> int:
     device = gpu_device()
     return int(getattr(device, "core_count", 0) or 132) if device is not None else 1

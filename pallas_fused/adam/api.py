@@ -20,7 +20,8 @@ Two ways to use it; both keep the same state (`FusedAdamState`) and give the sam
 Implementation: `implementation=None` on a GPU runs the Pallas kernel for 8-bit states and XLA's fused
 elementwise step for fp32/bf16 states, which ties the kernel in place and fuses with `apply_updates` on the
 composable path (see `_leaf_implementation`);
-`implementation="pallas"` forces the kernel.
+`implementation="pallas"` forces the kernel; `"pallas:mosaic"` its Mosaic GPU port (fp32/bf16 states, jax >= 0.11,
+Hopper; see kernel_mosaic.py).
 
 Low-bit states: `state_bits=8` stores both moments of every tensor of >= 4096 elements blockwise
 quantized (blocks of 256, a bitsandbytes-style dynamic map: signed for m, unsigned for v, per-block
@@ -132,7 +133,13 @@ def _check_hparams(learning_rate, b1, b2, eps, eps_root, weight_decay):
             raise ValueError(f"{name} must be {expected}, got {value}")
 
 
+# Variants of "pallas" that force one port of the kernel: the Mosaic GPU backend (fp32/bf16 states only).
+VARIANTS = (_backend.MOSAIC_VARIANT,)
+
+
 def _implementation(implementation) -> str:
+    if implementation in VARIANTS:
+        return _backend.resolve_mosaic("adam")
     return _backend.resolve_implementation(implementation, op="adam")
 
 
@@ -209,6 +216,9 @@ def _leaf(grad, mu, nu, param, s, *, inplace: bool, implementation: str):
     moment_dtype = jnp.float32 if isinstance(mu, QuantizedMoment) else jnp.promote_types(mu.dtype, nu.dtype)
     u_dtype = None if inplace else jnp.promote_types(grad.dtype, param.dtype if param is not None else moment_dtype)
     if isinstance(mu, QuantizedMoment):
+        if implementation == _backend.MOSAIC_VARIANT:
+            raise ValueError(f"adam: implementation={implementation!r} steps fp32/bf16 states only (the 8-bit "
+                             "kernel has no Mosaic GPU port yet); use 'pallas' for state_bits=8")
         if implementation == "xla":
             flat = lambda x: None if x is None else x.reshape(-1)  # noqa: E731
             out, mc, ma, vc, va = _ref.adam_leaf_reference_q8(
@@ -222,22 +232,28 @@ def _leaf(grad, mu, nu, param, s, *, inplace: bool, implementation: str):
     if implementation == "xla":  # elementwise on the tensor's own shape: XLA partitions it like any fusion
         return _ref.adam_leaf_reference(grad, mu, nu, s, param, inplace=inplace, u_dtype=u_dtype)
     return _fp32_sharded(grad, mu, nu, param, s, inplace=inplace, interpret=implementation == "interpret",
-                         u_dtype=u_dtype)
+                         u_dtype=u_dtype, mosaic=implementation == _backend.MOSAIC_VARIANT)
 
 
 # ----------------------------------------------------------------------------------------------
 # sharding (see pallas_fused._sharding): the step is elementwise, so every operand keeps its sharding
 
 
-def _fp32_sharded(grad, mu, nu, param, s, *, inplace, interpret, u_dtype):
-    """The fp32-state kernel on each shard of the tensor (any sharding of any axis: each device steps
-    its own elements; the kernel sees a flat view of its shard)."""
+def _fp32_sharded(grad, mu, nu, param, s, *, inplace, interpret, u_dtype, mosaic=False):
+    """The fp32-state kernel (the Triton one, or with `mosaic` its Mosaic GPU port) on each shard of the
+    tensor (any sharding of any axis: each device steps its own elements; the kernel sees a flat view of its
+    shard)."""
     shape = grad.shape
 
     def local(s, g, m, v, *p):
         flat = [x.reshape(-1) for x in (g, m, v, *p)]
-        out, m, v = _kernel.adam_fp32(s, *flat, inplace=inplace, interpret=interpret, block=_kernel.BLOCK,
-                                      num_warps=_kernel.NUM_WARPS, u_dtype=u_dtype)
+        if mosaic:
+            from pallas_fused.adam import kernel_mosaic
+
+            out, m, v = kernel_mosaic.adam_fp32(s, *flat, inplace=inplace, u_dtype=u_dtype)
+        else:
+            out, m, v = _kernel.adam_fp32(s, *flat, inplace=inplace, interpret=interpret, block=_kernel.BLOCK,
+                                          num_warps=_kernel.NUM_WARPS, u_dtype=u_dtype)
         return out.reshape(g.shape), m.reshape(g.shape), v.reshape(g.shape)
 
     t = " ".join(f"d{i}" for i in range(len(shape)))

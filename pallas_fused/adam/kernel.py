@@ -103,14 +103,29 @@ def _scalars(s_ref):
     return [s_ref[i] for i in range(NUM_SCALARS)]
 
 
-def _fp32_kernel(*refs, n, block, has_p, inplace, load_mode):
+def fp32_refs(refs, *, has_p: bool, inplace: bool):
+    """The fp32-state kernels' refs in one order, (s, p or None, g, m, v, out, m_out, v_out), from the order the
+    launchers pass them: p first in place (out is p's), last or absent otherwise (out is the update's)."""
     if inplace:
-        s_ref, p_ref, g_ref, m_ref, v_ref, p_out, m_out, v_out = refs
+        s_ref, p_ref, g_ref, m_ref, v_ref, out, m_out, v_out = refs
     elif has_p:
-        s_ref, g_ref, m_ref, v_ref, p_ref, u_out, m_out, v_out = refs
+        s_ref, g_ref, m_ref, v_ref, p_ref, out, m_out, v_out = refs
     else:
-        s_ref, g_ref, m_ref, v_ref, u_out, m_out, v_out = refs
+        s_ref, g_ref, m_ref, v_ref, out, m_out, v_out = refs
         p_ref = None
+    return s_ref, p_ref, g_ref, m_ref, v_ref, out, m_out, v_out
+
+
+def fp32_step(p, g, m, v, s, *, inplace: bool):
+    """fp32 values in, (p + update in place or the update, m', v') out; elements whose new moments are not
+    finite keep p, m and v (update 0)."""
+    u, m_new, v_new, ok = adam_math(g, m, v, p, s)
+    u = jnp.where(ok, u, 0.0)
+    return (p + u if inplace else u), jnp.where(ok, m_new, m), jnp.where(ok, v_new, v)
+
+
+def _fp32_kernel(*refs, n, block, has_p, inplace, load_mode):
+    s_ref, p_ref, g_ref, m_ref, v_ref, out_ref, m_out, v_out = fp32_refs(refs, has_p=has_p, inplace=inplace)
     idx = pl.program_id(0) * block + jnp.arange(block)
     mask = idx < n
     s = _scalars(s_ref)
@@ -121,14 +136,9 @@ def _fp32_kernel(*refs, n, block, has_p, inplace, load_mode):
     # p first: with volatile loads this order is kept, so p's load does not wait behind g, m, v's math.
     p = None if p_ref is None else stream(p_ref)
     g, m, v = stream(g_ref), stream(m_ref), stream(v_ref)
-    u, m_new, v_new, ok = adam_math(g, m, v, p, s)
-    u = jnp.where(ok, u, 0.0)
-    store(m_out.at[idx], jnp.where(ok, m_new, m).astype(m_out.dtype), mask=mask)
-    store(v_out.at[idx], jnp.where(ok, v_new, v).astype(v_out.dtype), mask=mask)
-    if inplace:
-        store(p_out.at[idx], (p + u).astype(p_out.dtype), mask=mask)
-    else:
-        store(u_out.at[idx], u.astype(u_out.dtype), mask=mask)
+    out, m2, v2 = fp32_step(p, g, m, v, s, inplace=inplace)
+    for ref, x in ((m_out, m2), (v_out, v2), (out_ref, out)):  # the moments first, as tuned
+        store(ref.at[idx], x.astype(ref.dtype), mask=mask)
 
 
 def adam_fp32(s, g, m, v, p=None, *, inplace: bool, interpret: bool, block: int | None = None,

@@ -531,10 +531,8 @@ def _merge_kernel(*refs, kind, K, N, R, bk, bn, steps, nsplit, from_partials, re
     cmask = _in_bounds(n0, bn, N, N % bn == 0)
     if from_partials:
         # g = m / sqrt(sum of the nsplit partial sums), per program (nsplit x bn floats: cheap); row block 0
-        # also writes n, g and B g s for the backward.
-        sp = _pow2(nsplit, 1)
-        smask = None if sp == nsplit else jnp.arange(sp) < nsplit
-        part = _load(part_ref.at[pl.ds(0, sp), pl.ds(n0, bn)], _mask(smask, cmask, (sp, bn)))
+        # also writes n, g and B g s for the backward. nsplit is a power of two (`merge_weight` pads with zeros).
+        part = _load(part_ref.at[:, pl.ds(n0, bn)], _mask(None, cmask, (nsplit, bn)))
         n = jnp.sqrt(jnp.sum(part, axis=0))
         g = _load(m_ref.at[pl.ds(n0, bn)], cmask, 1.0).astype(jnp.float32) / n
         first = jnp.logical_and(n0 + jnp.arange(bn) < N, kb == 0)
@@ -606,6 +604,11 @@ def merge_weight(weight, kind: str, lora_a, lora_b, scale, *, g=None, partials=N
         bk, bn = _tile(K, config.merge_bk), _tile(N, config.merge_bn)
     steps = max(1, min(config.merge_rows, _pow2(K, bk)) // bk)
     from_partials = partials is not None
+    if from_partials:
+        # The kernel loads all partial rows as one block, whose height Triton wants a power of two: zero rows
+        # (nsplit x N floats) keep that block inside the array instead of reading past its end under a mask,
+        # which jax >= 0.12 rejects at trace time.
+        partials = jnp.pad(partials, ((0, _pow2(partials.shape[0], 1) - partials.shape[0]), (0, 0)))
     nsplit = partials.shape[0] if from_partials else 0
     kernel = functools.partial(_merge_kernel, kind=kind, K=K, N=N, R=R, bk=bk, bn=bn, steps=steps, nsplit=nsplit,
                                from_partials=from_partials, reverse=config.merge_reverse, emit_partials=emit_partials)

@@ -143,6 +143,20 @@ def _rank_block(rank: int) -> int:
     return max(16, 1 << (rank - 1).bit_length())
 
 
+def _pad_rank(x, axis: int, block: int):
+    """`x` zero-padded along its rank `axis` to `block` when the rank is smaller.
+
+    A kernel that covers the whole rank in one power-of-two block (Triton's shapes) would otherwise index a
+    static block past the array's end: masked on the GPU, but jax >= 0.12 rejects such a slice when it traces the
+    kernel (on the GPU and in interpret mode alike). Ranks that are powers of two >= 16 pad nothing; other ranks
+    copy the low-rank arrays, O(rank (M + N)) against the O(M N) of the gradient and weight streams."""
+    if x.shape[axis] >= block:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, block - x.shape[axis])
+    return jnp.pad(x, widths)
+
+
 def _scalars(s_ref):
     return tuple(s_ref[i] for i in range(8))
 
@@ -232,7 +246,13 @@ def down_adam_fused(g, p, m, v, scalars, *, side: str, interpret: bool = False, 
     RB = _rank_block(R)
     keep, bk, warps, stages = blocks or _blocks_down(g.shape, R, side, g.dtype.itemsize)
     low = m.shape
-    outs = (jax.ShapeDtypeStruct(low, m.dtype), jax.ShapeDtypeStruct(low, v.dtype), jax.ShapeDtypeStruct(low, F32))
+    # the rank axis of P (rows on side right, columns on side left) and of m, v (the other way round) padded to
+    # the rank block that the kernel loads and stores in one piece (see `_pad_rank`)
+    p_axis, low_axis = (0, 1) if side == "right" else (1, 0)
+    p, m, v = _pad_rank(p, p_axis, RB), _pad_rank(m, low_axis, RB), _pad_rank(v, low_axis, RB)
+    padded = m.shape
+    outs = (jax.ShapeDtypeStruct(padded, m.dtype), jax.ShapeDtypeStruct(padded, v.dtype),
+            jax.ShapeDtypeStruct(padded, F32))
     if side == "right":
         kern = functools.partial(_down_right_kernel, M=M, N=N, R=R, BM=keep, BK=bk, RB=RB)
         grid = (_cdiv(M, keep),)
@@ -242,7 +262,7 @@ def down_adam_fused(g, p, m, v, scalars, *, side: str, interpret: bool = False, 
     call = _backend.triton_call(kern, out_shape=outs, grid=grid, name="pallas_fused_galore_down_adam",
                                 interpret=interpret, num_warps=warps, num_stages=stages,
                                 input_output_aliases={2: 0, 3: 1})
-    return call(g, p, m, v, scalars)
+    return tuple(x[: low[0], : low[1]] for x in call(g, p, m, v, scalars))
 
 
 # ------------------------------------------------------------------------------ elementwise low-rank Adam
@@ -501,6 +521,8 @@ def _up_update(w, n, p, scalars, *, side, inplace, interpret, cfg: UpConfig, dty
     else:
         M, (R, N) = p.shape[0], n.shape
     a, b = (n, p) if side == "right" else (p, n)
+    if cfg.br > R:  # one K chunk covers the rank: pad it to the chunk (see `_pad_rank`)
+        a, b = _pad_rank(a, 1, cfg.br), _pad_rank(b, 0, cfg.br)
     has_w = w is not None
     kern = functools.partial(_up_kernel, M=M, N=N, R=R, BM=cfg.bm, BN=cfg.bn, BR=cfg.br, TM=cfg.tm, TN=cfg.tn,
                              inplace=inplace, has_w=has_w, w_first=cfg.w_first, f16=cfg.f16)

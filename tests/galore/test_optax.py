@@ -95,8 +95,10 @@ def test_inplace_step_is_bit_identical(kernel_impl):
     for k in p:
         if kernel_impl == "interpret":
             # interpret mode runs the kernels through XLA:CPU, whose fusion of the in-place kernel's extra
-            # `W + update` may contract a different product of `a W + c acc` into an FMA: 1 ulp apart at most
-            np.testing.assert_allclose(p[k], traj[-1][k], rtol=1.2e-7, atol=0)
+            # `W + update` may contract a different product of `a W + c acc` into an FMA: 1 ulp apart per step,
+            # which the 4 steps can compound to 2 (seen at 2 of 3840 elements once rank 8 is zero-padded to the
+            # kernel's rank block of 16, which changes how XLA:CPU fuses the interpreted kernel)
+            np.testing.assert_allclose(p[k], traj[-1][k], rtol=2.4e-7, atol=0)
         else:
             np.testing.assert_array_equal(p[k], traj[-1][k])
     jax.tree.map(np.testing.assert_array_equal, s, state)
