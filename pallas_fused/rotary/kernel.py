@@ -27,9 +27,11 @@ The backward pass is the same kernel with sin negated (the conjugate rotation; `
 Angles: position * inv_freq is reduced modulo 2 pi by `reference.reduced_angle` from exact fp32 products of
 the position's three 11-bit parts with a per-frequency table (`reference.angle_table`, 6 rows of pairs floats
 read by every program from L1/L2), so the angle is accurate to ~6e-7 rad at every int32 position (an fp32
-product loses ~0.004 rad at position 2^20 and the whole angle by 2^24). That costs ~25 fp32/int ops per (token,
-pair), shared by all Hq + Hk heads: for B4 S4096 Hq32 Hk8 D128 bf16 that is 64 x 25 = 1600 ops per token against
-10 KiB of q/k moved (0.16 ops per byte; the H200 does ~14 fp32 ops per byte of HBM bandwidth).
+product loses ~0.1 rad at position 2^20 and whole radians at 2^24). That costs ~24 fp32 ops per (token, pair)
+(the position split is per token) in place of 1 multiply, shared by all Hq + Hk heads: for B4 S4096 Hq32 Hk8 D128
+bf16, 64 x 24 ~ 1540 ops per token against 20 KiB of q/k read and written, 0.08 ops per byte (q alone, one head:
+3 per byte), where an H200 issues ~7 fp32 instructions per byte of HBM bandwidth. trig="fast" drops its former
+Cody-Waite reduction (~10 ops per pair) in exchange.
 
 cos/sin (`LaunchConfig.trig`): "precise" is jnp.cos/jnp.sin, i.e. libdevice's cosf/sinf, which on the reduced
 angle (|angle| <= pi) always take their fast path. "fast" uses the hardware sin.approx / cos.approx (MUFU,

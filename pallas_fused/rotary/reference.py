@@ -12,11 +12,11 @@ Features at and past `rotary_dim` pass through unchanged.
 
 The inverse frequencies depend only on static configuration (rotary_dim, base, scaling), so they are
 computed here on the host in float64. The angle is never formed as an fp32 product: an fp32 position *
-inv_freq carries the product's relative rounding error 2^-24 times the angle, so at position 2^20 the
-angle is off by up to ~0.004 rad and at 2^24 by ~1-3 rad (the position itself no longer fits fp32's 24-bit
-mantissa). `reduced_angle` instead forms position * inv_freq / (2 pi) modulo 1 from exact fp32 products
-(`angle_table`), so cos/sin are accurate to ~1e-6 absolute for every int32 position, negative ones
-included. The reference (this file) and the Pallas kernel run the same arithmetic, so they agree to rounding.
+inv_freq carries the relative rounding errors of inv_freq and of the product (2^-24 each) times the angle, so
+at position 2^20 the angle is off by up to ~0.1 rad and at 2^24 by whole radians (the position itself no longer
+fits fp32's 24-bit mantissa). `reduced_angle` instead forms position * inv_freq / (2 pi) modulo 1 from exact
+fp32 products (`angle_table`), so cos/sin are accurate to ~1e-6 absolute for every int32 position, negative
+ones included. The reference (this file) and the Pallas kernel run the same arithmetic, so they agree to rounding.
 
 This file knows nothing of Pallas; `reference_rotary` is also the "xla" implementation.
 """
@@ -197,8 +197,8 @@ def _rotate(x, cos, sin, rotary_dim: int, interleaved: bool, layout: str):
 # c_j = frac(2^(11 j) f / (2 pi)) as c_j0 + c_j1: c_j0 a multiple of 2^-13 (so p_j c_j0 < 2^24 ulps is exact in
 # fp32 and its fractional part too) and c_j1 < 2^-13 rounded to fp32 (p_j c_j1 < 0.25: its rounding is <= 2^-27
 # turns). The fractional turn sum(frac(p_j c_j0)) + sum(p_j c_j1), reduced to [-0.5, 0.5], times 2 pi is the angle
-# in [-pi, pi] to ~1e-7 turns (~6e-7 rad) at any position. Cost: ~25 fp32/int ops per (token, pair), shared by all
-# heads of q and k (the kernel is memory-bound: at Hq + Hk = 40 heads, bf16, that is < 1 op per byte moved), and
+# in [-pi, pi] to ~1e-7 turns (~6e-7 rad) at any position. Cost: ~24 fp32 ops per (token, pair), shared by all
+# heads of q and k (the kernel is memory-bound: at Hq + Hk = 40 heads, bf16, 0.08 ops per byte moved), and
 # cos/sin then run on |angle| <= pi, their fastest path.
 _TWO_PI = decimal.Decimal("6.28318530717958647692528676655900576839433879875021")
 POSITION_PART_BITS = 11

@@ -154,3 +154,41 @@ def test_flax_empty_batch_like_nn_dense(kernel_impl):
     assert all(not np.any(np.asarray(g)) for g in jax.tree.leaves(grads))
     model = DoRALinear(16, 12, rank=4, implementation=kernel_impl, rngs=nnx.Rngs(0))
     assert model(x).shape == (2, 0, 12)
+
+
+# ------------------------------------------------------------------------------------------- precision contract
+
+
+def _dora64(x, w, a, b, m, bias, dy, s):
+    """float64 numpy forward and gradients (x, A, B, m, bias) of DoRA with the norm constant in the backward."""
+    x, w, a, b, m, bias, dy = (np.asarray(v, np.float64) for v in (x, w, a, b, m, bias, dy))
+    v = w + s * a @ b
+    n = np.sqrt(np.sum(v * v, axis=0))
+    g = m / n
+    z = x @ v
+    dyg = dy * g
+    return z * g + bias, (dyg @ v.T, s * x.T @ (dyg @ b.T), s * (x @ a).T @ dyg, np.sum(dy * z, axis=0) / n,
+                          np.sum(dy, axis=0))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gemm", ["auto", "pallas", "fused", "epilogue", "merged"])
+def test_gpu_fp32_highest_precision_matches_float64(gemm):
+    """fp32 DoRA on the GPU runs its matmuls at TF32 by default; under jax.default_matmul_precision("highest")
+    every GEMM (Pallas and cuBLAS) is full fp32: forward and every gradient within 1e-5 relative of float64."""
+    from tests.helpers import rel_err
+
+    x = rand(40, (512, 384))
+    w = rand(41, (384, 320), scale=384 ** -0.5)
+    a, b = rand(42, (384, 16), scale=384 ** -0.5), rand(43, (16, 320), scale=0.3)
+    m, bias, dy = jnp.abs(rand(44, (320,))) + 0.5, rand(45, (320,), scale=0.1), rand(46, (512, 320))
+    y64, grads64 = _dora64(x, w, a, b, m, bias, dy, 0.5)
+    with jax.default_matmul_precision("highest"):
+        fn = jax.jit(lambda *p: jax.vjp(lambda *q: dora_dense(q[0], w, *q[1:], scale=0.5, implementation="pallas",
+                                                              gemm=gemm), *p)[1](dy))
+        y = jax.jit(lambda *p: dora_dense(p[0], w, *p[1:], scale=0.5, implementation="pallas", gemm=gemm))(
+            x, a, b, m, bias)
+        grads = fn(x, a, b, m, bias)
+    assert rel_err(y, y64) < 1e-5, ("y", rel_err(y, y64))
+    for name, g, r in zip(NAMES, grads, grads64):
+        assert rel_err(g, r) < 1e-5, (name, rel_err(g, r))
