@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import decimal
+import functools
 import math
 
 import jax
@@ -207,17 +208,24 @@ TABLE_ROWS = 6
 
 
 def angle_table(inv_freq) -> np.ndarray:
-    """float32 (6, len(inv_freq)): rows (c_00, c_01, c_10, c_11, c_20, c_21) of the angle reduction (see above)."""
+    """float32 (6, len(inv_freq)), read-only: rows (c_00, c_01, c_10, c_11, c_20, c_21) of the angle reduction (see
+    above). Cached: the decimal arithmetic takes milliseconds, and eager calls would pay it every time."""
+    return _angle_table(tuple(float(f) for f in np.asarray(inv_freq, np.float64).reshape(-1)))
+
+
+@functools.lru_cache(maxsize=256)
+def _angle_table(inv_freq: tuple[float, ...]) -> np.ndarray:
     rows = np.zeros((TABLE_ROWS, len(inv_freq)), np.float32)
     with decimal.localcontext() as ctx:
         ctx.prec = 60
-        for i, f in enumerate(np.asarray(inv_freq, np.float64)):
-            turns = decimal.Decimal(float(f)) / _TWO_PI
+        for i, f in enumerate(inv_freq):
+            turns = decimal.Decimal(f) / _TWO_PI
             for j in range(3):
                 c = (turns * (1 << (POSITION_PART_BITS * j))) % 1
                 c0 = (c * (1 << _WHOLE_BITS)).to_integral_value(decimal.ROUND_FLOOR) / (1 << _WHOLE_BITS)
                 rows[2 * j, i] = float(c0)  # exact: at most 13 significant bits
                 rows[2 * j + 1, i] = float(c - c0)
+    rows.flags.writeable = False
     return rows
 
 
