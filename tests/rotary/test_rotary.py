@@ -367,6 +367,24 @@ def test_remat(kernel_impl):
         assert rel_err(a, to64(b)) <= 1e-5
 
 
+@pytest.mark.parametrize("shape", [(0, 5, 2, 8), (2, 0, 2, 8), (2, 5, 0, 8)], ids=["B0", "S0", "H0"])
+@pytest.mark.parametrize("layout", ["bshd", "bhsd"])
+def test_empty_inputs_forward_and_backward(kernel_impl, shape, layout):
+    """Zero batch, tokens or heads: empty results and gradients, as nn.Dense, on every implementation."""
+    if layout == "bhsd":
+        shape = (shape[0], shape[2], shape[1], shape[3])
+    q = jnp.zeros(shape, jnp.bfloat16)
+    k = rand(1, shape[:2] + (1,) + shape[3:] if layout == "bshd" else shape[:1] + (1,) + shape[2:], jnp.bfloat16)
+    seq = shape[1] if layout == "bshd" else shape[2]
+    for impl in (None, "xla", kernel_impl):
+        for pos in (None, jnp.arange(seq, dtype=jnp.int32)):
+            out, pull = jax.vjp(lambda q, k, impl=impl, pos=pos: apply_rotary(q, k, pos, layout=layout,
+                                                                              implementation=impl), q, k)
+            assert out[0].shape == q.shape and out[1].shape == k.shape
+            dq, dk = pull((jnp.ones_like(out[0]), jnp.ones_like(out[1])))
+            assert dq.shape == q.shape and dk.shape == k.shape and np.all(np.isfinite(np.asarray(dk, np.float32)))
+
+
 def test_default_implementation_on_cpu_is_reference():
     if jax.devices()[0].platform == "gpu":
         pytest.skip("a GPU is present")
