@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_fused import _backend
-from pallas_fused.fp8.reference import AMAX_FLOOR, finite_amax, fp8_max, round_up_pow2
+from pallas_fused.fp8.reference import AMAX_FLOOR, finite_abs, finite_amax, fp8_max, round_up_pow2
 
 
 def _scale(amax, dtype, power_of_2):
@@ -65,9 +65,7 @@ def _quantize_axis_kernel(x_ref, *refs, shape, block, reduce_axis, dtype, power_
 
     def amax_step(i, amax):
         _, _, x = tile(i)
-        a = jnp.abs(x)
-        a = jnp.where(a <= jnp.finfo(jnp.float32).max, a, 0.0)  # inf and NaN stay out of the scale
-        return jnp.maximum(amax, jnp.max(a, axis=reduce_axis))
+        return jnp.maximum(amax, jnp.max(finite_abs(x), axis=reduce_axis))  # inf and NaN stay out of the scale
 
     amax = jax.lax.fori_loop(0, steps, amax_step, jnp.zeros((block[keep],), jnp.float32))
     scale = _scale(amax, dtype, power_of_2)

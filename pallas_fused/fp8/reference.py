@@ -5,8 +5,9 @@ scale = AMAX_FLOOR / fp8_max (finite, positive); the cast saturates at +-fp8_max
 
 Non-finite input: the amax is taken over the finite values only, so one inf or NaN never reaches the scale;
 in the cast +-inf saturates to +-fp8_max (as any value beyond the range) and NaN stays NaN, element by
-element. (torchao takes the amax over everything: one inf makes its scale 0 and one NaN makes it NaN, so the
-whole tensor dequantizes to NaN.) An empty tensor has amax 0.
+element. (torchao takes the amax over everything, torch.max(abs(x)) in torchao/float8/float8_utils.py: one inf
+makes its scale fp8_max / amax 0 and one NaN makes it NaN, so the whole tensor dequantizes to NaN.) An empty
+tensor has amax 0.
 """
 
 from __future__ import annotations
@@ -29,11 +30,15 @@ def round_up_pow2(scale: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
 
+def finite_abs(x: jax.Array) -> jax.Array:
+    """|x| in fp32 with inf and NaN replaced by 0 (what the amax sees; also used inside the kernels)."""
+    a = jnp.abs(x.astype(jnp.float32))
+    return jnp.where(a <= jnp.finfo(jnp.float32).max, a, 0.0)  # False for inf and NaN
+
+
 def finite_amax(x: jax.Array, axis=None) -> jax.Array:
     """max |x| over `axis` (keepdims when an axis is given) in fp32, ignoring inf and NaN; 0 if nothing is left."""
-    a = jnp.abs(x.astype(jnp.float32))
-    a = jnp.where(a <= jnp.finfo(jnp.float32).max, a, 0.0)  # False for inf and NaN
-    return jnp.max(a, axis=axis, keepdims=axis is not None, initial=0.0)
+    return jnp.max(finite_abs(x), axis=axis, keepdims=axis is not None, initial=0.0)
 
 
 def scale_from_amax(amax: jax.Array, dtype, power_of_2: bool) -> jax.Array:
