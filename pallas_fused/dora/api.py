@@ -113,7 +113,7 @@ def _column_norm_scale(ops, kind, ap, bp, scale, m, interpret, config):
     """(n, g = m / n); on one device the fused kernel (one launch), sharded the partial sums + psum."""
     if jax.device_count() == 1:
         return K.column_norm_scale(ops, kind, ap, bp, scale, m, interpret=interpret, config=config)
-    n = jnp.sqrt(_column_sumsq(ops, kind, ap, bp, scale, interpret, config))
+    n = reference.floored_norm(_column_sumsq(ops, kind, ap, bp, scale, interpret, config))
     return n, m.astype(jnp.float32) / n
 
 
@@ -187,7 +187,7 @@ def _forward(statics, x, ops, a, b, m, bias, scale):
                              f"are multiples of the tile {cfg.cta_tile} x {cfg.tile_k}; got x {x.shape} {x.dtype}, "
                              f"kernel {ops[0].shape}")
         v, parts = K.merge_weight(ops, kind, ap, bp, scale, emit_partials=True, interpret=interpret, config=config)
-        n = jnp.sqrt(jnp.sum(parts, axis=0))
+        n = reference.floored_norm(jnp.sum(parts, axis=0))
         g = m.astype(jnp.float32) / n
         y = kernel_sm90.scaled_matmul(x, v, g, bias)
         return y, (ap, bp, n, g, None, (v if config.save_merged else None, None))
@@ -298,6 +298,7 @@ def _dora_2d_bwd(statics, res, dy):
             dx = (dx + jnp.dot(us, ap.T, preferred_element_type=jnp.float32)).astype(dt)
     if finished is not None:
         dbm, dm, db = finished[:3]
+        dm = _dm_at_zero_magnitude(dm, dy, x, xa, ops, kind, bp, scale, n, m, fin)
         da = jnp.dot(x.T, us)
         return (dx, tuple(_zero_cotangent(o) for o in ops), da[:, :rank], dbm[:rank], dm,
                 None if bias is None else db, jnp.zeros_like(scale))
@@ -312,7 +313,7 @@ def _dora_2d_bwd(statics, res, dy):
     dbm = p * gs[None, :]
     # dm = sum_t dy z / n with z = x W + s (x A) B; since y - bias = z m / n, it is sum_t dy (y - bias) / m
     # from the saved output (no z kept). Undefined for a magnitude of exactly 0.
-    dm = dmz / m.astype(jnp.float32)
+    dm = _dm_at_zero_magnitude(dmz / m.astype(jnp.float32), dy, x, xa, ops, kind, bp, scale, n, m, fin)
     if exact:
         # Through n: dL/dV = V * c, c = -g dm / n, V = W + s A B (V is never formed: two passes over W).
         c = -g * dm / n
@@ -325,6 +326,20 @@ def _dora_2d_bwd(statics, res, dy):
     dbias = None if bias is None else db.astype(bias.dtype)
     return (dx, cot_ops, da[:, :rank].astype(ap.dtype), dbm[:rank].astype(bp.dtype), dm.astype(m.dtype), dbias,
             jnp.zeros_like(scale))
+
+
+def _dm_at_zero_magnitude(dm, dy, x, xa, ops, kind, bp, scale, n, m, fin):
+    """dm = sum_t dy z / n, z = x W + s (x A) B. The kernels form it as sum_t dy (y - bias) / m, which is 0 / 0 for a
+    magnitude of exactly 0 (where a zero column of W with B = 0 starts): such columns are recomputed from z, in a
+    branch that runs only when some m is 0 (one more GEMM then)."""
+    zero = m == 0
+
+    def recompute(dm):
+        z = (jnp.dot(x.astype(jnp.float32), _dequant_ops(kind, ops, fin))
+             + scale * jnp.dot(xa.astype(jnp.float32), bp.astype(jnp.float32)))
+        return jnp.where(zero, jnp.sum(dy.astype(jnp.float32) * z, axis=0) / n, dm).astype(dm.dtype)
+
+    return jax.lax.cond(jnp.any(zero), recompute, lambda dm: dm, dm)
 
 
 def _dequant_ops(kind, ops, fin):
@@ -379,6 +394,12 @@ def dora_dense(x, kernel, lora_a, lora_b, magnitude, bias=None, *, scale, exact_
       config: tile sizes of the Pallas kernels (advanced).
 
     Gradients flow to x, lora_a, lora_b, magnitude and bias; W (and `scale`) get zero cotangents.
+
+    Precision: with float32 x on a GPU the GEMMs (Pallas and cuBLAS alike) run at TF32 by default (~4e-4 relative,
+    as XLA's own fp32 matmuls); under ``jax.default_matmul_precision("highest")`` every one of them runs in full
+    fp32 (~1e-6). The norm is floored at 1e-12 (`reference.NORM_FLOOR`), so a column of W + s A B that is all
+    zero gives g = 0 and an output column equal to the bias, with finite gradients (peft gets NaN there). Zero
+    tokens give an empty output and zero gradients.
     """
     fin, fout, rank = _check(x, kernel, lora_a, lora_b, magnitude, bias, scale)
     impl = _backend.resolve_implementation(implementation, op="dora_dense")

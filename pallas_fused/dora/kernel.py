@@ -25,6 +25,7 @@ from jax.experimental import pallas as pl
 
 from pallas_fused import _backend
 from pallas_fused.dora.quant import NF4_CODEBOOK
+from pallas_fused.dora.reference import floored_norm
 
 NF4_TILE = 64  # = quant.NF4_BLOCK: one absmax row per tile
 
@@ -420,7 +421,7 @@ def _colnorm_expand_kernel(*refs, kind, K, N, R, bk, bn, rows_per_prog, finish, 
     aab = _dot_f32_exact(aa, b_ref.dtype, _load(b_ref.at[:, pl.ds(n0, bn)], _mask(None, cmask, (R, bn))))
     total = sq + 2.0 * s * jnp.sum(wa * b.T, axis=1) + (s * s) * jnp.sum(b * aab, axis=0)
     if finish:
-        n = jnp.sqrt(total)
+        n = floored_norm(total)  # a zero column gives g = 0, not 0 / 0
         _store(n_ref.at[pl.ds(n0, bn)], n, cmask)
         g = _load(m_ref.at[pl.ds(n0, bn)], cmask, 1.0).astype(jnp.float32) / n
         _store(g_ref.at[pl.ds(n0, bn)], g, cmask)
@@ -533,7 +534,7 @@ def _merge_kernel(*refs, kind, K, N, R, bk, bn, steps, nsplit, from_partials, re
         # g = m / sqrt(sum of the nsplit partial sums), per program (nsplit x bn floats: cheap); row block 0
         # also writes n, g and B g s for the backward. nsplit is a power of two (`merge_weight` pads with zeros).
         part = _load(part_ref.at[:, pl.ds(n0, bn)], _mask(None, cmask, (nsplit, bn)))
-        n = jnp.sqrt(jnp.sum(part, axis=0))
+        n = floored_norm(jnp.sum(part, axis=0))
         g = _load(m_ref.at[pl.ds(n0, bn)], cmask, 1.0).astype(jnp.float32) / n
         first = jnp.logical_and(n0 + jnp.arange(bn) < N, kb == 0)
         _backend.store(n_ref.at[pl.ds(n0, bn)], n, mask=first)
@@ -637,7 +638,7 @@ def merge_weight(weight, kind: str, lora_a, lora_b, scale, *, g=None, partials=N
 
 def column_norm_scale(weight, kind: str, lora_a, lora_b, scale, magnitude, *, interpret: bool,
                       config: Config = DEFAULT):
-    """(n, g): n = ||W + s A B|| per output column and g = m / n, float32 (N,); A, B rank-padded.
+    """(n, g): n = max(||W + s A B||, NORM_FLOOR) per output column and g = m / n, float32 (N,); A, B rank-padded.
 
     One launch when the "expand" kernel applies and one program covers all input rows; otherwise the
     partial sums of squares are reduced and finished by XLA.
@@ -646,9 +647,9 @@ def column_norm_scale(weight, kind: str, lora_a, lora_b, scale, magnitude, *, in
         out = _expand_launch(weight, kind, lora_a, lora_b, scale, magnitude, interpret=interpret, config=config)
         if isinstance(out, tuple):
             return out
-        n = jnp.sqrt(jnp.sum(out, axis=0))
+        n = floored_norm(jnp.sum(out, axis=0))
     else:
-        n = jnp.sqrt(column_sumsq(weight, kind, lora_a, lora_b, scale, interpret=interpret, config=config))
+        n = floored_norm(column_sumsq(weight, kind, lora_a, lora_b, scale, interpret=interpret, config=config))
     return n, magnitude.astype(jnp.float32) / n
 
 

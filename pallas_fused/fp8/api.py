@@ -67,7 +67,7 @@ def _scale_vector(scale, n, name, allowed, op):
 
 def _quantize_2d(x, dtype, axis, power_of_2, impl, emit_n=True, emit_t=False):
     """2-D quantize -> (q or None, q^T or None, scale with keepdims shape). axis in (None, 0, 1)."""
-    if impl == "xla":
+    if impl == "xla" or x.size == 0:  # an empty x (no tokens) needs no kernel
         q, scale = reference.quantize_reference(x, dtype, axis, power_of_2)
         return (q if emit_n else None), (q.T if emit_t else None), scale
     from pallas_fused.fp8 import kernel
@@ -80,7 +80,7 @@ def _quantize_2d(x, dtype, axis, power_of_2, impl, emit_n=True, emit_t=False):
     def collective(mesh_axes):
         """Per shard when the reduced axis is split: all-reduce the amax, cast with XLA (same formula)."""
         def run(x):
-            amax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=axis, keepdims=axis is not None)
+            amax = reference.finite_amax(x, axis)
             scale = reference.scale_from_amax(jax.lax.pmax(amax, mesh_axes), dtype, power_of_2)
             q = reference.saturating_cast(x, scale, dtype)
             return tuple(o for o, emit in ((q, emit_n), (q.T, emit_t)) if emit) + (scale,)
@@ -105,6 +105,11 @@ def quantize(x, dtype=jnp.float8_e4m3fn, axis: int | None = None, power_of_2: bo
     scales. scale = max(amax, 1e-12) / fp8_max, so amax = 0 gives a finite scale; values beyond
     fp8_max * scale clamp to +-fp8_max. `power_of_2` rounds each scale up to a power of two.
     One pass of the Pallas kernel computes the amax and the cast (tensorwise: XLA's amax, then one cast pass).
+
+    Non-finite values: the amax is taken over the finite values only, so an inf or NaN never spoils the scale
+    (or the other elements); +-inf saturates to +-fp8_max and NaN stays NaN, element by element. torchao
+    instead lets one inf or NaN make the scale 0 or NaN, and the whole tensor NaN. An empty x (e.g. no tokens)
+    gives an empty x_fp8 and the scale of amax = 0.
     """
     op = "fp8.quantize"
     x = jnp.asarray(x)
@@ -112,14 +117,14 @@ def quantize(x, dtype=jnp.float8_e4m3fn, axis: int | None = None, power_of_2: bo
         raise ValueError(f"{op}: x must be a float32/bfloat16/float16 array, got {x.dtype}")
     if jnp.dtype(dtype) not in FP8_DTYPES:
         raise ValueError(f"{op}: dtype must be float8_e4m3fn or float8_e5m2, got {dtype}")
-    if x.ndim == 0 or x.size == 0:
-        raise ValueError(f"{op}: x must be a non-empty array of rank >= 1, got shape {x.shape}")
+    if x.ndim == 0:
+        raise ValueError(f"{op}: x must be an array of rank >= 1, got shape {x.shape}")
     if axis is not None:
         if not isinstance(axis, int) or not -x.ndim <= axis < x.ndim:
             raise ValueError(f"{op}: axis must be None or an int in [-{x.ndim}, {x.ndim}), got {axis!r}")
         axis = axis % x.ndim
     impl = _resolve(implementation, op)
-    if impl == "xla" or (axis is not None and 0 < axis < x.ndim - 1) or x.ndim == 1 and axis is not None:
+    if impl == "xla" or x.size == 0 or (axis is not None and 0 < axis < x.ndim - 1) or x.ndim == 1 and axis is not None:
         return reference.quantize_reference(x, dtype, axis, power_of_2)
     # View x as 2-D with the reduced axis as one of the two dimensions.
     if axis is None or axis == x.ndim - 1:
@@ -169,6 +174,8 @@ def sm90_config(m, n, k):
 
 def _mm_nt(a, bt, sa, sb, out_dtype, fast_accum, impl):
     """(a * sa[:, None]) @ (bt * sb[:, None])^T; a (M, K), bt (N, K) fp8; sa (M,), sb (N,) fp32."""
+    if 0 in (*a.shape, bt.shape[0]):  # no tokens (or an empty contraction): nothing for a kernel to do
+        return jnp.zeros((a.shape[0], bt.shape[0]), out_dtype)
     same = a.dtype == bt.dtype
     if impl == "pallas":
         impl = "pallas:sm90" if _backend.is_hopper() and same and fast_accum else "xla"

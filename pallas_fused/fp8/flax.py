@@ -64,8 +64,9 @@ class Float8DotGeneral:
         lfree = [d for d in range(lhs.ndim) if d not in lc]
         rfree = [d for d in range(rhs.ndim) if d not in rc]
         k = math.prod(lhs.shape[d] for d in lc)
-        x = lhs.transpose(*lfree, *lc).reshape(-1, k)
-        w = rhs.transpose(*rc, *rfree).reshape(k, -1)
+        m, n = math.prod(lhs.shape[d] for d in lfree), math.prod(rhs.shape[d] for d in rfree)
+        x = lhs.transpose(*lfree, *lc).reshape(m, k)  # explicit sizes: -1 is ambiguous for an empty batch
+        w = rhs.transpose(*rc, *rfree).reshape(k, n)
         y = fp8_linear(x, w, self.config, implementation=self.implementation)
         return y.reshape(*(lhs.shape[d] for d in lfree), *(rhs.shape[d] for d in rfree))
 

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_fused import _backend
-from pallas_fused.fp8.reference import AMAX_FLOOR, fp8_max, round_up_pow2
+from pallas_fused.fp8.reference import AMAX_FLOOR, finite_abs, finite_amax, fp8_max, round_up_pow2
 
 
 def _scale(amax, dtype, power_of_2):
@@ -33,8 +33,10 @@ def _scale(amax, dtype, power_of_2):
 
 
 def _cast(x, scale, dtype):
+    """As reference.saturating_cast: +-inf saturates, NaN stays NaN (Triton's min/max would turn it into -limit)."""
     limit = fp8_max(dtype)
-    return jnp.clip(x / scale, -limit, limit)
+    v = x / scale
+    return jnp.where(v == v, jnp.clip(v, -limit, limit), v)
 
 
 def _quantize_axis_kernel(x_ref, *refs, shape, block, reduce_axis, dtype, power_of_2, emit_n, emit_t):
@@ -63,7 +65,7 @@ def _quantize_axis_kernel(x_ref, *refs, shape, block, reduce_axis, dtype, power_
 
     def amax_step(i, amax):
         _, _, x = tile(i)
-        return jnp.maximum(amax, jnp.max(jnp.abs(x), axis=reduce_axis))
+        return jnp.maximum(amax, jnp.max(finite_abs(x), axis=reduce_axis))  # inf and NaN stay out of the scale
 
     amax = jax.lax.fori_loop(0, steps, amax_step, jnp.zeros((block[keep],), jnp.float32))
     scale = _scale(amax, dtype, power_of_2)
@@ -156,8 +158,9 @@ def quantize_2d(x, *, dtype, axis, power_of_2, emit_n=True, emit_t=False, interp
         *outs, scale = outs
         scale = scale[:, None] if axis == 1 else scale[None, :]
     else:
-        # Phase 1: the amax (XLA's reduction fuses abs, max and the scale arithmetic into one read of x).
-        amax = jnp.max(jnp.abs(x), axis=axis, keepdims=axis is not None).astype(jnp.float32)
+        # Phase 1: the amax of the finite values (XLA's reduction fuses abs, max and the scale arithmetic into one
+        # read of x).
+        amax = finite_amax(x, axis)
         scale = _scale(amax, dtype, power_of_2)
         # Phase 2: the cast, tile by tile.
         block = block or ((32, 32) if interpret else CAST_CONFIG[axis][0])

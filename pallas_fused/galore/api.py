@@ -437,7 +437,10 @@ _DOC_ARGS = """
         columns and `power_iters` subspace iterations, warm-started from the previous projector; `seed`).
       convention: "galore" (reference GaLore, the default) or "optax" (optax.contrib.galore's numbers).
       mu_dtype, nu_dtype: moment dtypes (default fp32).
-      implementation: None | "pallas" | "xla" | "interpret" (see pallas_fused._backend).
+      implementation: None | "pallas" | "xla" | "interpret" (see pallas_fused._backend). Precision: the Pallas
+        kernels fix theirs (TF32 on fp32 G, fp16 operands in the up-projection: as exact as TF32 there), while the
+        XLA GEMMs follow ``jax.default_matmul_precision`` (TF32 by default on a GPU); for full fp32 projections
+        use implementation="xla" under ``jax.default_matmul_precision("highest")``.
       kernel: "auto" | "fused" | "hybrid" | "xla_up" | "splitk": how projected leaves are stepped (see
         pallas_fused.galore.kernel.VARIANTS; auto: choose_kernel's measured table).
 """

@@ -113,7 +113,10 @@ def apply_rotary(q, k=None, positions=None, *, rotary_dim: int | None = None, in
     Returns:
       (q_rot, k_rot) in the dtypes of q and k. Each pair (x1, x2) becomes (x1 cos - x2 sin, x2 cos + x1 sin)
       times YaRN's attention factor, with angle = position * inv_freq and cos/sin computed in float32 from
-      the positions (no table is read from memory); the result is rounded once.
+      the positions (no cos/sin table is read from memory); the result is rounded once. The angle is reduced
+      modulo 2 pi without rounding error (see `reference.reduced_angle`): accurate to ~1e-6 rad at every int32
+      position, where an fp32 product position * inv_freq puts the output off by up to 0.17 (max abs, unit
+      normal q, D=128) at position 2^20 and 3.3 at 2^24. Empty q / k (B, S or heads 0) give empty results and gradients.
 
     Differentiable in q and k (custom_vjp: the backward pass is the conjugate rotation, and only the
     positions are saved for it, not q or k). Works under jit, vmap and remat.

@@ -24,13 +24,19 @@ are the same kernel with the (s, h) index order swapped: no transpose is ever ma
 
 The backward pass is the same kernel with sin negated (the conjugate rotation; `sign=-1`).
 
-cos/sin (`LaunchConfig.trig`): "precise" is jnp.cos/jnp.sin, i.e. libdevice's cosf/sinf (~25 instructions
-per angle on the fast path, plus a Payne-Hanek branch for |angle| > 105615). "fast" first reduces the
-fp32 angle exactly enough (`_reduce_angle`: Cody-Waite with a 4-part 2*pi, exact products for positions
-up to ~3e6, absolute error ~3e-5 at angle 1e6, far under that angle's own fp32 spacing of 0.06), then uses
-the hardware sin.approx / cos.approx (MUFU, absolute error ~5e-7 on [-pi, pi]). It is meant for bf16 /
-fp16 q and k, whose rounding (4e-3 / 5e-4) dwarfs both errors; fp32 inputs keep "precise". In interpret
-mode "fast" runs the same reduction with jnp.cos/jnp.sin on the reduced angle.
+Angles: position * inv_freq is reduced modulo 2 pi by `reference.reduced_angle` from exact fp32 products of
+the position's three 11-bit parts with a per-frequency table (`reference.angle_table`, 6 rows of pairs floats
+read by every program from L1/L2), so the angle is accurate to ~6e-7 rad at every int32 position (an fp32
+product loses ~0.1 rad at position 2^20 and whole radians at 2^24). That costs ~24 fp32 ops per (token, pair)
+(the position split is per token) in place of 1 multiply, shared by all Hq + Hk heads: for B4 S4096 Hq32 Hk8 D128
+bf16, 64 x 24 ~ 1540 ops per token against 20 KiB of q/k read and written, 0.08 ops per byte (q alone, one head:
+3 per byte), where an H200 issues ~7 fp32 instructions per byte of HBM bandwidth. trig="fast" drops its former
+Cody-Waite reduction (~10 ops per pair) in exchange.
+
+cos/sin (`LaunchConfig.trig`): "precise" is jnp.cos/jnp.sin, i.e. libdevice's cosf/sinf, which on the reduced
+angle (|angle| <= pi) always take their fast path. "fast" uses the hardware sin.approx / cos.approx (MUFU,
+absolute error ~5e-7 on [-pi, pi]). It is meant for bf16 / fp16 q and k, whose rounding (4e-3 / 5e-4) dwarfs
+that error; fp32 inputs keep "precise". In interpret mode "fast" runs jnp.cos/jnp.sin.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from pallas_fused import _backend
+from pallas_fused.rotary.reference import TABLE_ROWS, angle_table, reduced_angle
 
 # Most elements (q and k tiles, all features) one thread holds: more spills registers (checked with ptxas
 # for sm_90: 4 tokens x 40 heads x 128 features over 8 warps = 80 per thread uses 79 registers, no spills).
@@ -138,34 +145,15 @@ def choose_config(batch: int, seq_len: int, n_q_heads: int, n_k_heads: int, pair
     return LaunchConfig(bt, hq, hk, chunks, warps, trig, load_mode)
 
 
-# 2*pi in four parts: 6.25 and 0.03125 have 5 and 1 significant bits, so k * part is exact for |k| < 2**19,
-# and each subtraction is exact (Sterbenz); the last two parts carry 2*pi - 6.28125 to ~1e-17.
-_TWO_PI_PARTS = (6.25, 0.03125, float(np.float32(2 * np.pi - 6.28125)),
-                 float(np.float32(2 * np.pi - 6.28125 - float(np.float32(2 * np.pi - 6.28125)))))
-_INV_TWO_PI = float(np.float32(1 / (2 * np.pi)))
-
-
-def _reduce_angle(angle):
-    """angle - 2*pi*k in [-pi, pi] (up to rounding of k), computed in fp32 without losing the angle's bits."""
-    k = jnp.floor(angle * _INV_TWO_PI + 0.5)
-    r = angle
-    for part in _TWO_PI_PARTS:
-        r = r - k * part
-    return r
-
-
 def _sincos(angle, trig: str, interpret: bool):
-    """(cos, sin) of an fp32 angle tensor."""
-    if trig == "precise":
+    """(cos, sin) of an fp32 angle tensor in [-pi, pi]."""
+    if trig == "precise" or interpret:
         return jnp.cos(angle), jnp.sin(angle)
-    r = _reduce_angle(angle)
-    if interpret:
-        return jnp.cos(r), jnp.sin(r)
 
     def approx(op):
         return _backend.pl_triton.elementwise_inline_asm(
-            f"{op}.approx.ftz.f32 $0, $1;", args=[r], constraints="=f,f", pack=1,
-            result_shape_dtypes=[jax.ShapeDtypeStruct(r.shape, jnp.float32)])[0]
+            f"{op}.approx.ftz.f32 $0, $1;", args=[angle], constraints="=f,f", pack=1,
+            result_shape_dtypes=[jax.ShapeDtypeStruct(angle.shape, jnp.float32)])[0]
 
     return approx("cos"), approx("sin")
 
@@ -174,7 +162,7 @@ def _kernel(*refs, seq_len, head_dim, rotary_dim, n_heads, has_k, layout, interl
             scale, sign, cfg: LaunchConfig, pairs, passthrough, interpret):
     refs = list(refs)
     pos_ref = refs.pop(0) if pos_mode != "none" else None
-    inv_ref = refs.pop(0)
+    table_ref = refs.pop(0)
     if has_k:
         q_ref, k_ref, oq_ref, ok_ref = refs
     else:
@@ -189,7 +177,9 @@ def _kernel(*refs, seq_len, head_dim, rotary_dim, n_heads, has_k, layout, interl
         pos = s
     else:
         pos = _backend.load(pos_ref.at[(b, s) if pos_mode == "batched" else (s,)], mask=s_mask)
-    inv_freq = _backend.load(inv_ref.at[jnp.arange(pairs, dtype=jnp.int32)])  # zero-padded on the host
+    # The angle table's rows (zero-padded to `pairs` on the host), each broadcast over the block's tokens.
+    rows = [_backend.load(table_ref.at[r * pairs + jnp.arange(pairs, dtype=jnp.int32)])[None, :]
+            for r in range(TABLE_ROWS)]
 
     def at(v, axis, ndim):
         """1-D `v` placed on `axis` of an ndim-D broadcastable array (None stays None)."""
@@ -258,7 +248,7 @@ def _kernel(*refs, seq_len, head_dim, rotary_dim, n_heads, has_k, layout, interl
     # in this order every load of the program is issued before any math.
     k_tile = load(k_ref, n_heads[1], cfg.k_heads) if has_k else None
     q_tile = load(q_ref, n_heads[0], cfg.q_heads)
-    angle = pos.astype(jnp.float32)[:, None] * inv_freq[None, :]  # fp32, as the reference
+    angle = reduced_angle(pos[:, None], rows)  # as the reference: exact reduction, |angle| <= pi
     cos, sin = _sincos(angle, cfg.trig, interpret)
     if scale != 1.0:
         cos, sin = cos * scale, sin * scale
@@ -296,14 +286,14 @@ def rotary_pallas(q, k, positions, inv_freq: np.ndarray, *, rotary_dim: int, int
     if config.trig == "fast" and max(q.dtype.itemsize, k.dtype.itemsize if has_k else 0) > 2:
         config = dataclasses.replace(config, trig="precise")  # fp32 outputs would see the approximation
     pos_mode = "none" if positions is None else ("batched" if positions.ndim == 2 else "shared")
-    inv = np.zeros((pairs,), np.float32)
-    inv[:half] = np.asarray(inv_freq, np.float64).astype(np.float32)
+    table = np.zeros((TABLE_ROWS, pairs), np.float32)
+    table[:, :half] = angle_table(inv_freq)
     kernel = functools.partial(
         _kernel, seq_len=seq_len, head_dim=head_dim, rotary_dim=rotary_dim, n_heads=(n_q, n_k), has_k=has_k,
         layout=layout, interleaved=interleaved, pos_mode=pos_mode, scale=float(scale),
         sign=float(sign), cfg=config, pairs=pairs, passthrough=passthrough, interpret=interpret)
     out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype)]
-    args = ([] if positions is None else [positions.astype(jnp.int32)]) + [jnp.asarray(inv), q]
+    args = ([] if positions is None else [positions.astype(jnp.int32)]) + [jnp.asarray(table.reshape(-1)), q]
     if has_k:
         out_shape.append(jax.ShapeDtypeStruct(k.shape, k.dtype))
         args.append(k)

@@ -3,7 +3,7 @@
 Conventions (GPT-NeoX / Hugging Face):
 
     inv_freq[i] = base ** (-2 i / rotary_dim),  i < rotary_dim / 2         (then rescaled by a `RotaryScaling`)
-    angle[t, i] = position[t] * inv_freq[i]                                  (fp32)
+    angle[t, i] = position[t] * inv_freq[i]      reduced modulo 2 pi without rounding error (`reduced_angle`)
     pair i      = (x[i], x[i + rotary_dim/2])   half-split (GPT-NeoX, Llama; interleaved=False)
                 = (x[2i], x[2i + 1])            interleaved (GPT-J; interleaved=True)
     (x1, x2)   -> m * (x1 cos - x2 sin, x2 cos + x1 sin)                     m = attention factor (1 except YaRN)
@@ -11,9 +11,12 @@ Conventions (GPT-NeoX / Hugging Face):
 Features at and past `rotary_dim` pass through unchanged.
 
 The inverse frequencies depend only on static configuration (rotary_dim, base, scaling), so they are
-computed here on the host in float64 and rounded once to float32. The angles and cos/sin are always
-computed in float32 from the positions: the reference (this file) and the Pallas kernel do the same
-arithmetic, so they agree to rounding.
+computed here on the host in float64. The angle is never formed as an fp32 product: an fp32 position *
+inv_freq carries the relative rounding errors of inv_freq and of the product (2^-24 each) times the angle, so
+at position 2^20 the angle is off by up to ~0.1 rad and at 2^24 by whole radians (the position itself no longer
+fits fp32's 24-bit mantissa). `reduced_angle` instead forms position * inv_freq / (2 pi) modulo 1 from exact
+fp32 products (`angle_table`), so cos/sin are accurate to ~1e-6 absolute for every int32 position, negative
+ones included. The reference (this file) and the Pallas kernel run the same arithmetic, so they agree to rounding.
 
 This file knows nothing of Pallas; `reference_rotary` is also the "xla" implementation.
 """
@@ -21,6 +24,8 @@ This file knows nothing of Pallas; `reference_rotary` is also the "xla" implemen
 from __future__ import annotations
 
 import dataclasses
+import decimal
+import functools
 import math
 
 import jax
@@ -188,11 +193,66 @@ def _rotate(x, cos, sin, rotary_dim: int, interleaved: bool, layout: str):
     return out
 
 
+# Angle reduction. A position p (int32) is split into three parts exact in fp32, p = p2 2^22 + p1 2^11 + p0 with
+# p0, p1 in [0, 2^11) and p2 in [-2^9, 2^9). Per frequency f the host stores, for each part j, the turns per unit
+# c_j = frac(2^(11 j) f / (2 pi)) as c_j0 + c_j1: c_j0 a multiple of 2^-13 (so p_j c_j0 < 2^24 ulps is exact in
+# fp32 and its fractional part too) and c_j1 < 2^-13 rounded to fp32 (p_j c_j1 < 0.25: its rounding is <= 2^-27
+# turns). The fractional turn sum(frac(p_j c_j0)) + sum(p_j c_j1), reduced to [-0.5, 0.5], times 2 pi is the angle
+# in [-pi, pi] to ~1e-7 turns (~6e-7 rad) at any position. Cost: ~24 fp32 ops per (token, pair), shared by all
+# heads of q and k (the kernel is memory-bound: at Hq + Hk = 40 heads, bf16, 0.08 ops per byte moved), and
+# cos/sin then run on |angle| <= pi, their fastest path.
+_TWO_PI = decimal.Decimal("6.28318530717958647692528676655900576839433879875021")
+POSITION_PART_BITS = 11
+_WHOLE_BITS = 24 - POSITION_PART_BITS  # c_j0 = k / 2^13: |p_j| < 2^11 times k < 2^13 stays below 2^24, exact
+TABLE_ROWS = 6
+
+
+def angle_table(inv_freq) -> np.ndarray:
+    """float32 (6, len(inv_freq)), read-only: rows (c_00, c_01, c_10, c_11, c_20, c_21) of the angle reduction (see
+    above). Cached: the decimal arithmetic takes milliseconds, and eager calls would pay it every time."""
+    return _angle_table(tuple(float(f) for f in np.asarray(inv_freq, np.float64).reshape(-1)))
+
+
+@functools.lru_cache(maxsize=256)
+def _angle_table(inv_freq: tuple[float, ...]) -> np.ndarray:
+    rows = np.zeros((TABLE_ROWS, len(inv_freq)), np.float32)
+    with decimal.localcontext() as ctx:
+        ctx.prec = 60
+        for i, f in enumerate(inv_freq):
+            turns = decimal.Decimal(f) / _TWO_PI
+            for j in range(3):
+                c = (turns * (1 << (POSITION_PART_BITS * j))) % 1
+                c0 = (c * (1 << _WHOLE_BITS)).to_integral_value(decimal.ROUND_FLOOR) / (1 << _WHOLE_BITS)
+                rows[2 * j, i] = float(c0)  # exact: at most 13 significant bits
+                rows[2 * j + 1, i] = float(c - c0)
+    rows.flags.writeable = False
+    return rows
+
+
+def reduced_angle(pos, rows):
+    """(position * inv_freq) modulo 2 pi in [-pi, pi], float32, from int32 positions `pos` (any shape) and the six
+    `angle_table` rows (each broadcastable against pos): the same code runs in the reference and in the kernel."""
+    mask = (1 << POSITION_PART_BITS) - 1
+    parts = (pos & mask, (pos >> POSITION_PART_BITS) & mask, pos >> (2 * POSITION_PART_BITS))
+    parts = [p.astype(jnp.float32) for p in parts]
+
+    def frac(v):
+        return v - jnp.floor(v)
+
+    # The exact products' fractions are multiples of 2^-13 below 3: their sum and its reduction are exact.
+    whole = frac(parts[0] * rows[0]) + frac(parts[1] * rows[2]) + frac(parts[2] * rows[4])
+    whole = whole - jnp.floor(whole + 0.5)
+    turns = whole + (parts[0] * rows[1] + parts[1] * rows[3] + parts[2] * rows[5])
+    turns = turns - jnp.floor(turns + 0.5)
+    return turns * np.float32(2 * np.pi)
+
+
 def reference_cos_sin(positions, inv_freq, scale: float = 1.0, sign: float = 1.0):
     """fp32 cos/sin of shape (B|1, S, R/2) from int positions (S,) or (B, S) and host inv_freq."""
     if positions.ndim == 1:
         positions = positions[None, :]
-    angle = positions.astype(jnp.float32)[..., None] * jnp.asarray(np.asarray(inv_freq, np.float32))
+    rows = [jnp.asarray(r) for r in angle_table(inv_freq)]
+    angle = reduced_angle(positions.astype(jnp.int32)[..., None], rows)
     cos, sin = jnp.cos(angle), jnp.sin(angle)
     if scale != 1.0:
         cos, sin = cos * np.float32(scale), sin * np.float32(scale)

@@ -130,20 +130,50 @@ def test_launch_configs(kernel_impl, config):
         assert_close(o, exact, baseline=rope_fp32(x, pos, inv64, rotary_dim=64), what=str(config))
 
 
-def test_fast_trig_angle_reduction():
-    """The "fast" cos/sin reduce the fp32 angle to [-pi, pi] nearly exactly for angles up to 1e6 (then MUFU)."""
-    from pallas_fused.rotary.kernel import _reduce_angle
+def test_angle_reduction_is_exact_at_every_int32_position():
+    """reduced_angle(p, angle_table(f)) is p * f modulo 2 pi to ~1e-6 rad for every int32 position (negative ones
+    included), where an fp32 product p * f is off by ~0.06 rad at 2^20 and by a whole turn at 2^24."""
+    import decimal
 
+    from pallas_fused.rotary.reference import angle_table, reduced_angle
+
+    inv = inv_frequencies(128, 500000.0)[::7]
     rng = np.random.default_rng(0)
-    a32 = np.concatenate([rng.uniform(-10, 10, 4000), rng.uniform(0, 1e4, 4000), rng.uniform(0, 1e6, 4000),
-                          [0.0, np.pi, -np.pi, 1e6, 2 * np.pi * 159154]]).astype(np.float32)
-    r = np.asarray(_reduce_angle(jnp.asarray(a32)), np.float64)
-    a64 = a32.astype(np.float64)
-    exact = a64 - 2 * np.pi * np.round(a64 / (2 * np.pi))
-    err = np.abs(np.angle(np.exp(1j * (r - exact))))  # difference modulo 2*pi
-    assert np.all(np.abs(r) <= np.pi + 1e-2)  # k = floor(angle / 2pi + 0.5) may round across a half turn
-    assert np.max(err / np.maximum(1.0, np.abs(a64) / 1e4)) < 2e-6, np.max(err)
-    assert np.max(err) < 5e-5
+    pos = np.concatenate([rng.integers(-2**31, 2**31, 48), rng.integers(0, 2**24, 48), rng.integers(0, 4096, 16),
+                          [0, 1, -1, 2**20, 2**24, 2**24 + 1, 2**31 - 1, -2**31]]).astype(np.int32)
+    rows = [jnp.asarray(r) for r in angle_table(inv)]
+    got = np.asarray(reduced_angle(jnp.asarray(pos)[:, None], rows), np.float64)
+    assert np.all(np.abs(got) <= np.pi + 1e-6)
+    two_pi = decimal.Decimal("6.28318530717958647692528676655900576839433879875021")
+    with decimal.localcontext() as ctx:
+        ctx.prec = 50
+        exact = np.array([[float((decimal.Decimal(int(p)) * decimal.Decimal(float(f))) % two_pi) for f in inv]
+                          for p in pos])
+    err = np.abs(np.angle(np.exp(1j * (got - exact))))  # difference modulo 2 pi
+    assert np.max(err) < 1e-6, np.max(err)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["float32", "bfloat16"])
+def test_long_context_positions_match_float64(kernel_impl, dtype):
+    """Positions up to 2^24 (and int32's end): the rotation is as accurate as at position 0, forward and backward,
+    for the kernel and the reference alike (an fp32 angle would be off by up to a whole turn here)."""
+    batch, seq_len, d = 2, 8, 128
+    q, k = make(16, batch, seq_len, 2, 1, d, dtype)
+    pos = jax.random.randint(jax.random.key(17), (batch, seq_len), 2**20, 2**24 + 1, dtype=jnp.int32)
+    pos = pos.at[0, 0].set(2**24).at[0, 1].set(2**31 - 1).at[1, 0].set(2**20)
+    inv64 = inv_frequencies(d)
+    angle32 = (np.asarray(pos, np.float32)[..., None] * inv64.astype(np.float32)).astype(np.float64)
+    floor = FLOOR[jnp.dtype(dtype)]
+    for impl in (kernel_impl, "xla"):
+        out = apply_rotary(q, k, pos, implementation=impl)
+        for x, o in ((q, out[0]), (k, out[1])):
+            exact = rope64(x, pos, inv64, rotary_dim=d)
+            assert rel_err(rope64(x, pos, inv64, rotary_dim=d, angle=angle32), exact) > 0.1  # what fp32 angles give
+            assert rel_err(o, exact) <= floor, (impl, rel_err(o, exact))
+        g = (rand(18, q.shape, dtype), rand(19, k.shape, dtype))
+        grads = jax.vjp(lambda q, k, impl=impl: apply_rotary(q, k, pos, implementation=impl), q, k)[1](g)
+        inv_pos = rope64(g[0], pos, -inv64, rotary_dim=d)  # the transpose: rotation by -angle
+        assert rel_err(grads[0], inv_pos) <= floor, (impl, rel_err(grads[0], inv_pos))
 
 
 @pytest.mark.parametrize("dtype,load_mode", [(jnp.bfloat16, "plain"), (jnp.float16, "volatile")],
@@ -176,30 +206,6 @@ def test_fast_trig_is_not_used_for_fp32(kernel_impl):
     precise = apply_rotary_with_config(q, k, pos, implementation=kernel_impl, config=LaunchConfig(4, 2, 1, 1, 2))
     for a, b in zip(fast, precise):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-
-
-def test_large_positions_fp32_angle_level(kernel_impl):
-    """Positions up to 1e6: the error is that of rounding the angle to fp32, no more.
-
-    exact: float64 angle. fp32angle: the float64 rotation by the fp32-rounded angle fp32(fp32(p) * fp32(f)),
-    which is what any fp32 implementation computes at best. The kernel's error against exact must be within
-    2x of fp32angle's (plus a rounding floor), and the kernel must agree with fp32angle to fp32 sin/cos accuracy.
-    """
-    batch, seq_len, d = 2, 8, 128
-    q, k = make(16, batch, seq_len, 2, 1, d)
-    pos = jax.random.randint(jax.random.key(17), (batch, seq_len), 0, 1_000_001, dtype=jnp.int32)
-    pos = pos.at[0, 0].set(1_000_000)
-    out = apply_rotary(q, k, pos, implementation=kernel_impl)
-    inv64 = inv_frequencies(d)
-    angle32 = (np.asarray(pos, np.float32)[..., None] * inv64.astype(np.float32)).astype(np.float64)
-    for x, o in ((q, out[0]), (k, out[1])):
-        exact = rope64(x, pos, inv64, rotary_dim=d)
-        fp32angle = rope64(x, pos, inv64, rotary_dim=d, angle=angle32)
-        angle_err = rel_err(fp32angle, exact)
-        assert angle_err > 1e-5, "positions this large should show the fp32-angle error"
-        err = rel_err(o, exact)
-        assert err <= 2 * angle_err + FLOOR[jnp.dtype(jnp.float32)], (err, angle_err)
-        assert rel_err(o, fp32angle) <= 1e-5, rel_err(o, fp32angle)
 
 
 # --------------------------------------------------------------------------------------------- scalings
@@ -359,6 +365,24 @@ def test_remat(kernel_impl):
     g_ref = jax.grad(ref_loss, argnums=(0, 1))(q, k)
     for a, b in zip(g, g_ref):
         assert rel_err(a, to64(b)) <= 1e-5
+
+
+@pytest.mark.parametrize("shape", [(0, 5, 2, 8), (2, 0, 2, 8), (2, 5, 0, 8)], ids=["B0", "S0", "H0"])
+@pytest.mark.parametrize("layout", ["bshd", "bhsd"])
+def test_empty_inputs_forward_and_backward(kernel_impl, shape, layout):
+    """Zero batch, tokens or heads: empty results and gradients, as nn.Dense, on every implementation."""
+    if layout == "bhsd":
+        shape = (shape[0], shape[2], shape[1], shape[3])
+    q = jnp.zeros(shape, jnp.bfloat16)
+    k = rand(1, shape[:2] + (1,) + shape[3:] if layout == "bshd" else shape[:1] + (1,) + shape[2:], jnp.bfloat16)
+    seq = shape[1] if layout == "bshd" else shape[2]
+    for impl in (None, "xla", kernel_impl):
+        for pos in (None, jnp.arange(seq, dtype=jnp.int32)):
+            out, pull = jax.vjp(lambda q, k, impl=impl, pos=pos: apply_rotary(q, k, pos, layout=layout,
+                                                                              implementation=impl), q, k)
+            assert out[0].shape == q.shape and out[1].shape == k.shape
+            dq, dk = pull((jnp.ones_like(out[0]), jnp.ones_like(out[1])))
+            assert dq.shape == q.shape and dk.shape == k.shape and np.all(np.isfinite(np.asarray(dk, np.float32)))
 
 
 def test_default_implementation_on_cpu_is_reference():
