@@ -120,7 +120,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--num-processes", type=int, default=None, help="processes in the job (with --coordinator)")
     p.add_argument("--process-id", type=int, default=None, help="this process' index (with --coordinator)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="compute dtype (params stay fp32)")
-    for key in ("batch_size", "seq_len", "lr", "galore_rank", "update_proj_gap", "eval_every", "n_layers", "d_model"):
+    for key in ("batch_size", "seq_len", "lr", "galore_rank", "update_proj_gap", "eval_every", "n_layers", "d_model",
+                "max_bytes"):
         p.add_argument("--" + key.replace("_", "-"), type=type(PRESETS["cpu"][key]), default=None,
                        help="override the preset")
     args = p.parse_args(argv)
@@ -137,7 +138,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     overrides = {"steps": args.steps, "finetune_steps": args.finetune_steps, "dora_rank": args.dora_rank,
                  "dtype": args.dtype}
     overrides.update({k: getattr(args, k) for k in ("batch_size", "seq_len", "lr", "galore_rank", "update_proj_gap",
-                                                   "eval_every", "n_layers", "d_model")})
+                                                   "eval_every", "n_layers", "d_model", "max_bytes")})
     settings.update({k: v for k, v in overrides.items() if v is not None})
     args.settings = settings
     if args.out is None:  # process 0's clock names it, so every process writes its checkpoint shards there

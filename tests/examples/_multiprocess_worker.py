@@ -3,8 +3,8 @@
     python -m tests.examples._multiprocess_worker OUT_DIR COORDINATOR NUM_PROCESSES PROCESS_ID CONFIG...
 
 NUM_PROCESSES 0: the single-process reference (no jax.distributed, one device, no mesh). Each CONFIG (a key
-of CONFIGS) is a run of examples/train_llama.py in this process; `{n}` in its arguments is the process
-count. Prints one JSON line: {"choices": {...}, CONFIG: {phase: {"train", "val"}, "checks", "fingerprint"}}.
+of CONFIGS) is a run of examples/train_llama.py in this process, on the mesh MESHES gives it. Prints one
+JSON line: {"choices": {...}, CONFIG: {phase: {"train", "val"}, "checks", "fingerprint", "wrote_report"}}.
 """
 
 from __future__ import annotations
@@ -17,24 +17,22 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TINY = ["--preset", "cpu", "--d-model", "64", "--n-layers", "1", "--seq-len", "32", "--batch-size", "8",
         "--galore-rank", "8", "--update-proj-gap", "3", "--lr", "1e-2", "--no-progress", "--steps", "4",
-        "--finetune-steps", "0", "--eval-every", "4"]
+        "--finetune-steps", "0", "--eval-every", "4", "--max-bytes", "300000"]
+# The mesh of each config by process count (the reference, 0 processes, runs without one).
+MESHES = {"fsdp_galore_fp8_dora": {2: "fsdp=2", 4: "data=2,fsdp=2"}, "data_adamw8": {2: "data=2", 4: "data=4"}}
 CONFIGS = {
     # FSDP: galore_adamw (in place, randomized projector) with FP8 tensorwise block projections, then a DoRA
     # fine-tune with the fused AdamW.
-    "fsdp_galore_fp8_dora": ["--mesh", "fsdp={n}", "--fp8", "tensorwise", "--finetune-steps", "2"],
+    # fine-tune with the fused AdamW (4 processes: data=2,fsdp=2).
+    "fsdp_galore_fp8_dora": ["--fp8", "tensorwise", "--finetune-steps", "2"],
     # Data parallel: the fused AdamW with 8-bit moments on every param (embedding, kernels, head quantized).
-    "data_adamw8": ["--mesh", "data={n}", "--optimizer", "adamw", "--state-bits", "8"],
-    # Both axes (4 processes): galore_adamw, 8-bit fine-tune.
-    "data_fsdp_galore_dora8": ["--mesh", "data=2,fsdp={half}", "--finetune-steps", "2", "--state-bits", "8"],
+    "data_adamw8": ["--optimizer", "adamw", "--state-bits", "8"],
 }
 
 
 def arguments(config: str, num_processes: int) -> list[str]:
-    args = [a.format(n=num_processes, half=max(num_processes // 2, 1)) for a in TINY + CONFIGS[config]]
-    if num_processes == 0:  # the reference: one device, no mesh
-        i = args.index("--mesh")
-        del args[i:i + 2]
-    return args
+    mesh = ["--mesh", MESHES[config][num_processes]] if num_processes else []
+    return TINY + CONFIGS[config] + mesh
 
 
 def main(out_dir: str, coordinator: str, num_processes: int, process_id: int, configs: list[str]) -> None:
