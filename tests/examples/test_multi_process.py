@@ -89,9 +89,12 @@ def assert_same_as_reference(runs: list[dict], ref: dict, configs) -> None:
             # and scales) holds the same numbers: sum of |x| and sum of squares of every leaf. (Not the plain
             # sum: a projector's columns are fixed up to their sign by the QR of its refresh, and a sharded QR
             # may flip one, with its low-rank moments; the update P @ moments is the same.)
+            # Moments trained through FP8 GEMMs move by more than the params: one e4m3 step is 1/8 relative,
+            # so a gradient element rounded the other way after a reduction in another order shifts them.
             assert set(got["fingerprint"]) == set(want["fingerprint"]), config
             for leaf, (_, a, q) in want["fingerprint"].items():
-                assert got["fingerprint"][leaf][1:] == pytest.approx([a, q], rel=1e-2, abs=1e-6), (config, leaf)
+                rel = 5e-2 if "fp8" in config and leaf.startswith("['opt_state']") else 1e-2
+                assert got["fingerprint"][leaf][1:] == pytest.approx([a, q], rel=rel, abs=1e-6), (config, leaf)
             assert got["wrote_report"] == (rank == 0), (config, rank)  # only process 0 writes the report
 
 
