@@ -287,7 +287,8 @@ def run_variant(name: str, args, s: dict, init_params, batches: dict) -> tuple[l
 
     # The whole training state: params and optimizer state (GaLore projectors and moments, 8-bit moments).
     ckpt = (args.ckpt_dir or args.out / "checkpoints") / name / "pretrain"
-    state = {"params": params, "opt_state": opt_state}
+    # (Zero-size placeholder leaves, as in optax.contrib.galore's state, hold nothing and orbax refuses them.)
+    state = jax.tree.map(lambda x: x if x.size else None, {"params": params, "opt_state": opt_state})
     save_checkpoint(ckpt, state)
     restored_state = restore_checkpoint(ckpt, state)
     checks["checkpoint"] = str(ckpt)
