@@ -67,8 +67,8 @@ def run(ex, name, s, layout, init_params, batches, steps, gap, implementation):
                                implementation=implementation, projector="randomized", inplace=True)
     trainable = jax.tree.map(jnp.copy, init_params)
     state = TrainState(step=jnp.zeros((), jnp.int32), trainable=trainable, frozen={}, opt_state=tx.init(trainable))
-    state, step_fn, where = place(state, model, tx, layout, batches.shape[1])
-    on_device = [jax.device_put(b, where) for b in batches[:steps]]  # no host->device copy inside the timing
+    state, step_fn, put = place(state, model, tx, layout, batches.shape[1])
+    on_device = [put(b) for b in batches[:steps]]  # no host->device copy inside the timing
     jax.block_until_ready(on_device)
     losses, timed_s, timed_steps, refresh_s, compile_s = [], 0.0, 0, [], 0.0
     window_start, window_steps = None, 0

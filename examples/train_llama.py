@@ -3,6 +3,8 @@
     python examples/train_llama.py                        # --preset cpu without a GPU: ~3 minutes on 2 cores
     python examples/train_llama.py --preset gpu --compare # ~300M params, seq 1024, bf16, against the baseline
     python examples/train_llama.py --mesh data=2          # data parallel on 2 devices (--mesh fsdp=2: FSDP)
+    srun --ntasks-per-node=8 python examples/train_llama.py --mesh fsdp=16     # one process per GPU, 2 hosts
+    python examples/train_llama.py --coordinator host0:1234 --num-processes 2 --process-id 0 ...  # by hand
 
 What it does:
   1. pretraining: a Llama decoder (RMSNorm, rotary attention with grouped-query heads, SwiGLU) on the
@@ -16,6 +18,12 @@ What it does:
 `--mesh data=N` trains data parallel on N devices (batch split, params replicated); `--mesh fsdp=N` splits
 the batch and every 2-D weight, gradient and optimizer state along one axis over N devices (see
 examples/llama/mesh.py); `data=A,fsdp=B` combines them. The batch size is the global one.
+
+Several processes (one per host or per GPU; docs/multi_process.md): under a cluster launcher jax detects
+(Slurm's srun, Open MPI's mpirun), or with `--coordinator HOST:PORT --num-processes N --process-id I`, the
+example starts `jax.distributed` first; the mesh then spans every process' devices (default `data=<all>`),
+each process reads only its rows of every batch, orbax checkpoints the sharded params and optimizer state
+from every process, and process 0 alone prints and writes the report.
 
 `--compare` repeats the same run (same seed, same initial params, same batches in the same order) with the
 plain jnp / flax / optax baseline: implementation="xla" for every op, optax.contrib.galore and optax.adamw,
@@ -43,6 +51,7 @@ if importlib.util.find_spec("pallas_fused") is None:  # run from a checkout with
     sys.path.insert(1, str(HERE.parent))
 
 from llama import data, report  # noqa: E402
+from llama import distributed as dist  # noqa: E402
 from llama import mesh as mesh_lib  # noqa: E402
 from llama.model import Llama, ModelConfig, block_kernel_mask, count_params  # noqa: E402
 from llama.train import RunResult, train  # noqa: E402
@@ -89,6 +98,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="FP8 recipe for the block projections while pretraining")
     p.add_argument("--dora-rank", type=int, help="rank of the DoRA adapters for the fine-tune")
     p.add_argument("--compare", action="store_true", help="also run the plain jnp/flax/optax baseline")
+    p.add_argument("--optimizer", choices=["galore_adamw", "adamw"], default="galore_adamw",
+                   help="pretraining optimizer of pallas_fused (adamw: the fused AdamW on every param)")
+    p.add_argument("--state-bits", type=int, choices=[32, 8], default=32,
+                   help="Adam moments of pallas_fused's fused AdamW (pretraining with --optimizer adamw, and the "
+                        "fine-tune): 8 = blockwise 8-bit states")
     p.add_argument("--out", type=pathlib.Path, default=None, help="output dir (default runs/<timestamp>)")
     p.add_argument("--ckpt-dir", type=pathlib.Path, default=None, help="checkpoint dir (default <out>/checkpoints)")
     p.add_argument("--projector", choices=["svd", "randomized"], default="randomized",
@@ -100,25 +114,37 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--mesh", default=None, metavar="data=N|fsdp=N",
                    help="train on a device mesh: data=N (data parallel), fsdp=N (FSDP), or data=A,fsdp=B")
     p.add_argument("--no-progress", action="store_true", help="plain progress lines instead of a tqdm bar (for logs)")
+    p.add_argument("--coordinator", default=None, metavar="HOST:PORT",
+                   help="start jax.distributed with this coordinator (process 0's address); with --num-processes "
+                        "and --process-id. Under Slurm / Open MPI the launcher's settings are detected instead")
+    p.add_argument("--num-processes", type=int, default=None, help="processes in the job (with --coordinator)")
+    p.add_argument("--process-id", type=int, default=None, help="this process' index (with --coordinator)")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None, help="compute dtype (params stay fp32)")
-    for key in ("batch_size", "seq_len", "lr", "galore_rank", "update_proj_gap", "eval_every", "n_layers", "d_model"):
+    for key in ("batch_size", "seq_len", "lr", "galore_rank", "update_proj_gap", "eval_every", "n_layers", "d_model",
+                "max_bytes"):
         p.add_argument("--" + key.replace("_", "-"), type=type(PRESETS["cpu"][key]), default=None,
                        help="override the preset")
     args = p.parse_args(argv)
     try:
         args.mesh_axes = mesh_lib.parse(args.mesh)
+        # Before anything asks jax for a device: the distributed runtime must come up first.
+        args.distributed = dist.initialize(args.coordinator, args.num_processes, args.process_id)
     except ValueError as e:
         p.error(str(e))
+    if args.distributed and not args.mesh_axes:
+        args.mesh_axes = {"data": jax.device_count()}  # every process' devices take part in every step
     args.preset = args.preset or ("gpu" if has_gpu() else "cpu")
     settings = dict(PRESETS[args.preset])
     overrides = {"steps": args.steps, "finetune_steps": args.finetune_steps, "dora_rank": args.dora_rank,
                  "dtype": args.dtype}
     overrides.update({k: getattr(args, k) for k in ("batch_size", "seq_len", "lr", "galore_rank", "update_proj_gap",
-                                                   "eval_every", "n_layers", "d_model")})
+                                                   "eval_every", "n_layers", "d_model", "max_bytes")})
     settings.update({k: v for k, v in overrides.items() if v is not None})
     args.settings = settings
-    if args.out is None:
-        args.out = pathlib.Path("runs") / datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    if args.out is None:  # process 0's clock names it, so every process writes its checkpoint shards there
+        stamp = dist.broadcast_int(int(datetime.datetime.now().strftime("%Y%m%d%H%M%S")))
+        args.out = pathlib.Path("runs") / datetime.datetime.strptime(str(stamp), "%Y%m%d%H%M%S").strftime(
+            "%Y%m%d-%H%M%S")
     return args
 
 
@@ -134,14 +160,21 @@ def schedule(lr: float, warmup: int, steps: int):
     return optax.warmup_cosine_decay_schedule(0.0, lr, max(1, min(warmup, steps - 1)), max(steps, 2), lr * 0.1)
 
 
-def pretrain_optimizer(s: dict, params, *, baseline: bool, implementation, projector: str, inplace: bool):
+def pretrain_optimizer(s: dict, params, *, baseline: bool, implementation, projector: str, inplace: bool,
+                       optimizer: str = "galore_adamw", state_bits: int = 32):
     """GaLore on the block projection kernels, plain Adam on everything else; the same numbers for both runs.
 
     pallas_fused runs `galore_adamw` with convention="optax" (optax.contrib.galore's projector side and eps
     placement), so the two runs differ only in the kernels and, with projector="randomized", in how the
     projector is refreshed. With `inplace`, the optimizer writes the params itself (galore_adamw_inplace).
+    optimizer="adamw": pallas_fused's fused AdamW on every param instead (`state_bits` 8: 8-bit moments).
     """
     lr = schedule(s["lr"], s["warmup"], s["steps"])
+    if optimizer == "adamw" and not baseline:
+        from pallas_fused.adam import adamw
+
+        return adamw(lr, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0, state_bits=state_bits,
+                     implementation=implementation)
     mask = block_kernel_mask(params, s["galore_rank"])
     common = dict(rank=s["galore_rank"], update_proj_gap=s["update_proj_gap"], scale=0.25, weight_decay=0.0)
     if baseline:
@@ -157,20 +190,22 @@ def pretrain_optimizer(s: dict, params, *, baseline: bool, implementation, proje
                 implementation=implementation)
 
 
-def finetune_optimizer(s: dict, *, baseline: bool, implementation):
+def finetune_optimizer(s: dict, *, baseline: bool, implementation, state_bits: int = 32):
     lr = schedule(s["finetune_lr"], s["warmup"], s["finetune_steps"])
     if baseline:
         return optax.adamw(lr, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0)
     from pallas_fused.adam import adamw
 
-    return adamw(lr, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0, implementation=implementation)
+    return adamw(lr, b1=0.9, b2=0.999, eps=1e-8, weight_decay=0.0, state_bits=state_bits,
+                 implementation=implementation)
 
 
-def save_checkpoint(path: pathlib.Path, params) -> None:
+def save_checkpoint(path: pathlib.Path, tree) -> None:
+    """Every process calls it: orbax writes each process' own shards (path on a filesystem all can see)."""
     import orbax.checkpoint as ocp
 
     checkpointer = ocp.StandardCheckpointer()
-    checkpointer.save(path.resolve(), params, force=True)
+    checkpointer.save(path.resolve(), tree, force=True)
     checkpointer.wait_until_finished()
 
 
@@ -212,6 +247,19 @@ def fingerprints(params):
             for k, v in flat.items()}
 
 
+def tree_fingerprint(tree) -> dict[str, list[float]]:
+    """{leaf path: [sum, sum of |x|, sum of squares]} of any pytree (optimizer states included), as Python
+    floats: comparable across processes and runs."""
+
+    def one(v):
+        v = v.astype(jnp.float32)
+        return jnp.stack([jnp.sum(v), jnp.sum(jnp.abs(v)), jnp.sum(jnp.square(v))])
+
+    sums = jax.jit(lambda t: jax.tree.map(one, t))
+    flat = jax.tree_util.tree_flatten_with_path(sums(tree))[0]
+    return {jax.tree_util.keystr(path): [float(x) for x in np.asarray(v)] for path, v in flat}
+
+
 def changed_leaves(before, after) -> list[str]:
     return sorted("/".join(k) for k in before if not bool(jnp.array_equal(before[k], after[k])))
 
@@ -221,38 +269,45 @@ def run_variant(name: str, args, s: dict, init_params, batches: dict) -> tuple[l
     baseline = name == "baseline"
     implementation = "xla" if baseline else args.implementation
     fp8 = None if baseline else args.fp8
-    progress = not args.no_progress
+    progress = None if not dist.is_main() else not args.no_progress
     checks: dict = {}
-    layout = mesh_lib.Layout.from_axes(args.mesh_axes) if args.mesh_axes else None
+    layout = args.layout
+    state_bits = 32 if baseline else args.state_bits
 
     cfg = model_config(s, implementation=implementation, fp8=fp8, attention=args.attention)
     model = Llama(cfg)
     params = jax.tree.map(jnp.copy, init_params)  # the same initial params for both variants
     tx = pretrain_optimizer(s, params, baseline=baseline, implementation=implementation, projector=args.projector,
-                            inplace=not args.optax_path)
-    params, pre = train(name=name, phase="pretrain", model=model, params=params, tx=tx, is_trainable=lambda k: True,
-                        batches=batches["pretrain"], val_batches=batches["pretrain_val"], eval_every=s["eval_every"],
-                        progress=progress, layout=layout)
+                            inplace=not args.optax_path, optimizer=args.optimizer, state_bits=state_bits)
+    params, opt_state, pre = train(name=name, phase="pretrain", model=model, params=params, tx=tx,
+                                   is_trainable=lambda k: True, batches=batches["pretrain"],
+                                   val_batches=batches["pretrain_val"], eval_every=s["eval_every"],
+                                   progress=progress, layout=layout, batch_size=s["batch_size"])
     results = [pre]
 
+    # The whole training state: params and optimizer state (GaLore projectors and moments, 8-bit moments).
     ckpt = (args.ckpt_dir or args.out / "checkpoints") / name / "pretrain"
-    save_checkpoint(ckpt, params)
-    restored = restore_checkpoint(ckpt, params)
+    # (Zero-size placeholder leaves, as in optax.contrib.galore's state, hold nothing and orbax refuses them.)
+    state = jax.tree.map(lambda x: x if x.size else None, {"params": params, "opt_state": opt_state})
+    save_checkpoint(ckpt, state)
+    restored_state = restore_checkpoint(ckpt, state)
     checks["checkpoint"] = str(ckpt)
-    checks["checkpoint_restored_identical"] = trees_equal(params, restored)
-    del params
+    checks["checkpoint_restored_identical"] = trees_equal(state, restored_state)
+    checks["checkpoint_fingerprint"] = tree_fingerprint(restored_state)
+    restored = restored_state["params"]
+    del params, opt_state, state, restored_state
 
     if s["finetune_steps"] > 0 and s["dora_rank"]:
         ft_cfg = model_config(s, implementation=implementation, dora_rank=s["dora_rank"], attention=args.attention)
         ft_model = Llama(ft_cfg)
         convert = jax.jit(lambda p, key: dora_params(p, s["dora_rank"], s["dora_alpha"], key))
         ft_params = convert(restored, jax.random.PRNGKey(args.seed + 1))
-        tx = finetune_optimizer(s, baseline=baseline, implementation=implementation)
+        tx = finetune_optimizer(s, baseline=baseline, implementation=implementation, state_bits=state_bits)
         before = fingerprints(ft_params)
-        ft_params, ft = train(name=name, phase="dora finetune", model=ft_model, params=ft_params, tx=tx,
-                              is_trainable=lambda k: k[-1] in ADAPTER_NAMES, batches=batches["finetune"],
-                              val_batches=batches["finetune_val"], eval_every=s["eval_every"], progress=progress,
-                              layout=layout)
+        ft_params, _, ft = train(name=name, phase="dora finetune", model=ft_model, params=ft_params, tx=tx,
+                                 is_trainable=lambda k: k[-1] in ADAPTER_NAMES, batches=batches["finetune"],
+                                 val_batches=batches["finetune_val"], eval_every=s["eval_every"],
+                                 progress=progress, layout=layout, batch_size=s["batch_size"])
         changed = changed_leaves(before, fingerprints(ft_params))
         checks["finetune_changed"] = changed
         checks["finetune_only_adapters_changed"] = bool(changed) and all(
@@ -261,19 +316,20 @@ def run_variant(name: str, args, s: dict, init_params, batches: dict) -> tuple[l
     return results, checks
 
 
-def make_batches(s: dict, seed: int) -> dict:
-    """Every batch of every phase, fixed up front from the seed (so both variants see the same data)."""
+def make_batches(s: dict, seed: int, rows: slice = slice(None)) -> dict:
+    """Every batch of every phase, fixed up front from the seed (so both variants see the same data):
+    `rows` of each global batch (this process' share; all of it in a single process)."""
     b, sl = s["batch_size"], s["seq_len"]
     streams = {name: data.load_split(name, max_bytes=s["max_bytes"]) for name in data.SPLITS}
-    pre = data.Batches(streams["pretrain"], b, sl, seed)
-    ft = data.Batches(streams["finetune"], b, sl, seed + 1)
+    pre = data.Batches(streams["pretrain"], b, sl, seed, rows)
+    ft = data.Batches(streams["finetune"], b, sl, seed + 1, rows)
     return {
         "pretrain": np.stack([next(pre) for _ in range(s["steps"])]),
         "finetune": np.stack([next(ft) for _ in range(s["finetune_steps"])]) if s["finetune_steps"] else None,
         "pretrain_val": data.eval_batches(streams["pretrain_val"], batch_size=b, seq_len=sl,
-                                          num_batches=s["val_batches"]),
+                                          num_batches=s["val_batches"], rows=rows),
         "finetune_val": data.eval_batches(streams["finetune_val"], batch_size=b, seq_len=sl,
-                                          num_batches=s["val_batches"]),
+                                          num_batches=s["val_batches"], rows=rows),
         "bytes": {name: int(len(v)) for name, v in streams.items()},
     }
 
@@ -284,7 +340,8 @@ def environment() -> dict:
     from pallas_fused import _backend
 
     return {"device": _backend.device_name(), "jax": jax.__version__, "flax": flax.__version__,
-            "optax": optax.__version__, "python": sys.version.split()[0]}
+            "optax": optax.__version__, "python": sys.version.split()[0], "processes": jax.process_count(),
+            "devices": jax.device_count()}
 
 
 def main(argv=None) -> dict:
@@ -296,14 +353,18 @@ def main(argv=None) -> dict:
 
     _backend.resolve_implementation(args.implementation, op="train_llama")  # fail now, not after loading data
     env = environment()
-    print(f"preset {args.preset} on {env['device']} (jax {env['jax']}); output in {args.out}")
-    batches = make_batches(s, args.seed)
-    print("corpus (bytes): " + ", ".join(f"{k} {v:,}" for k, v in batches["bytes"].items()))
+    echo = print if dist.is_main() else lambda *a, **k: None  # one voice for the whole job
+    echo(f"preset {args.preset} on {env['device']} (jax {env['jax']}, {env['processes']} process(es), "
+         f"{env['devices']} device(s)); output in {args.out}")
+    args.layout = mesh_lib.Layout.from_axes(args.mesh_axes) if args.mesh_axes else None
+    rows = args.layout.process_rows(s["batch_size"]) if args.layout else slice(None)
+    batches = make_batches(s, args.seed, rows)
+    echo("corpus (bytes): " + ", ".join(f"{k} {v:,}" for k, v in batches["bytes"].items()))
 
     cfg = model_config(s, implementation="xla")
     init = jax.jit(lambda key, tokens: Llama(cfg).init(key, tokens)["params"])  # one compile, not one per op
     init_params = init(jax.random.PRNGKey(args.seed), jnp.asarray(batches["pretrain"][0][:1, :-1]))
-    print(f"model: {count_params(init_params) / 1e6:.1f}M params, {s['n_layers']} layers, d_model {s['d_model']}, "
+    echo(f"model: {count_params(init_params) / 1e6:.1f}M params, {s['n_layers']} layers, d_model {s['d_model']}, "
           f"seq {s['seq_len']}, batch {s['batch_size']}, {s['dtype']}; fp8={args.fp8}, dora rank {s['dora_rank']}")
 
     results, checks = [], {}
@@ -322,9 +383,13 @@ def main(argv=None) -> dict:
     settings = {**s, "preset": args.preset, "variants": variants, "seed": args.seed,
                 "implementation": args.implementation, "fp8": args.fp8, "optax_path": args.optax_path,
                 "projector": args.projector, "attention": args.attention, "compare": args.compare,
-                "mesh": args.mesh_axes or None,
+                "mesh": args.mesh_axes or None, "optimizer": args.optimizer, "state_bits": args.state_bits,
                 "corpus_bytes": batches["bytes"], "num_params": count_params(init_params), "checks": checks}
-    paths = report.write(args.out, results, command=command, settings=settings, environment=env)
+    if not dist.is_main():
+        return {"results": results, "checks": checks, "paths": None, "settings": settings}
+    report_settings = {**settings, "checks": {name: {k: v for k, v in c.items() if k != "checkpoint_fingerprint"}
+                                              for name, c in checks.items()}}
+    paths = report.write(args.out, results, command=command, settings=report_settings, environment=env)
     print()
     print(report.table(results))
     for line in report.comparison_lines(results):

@@ -14,10 +14,11 @@ so the split is the same on every run and every machine with the same Python:
 
 from __future__ import annotations
 
+import functools
 import pathlib
 import sysconfig
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -45,14 +46,18 @@ def split_of(rel: pathlib.PurePath) -> str:
 
 def list_files(root: pathlib.Path | None = None) -> dict[str, list[pathlib.Path]]:
     """Every stdlib `*.py` file, sorted, grouped by split."""
-    root = root or stdlib_root()
+    return {name: list(paths) for name, paths in _list_files(root or stdlib_root()).items()}
+
+
+@functools.cache  # walking the stdlib takes seconds; every split (and every run in one process) reuses it
+def _list_files(root: pathlib.Path) -> dict[str, tuple[pathlib.Path, ...]]:
     files: dict[str, list[pathlib.Path]] = {name: [] for name in SPLITS}
     for path in sorted(root.rglob("*.py")):
         rel = path.relative_to(root)
         if "site-packages" in rel.parts or "dist-packages" in rel.parts:
             continue
         files[split_of(rel)].append(path)
-    return files
+    return {name: tuple(paths) for name, paths in files.items()}
 
 
 def load_split(name: str, *, max_bytes: int | None = None, root: pathlib.Path | None = None) -> np.ndarray:
@@ -82,12 +87,15 @@ class Batches:
 
     Two runs with the same seed see the same batches in the same order (the `--compare` baseline
     relies on it). Batches are (batch_size, seq_len + 1) int32: inputs are [:, :-1], targets [:, 1:].
+    `rows` keeps only those rows of every batch (one process' share of the global batch): the same windows
+    as the full batch's rows, since every start is drawn either way.
     """
 
     tokens: np.ndarray
     batch_size: int
     seq_len: int
     seed: int
+    rows: slice = field(default_factory=lambda: slice(None))
 
     def __post_init__(self):
         if len(self.tokens) < self.seq_len + 2:
@@ -98,16 +106,18 @@ class Batches:
         return self
 
     def __next__(self) -> np.ndarray:
-        starts = self._rng.integers(0, len(self.tokens) - self.seq_len - 1, size=self.batch_size)
+        starts = self._rng.integers(0, len(self.tokens) - self.seq_len - 1, size=self.batch_size)[self.rows]
         return np.stack([self.tokens[s : s + self.seq_len + 1] for s in starts]).astype(np.int32)
 
 
-def eval_batches(tokens: np.ndarray, *, batch_size: int, seq_len: int, num_batches: int) -> np.ndarray:
-    """A fixed validation set: evenly spaced windows over the held-out stream, (num_batches, B, S + 1)."""
+def eval_batches(tokens: np.ndarray, *, batch_size: int, seq_len: int, num_batches: int,
+                 rows: slice = slice(None)) -> np.ndarray:
+    """A fixed validation set: evenly spaced windows over the held-out stream, (num_batches, B, S + 1);
+    `rows`: only those rows of each batch."""
     count = batch_size * num_batches
     span = len(tokens) - seq_len - 1
     if span <= 0:
         raise ValueError(f"tokens: validation stream of {len(tokens)} tokens is shorter than seq_len + 1")
-    starts = np.linspace(0, span, count).astype(np.int64)
-    windows = np.stack([tokens[s : s + seq_len + 1] for s in starts]).astype(np.int32)
-    return windows.reshape(num_batches, batch_size, seq_len + 1)
+    starts = np.linspace(0, span, count).astype(np.int64).reshape(num_batches, batch_size)[:, rows]
+    windows = np.stack([tokens[s : s + seq_len + 1] for s in starts.reshape(-1)]).astype(np.int32)
+    return windows.reshape(num_batches, starts.shape[1], seq_len + 1)

@@ -50,6 +50,10 @@ class Layout:
         n = math.prod(axes.values())
         if n > jax.device_count():
             raise ValueError(f"--mesh {axes} needs {n} devices, {jax.device_count()} visible")
+        if jax.process_count() > 1 and n != jax.device_count():
+            # Every process must take part in every step: the mesh holds all of their devices.
+            raise ValueError(f"--mesh {axes} has {n} devices; with {jax.process_count()} processes it must "
+                             f"hold all {jax.device_count()}")
         devices = np.array(jax.devices()[:n]).reshape(tuple(axes.values()))
         return cls(Mesh(devices, tuple(axes)))
 
@@ -68,6 +72,22 @@ class Layout:
     def check_batch(self, batch_size: int) -> None:
         if batch_size % self.mesh.size:
             raise ValueError(f"batch size {batch_size} must be a multiple of the mesh's {self.mesh.size} devices")
+
+    def process_rows(self, batch_size: int) -> slice:
+        """The rows of a global batch that this process' devices hold (one contiguous block: the mesh
+        orders devices by process, and the batch is split over every mesh axis)."""
+        self.check_batch(batch_size)
+        index_map = self.batch().addressable_devices_indices_map((batch_size, 1))
+        rows = sorted({(idx[0].start or 0, batch_size if idx[0].stop is None else idx[0].stop)
+                       for idx in index_map.values()})
+        if any(a[1] != b[0] for a, b in zip(rows, rows[1:])):
+            raise ValueError(f"this process' devices hold rows {rows} of the batch: not one contiguous block")
+        return slice(rows[0][0], rows[-1][1])
+
+    def global_batch(self, local: np.ndarray, batch_size: int, leading: int = 0) -> jax.Array:
+        """One global batch (axis `leading` of size `batch_size`) from this process' rows of it."""
+        shape = local.shape[:leading] + (batch_size,) + local.shape[leading + 1:]
+        return jax.make_array_from_process_local_data(self.batch(leading), local, shape)
 
     def param(self, x) -> NamedSharding:
         """FSDP: a 2-D weight split along its rows if the fsdp axis divides them, else its columns; the rest

@@ -24,6 +24,8 @@ import optax
 from flax import traverse_util
 from jax.sharding import NamedSharding, PartitionSpec
 
+from .distributed import put_global
+
 
 @flax.struct.dataclass
 class TrainState:
@@ -84,20 +86,27 @@ def make_train_step(model, tx, state_sharding=None, batch_sharding=None):
 
 
 def place(state: TrainState, model, tx, layout, batch_size: int):
-    """Put the state where it trains; returns (state, jitted train step, where a batch goes).
+    """Put the state where it trains; returns (state, jitted train step, put) where put(rows, leading=0)
+    turns this process' rows of a batch into the step's input.
 
     One device (layout None): everything committed to the first device (jit keys its cache on
     committed-ness, so a state of fresh, uncommitted arrays would compile the step a second time when its
     committed outputs come back). A `llama.mesh.Layout`: params and optimizer state laid out by it, the
-    batch split over the mesh, and the step jitted with those in/out shardings."""
+    batch split over the mesh (each process gives its own rows), and the step jitted with those in/out
+    shardings."""
     if layout is None:
         device = jax.devices()[0]
-        return jax.device_put(state, device), make_train_step(model, tx), device
+        return jax.device_put(state, device), make_train_step(model, tx), lambda rows, leading=0: jax.device_put(
+            rows, device)
     layout.check_batch(batch_size)
     trainable_sh, frozen_sh = layout.params(state.trainable), layout.params(state.frozen)
     state_sh = TrainState(step=layout.replicated, trainable=trainable_sh, frozen=frozen_sh,
                           opt_state=layout.opt_state(state.opt_state, trainable_sh))
-    return jax.device_put(state, state_sh), make_train_step(model, tx, state_sh, layout.batch()), layout.batch()
+
+    def put(rows, leading=0):
+        return layout.global_batch(rows, batch_size, leading)
+
+    return put_global(state, state_sh), make_train_step(model, tx, state_sh, layout.batch()), put
 
 
 def make_evaluate(model):
@@ -175,6 +184,22 @@ def tree_bytes(tree) -> int:
     return sum(int(x.size) * x.dtype.itemsize for x in jax.tree.leaves(tree) if hasattr(x, "dtype"))
 
 
+class _NoProgress:
+    """No progress output (every process but the first of a multi-process run)."""
+
+    def __init__(self, total, desc, **_):
+        self.n = 0
+
+    def set_postfix(self, **kw):
+        pass
+
+    def update(self, k):
+        self.n += k
+
+    def close(self):
+        pass
+
+
 class _PlainProgress:
     """Plain progress lines (one per log window): for logs, or where tqdm is not installed."""
 
@@ -213,20 +238,23 @@ def train(
     val_batches: np.ndarray,
     eval_every: int,
     log_every: int = 10,
-    progress: bool = True,  # False: plain log lines instead of a tqdm bar
+    progress: bool | None = True,  # False: plain log lines instead of a tqdm bar; None: nothing
     layout=None,  # a llama.mesh.Layout: train on its device mesh (None: one device)
-) -> tuple[Any, RunResult]:
-    """Train `params` on `batches` (steps, B, S + 1); returns the final params and the run's record."""
-    bar_class = _progress_bar_class() if progress else _PlainProgress
+    batch_size: int | None = None,  # the global batch; `batches` holds this process' rows of it
+) -> tuple[Any, Any, RunResult]:
+    """Train `params` on `batches` (steps, B, S + 1); returns the final params, the optimizer state and
+    the run's record."""
+    bar_class = _NoProgress if progress is None else _progress_bar_class() if progress else _PlainProgress
+    batch_size = batch_size or batches.shape[1]
     steps = len(batches)
     trainable, frozen = split_params(params, is_trainable)
     state = TrainState(step=jnp.zeros((), jnp.int32), trainable=trainable, frozen=frozen,
                        opt_state=tx.init(trainable))
     del params, trainable, frozen  # the state owns them now (it is donated to every step)
-    state, train_step, device = place(state, model, tx, layout, batches.shape[1])
+    state, train_step, put = place(state, model, tx, layout, batch_size)
     evaluate = make_evaluate(model)
-    val_batches = jax.device_put(val_batches, device if layout is None else layout.batch(leading=1))
-    result = RunResult(name=name, phase=phase, tokens_per_step=int(batches.shape[1] * (batches.shape[2] - 1)),
+    val_batches = put(val_batches, leading=1)
+    result = RunResult(name=name, phase=phase, tokens_per_step=int(batch_size * (batches.shape[2] - 1)),
                        num_params=sum(x.size for x in jax.tree.leaves((state.trainable, state.frozen))),
                        num_trainable=sum(x.size for x in jax.tree.leaves(state.trainable)),
                        opt_state_bytes=tree_bytes(state.opt_state))
@@ -244,13 +272,13 @@ def train(
     for i in range(steps):
         if i == 0:
             start = time.perf_counter()
-            state, loss = train_step(state, jax.device_put(batches[0], device))
+            state, loss = train_step(state, put(batches[0]))
             loss.block_until_ready()
             result.compile_s = time.perf_counter() - start
             pending.append((1, loss))
             window_start = time.perf_counter()
         else:
-            state, loss = train_step(state, jax.device_put(batches[i], device))
+            state, loss = train_step(state, put(batches[i]))
             pending.append((i + 1, loss))
             window_steps += 1
         done = i + 1
@@ -271,4 +299,4 @@ def train(
             bar.update(done - bar.n)
             window_start, window_steps = time.perf_counter(), 0
     bar.close()
-    return merge_params(state.trainable, state.frozen), result
+    return merge_params(state.trainable, state.frozen), state.opt_state, result

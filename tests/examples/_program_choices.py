@@ -1,0 +1,36 @@
+"""Every implementation / variant / tuning choice pallas_fused makes on its own, for a fixed set of shapes.
+
+The SPMD programs of a multi-process job must be identical: each choice must be a pure function of shapes,
+dtypes and the device kind. test_multi_process.py compares this record across processes (and across host
+states in one process); any choice that read a clock, a benchmark or host-local state would differ.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+SHAPES = [(64, 64), (256, 512), (512, 256), (2048, 2048), (2048, 5504), (5504, 2048), (4096, 11008), (100, 37)]
+RANKS = (8, 32, 128)
+TOKENS = (256, 16384)
+
+
+def program_choices() -> dict:
+    from pallas_fused import _backend
+    from pallas_fused.dora import api as dora_api
+    from pallas_fused.fp8 import Float8Config
+    from pallas_fused.fp8 import api as fp8_api
+    from pallas_fused.galore import kernel as galore_kernel
+
+    record: dict = {"device": _backend.device_name(),
+                    "implementation": _backend.resolve_implementation(None, op="choices")}
+    record["galore_variant"] = {f"{m}x{n}/r{r}/{side}": galore_kernel.choose_variant((m, n), r, side)
+                                for m, n in SHAPES for r in RANKS for side in ("left", "right")}
+    record["dora_gemm"] = {f"{t}x{fin}x{fout}/{dt}/{interp}": dora_api._resolve_gemm("auto", "dense", t, fin, fout,
+                                                                                     jnp.dtype(dt), interp)
+                           for t in TOKENS for fin, fout in SHAPES for dt in ("bfloat16", "float32")
+                           for interp in (False, True)}
+    record["fp8_recipes"] = {name: repr(Float8Config.from_recipe(name))
+                             for name in ("tensorwise", "rowwise", "rowwise_with_gw_hp")}
+    record["fp8_sm90_config"] = {f"{m}x{n}x{k}": repr(fp8_api.sm90_config(m, n, k))
+                                 for m, n in SHAPES for k in (64, 2048)}
+    return record
