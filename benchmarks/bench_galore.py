@@ -7,7 +7,10 @@ Cases (ANCHORS.md): fp32 W and G, TF32 allowed, non-refresh step, proj_type "std
   pallas:inplace_<variant>  galore_adamw_inplace's path for each of kernel.VARIANTS (fused, hybrid, xla_up,
                   splitk), default configurations; pallas:inplace is the best of them
   pallas:inplace_api  galore_adamw_inplace's step (count 1: the refresh lax.cond is taken but skips)
-  pallas:tx       the whole optax transform (galore_adamw update + apply_updates, count > 0: lax.cond skipped)
+  pallas:tx       the user's path, the row of record: jit(galore_adamw update -> optax.apply_updates), params,
+                  grads and state donated, count > 0 (the refresh lax.cond skips); with no weight decay its
+                  up-projection is XLA's GEMM, into which apply_updates' add folds
+  pallas:tx_hybrid  the same with kernel="hybrid" (the Pallas up-projection writing the update)
   xla             our plain-jnp reference step (donated), default precision (TF32)
   xla:g_copied    the same with G not donated (peers_jax.py's method: XLA returns G as a 2 x M N x 4 byte copy,
                   which ANCHORS.md's XLA and optax.contrib.galore figures include)
@@ -170,9 +173,12 @@ def step_cases(rec, quick):
             # the whole optax transforms, count > 0 (no refresh); params, grads and state all donated
             for impl, tx_fn in [("pallas:tx", lambda r=r: api.galore_adamw(LR, rank=r, update_proj_gap=10**9,
                                                                            scale=SCALE, eps=EPS)),
+                                # the kernel the optax path took before it handed the up-projection to XLA
+                                ("pallas:tx_hybrid", lambda r=r: api.galore_adamw(
+                                    LR, rank=r, update_proj_gap=10**9, scale=SCALE, eps=EPS, kernel="hybrid")),
                                 ("peer:optax_contrib_galore", lambda r=r: optax.contrib.galore(
                                     LR, rank=r, update_proj_gap=10**9, scale=SCALE))]:
-                if quick and impl == "pallas:tx" and r != _r(128):
+                if quick and impl.startswith("pallas:tx") and r != _r(128):
                     continue
                 try:
                     tx = tx_fn()
