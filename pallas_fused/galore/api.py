@@ -28,7 +28,10 @@ m_hat / (sqrt(v_hat) + eps); the learning rate is applied after scale and weight
 Non-finite gradients: on a refresh step whose gradient (of a projected leaf) is not finite, that leaf
 keeps its previous projector and moments and its update is zero (the step is skipped for that leaf, the
 step count still advances) and every projector is refreshed again on the next step. On other steps a
-non-finite gradient propagates as in optax's Adam (wrap in `optax.apply_if_finite` to skip those).
+projected leaf whose gradient is not finite (or whose squared low-rank gradient overflows) skips its step the
+same way: params, low-rank moments and projector are kept and its update is zero; the check reads only the
+small low-rank moments, never G again. Never a poisoned state: the projected leaves skip the whole leaf,
+the other leaves (as pallas_fused.adam) skip the non-finite elements.
 
 Sharding (FSDP: each weight, its gradient and its state split along one axis of a mesh; see
 pallas_fused._sharding): under jit every kernel runs on each device's shard. The down-projection
@@ -165,6 +168,15 @@ def _up_update(w, n, p, packed, *, side, inplace, interpret, out_dtype=None):
     return _sharding.partitioned(local, "m n, m r, r n, hp -> m n", replicated=("r", "hp"))(w, a, b, packed)
 
 
+def _skip_nonfinite(m_old, v_old, m, v, s: Scalars):
+    """Skip a projected leaf's step whose low-rank gradient R is not finite: keep its moments and zero its update
+    (s.ok = 0: the up-projection kernel then writes W unchanged / a zero update). A non-finite G makes R = G P^T
+    non-finite, and so the new moments (m = b1 m + (1-b1) R, v = b2 v + (1-b2) R^2; an R whose square overflows
+    too): testing the small (M, r) / (r, N) moments never re-reads G."""
+    fin = jnp.all(jnp.isfinite(m)) & jnp.all(jnp.isfinite(v))
+    return jnp.where(fin, m, m_old), jnp.where(fin, v, v_old), s._replace(ok=jnp.where(fin, s.ok, 0.0))
+
+
 @dataclasses.dataclass(frozen=True)
 class _Config:
     rank: int
@@ -291,13 +303,17 @@ class _GaLore:
 
     def _leaf(self, w, g, m, v, p, side, s: Scalars, inplace):
         cfg = self.cfg
+        m_old, v_old = m, v
         if cfg.implementation == "xla":
-            return reference.galore_adam_step(w, g, m, v, p, side, s, inplace=inplace)
+            m, v, n = reference.lowrank_adam(reference.project(g, p, side), m, v, s)
+            m, v, s = _skip_nonfinite(m_old, v_old, m, v, s)
+            return reference.finish_step(w, n, p, side, s, inplace=inplace, dtype=g.dtype), m, v
         interpret = cfg.implementation == "interpret"
         variant = cfg.kernel if cfg.kernel != "auto" else choose_kernel(g.shape, cfg.rank, side)
         packed = s.pack()
         if variant == "xla_up":  # XLA's GEMMs (partitioned by XLA) around the elementwise low-rank Adam kernel
             m, v, n = _lowrank_adam(reference.project(g, p, side), m, v, packed, interpret=interpret)
+            m, v, s = _skip_nonfinite(m_old, v_old, m, v, s)
             return reference.finish_step(w, n, p, side, s, inplace=inplace, dtype=g.dtype), m, v
         # an fp16 up-projection (kernel.UP_CONFIG) takes N in fp16 from the Adam kernel, and P cast once with p16
         n_dtype, p16 = kernel.up_operands(cfg.rank, side)
@@ -310,7 +326,8 @@ class _GaLore:
         else:  # XLA's GEMM (partitioned by XLA: a sharded contraction is all-reduced), then the elementwise kernel
             m, v, n, *cast = _lowrank_adam(reference.project(g, p, side), m, v, packed, interpret=interpret,
                                            n_dtype=n_dtype, p=p if p16 else None)
-        out = _up_update(w, n, cast[0] if p16 else p, packed, side=side, inplace=inplace, interpret=interpret,
+        m, v, s = _skip_nonfinite(m_old, v_old, m, v, s)
+        out = _up_update(w, n, cast[0] if p16 else p, s.pack(), side=side, inplace=inplace, interpret=interpret,
                          out_dtype=g.dtype)
         return out, m, v
 
