@@ -391,14 +391,15 @@ def _fused(learning_rate, b1, b2, eps, eps_root, weight_decay, mask, mu_dtype, s
     def init_fn(params):
         return _init_tree(params, mu_dtype, state_bits)
 
-    def update_fn(updates, state, params=None):
+    def update_fn(updates, state, params=None, **extra_args):
+        del extra_args  # accepted (and ignored) so that chains passing extra args through work, as optax's own
         if weight_decay is not None and params is None:
             raise ValueError("adamw: params must be passed to update() (the weight decay needs them)")
         return _tree_step(updates, state, params if weight_decay is not None else None,
                           learning_rate=learning_rate, b1=b1, b2=b2, eps=eps, eps_root=eps_root,
                           weight_decay=weight_decay, mask=mask, inplace=False, implementation=implementation)
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 def scale_by_adam(b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, mu_dtype=None, state_bits=None,
