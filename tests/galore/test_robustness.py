@@ -1,5 +1,7 @@
 """Bad arguments, non-finite gradients on a refresh step, and orbax checkpoint resume."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -148,3 +150,29 @@ def test_nonfinite_gradient_between_refreshes_skips_projected_leaf(convention, p
     for tree in (u, newer, p_in2, newer_in):
         assert all(np.all(np.isfinite(np.asarray(x))) for x in jax.tree.leaves(tree))
     assert all(np.all(np.asarray(x) != 0) for x in jax.tree.leaves(u))
+
+
+def test_wrong_gradient_names_the_leaf_and_shapes():
+    params = _params()
+    tx = galore_adamw(1e-3, rank=8, implementation="xla")
+    state = tx.init(params)
+    for k, shape in (("w", (48, 40)), ("u", (80, 40)), ("b", (5,))):
+        g = dict(_grads(0), **{k: rand(9, shape)})
+        with pytest.raises(ValueError, match=re.escape(f"['{k}'] has shape {shape}, expected {params[k].shape}")):
+            tx.update(g, state, params)
+    g = _grads(0)
+    del g["b"]
+    with pytest.raises(ValueError, match=r"does not match.*expected .*'b'.*got"):
+        tx.update(g, state, params)
+
+
+def test_weight_decay_mask_bool_prefix():
+    params = _params()
+    for flag in (True, False):
+        tx = galore_adamw(1e-2, rank=8, weight_decay=0.5, weight_decay_mask=flag, implementation="xla")
+        ref = galore_adamw(1e-2, rank=8, weight_decay=0.5, weight_decay_mask={k: flag for k in params},
+                           implementation="xla")
+        u, _ = tx.update(_grads(0), tx.init(params), params)
+        r, _ = ref.update(_grads(0), ref.init(params), params)
+        for k in params:
+            np.testing.assert_array_equal(u[k], r[k])
