@@ -351,9 +351,16 @@ def _tree_step(grads, state: FusedAdamState, params, *, learning_rate, b1, b2, e
     lr = _lr_at(learning_rate, state.count)
     neg_lr = 1.0 if lr is None else -lr
     weight_decay = _lr_at(weight_decay, state.count)  # a schedule too, as optax.add_decayed_weights
-    g_leaves, treedef = jax.tree.flatten(grads)
-    mu_leaves = treedef.flatten_up_to(state.mu)
-    nu_leaves = treedef.flatten_up_to(state.nu)
+    g_paths, treedef = jax.tree_util.tree_flatten_with_path(grads)
+    g_leaves = [g for _, g in g_paths]
+    try:
+        mu_leaves = treedef.flatten_up_to(state.mu)
+        nu_leaves = treedef.flatten_up_to(state.nu)
+    except ValueError:  # name what was expected first (the state, from init(params)), then what came
+        is_q = lambda x: isinstance(x, QuantizedMoment)  # noqa: E731
+        want = [jax.tree_util.keystr(k) for k, _ in jax.tree_util.tree_flatten_with_path(state.mu, is_leaf=is_q)[0]]
+        raise ValueError(f"adam: the gradients' leaves do not match the state's (from init(params)): expected "
+                         f"{want}, got {[jax.tree_util.keystr(k) for k, _ in g_paths]}") from None
     if params is None:
         p_leaves, wd_leaves = [None] * len(g_leaves), [0.0] * len(g_leaves)
     else:
@@ -361,11 +368,14 @@ def _tree_step(grads, state: FusedAdamState, params, *, learning_rate, b1, b2, e
         wd_leaves = treedef.flatten_up_to(_decay_tree(weight_decay, mask, params))
     outs, mus, nus = [], [], []
     operands = {}  # one scalar operand per distinct weight decay (masked leaves get 0), shared by leaves
-    for g, m, v, p, wd in zip(g_leaves, mu_leaves, nu_leaves, p_leaves, wd_leaves):
+    for (path, g), m, v, p, wd in zip(g_paths, mu_leaves, nu_leaves, p_leaves, wd_leaves):
         if id(wd) not in operands:
             operands[id(wd)] = (wd, _scalars(neg_lr, b1, b2, eps, eps_root, wd, count_inc))
         s = operands[id(wd)][1]
-        o, m, v = _leaf(g, m, v, p, s, inplace=inplace, implementation=_leaf_implementation(implementation, m))
+        try:
+            o, m, v = _leaf(g, m, v, p, s, inplace=inplace, implementation=_leaf_implementation(implementation, m))
+        except ValueError as e:  # name the leaf: a shape or dtype error says which tensor
+            raise ValueError(f"leaf {jax.tree_util.keystr(path)}: {e}") from None
         outs.append(o)
         mus.append(m)
         nus.append(v)
@@ -391,14 +401,15 @@ def _fused(learning_rate, b1, b2, eps, eps_root, weight_decay, mask, mu_dtype, s
     def init_fn(params):
         return _init_tree(params, mu_dtype, state_bits)
 
-    def update_fn(updates, state, params=None):
+    def update_fn(updates, state, params=None, **extra_args):
+        del extra_args  # accepted (and ignored) so that chains passing extra args through work, as optax's own
         if weight_decay is not None and params is None:
             raise ValueError("adamw: params must be passed to update() (the weight decay needs them)")
         return _tree_step(updates, state, params if weight_decay is not None else None,
                           learning_rate=learning_rate, b1=b1, b2=b2, eps=eps, eps_root=eps_root,
                           weight_decay=weight_decay, mask=mask, inplace=False, implementation=implementation)
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 def scale_by_adam(b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, mu_dtype=None, state_bits=None,

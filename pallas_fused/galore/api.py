@@ -28,7 +28,10 @@ m_hat / (sqrt(v_hat) + eps); the learning rate is applied after scale and weight
 Non-finite gradients: on a refresh step whose gradient (of a projected leaf) is not finite, that leaf
 keeps its previous projector and moments and its update is zero (the step is skipped for that leaf, the
 step count still advances) and every projector is refreshed again on the next step. On other steps a
-non-finite gradient propagates as in optax's Adam (wrap in `optax.apply_if_finite` to skip those).
+projected leaf whose gradient is not finite (or whose squared low-rank gradient overflows) skips its step the
+same way: params, low-rank moments and projector are kept and its update is zero; the check reads only the
+small low-rank moments, never G again. Never a poisoned state: the projected leaves skip the whole leaf,
+the other leaves (as pallas_fused.adam) skip the non-finite elements.
 
 Sharding (FSDP: each weight, its gradient and its state split along one axis of a mesh; see
 pallas_fused._sharding): under jit every kernel runs on each device's shard. The down-projection
@@ -165,6 +168,34 @@ def _up_update(w, n, p, packed, *, side, inplace, interpret, out_dtype=None):
     return _sharding.partitioned(local, "m n, m r, r n, hp -> m n", replicated=("r", "hp"))(w, a, b, packed)
 
 
+def _check_grads(updates, state: GaLoreAdamState):
+    """A ValueError naming the leaf (path, expected and actual shape) or both key lists, rather than a
+    broadcasting error deep in a kernel."""
+    got, want = jax.tree.structure(updates), jax.tree.structure(state.mu)
+    if got != want:
+        raise ValueError(f"galore: the gradients' tree does not match the state's (from init(params)): "
+                         f"expected {want}, got {got}")
+    flat_m, flat_p = want.flatten_up_to(state.mu), want.flatten_up_to(state.projector)
+    for (path, g), m, p in zip(jax.tree_util.tree_leaves_with_path(updates), flat_m, flat_p):
+        if _is_masked(p):
+            expected = m.shape
+        else:  # side right: m (M, r), P (r, N); side left: P (M, r), m (r, N); r < min(M, N)
+            right = p.shape[0] < p.shape[1]
+            expected = (m.shape[0], p.shape[1]) if right else (p.shape[0], m.shape[1])
+        if tuple(jnp.shape(g)) != tuple(expected):
+            raise ValueError(f"galore: gradient leaf {jax.tree_util.keystr(path)} has shape {tuple(jnp.shape(g))}, "
+                             f"expected {tuple(expected)} (the param's shape at init)")
+
+
+def _skip_nonfinite(m_old, v_old, m, v, s: Scalars):
+    """Skip a projected leaf's step whose low-rank gradient R is not finite: keep its moments and zero its update
+    (s.ok = 0: the up-projection kernel then writes W unchanged / a zero update). A non-finite G makes R = G P^T
+    non-finite, and so the new moments (m = b1 m + (1-b1) R, v = b2 v + (1-b2) R^2; an R whose square overflows
+    too): testing the small (M, r) / (r, N) moments never re-reads G."""
+    fin = jnp.all(jnp.isfinite(m)) & jnp.all(jnp.isfinite(v))
+    return jnp.where(fin, m, m_old), jnp.where(fin, v, v_old), s._replace(ok=jnp.where(fin, s.ok, 0.0))
+
+
 @dataclasses.dataclass(frozen=True)
 class _Config:
     rank: int
@@ -215,6 +246,8 @@ def _make_config(rank, update_proj_gap, proj_type, convention, mask, weight_deca
 def _resolve_mask(mask, params, default):
     if mask is None:
         return jax.tree.map(default, params)
+    if isinstance(mask, bool):  # a bool prefix of the whole tree, as optax accepts
+        return jax.tree.map(lambda _: mask, params)
     return mask(params) if callable(mask) else mask
 
 
@@ -291,13 +324,17 @@ class _GaLore:
 
     def _leaf(self, w, g, m, v, p, side, s: Scalars, inplace):
         cfg = self.cfg
+        m_old, v_old = m, v
         if cfg.implementation == "xla":
-            return reference.galore_adam_step(w, g, m, v, p, side, s, inplace=inplace)
+            m, v, n = reference.lowrank_adam(reference.project(g, p, side), m, v, s)
+            m, v, s = _skip_nonfinite(m_old, v_old, m, v, s)
+            return reference.finish_step(w, n, p, side, s, inplace=inplace, dtype=g.dtype), m, v
         interpret = cfg.implementation == "interpret"
         variant = cfg.kernel if cfg.kernel != "auto" else choose_kernel(g.shape, cfg.rank, side)
         packed = s.pack()
         if variant == "xla_up":  # XLA's GEMMs (partitioned by XLA) around the elementwise low-rank Adam kernel
             m, v, n = _lowrank_adam(reference.project(g, p, side), m, v, packed, interpret=interpret)
+            m, v, s = _skip_nonfinite(m_old, v_old, m, v, s)
             return reference.finish_step(w, n, p, side, s, inplace=inplace, dtype=g.dtype), m, v
         # an fp16 up-projection (kernel.UP_CONFIG) takes N in fp16 from the Adam kernel, and P cast once with p16
         n_dtype, p16 = kernel.up_operands(cfg.rank, side)
@@ -310,7 +347,8 @@ class _GaLore:
         else:  # XLA's GEMM (partitioned by XLA: a sharded contraction is all-reduced), then the elementwise kernel
             m, v, n, *cast = _lowrank_adam(reference.project(g, p, side), m, v, packed, interpret=interpret,
                                            n_dtype=n_dtype, p=p if p16 else None)
-        out = _up_update(w, n, cast[0] if p16 else p, packed, side=side, inplace=inplace, interpret=interpret,
+        m, v, s = _skip_nonfinite(m_old, v_old, m, v, s)
+        out = _up_update(w, n, cast[0] if p16 else p, s.pack(), side=side, inplace=inplace, interpret=interpret,
                          out_dtype=g.dtype)
         return out, m, v
 
@@ -328,6 +366,7 @@ class _GaLore:
         refresh = (count % cfg.update_proj_gap == 0) | state.pending_refresh
 
         treedef = jax.tree.structure(updates)
+        _check_grads(updates, state)
         flat_g = treedef.flatten_up_to(updates)
         flat_w = treedef.flatten_up_to(params) if params is not None else [None] * len(flat_g)
         flat_mu, flat_nu, flat_p = (treedef.flatten_up_to(x) for x in (state.mu, state.nu, state.projector))
@@ -418,6 +457,10 @@ def _build(learning_rate, weight_decay, *, b1, b2, eps, scale, rank, update_proj
            weight_decay_mask, projector, oversample, power_iters, seed, mu_dtype, nu_dtype, implementation, kernel):
     cfg = _make_config(rank, update_proj_gap, proj_type, convention, mask, weight_decay_mask, projector, oversample,
                        power_iters, seed, mu_dtype, nu_dtype, implementation, kernel)
+    # The defaults follow the convention: GaLore's scale 0.25 and eps 1e-6, or optax.contrib.galore's 1.0 and
+    # optax.scale_by_adam's 1e-8, so that convention="optax" alone reproduces optax's numbers.
+    scale = (0.25 if convention == "galore" else 1.0) if scale is None else scale
+    eps = (1e-6 if convention == "galore" else 1e-8) if eps is None else eps
     return _GaLore(cfg, learning_rate, b1, b2, eps, weight_decay, scale)
 
 
@@ -426,13 +469,14 @@ _DOC_ARGS = """
       learning_rate: float or optax schedule (called with the step count).
       rank: projection rank r (a Python int, < min(M, N) of each projected leaf).
       update_proj_gap: steps between projector refreshes (step 0 refreshes).
-      scale: GaLore's update scale (alpha in the paper).
+      scale: GaLore's update scale (alpha in the paper); default 0.25 (convention "galore") or 1.0 ("optax").
       proj_type: "std" | "reverse_std" | "right" | "left" (default "std"; "reverse_std" under
         convention="optax").
-      b1, b2, eps: Adam's; weight_decay: decoupled (AdamW) decay, applied as -lr * wd * W.
+      b1, b2, eps: Adam's (eps default 1e-6, or 1e-8 under convention="optax").
+      weight_decay: decoupled (AdamW) decay, applied as -lr * wd * W.
       mask: which leaves are projected: pytree of bools or callable(params) -> pytree (default: 2-D leaves
         whose both dims exceed rank). Other leaves get plain Adam(W).
-      weight_decay_mask: which leaves decay (pytree of bools or callable; default all).
+      weight_decay_mask: which leaves decay (pytree of bools, a bool for all, or callable; default all).
       projector: "svd" (exact, jnp.linalg.svd) or "randomized" (range finder with `oversample` extra
         columns and `power_iters` subspace iterations, warm-started from the previous projector; `seed`).
       convention: "galore" (reference GaLore, the default) or "optax" (optax.contrib.galore's numbers).
@@ -446,8 +490,8 @@ _DOC_ARGS = """
 """
 
 
-def galore_adamw(learning_rate, *, rank: int = 128, update_proj_gap: int = 200, scale: float = 0.25,
-                 proj_type: str | None = None, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-6,
+def galore_adamw(learning_rate, *, rank: int = 128, update_proj_gap: int = 200, scale: float | None = None,
+                 proj_type: str | None = None, b1: float = 0.9, b2: float = 0.999, eps: float | None = None,
                  weight_decay: float = 0.0, mask=None, weight_decay_mask=None, projector: str = "svd",
                  oversample: int = 8, power_iters: int = 2, seed: int = 0, convention: str = "galore",
                  mu_dtype=None, nu_dtype=None, implementation: str | None = None,
@@ -464,8 +508,8 @@ def galore_adamw(learning_rate, *, rank: int = 128, update_proj_gap: int = 200, 
     return optax.GradientTransformationExtraArgs(core.init, core.update)
 
 
-def galore_adam(learning_rate, *, rank: int = 128, update_proj_gap: int = 200, scale: float = 0.25,
-                proj_type: str | None = None, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-6, mask=None,
+def galore_adam(learning_rate, *, rank: int = 128, update_proj_gap: int = 200, scale: float | None = None,
+                proj_type: str | None = None, b1: float = 0.9, b2: float = 0.999, eps: float | None = None, mask=None,
                 projector: str = "svd", oversample: int = 8, power_iters: int = 2, seed: int = 0,
                 convention: str = "galore", mu_dtype=None, nu_dtype=None, implementation: str | None = None,
                 kernel: str = "auto") -> optax.GradientTransformationExtraArgs:
@@ -477,8 +521,8 @@ def galore_adam(learning_rate, *, rank: int = 128, update_proj_gap: int = 200, s
     return optax.GradientTransformationExtraArgs(core.init, core.update)
 
 
-def scale_by_galore_adam(*, rank: int = 128, update_proj_gap: int = 200, scale: float = 0.25,
-                         proj_type: str | None = None, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-6,
+def scale_by_galore_adam(*, rank: int = 128, update_proj_gap: int = 200, scale: float | None = None,
+                         proj_type: str | None = None, b1: float = 0.9, b2: float = 0.999, eps: float | None = None,
                          mask=None, projector: str = "svd", oversample: int = 8, power_iters: int = 2, seed: int = 0,
                          convention: str = "galore", mu_dtype=None, nu_dtype=None, implementation: str | None = None,
                          kernel: str = "auto") -> optax.GradientTransformationExtraArgs:
@@ -492,8 +536,8 @@ def scale_by_galore_adam(*, rank: int = 128, update_proj_gap: int = 200, scale: 
     return optax.GradientTransformationExtraArgs(core.init, core.update)
 
 
-def galore_adamw_inplace(learning_rate, *, rank: int = 128, update_proj_gap: int = 200, scale: float = 0.25,
-                         proj_type: str | None = None, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-6,
+def galore_adamw_inplace(learning_rate, *, rank: int = 128, update_proj_gap: int = 200, scale: float | None = None,
+                         proj_type: str | None = None, b1: float = 0.9, b2: float = 0.999, eps: float | None = None,
                          weight_decay: float = 0.0, mask=None, weight_decay_mask=None, projector: str = "svd",
                          oversample: int = 8, power_iters: int = 2, seed: int = 0, convention: str = "galore",
                          mu_dtype=None, nu_dtype=None, implementation: str | None = None,

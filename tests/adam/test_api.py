@@ -356,3 +356,25 @@ def test_bad_inputs():
         A.adamw_step(params, params, optax.adamw(1e-3).init(params), learning_rate=1e-3)
     with pytest.raises(ValueError, match="grad"):
         A.adam_leaf_direction(jnp.ones(3, jnp.int32), jnp.zeros(3), jnp.zeros(3), 1)
+
+
+@pytest.mark.parametrize("make", [lambda: A.adamw(1e-3), lambda: A.adam(1e-3), lambda: A.scale_by_adam()])
+def test_update_accepts_extra_args_in_a_chain(make):
+    # optax.chain of GradientTransformationExtraArgs passes extra keyword args to every member
+    params = {"w": jnp.arange(6.0).reshape(2, 3)}
+    tx = make()
+    assert isinstance(tx, optax.GradientTransformationExtraArgs)
+    chained = optax.chain(tx, optax.scale(1.0))
+    u, _ = chained.update(params, chained.init(params), params, value=jnp.asarray(1.0))
+    ref, _ = tx.update(params, tx.init(params), params)
+    np.testing.assert_array_equal(u["w"], ref["w"])
+
+
+def test_errors_name_the_leaf_and_key_lists():
+    params = {"a": jnp.ones((8, 48)), "b": jnp.ones((3,))}
+    tx = A.adamw(1e-3)
+    state = tx.init(params)
+    with pytest.raises(ValueError, match=r"leaf \['a'\]: .*expected shape \(8, 40\).*got \(8, 48\)"):
+        tx.update({"a": jnp.ones((8, 40)), "b": jnp.ones((3,))}, state, {"a": jnp.ones((8, 40)), "b": params["b"]})
+    with pytest.raises(ValueError, match=r"expected \[\"\['a'\]\", \"\['b'\]\"\], got \[\"\['a'\]\"\]"):
+        tx.update({"a": params["a"]}, state, {"a": params["a"]})

@@ -176,3 +176,14 @@ def test_bf16_params_and_moment_dtypes(impl, kernel_impl):
     _, state = _run(tx, _params(), 2)
     assert state.mu["w"].dtype == jnp.bfloat16 and state.nu["w"].dtype == jnp.bfloat16
     assert np.all(np.isfinite(np.asarray(state.nu["w"], np.float32)))
+
+
+def test_optax_convention_defaults_match_optax_contrib():
+    # convention="optax" alone (scale and eps left to their defaults) gives optax.contrib.galore's numbers
+    params = {k: v for k, v in _params().items() if k != "small"}
+    ours = galore_adamw(1e-2, rank=RANK, update_proj_gap=GAP, convention="optax", implementation="xla")
+    peer = optax.contrib.galore(1e-2, rank=RANK, update_proj_gap=GAP)
+    a, _ = _run(ours, params, 3)
+    b, _ = _run(peer, params, 3)
+    for t in range(3):
+        _assert_tree_close(a[t], b[t], rtol=2e-5, atol=2e-6, what=f"step {t}")

@@ -1,5 +1,7 @@
 """Bad arguments, non-finite gradients on a refresh step, and orbax checkpoint resume."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -109,3 +111,68 @@ def test_orbax_checkpoint_resume_is_bit_identical(tmp_path, projector):
         a = step(a[0], _grads(t), a[1])
         b = step(b[0], _grads(t), b[1])
     jax.tree.map(np.testing.assert_array_equal, a, b)
+
+
+@pytest.mark.parametrize("convention", ["galore", "optax"])
+@pytest.mark.parametrize("projector", ["svd", "randomized"])
+@pytest.mark.parametrize("implementation", [None, "interpret"])
+def test_nonfinite_gradient_between_refreshes_skips_projected_leaf(convention, projector, implementation):
+    # One bad element per leaf on step 1 (not a refresh: gap 50): "w" (48, 80) is projected on the left, "u"
+    # (80, 48) on the right, "b" is plain Adam. Both paths (optax update, in-place step) under jit.
+    kw = dict(rank=8, update_proj_gap=50, weight_decay=0.1, projector=projector, convention=convention,
+              implementation=implementation)
+    tx, opt = galore_adamw(1e-2, **kw), galore_adamw_inplace(1e-2, **kw)
+    upd, step = jax.jit(tx.update), jax.jit(opt.step)
+    params = _params()
+    state = tx.init(params)
+    u, state = upd(_grads(0), state, params)
+    params = optax.apply_updates(params, u)
+    bad = _grads(1)
+    bad["w"] = bad["w"].at[5, 7].set(jnp.nan)
+    bad["u"] = bad["u"].at[3, 2].set(jnp.inf)
+    bad["b"] = bad["b"].at[4].set(jnp.nan)
+    u, new = upd(bad, state, params)
+    p_in, new_in = step(params, bad, state)
+    for k in ("w", "u"):
+        np.testing.assert_array_equal(u[k], jnp.zeros_like(u[k]))
+        np.testing.assert_array_equal(p_in[k], params[k])
+        for s in (new, new_in):
+            for field in ("mu", "nu", "projector"):
+                np.testing.assert_array_equal(getattr(s, field)[k], getattr(state, field)[k])
+    # the plain-Adam leaf skips the bad element only
+    assert u["b"][4] == 0 and p_in["b"][4] == params["b"][4]
+    assert np.all(np.asarray(u["b"]).nonzero()[0] == np.array([0, 1, 2, 3, 5, 6]))
+    assert int(new.count) == 2 and not bool(new.pending_refresh)
+    # the next finite step moves every leaf and stays finite
+    params = optax.apply_updates(params, u)
+    u, newer = upd(_grads(2), new, params)
+    p_in2, newer_in = step(p_in, _grads(2), new_in)
+    for tree in (u, newer, p_in2, newer_in):
+        assert all(np.all(np.isfinite(np.asarray(x))) for x in jax.tree.leaves(tree))
+    assert all(np.all(np.asarray(x) != 0) for x in jax.tree.leaves(u))
+
+
+def test_wrong_gradient_names_the_leaf_and_shapes():
+    params = _params()
+    tx = galore_adamw(1e-3, rank=8, implementation="xla")
+    state = tx.init(params)
+    for k, shape in (("w", (48, 40)), ("u", (80, 40)), ("b", (5,))):
+        g = dict(_grads(0), **{k: rand(9, shape)})
+        with pytest.raises(ValueError, match=re.escape(f"['{k}'] has shape {shape}, expected {params[k].shape}")):
+            tx.update(g, state, params)
+    g = _grads(0)
+    del g["b"]
+    with pytest.raises(ValueError, match=r"does not match.*expected .*'b'.*got"):
+        tx.update(g, state, params)
+
+
+def test_weight_decay_mask_bool_prefix():
+    params = _params()
+    for flag in (True, False):
+        tx = galore_adamw(1e-2, rank=8, weight_decay=0.5, weight_decay_mask=flag, implementation="xla")
+        ref = galore_adamw(1e-2, rank=8, weight_decay=0.5, weight_decay_mask={k: flag for k in params},
+                           implementation="xla")
+        u, _ = tx.update(_grads(0), tx.init(params), params)
+        r, _ = ref.update(_grads(0), ref.init(params), params)
+        for k in params:
+            np.testing.assert_array_equal(u[k], r[k])
