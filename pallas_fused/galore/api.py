@@ -330,7 +330,15 @@ class _GaLore:
             m, v, s = _skip_nonfinite(m_old, v_old, m, v, s)
             return reference.finish_step(w, n, p, side, s, inplace=inplace, dtype=g.dtype), m, v
         interpret = cfg.implementation == "interpret"
-        variant = cfg.kernel if cfg.kernel != "auto" else choose_kernel(g.shape, cfg.rank, side)
+        if cfg.kernel != "auto":
+            variant = cfg.kernel
+        elif w is None:
+            # An update with no weight-decay term (the optax path): XLA's up-projection GEMM, whose output is the
+            # update itself, so the caller's `optax.apply_updates` can add p inside that GEMM instead of writing
+            # the update and reading it back.
+            variant = "xla_up"
+        else:
+            variant = choose_kernel(g.shape, cfg.rank, side)
         packed = s.pack()
         if variant == "xla_up":  # XLA's GEMMs (partitioned by XLA) around the elementwise low-rank Adam kernel
             m, v, n = _lowrank_adam(reference.project(g, p, side), m, v, packed, interpret=interpret)

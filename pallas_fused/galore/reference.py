@@ -118,7 +118,13 @@ def finish_step(w, n: jax.Array, p: jax.Array, side: str, s: Scalars, *, inplace
     `inplace`, the new W. w=None (no weight decay, not in place): c * backproject(N) in `dtype`."""
     if w is None and inplace:
         raise ValueError("finish_step: inplace=True needs w (the weight to update)")
-    w32 = jnp.zeros((), jnp.float32) if w is None else w.astype(jnp.float32)  # a == 0 without W
+    if w is None:
+        # The update is c * backproject(N) alone: scale the small N rather than the product, so that the update
+        # is the GEMM's own output and `optax.apply_updates` (p + update) can fold into that GEMM as its addend.
+        ok = jnp.asarray(s.ok, jnp.float32) > 0
+        n = jnp.where(ok, n.astype(jnp.float32) * s.c, 0.0)
+        return back_project(n, p, side, precision).astype(dtype)
+    w32 = w.astype(jnp.float32)
     out = full_update(w32, n, p, side, s, precision)
     return ((w32 + out) if inplace else out).astype(dtype if w is None else w.dtype)
 
