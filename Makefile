@@ -45,7 +45,7 @@ typecheck: setup
 
 # The user guide and API reference (mkdocs.yml), warnings as errors; the site goes to site/.
 docs: setup
-	$(PY) -m mkdocs build --strict --quiet
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --quiet
 
 # What a user gets from `pip install`: the wheel built from this tree, installed with its runtime
 # dependencies into a fresh venv, imported from outside the tree, one op run on the CPU.

@@ -1,0 +1,199 @@
+"""One Hopper (sm90) GEMM skeleton for our Mosaic GPU kernels: TMA-fed, warp-specialized wgmma, with an epilogue.
+
+out = epilogue(a @ b, row vectors, column vectors), cast to out_dtype. a is (M, K) K-major; b is (K, N) ("kn",
+16-bit only) or (N, K) ("nk": K-major, the only layout wgmma reads for 8-bit operands). The epilogue gets the fp32
+accumulator tile of one warpgroup and the slices of the row vectors ((M,) each) and column vectors ((N,) each)
+that cover it, as float32 in the WGMMA row / column layouts, and returns the fp32 tile to store.
+
+Structure (adapted from jax's hopper_matmul_mgpu.py example): a persistent grid of one CTA per SM walks the
+output tiles in a planar snake; in each CTA a memory warpgroup streams (cta_tile_m, tile_k) tiles of a and the
+matching tiles of b through a `max_concurrent_steps`-deep SMEM ring, and two compute warpgroups each own a
+(tile_m, tile_n) fp32 accumulator. The vector slices are TMA-copied into SMEM when a tile starts, overlapping
+its main loop; the result leaves through SMEM in (epi_tile x epi_tile) TMA stores.
+
+Users: fp8/kernel_sm90.py (row and column scales) and dora/kernel_sm90.py (column scale g and bias).
+Shapes must be multiples of the CTA tile and tile_k; callers pad or route elsewhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_fused import _backend
+
+
+@dataclasses.dataclass(frozen=True)
+class TileConfig:
+    tile_m: int = 128  # rows per compute warpgroup
+    tile_n: int = 128  # columns per compute warpgroup
+    tile_k: int = 128  # K per pipeline step (128 bytes of a row at 8 bits: the widest swizzle)
+    max_concurrent_steps: int = 4  # SMEM ring depth
+    wg_split: str = "n"  # the two compute warpgroups split the CTA tile along "m" or "n"
+    grid_minor_dim: str = "n"
+    grid_tile_width: int = 8
+    epi_tile: int = 64
+
+    @property
+    def cta_tile(self) -> tuple[int, int]:
+        if self.wg_split == "m":
+            return 2 * self.tile_m, self.tile_n
+        return self.tile_m, 2 * self.tile_n
+
+
+Epilogue = Callable[[jax.Array, Sequence[jax.Array], Sequence[jax.Array]], jax.Array]
+
+
+def _kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: int, epilogue: Epilogue):
+    plgpu = _backend.mosaic_gpu()
+    *vec_gmems, out_gmem = refs
+    row_gmems, col_gmems = vec_gmems[:n_rows], vec_gmems[n_rows:]
+    m, k = a_gmem.shape
+    n = out_gmem.shape[1]
+    out_dtype = out_gmem.dtype
+    itemsize = jnp.dtype(a_gmem.dtype).itemsize
+    tile_m, tile_n, tile_k = config.tile_m, config.tile_n, config.tile_k
+    cta_m, cta_n = config.cta_tile
+    m_iters, n_iters, k_iters = m // cta_m, n // cta_n, k // tile_k
+    epi = config.epi_tile
+    swizzle = plgpu.find_swizzle(tile_k * itemsize * 8)  # bits per row of a K tile
+    transforms = (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
+    out_itemsize = jnp.dtype(out_dtype).itemsize
+    out_swizzle = plgpu.find_swizzle(epi * out_itemsize * 8)
+    out_transforms = (plgpu.TilingTransform((8, out_swizzle // out_itemsize)), plgpu.SwizzleTransform(out_swizzle))
+    split_m = config.wg_split == "m"
+    minor = 1 if config.grid_minor_dim == "n" else 0  # planar_snake's minor_dim: 0 = M, 1 = N
+    if b_layout == "nk":
+        b_spec = plgpu.BlockSpec((cta_n, tile_k), lambda kk: (0, kk), transforms=transforms, memory_space=plgpu.SMEM)
+    else:
+        b_spec = plgpu.BlockSpec((tile_k, cta_n), lambda kk: (kk, 0), transforms=transforms, memory_space=plgpu.SMEM)
+
+    def get_pipeline(body, compute_context):
+        return plgpu.emit_pipeline_warp_specialized(
+            body,
+            grid=(k_iters,),
+            memory_registers=40,
+            in_specs=[
+                plgpu.BlockSpec((cta_m, tile_k), lambda kk: (0, kk), transforms=transforms, memory_space=plgpu.SMEM),
+                b_spec,
+            ],
+            wg_axis="wg",
+            num_compute_wgs=2,
+            max_concurrent_steps=config.max_concurrent_steps,
+            compute_context=compute_context,
+        )
+
+    ignore = lambda *_, **__: None  # noqa: E731 - the bodies do not change the allocations
+    vec_smem = tuple(plgpu.SMEM((2, tile_m), v.dtype) for v in row_gmems)
+    vec_smem += tuple(plgpu.SMEM((2, tile_n), v.dtype) for v in col_gmems)
+
+    @functools.partial(
+        pl.run_scoped,
+        pipeline_allocs=get_pipeline(ignore, ignore).get_allocations(a_gmem, b_gmem),
+        out_smem=plgpu.SMEM((2, 2, epi, epi), out_dtype, transforms=out_transforms),
+        vec_smem=vec_smem,
+        vec_barrier=plgpu.Barrier(num_barriers=2 * len(vec_gmems)) if vec_gmems else None,
+        collective_axes="wg",
+    )
+    def _scope(pipeline_allocs, out_smem, vec_smem, vec_barrier):
+        wg = lax.axis_index("wg")
+
+        @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
+        def _tiles(loop_info):
+            (lin,) = getattr(loop_info, "index", loop_info)
+            m_idx, n_idx = plgpu.planar_snake(lin, (m_iters, n_iters), minor, config.grid_tile_width)
+            cta_m_slice = pl.ds(m_idx * cta_m, cta_m)
+            cta_n_slice = pl.ds(n_idx * cta_n, cta_n)
+            if split_m:
+                wg_m, wg_n = pl.ds(wg * tile_m, tile_m), pl.ds(0, tile_n)
+            else:
+                wg_m, wg_n = pl.ds(0, tile_m), pl.ds(wg * tile_n, tile_n)
+            row0 = m_idx * cta_m + (wg * tile_m if split_m else 0)
+            col0 = n_idx * cta_n + (0 if split_m else wg * tile_n)
+
+            def compute_context(eval_pipeline):
+                # Fetch this warpgroup's vector slices while the main loop runs.
+                for i, v in enumerate(vec_gmems):
+                    window = pl.ds(row0, tile_m) if i < n_rows else pl.ds(col0, tile_n)
+                    plgpu.copy_gmem_to_smem(v.at[window], vec_smem[i].at[wg], vec_barrier.at[2 * i + wg])
+
+                @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tile_m, tile_n), jnp.float32))
+                def _acc_scope(acc_ref):
+                    eval_pipeline(acc_ref)
+                    vecs = []
+                    for i in range(len(vec_gmems)):
+                        plgpu.barrier_wait(vec_barrier.at[2 * i + wg])
+                        layout = plgpu.Layout.WGMMA.reduce(1 if i < n_rows else 0)
+                        vecs.append(plgpu.load(vec_smem[i].at[wg], (), layout=layout).astype(jnp.float32))
+                    acc = epilogue(acc_ref[...], vecs[:n_rows], vecs[n_rows:]).astype(out_dtype)
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                    for ei in range(tile_m // epi):
+                        for ej in range(tile_n // epi):
+                            slot = (ei * (tile_n // epi) + ej) % 2
+                            plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+                            out_smem[wg, slot] = acc[ei * epi:(ei + 1) * epi, ej * epi:(ej + 1) * epi]
+                            plgpu.commit_smem()
+                            plgpu.copy_smem_to_gmem(
+                                out_smem.at[wg, slot],
+                                out_gmem.at[cta_m_slice, cta_n_slice]
+                                .at[wg_m, wg_n]
+                                .at[pl.ds(ei * epi, epi), pl.ds(ej * epi, epi)],
+                            )
+
+            def mma_body(_, a_smem, b_smem, acc_ref):
+                if b_layout == "nk":
+                    b_tile = plgpu.transpose_ref(b_smem.at[wg_n], (1, 0))
+                else:
+                    b_tile = b_smem.at[:, wg_n]
+                plgpu.wgmma(acc_ref, a_smem.at[wg_m], b_tile)
+                plgpu.wgmma_wait(0)
+                return acc_ref
+
+            b_view = b_gmem.at[cta_n_slice, :] if b_layout == "nk" else b_gmem.at[:, cta_n_slice]
+            get_pipeline(mma_body, compute_context)(a_gmem.at[cta_m_slice, :], b_view, allocations=pipeline_allocs)
+
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def supported(m: int, n: int, k: int, config: TileConfig) -> bool:
+    """Whether the kernel runs these shapes as they are (no padding): multiples of the CTA tile and tile_k."""
+    cta_m, cta_n = config.cta_tile
+    return m % cta_m == 0 and n % cta_n == 0 and k % config.tile_k == 0
+
+
+def matmul(a, b, *, b_layout: str, row_vecs: Sequence[jax.Array] = (), col_vecs: Sequence[jax.Array] = (),
+           epilogue: Epilogue, out_dtype, config: TileConfig, name: str):
+    """epilogue(a @ b, row_vecs, col_vecs) on Hopper; a (M, K), b (K, N) or (N, K) per `b_layout` ("kn" | "nk").
+
+    `name` names the kernel in profiles. Under vmap the batch runs as a loop of launches (no batching rule).
+    """
+    plgpu = _backend.mosaic_gpu()
+    if b_layout not in ("kn", "nk"):
+        raise ValueError(f"{name}: b_layout must be 'kn' or 'nk', got {b_layout!r}")
+    if b_layout == "kn" and jnp.dtype(b.dtype).itemsize < 2:
+        raise ValueError(f"{name}: wgmma reads {b.dtype} operands only K-major: pass b as (N, K) with b_layout='nk'")
+    m, k = a.shape
+    n = b.shape[1] if b_layout == "kn" else b.shape[0]
+    if not supported(m, n, k, config):
+        raise ValueError(f"{name}: shapes {a.shape} x {b.shape} ({b_layout}) must be multiples of the tile "
+                         f"{config.cta_tile + (config.tile_k,)}")
+    def body(*refs):
+        _kernel(*refs, config=config, b_layout=b_layout, n_rows=len(row_vecs), epilogue=epilogue)
+
+    body.__name__ = body.__qualname__ = name  # the kernel's name in profiles
+    kernel = plgpu.kernel(
+        body,
+        out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
+        grid=(_backend.num_sms(),),
+        grid_names=("sm",),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+    )
+    return jax.custom_batching.sequential_vmap(kernel)(a, b, *row_vecs, *col_vecs)

@@ -1,0 +1,458 @@
+"""Public DoRA functions: argument checks, implementation choice, the custom_vjp."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_fused import _backend, _sharding
+from pallas_fused.dora import kernel as K
+from pallas_fused.dora import reference
+from pallas_fused.dora.quant import Int8Kernel, NF4Kernel, dequantize, is_quantized
+
+GEMMS = ("auto", "pallas", "fused", "epilogue", "merged", "sm90", "xla", "xla_concat", "xla_epilogue")
+# gemm="auto" for dense weights: the mode whose one extra pass over memory is cheaper. "merged" reads W and writes
+# (W + s A B) g (4 K N bytes) before one cuBLAS GEMM; "epilogue" reads x for x A and reads + writes x W (2 M K +
+# 4 M N bytes) after one. Where "merged" wins and "sm90" runs (one Hopper GPU, 16-bit, tile-multiple shapes),
+# "sm90" replaces it: the same pass (forming W + s A B, unscaled) but no norm pass ahead of it, since its Mosaic GPU
+# GEMM, which ties cuBLAS, applies g and the bias in its epilogue. benchmarks/bench_dora.py measures every mode.
+# Quantised weights always take "pallas" (cuBLAS would need W dequantised in full).
+AUTO_DENSE_GEMMS = ("sm90", "merged", "epilogue")
+
+
+def _resolve_gemm(gemm: str, kind: str, tokens: int, fin: int, fout: int, dtype, interpret: bool) -> str:
+    if gemm != "auto":
+        return gemm
+    if kind != "dense":
+        return "pallas"
+    merged_bytes, epilogue_bytes = 4 * fin * fout, 2 * tokens * fin + 4 * tokens * fout
+    if merged_bytes > epilogue_bytes:
+        return "epilogue"
+    return "sm90" if not interpret and _sm90_ok(kind, tokens, fin, fout, dtype) else "merged"
+
+
+def _check(x, kernel, lora_a, lora_b, magnitude, bias, scale):
+    """Validate shapes/dtypes; returns (in_features, out_features, rank)."""
+    x_dtype = getattr(x, "dtype", None)
+    if x_dtype is None or not jnp.issubdtype(x_dtype, jnp.floating):
+        raise ValueError(f"dora_dense: x must be a floating-point array, got dtype {x_dtype}")
+    if len(x.shape) < 1:
+        raise ValueError("dora_dense: x must have at least one dimension (..., in_features)")
+    if is_quantized(kernel):
+        fin, fout = kernel.shape
+    else:
+        if jnp.ndim(kernel) != 2 or not jnp.issubdtype(kernel.dtype, jnp.floating):
+            raise ValueError(f"dora_dense: kernel must be a 2-D float (in, out) array or an Int8Kernel/NF4Kernel, "
+                             f"got shape {jnp.shape(kernel)} dtype {getattr(kernel, 'dtype', None)}")
+        fin, fout = kernel.shape
+    if x.shape[-1] != fin:
+        raise ValueError(f"dora_dense: x has {x.shape[-1]} input features but kernel expects {fin} "
+                         f"(kernel shape {(fin, fout)})")
+    if jnp.ndim(lora_a) != 2 or lora_a.shape[0] != fin:
+        raise ValueError(f"dora_dense: lora_a must have shape ({fin}, rank), got {jnp.shape(lora_a)}")
+    rank = lora_a.shape[1]
+    if rank < 1 or rank > min(fin, fout):
+        raise ValueError(f"dora_dense: lora_a rank must be in [1, min(in, out) = {min(fin, fout)}], got {rank}")
+    if jnp.shape(lora_b) != (rank, fout):
+        raise ValueError(f"dora_dense: lora_b must have shape ({rank}, {fout}), got {jnp.shape(lora_b)}")
+    if jnp.shape(magnitude) != (fout,):
+        raise ValueError(f"dora_dense: magnitude must have shape ({fout},), got {jnp.shape(magnitude)}")
+    if bias is not None and jnp.shape(bias) != (fout,):
+        raise ValueError(f"dora_dense: bias must have shape ({fout},) or be None, got {jnp.shape(bias)}")
+    if jnp.ndim(scale) != 0:
+        raise ValueError(f"dora_dense: scale must be a scalar, got shape {jnp.shape(scale)}")
+    for name, v in (("lora_a", lora_a), ("lora_b", lora_b), ("magnitude", magnitude), ("bias", bias)):
+        if v is not None and not jnp.issubdtype(v.dtype, jnp.floating):
+            raise ValueError(f"dora_dense: {name} must be floating point, got dtype {v.dtype}")
+    return fin, fout, rank
+
+
+def _weight_ops(kernel, dtype):
+    """(kind, operand tuple) for the kernels; dense weights are cast to the compute dtype."""
+    if isinstance(kernel, Int8Kernel):
+        return "int8", (kernel.q, kernel.scale.astype(jnp.float32))
+    if isinstance(kernel, NF4Kernel):
+        return "nf4", (kernel.packed, kernel.absmax.astype(jnp.float32))
+    return "dense", (kernel.astype(dtype),)
+
+
+def _zero_cotangent(a):
+    if jnp.issubdtype(a.dtype, jnp.floating):
+        return jnp.zeros_like(a)
+    return np.zeros(a.shape, dtype=jax.dtypes.float0)
+
+
+def _pad_rank(lora_a, lora_b):
+    r = lora_a.shape[1]
+    rp = K._pow2(r)
+    return jnp.pad(lora_a, ((0, 0), (0, rp - r))), jnp.pad(lora_b, ((0, rp - r), (0, 0)))
+
+
+def _shard(launch, kind, rule, replicated=(), summed=()):
+    """`launch` run per shard under `rule`, where "{w}" stands for the weight operands (see _sharding).
+    NF4 weights are not partitioned (packed layout): their kernels see gathered operands."""
+    if kind == "nf4":
+        return launch
+    w = {"dense": "k n", "int8": "k n, n"}[kind]
+    return _sharding.partitioned(launch, rule.format(w=w), replicated=replicated, summed=summed)
+
+
+def _column_sumsq(ops, kind, ap, bp, scale, interpret, config):
+    """Column sums of squares; sharded: output features split, the input axis summed per shard + psum."""
+    def launch(*a):
+        return K.column_sumsq(a[:-3], kind, *a[-3:], interpret=interpret, config=config)
+
+    return _shard(launch, kind, "{w}, k r, r n, -> n", replicated=("r",), summed=("k",))(*ops, ap, bp, scale)
+
+
+def _column_norm_scale(ops, kind, ap, bp, scale, m, interpret, config):
+    """(n, g = m / n); on one device the fused kernel (one launch), sharded the partial sums + psum."""
+    if jax.device_count() == 1:
+        return K.column_norm_scale(ops, kind, ap, bp, scale, m, interpret=interpret, config=config)
+    n = reference.floored_norm(_column_sumsq(ops, kind, ap, bp, scale, interpret, config))
+    return n, m.astype(jnp.float32) / n
+
+
+def _dense_w(kind, ops, dtype):
+    """Full-precision W for the XLA GEMM variants (dense kernels only)."""
+    if kind != "dense":
+        raise ValueError("dora_dense: this gemm mode supports dense kernels only; use gemm='auto' or "
+                         "'pallas' for Int8Kernel/NF4Kernel")
+    return ops[0].astype(dtype)
+
+
+def _check_mergeable(kind):
+    if kind not in ("dense", "int8"):
+        raise ValueError("dora_dense: gemm='merged' supports dense and Int8Kernel kernels; use gemm='auto' or "
+                         "'pallas' for NF4Kernel")
+
+
+def _merged_weight(kind, ops, ap, bp, g, scale, interpret, config):
+    """(W + s A B) * g in the compute dtype (K, N): one Pallas pass over W. Dense or int8 W (QDoRA with
+    gemm="merged": a transient full-precision weight)."""
+    _check_mergeable(kind)
+
+    def launch(*a):  # sharded: both weight axes split, the rank gathered
+        ap_, bp_, g_, scale_ = a[-4:]
+        return K.merge_weight(a[:-4], kind, ap_, bp_, scale_, g=g_, interpret=interpret, config=config)
+
+    return _shard(launch, kind, "{w}, k r, r n, n, -> k n", replicated=("r",))(*ops, ap, bp, g, scale)
+
+
+def _norm_and_merged_weight(kind, ops, ap, bp, scale, m, interpret, config):
+    """(n, g, (W + s A B) * g, B g s or None). On one device two launches and no XLA op between them: the column
+    norm's partial sums over row ranges, then the merge launch, which finishes g (and B g s) from them; sharded,
+    the norm + psum, then the merge."""
+    _check_mergeable(kind)
+    if jax.device_count() == 1:
+        if config.merge_in_norm and kind == "dense" and K.expand_supported(ops, kind, ap, config.expand_max_rank):
+            return (*K.norm_and_merge(ops, ap, bp, scale, m, interpret=interpret, config=config), None)
+        parts = K.column_partials(ops, kind, ap, bp, scale, interpret=interpret, config=config, rows=config.mnorm_rows)
+        wm, n, g, bg = K.merge_weight(ops, kind, ap, bp, scale, partials=parts, magnitude=m, interpret=interpret,
+                                      config=config)
+        return n, g, wm, bg
+    n, g = _column_norm_scale(ops, kind, ap, bp, scale, m, interpret, config)
+    return n, g, _merged_weight(kind, ops, ap, bp, g, scale, interpret, config), None
+
+
+def _sm90_ok(kind, tokens, fin, fout, dtype) -> bool:
+    """Whether gemm="sm90" can run: a dense 16-bit W on one Hopper device, tile-multiple shapes."""
+    from pallas_fused.dora import kernel_sm90
+
+    return (kind == "dense" and _backend.is_hopper() and jax.device_count() == 1
+            and kernel_sm90.supported(tokens, fout, fin, dtype))
+
+
+def _xa(x, ap):
+    return jnp.dot(x, ap)  # cuBLAS accumulates in float32 and rounds once to x's dtype
+
+
+def _forward(statics, x, ops, a, b, m, bias, scale):
+    kind, gemm, interpret, config = statics[:4]
+    dt = x.dtype
+    ap, bp = _pad_rank(a, b)
+    if gemm == "sm90":
+        # y = (x V) g + bias in one Mosaic GPU GEMM (g and the bias in its epilogue), V = W + s A B formed unscaled
+        # by one Pallas pass that also sums V^2 per column over row ranges (no norm pass ahead of it). V is kept
+        # for the backward's dx = (dy g) V^T.
+        from pallas_fused.dora import kernel_sm90
+
+        if not _sm90_ok(kind, x.shape[0], ap.shape[0], bp.shape[1], x.dtype):
+            cfg = kernel_sm90.config_for(x.shape[0], bp.shape[1], ap.shape[0])
+            raise ValueError(f"dora_dense: gemm='sm90' needs a dense 16-bit kernel on one Hopper GPU and shapes that "
+                             f"are multiples of the tile {cfg.cta_tile} x {cfg.tile_k}; got x {x.shape} {x.dtype}, "
+                             f"kernel {ops[0].shape}")
+        v, parts = K.merge_weight(ops, kind, ap, bp, scale, emit_partials=True, interpret=interpret, config=config)
+        n = reference.floored_norm(jnp.sum(parts, axis=0))
+        g = m.astype(jnp.float32) / n
+        y = kernel_sm90.scaled_matmul(x, v, g, bias)
+        return y, (ap, bp, n, g, None, (v if config.save_merged else None, None))
+    if gemm == "merged":
+        # y = x ((W + s A B) g) + bias: one cuBLAS GEMM on the merged weight (x A is left to the backward). The
+        # merged weight is kept for the backward's dx = dy wm^T (one bf16 copy of W per layer in memory).
+        n, g, wm, bg = _norm_and_merged_weight(kind, ops, ap, bp, scale, m, interpret, config)
+        saved = (wm, bg) if config.save_merged else (None, bg)
+        # The bias is added in the compute dtype: cuBLAS adds it in its epilogue where XLA fuses it (a float32
+        # product would be written and read back in full otherwise, 2 x 4 bytes per output).
+        y = jnp.dot(x, wm) if bias is None else jnp.dot(x, wm) + bias
+        return y, (ap, bp, n, g, None, saved)
+    n, g = _column_norm_scale(ops, kind, ap, bp, scale, m, interpret, config)
+    xa = _xa(x, ap)
+    if gemm in ("pallas", "fused"):
+        def fwd(x, *a):  # sharded: tokens and output features split; K and the rank gathered
+            ops_, (xa_, bp_, g_, scale_, *bias_) = a[:len(ops)], a[len(ops):]
+            return K.forward_gemm(x, ops_, kind, xa_, bp_, g_, scale_, bias_[0] if bias_ else None,
+                                  interpret=interpret, config=config)
+
+        rule = "m k, {w}, m r, r n, n, " + ("" if bias is None else ", n") + " -> m n"
+        y = _shard(fwd, kind, rule, replicated=("k", "r"))(x, *ops, xa, bp, g, scale,
+                                                            *(() if bias is None else (bias,)))
+    else:
+        w = _dense_w(kind, ops, dt)
+        if gemm == "epilogue":
+            # cuBLAS z = x W (rounded once to the compute dtype), then one Pallas pass: (z + s xa B) g + bias.
+            def epi(z, *a):  # sharded: tokens and output features split, the rank gathered
+                return K.epilogue(z, *a[:4], a[4] if len(a) > 4 else None, interpret=interpret, config=config)
+
+            rule = "m n, m r, r n, n, " + ("" if bias is None else ", n") + " -> m n"
+            y = _shard(epi, "dense", rule, replicated=("r",))(jnp.dot(x, w), xa, bp, g, scale,
+                                                              *(() if bias is None else (bias,)))
+            return y, (ap, bp, n, g, xa, (None, None))
+        if gemm == "xla_epilogue":
+            # cuBLAS x W and (x A) B, the scale + bias left to an XLA elementwise fusion (what the
+            # jnp reference does, with the Pallas column norm).
+            z = jnp.dot(x, w) + (scale * jnp.dot(xa, bp, preferred_element_type=jnp.float32)).astype(dt)
+            y = z.astype(jnp.float32) * g[None, :]
+        else:
+            wg = (w.astype(jnp.float32) * g[None, :]).astype(dt)
+            bg = (bp.astype(jnp.float32) * (scale * g)[None, :]).astype(dt)
+            if gemm == "xla_concat":
+                y = jnp.dot(jnp.concatenate([x, xa], axis=1), jnp.concatenate([wg, bg], axis=0),
+                            preferred_element_type=jnp.float32)
+            else:
+                y = (jnp.dot(x, wg, preferred_element_type=jnp.float32)
+                     + jnp.dot(xa, bg, preferred_element_type=jnp.float32))
+        if bias is not None:
+            y = y + bias.astype(jnp.float32)
+        y = y.astype(dt)
+    return y, (ap, bp, n, g, xa, (None, None))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _dora_2d(statics, x, ops, a, b, m, bias, scale):
+    return _forward(statics, x, ops, a, b, m, bias, scale)[0]
+
+
+def _dora_2d_fwd(statics, x, ops, a, b, m, bias, scale):
+    y, (ap, bp, n, g, xa, (wm, bg)) = _forward(statics, x, ops, a, b, m, bias, scale)
+    return y, (x, ops, ap, bp, m, bias, scale, n, g, xa, y, wm, bg)
+
+
+def _dora_2d_bwd(statics, res, dy):
+    kind, gemm, interpret, config, exact, rank, fin = statics
+    x, ops, ap, bp, m, bias, scale, n, g, xa, y, wm, bg = res
+    dt = x.dtype
+    gs = g * scale
+    # us = s (dy * g) B^T, with g folded into the tiny B instead of the big dy (gemm="merged": the merge launch
+    # wrote B g s).
+    if bg is None:
+        bg = (bp.astype(jnp.float32) * gs[None, :]).astype(dt)
+    us = jnp.dot(dy, bg.T)  # cuBLAS rounds once to dt
+    if xa is None:  # gemm="merged" / "sm90" never formed x A in the forward
+        xa = _xa(x, ap)
+    # gemm="sm90" keeps V = W + s A B unscaled, so dx = (dy g) V^T: dy g is written by the column launch (it reads
+    # dy anyway) where that launch runs below, by XLA otherwise.
+    dyg_from_v = gemm == "sm90" and wm is not None
+    finished = None
+    if not exact and jax.device_count() == 1:
+        # Unsharded, constant norm: the column launch returns the finished dB, dm and dbias (in-kernel when one
+        # program covers every token), x^T us is rounded once by cuBLAS: no float32 intermediates left to cast.
+        db_dt = jnp.float32 if bias is None else bias.dtype
+        finished = K.backward_columns(dy, y, xa, bias, interpret=interpret, config=config,
+                                      finish=(gs, m, bp.dtype, m.dtype, db_dt), dyg_scale=g if dyg_from_v else None)
+    if gemm == "pallas":
+        gw = g * ops[1] if kind == "int8" else g
+        def bwd_dx(dy, gw, *a):  # sharded: tokens and input features split; N and the rank gathered
+            return K.backward_dx(dy, gw, a[:-2], kind, *a[-2:], interpret=interpret, config=config)
+
+        dx = _shard(bwd_dx, kind, "m n, n, {w}, m r, k r -> m k", replicated=("n", "r"))(dy, gw, *ops, us, ap)
+    else:
+        # cuBLAS. dx = (dy g) (W + s A B)^T: with many tokens one GEMM on the merged weight (W + s A B) g
+        # (one Pallas pass over W, and no float32 (M, in) partial results); with few tokens g goes on dy
+        # and the low-rank term is a second, small GEMM.
+        fin_, fout_ = ap.shape[0], bp.shape[1]
+        if dyg_from_v:
+            dyg = finished[3] if finished is not None else (dy.astype(jnp.float32) * g[None, :]).astype(dt)
+            dx = jnp.dot(dyg, wm.T)
+        elif wm is not None:  # gemm="merged" kept it
+            dx = jnp.dot(dy, wm.T)
+        elif kind == "int8" or dy.shape[0] * (fout_ + 3.5 * fin_) >= fin_ * fout_:
+            dx = jnp.dot(dy, _merged_weight(kind, ops, ap, bp, g, scale, interpret, config).T)
+        else:
+            w = _dense_w(kind, ops, dt)
+            dx = jnp.dot((dy.astype(jnp.float32) * g[None, :]).astype(dt), w.T, preferred_element_type=jnp.float32)
+            dx = (dx + jnp.dot(us, ap.T, preferred_element_type=jnp.float32)).astype(dt)
+    if finished is not None:
+        dbm, dm, db = finished[:3]
+        dm = _dm_at_zero_magnitude(dm, dy, x, xa, ops, kind, bp, scale, n, m, fin)
+        da = jnp.dot(x.T, us)
+        return (dx, tuple(_zero_cotangent(o) for o in ops), da[:, :rank], dbm[:rank], dm,
+                None if bias is None else db, jnp.zeros_like(scale))
+
+    def bwd_cols(dy, y, xa, *bias_):  # sharded: output features split, tokens summed per shard + psum
+        return K.backward_columns(dy, y, xa, bias_[0] if bias_ else None, interpret=interpret, config=config)
+
+    rule = "m n, m n, m r" + ("" if bias is None else ", n") + " -> r n, n, n"
+    p, dmz, db = _shard(bwd_cols, "dense", rule, replicated=("r",), summed=("m",))(
+        dy, y, xa, *(() if bias is None else (bias,)))
+    da = jnp.dot(x.T, us, preferred_element_type=jnp.float32)
+    dbm = p * gs[None, :]
+    # dm = sum_t dy z / n with z = x W + s (x A) B; since y - bias = z m / n, it is sum_t dy (y - bias) / m
+    # from the saved output (no z kept). Undefined for a magnitude of exactly 0.
+    dm = _dm_at_zero_magnitude(dmz / m.astype(jnp.float32), dy, x, xa, ops, kind, bp, scale, n, m, fin)
+    if exact:
+        # Through n: dL/dV = V * c, c = -g dm / n, V = W + s A B (V is never formed: two passes over W).
+        c = -g * dm / n
+        w = _dequant_ops(kind, ops, fin)
+        a32, b32 = ap.astype(jnp.float32), bp.astype(jnp.float32)
+        bc = b32 * c[None, :]
+        da = da + scale * (w @ bc.T) + scale * scale * (a32 @ (bc @ b32.T))
+        dbm = dbm + scale * (a32.T @ w) * c[None, :] + scale * scale * ((a32.T @ a32) @ bc)
+    cot_ops = tuple(_zero_cotangent(o) for o in ops)
+    dbias = None if bias is None else db.astype(bias.dtype)
+    return (dx, cot_ops, da[:, :rank].astype(ap.dtype), dbm[:rank].astype(bp.dtype), dm.astype(m.dtype), dbias,
+            jnp.zeros_like(scale))
+
+
+def _dm_at_zero_magnitude(dm, dy, x, xa, ops, kind, bp, scale, n, m, fin):
+    """dm = sum_t dy z / n, z = x W + s (x A) B. The kernels form it as sum_t dy (y - bias) / m, which is 0 / 0 for a
+    magnitude of exactly 0 (where a zero column of W with B = 0 starts): such columns are recomputed from z, in a
+    branch that runs only when some m is 0 (one more GEMM then)."""
+    zero = m == 0
+
+    def recompute(dm):
+        z = (jnp.dot(x.astype(jnp.float32), _dequant_ops(kind, ops, fin))
+             + scale * jnp.dot(xa.astype(jnp.float32), bp.astype(jnp.float32)))
+        return jnp.where(zero, jnp.sum(dy.astype(jnp.float32) * z, axis=0) / n, dm).astype(dm.dtype)
+
+    return jax.lax.cond(jnp.any(zero), recompute, lambda dm: dm, dm)
+
+
+def _dequant_ops(kind, ops, fin):
+    """W in float32 from kernel operands (only the exact-norm-gradient path needs it)."""
+    if kind == "int8":
+        return Int8Kernel(ops[0], ops[1]).dequantize()
+    if kind == "nf4":
+        return NF4Kernel(ops[0], ops[1], fin).dequantize()
+    return ops[0].astype(jnp.float32)
+
+
+_dora_2d.defvjp(_dora_2d_fwd, _dora_2d_bwd)
+
+
+def dora_dense(x, kernel, lora_a, lora_b, magnitude, bias=None, *, scale, exact_norm_grad: bool = False,
+               implementation: str | None = None, gemm: str = "auto", save_merged: bool | None = None,
+               config: K.Config | None = None):
+    """DoRA dense layer: ``y = (x W + s (x A) B) * (m / ||W + s A B||) + bias``.
+
+    Args:
+      x: input (..., in), floating point; the compute dtype (params are cast to it, as flax does).
+      kernel: the frozen base weight W (in, out), or a quantised `Int8Kernel` / `NF4Kernel` (QDoRA).
+      lora_a: A (in, rank); lora_b: B (rank, out); magnitude: m (out,); bias: (out,) or None.
+      scale: s, e.g. alpha / rank (a runtime operand: changing it does not recompile).
+      exact_norm_grad: differentiate through the column norm (default: treat it as a constant, as the
+        DoRA paper section 4.3 and peft do).
+      implementation: None (Pallas on a GPU, XLA elsewhere), "pallas", "xla" or "interpret".
+      gemm: which big GEMMs the Pallas path uses (the column norm and the backward column reductions are
+        Pallas in every mode).
+        "auto" (default): for dense weights "merged" (as "sm90" where that runs) or "epilogue", whichever makes
+        the smaller extra pass over memory at this shape (see `AUTO_DENSE_GEMMS`); "pallas" for quantised weights.
+        "pallas": Pallas GEMMs both ways (the fused-epilogue forward, the dx GEMM; W dequantised in-kernel).
+        "fused": the fused-epilogue Pallas GEMM forward, cuBLAS dx backward.
+        "epilogue": cuBLAS x W, then one Pallas pass (x W + s (x A) B) * g + bias.
+        "merged": one Pallas pass forms (W + s A B) * g, then one cuBLAS GEMM (x A waits for the backward). The
+        merged weight is kept for the backward's dx (one copy of W per layer in the compute dtype, held from the
+        forward to the backward; `save_merged=False` forms it again in the backward instead).
+        "sm90" (Hopper, dense 16-bit W, tile-multiple shapes): one Pallas pass forms V = W + s A B and its column
+        sums of squares, then one Mosaic GPU GEMM (x V) g + bias with g and the bias in its epilogue: no norm pass.
+        V is kept for the backward (as "merged"; dx = (dy g) V^T on cuBLAS, dy g written by the backward's column
+        launch), or with `save_merged=False` not kept: the backward forms (W + s A B) g and dx = dy (that)^T.
+        "xla": XLA GEMMs on g-scaled weights, x (W g) + (x A)(s B g); "xla_concat": one forward GEMM over
+        the concatenated K, [x, xA] @ [W g; s B g]; "xla_epilogue": cuBLAS x W + s (x A) B with the
+        g-scale and bias fused by XLA afterwards.
+        Every mode but "pallas" runs dx on cuBLAS (with many tokens, or int8 weights, one GEMM on the
+        merged weight) and takes dense weights only, except "merged" and "fused", which also take an
+        Int8Kernel (QDoRA at cuBLAS speed; the merged weight is then a transient full-precision array).
+      save_merged: gemm="merged" only: keep the merged weight (W + s A B) g from the forward for the backward's
+        dx = dy (that)^T (default True: one copy of W per layer in the compute dtype held until the backward, e.g.
+        ~12.5 GB over a Llama-7B's 32 blocks in bf16), or form it again in the backward (False: one more pass over
+        W, ~0.016 ms per 4096 x 4096 layer on an H200). None: `config.save_merged` (True by default).
+      config: tile sizes of the Pallas kernels (advanced).
+
+    Gradients flow to x, lora_a, lora_b, magnitude and bias; W (and `scale`) get zero cotangents.
+
+    Precision: with float32 x on a GPU the GEMMs (Pallas and cuBLAS alike) run at TF32 by default (~4e-4 relative,
+    as XLA's own fp32 matmuls); under ``jax.default_matmul_precision("highest")`` every one of them runs in full
+    fp32 (~1e-6). The norm is floored at 1e-12 (`reference.NORM_FLOOR`), so a column of W + s A B that is all
+    zero gives g = 0 and an output column equal to the bias, with finite gradients (peft gets NaN there). Zero
+    tokens give an empty output and zero gradients.
+    """
+    fin, fout, rank = _check(x, kernel, lora_a, lora_b, magnitude, bias, scale)
+    impl = _backend.resolve_implementation(implementation, op="dora_dense")
+    if gemm not in GEMMS:
+        raise ValueError(f"dora_dense: gemm must be one of {GEMMS}, got {gemm!r}")
+    dt = x.dtype
+    a, b = lora_a.astype(dt), lora_b.astype(dt)
+    bias_c = None if bias is None else bias.astype(dt)
+    if impl == "xla":
+        return reference.dora_dense_reference(x, kernel, a, b, magnitude, bias_c, scale=scale,
+                                              exact_norm_grad=exact_norm_grad)
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, fin)
+    if x2.shape[0] == 0:
+        return jnp.zeros((*lead, fout), dt)
+    kind, ops = _weight_ops(kernel, dt)
+    mode = _resolve_gemm(gemm, kind, x2.shape[0], fin, fout, dt, impl == "interpret")
+    config = config or K.DEFAULT
+    if save_merged is not None and bool(save_merged) != config.save_merged:
+        config = dataclasses.replace(config, save_merged=bool(save_merged))
+    statics = (kind, mode, impl == "interpret", config, bool(exact_norm_grad), rank, fin)
+    y = _dora_2d(statics, x2, ops, a, b, magnitude, bias_c, jnp.asarray(scale, jnp.float32))
+    return y.reshape(*lead, fout)
+
+
+def dora_dense_dropout(x, x_dropped, kernel, lora_a, lora_b, magnitude, bias=None, *, scale,
+                       exact_norm_grad: bool = False, implementation: str | None = None, **kw):
+    """peft's dropout form: ``y = x W + bias + (g - 1) (x_d W) + g s (x_d A) B`` (x_d = dropout(x)).
+
+    Computed as ``dora_dense(x_d, ...) + (x - x_d) W``: the fused layer on the dropped input plus one
+    plain matmul of the dropped-out part (XLA; for quantised kernels W is dequantised for that matmul).
+    """
+    if jnp.shape(x_dropped) != jnp.shape(x):
+        raise ValueError(f"dora_dense_dropout: x_dropped must have x's shape {jnp.shape(x)}, "
+                         f"got {jnp.shape(x_dropped)}")
+    y = dora_dense(x_dropped, kernel, lora_a, lora_b, magnitude, bias, scale=scale, exact_norm_grad=exact_norm_grad,
+                   implementation=implementation, **kw)
+    w = jax.lax.stop_gradient(dequantize(kernel, x.dtype))
+    rest = jnp.dot(x - x_dropped, w, preferred_element_type=jnp.float32)
+    return (y.astype(jnp.float32) + rest).astype(y.dtype)
+
+
+def column_scale(kernel, lora_a, lora_b, magnitude, *, scale, implementation: str | None = None,
+                 config: K.Config | None = None):
+    """g = m / ||W + s A B|| (float32, (out,)) with the fused column-norm kernel (no A B materialised)."""
+    fin, fout = kernel.shape
+    x_probe = jax.ShapeDtypeStruct((1, fin), jnp.float32)
+    _check(x_probe, kernel, lora_a, lora_b, magnitude, None, scale)
+    impl = _backend.resolve_implementation(implementation, op="column_scale")
+    dt = kernel.dtype if not is_quantized(kernel) else lora_a.dtype
+    if impl == "xla":
+        return reference.column_scale_reference(kernel, lora_a, lora_b, magnitude, scale, dt)
+    kind, ops = _weight_ops(kernel, dt)
+    ap, bp = _pad_rank(lora_a.astype(dt), lora_b.astype(dt))
+    return _column_norm_scale(ops, kind, ap, bp, jnp.asarray(scale, jnp.float32), magnitude, impl == "interpret",
+                              config or K.DEFAULT)[1]

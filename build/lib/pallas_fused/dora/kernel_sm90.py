@@ -1,0 +1,63 @@
+"""DoRA's output GEMM on Hopper: y = (x V) * g + bias, V = W + s A B (unscaled), in one Mosaic GPU kernel.
+
+The column scale g = m / ||V|| and the bias are applied to the fp32 accumulator in the epilogue, so the only
+pass DoRA adds to the base GEMM is the one that forms V and its column sums of squares (kernel.merge_weight with
+`emit_partials`): cuBLAS cannot scale columns in its epilogue, which is why the cuBLAS path ("merged") needs g
+before it forms (W + s A B) g, i.e. a norm pass over W ahead of the merge pass.
+
+The GEMM is the shared sm90 skeleton (pallas_fused/_sm90.py) with 16-bit operands: x (M, K) K-major, V (K, N)
+N-major (wgmma reads 16-bit B tiles in either major order, so V needs no transpose).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_fused import _backend, _sm90
+
+# Tile configurations by output size (H200 sweep, session 4 call 1, bf16, with the g + bias epilogue; cuBLAS x @ V
+# beside): 128 x 128 per warpgroup, tile_k 128 x 2 stages: 0.1864 ms at 4096^3 (cuBLAS 0.1875), 0.513 at
+# 4096 x 4096 -> 11008 (cuBLAS 0.488); with few output tiles (512 tokens: 64 CTA tiles of 128 x 256 for 132 SMs)
+# 128 x 64 per warpgroup, tile_k 64 x 5 stages: 0.0283 ms at 512 x 4096 -> 4096 (cuBLAS 0.0303).
+LARGE = _sm90.TileConfig(tile_m=128, tile_n=128, tile_k=128, max_concurrent_steps=2)
+SMALL = _sm90.TileConfig(tile_m=128, tile_n=64, tile_k=64, max_concurrent_steps=5)
+DEFAULT = LARGE
+
+
+def config_for(m: int, n: int, k: int) -> _sm90.TileConfig:
+    """The tile configuration for an (m, k) x (k, n) product (LARGE unless it leaves SMs idle)."""
+    cta_m, cta_n = LARGE.cta_tile
+    if -(-m // cta_m) * -(-n // cta_n) < _backend.num_sms():
+        return SMALL
+    return LARGE
+
+
+def supported(m: int, n: int, k: int, dtype, config: _sm90.TileConfig | None = None) -> bool:
+    config = config or config_for(m, n, k)
+    return jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) and _sm90.supported(m, n, k, config)
+
+
+def _scale_bias(acc, rows, cols):
+    del rows
+    acc = acc * lax.broadcast_in_dim(cols[0], acc.shape, [1])
+    if len(cols) > 1:
+        acc = acc + lax.broadcast_in_dim(cols[1], acc.shape, [1])
+    return acc
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def scaled_matmul(x, v, g, bias=None, *, config: _sm90.TileConfig | None = None):
+    """(x @ v) * g[None, :] + bias[None, :] in x's dtype (fp32 accumulation, one rounding); x (M, K), v (K, N).
+
+    config=None: `config_for` the shape."""
+    config = config or config_for(x.shape[0], v.shape[1], x.shape[1])
+    if x.dtype != v.dtype or not supported(x.shape[0], v.shape[1], x.shape[1], x.dtype, config):
+        raise ValueError(f"dora.kernel_sm90.scaled_matmul: x {x.shape} {x.dtype} and v {v.shape} {v.dtype} must share "
+                         f"a 16-bit dtype and be multiples of the tile {config.cta_tile + (config.tile_k,)}")
+    cols = (g.astype(jnp.float32),) + (() if bias is None else (bias,))
+    return _sm90.matmul(x, v, b_layout="kn", col_vecs=cols, epilogue=_scale_bias, out_dtype=x.dtype, config=config,
+                        name="pallas_fused_dora_gemm_sm90")

@@ -1,0 +1,381 @@
+"""Public FP8 ops: `quantize`, `scaled_matmul` (and its K-major form `scaled_matmul_nt`) and
+`fp8_linear`, the custom_vjp linear layer that runs its three GEMMs per a `Float8Config`.
+
+Layouts. Hopper's wgmma reads 8-bit operands only K-major, so the fast kernel computes
+a @ bt^T with a (M, K) and bt (N, K) both row-major ("NT"). `scaled_matmul_nt` takes that layout
+directly; `scaled_matmul` (b given as (K, N), the natural layout) transposes b first on the Pallas
+path (one extra pass over b). The linear layer never pays that pass: its quantize kernels write each
+fp8 operand directly in the K-major form its GEMM needs (x for y = x W; W^T for it too; W for
+dx = dy W^T; x^T and dy^T for dW = x^T dy), and a tensorwise operand used by two GEMMs is written in
+both layouts by one pass.
+
+Implementations ("implementation=" of every op): None picks "pallas" on a GPU and "xla" on the CPU;
+"pallas" runs the fastest correct path per case: the Mosaic GPU kernel ("pallas:sm90") on Hopper
+for same-dtype fp8 operands with fast accumulation, else XLA's fp8 dot (cuBLAS), which also takes
+mixed e4m3 x e5m2 operands and fast_accum=False; "pallas:sm90" and "pallas:triton" force a kernel;
+"xla" is the reference (XLA fp8 dot + fp32 rescale); "interpret" runs the Triton kernels in the
+Pallas interpreter (CPU tests).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from pallas_fused import _backend, _sharding
+from pallas_fused.fp8 import reference
+from pallas_fused.fp8.config import FP8_DTYPES, CastConfig, Float8Config, as_config
+
+VARIANTS = ("pallas:sm90", "pallas:triton")
+
+
+def _resolve(implementation, op):
+    """-> "xla" | "interpret" | "pallas" | "pallas:sm90" | "pallas:triton"."""
+    if implementation in VARIANTS:
+        _backend.resolve_implementation("pallas", op=op, needs=(9, 0) if implementation == "pallas:sm90" else None)
+        return implementation
+    return _backend.resolve_implementation(implementation, op=op)
+
+
+def _check_fp8(x, name, op):
+    if not isinstance(x, jax.Array | jax.ShapeDtypeStruct) and not hasattr(x, "dtype"):
+        raise ValueError(f"{op}: {name} must be an fp8 array, got {type(x).__name__}")
+    if jnp.dtype(x.dtype) not in FP8_DTYPES:
+        raise ValueError(f"{op}: {name} must have dtype float8_e4m3fn or float8_e5m2, got {x.dtype}")
+    if x.ndim != 2:
+        raise ValueError(f"{op}: {name} must be 2-D, got shape {x.shape}")
+
+
+def _scale_vector(scale, n, name, allowed, op):
+    """A scalar / (1, 1) / per-row-or-column scale -> an fp32 vector of length n."""
+    scale = jnp.asarray(scale)
+    if scale.shape not in [(), (1,), (1, 1), *allowed]:
+        shapes = " or ".join(map(str, allowed))
+        raise ValueError(f"{op}: {name} must be a scalar or of shape {shapes}, got {scale.shape}")
+    if not jnp.issubdtype(scale.dtype, jnp.floating):
+        raise ValueError(f"{op}: {name} must be floating point, got {scale.dtype}")
+    return jnp.broadcast_to(scale.astype(jnp.float32).reshape(-1), (n,))
+
+
+# ----------------------------------------------------------------------------------------------
+# quantize
+
+
+def _quantize_2d(x, dtype, axis, power_of_2, impl, emit_n=True, emit_t=False):
+    """2-D quantize -> (q or None, q^T or None, scale with keepdims shape). axis in (None, 0, 1)."""
+    if impl == "xla" or x.size == 0:  # an empty x (no tokens) needs no kernel
+        q, scale = reference.quantize_reference(x, dtype, axis, power_of_2)
+        return (q if emit_n else None), (q.T if emit_t else None), scale
+    from pallas_fused.fp8 import kernel
+
+    def launch(x):
+        q, qt, scale = kernel.quantize_2d(x, dtype=jnp.dtype(dtype), axis=axis, power_of_2=power_of_2, emit_n=emit_n,
+                                          emit_t=emit_t, interpret=impl == "interpret")
+        return tuple(o for o in (q, qt) if o is not None) + (scale,)
+
+    def collective(mesh_axes):
+        """Per shard when the reduced axis is split: all-reduce the amax, cast with XLA (same formula)."""
+        def run(x):
+            amax = reference.finite_amax(x, axis)
+            scale = reference.scale_from_amax(jax.lax.pmax(amax, mesh_axes), dtype, power_of_2)
+            q = reference.saturating_cast(x, scale, dtype)
+            return tuple(o for o, emit in ((q, emit_n), (q.T, emit_t)) if emit) + (scale,)
+
+        return run
+
+    # Sharded: the kept axis stays split (the kernel per shard); a split reduced axis goes through `collective`.
+    scale_term = {None: "", 1: "m u", 0: "u k"}[axis]
+    outs = (["m k"] if emit_n else []) + (["k m"] if emit_t else []) + [scale_term]
+    out = _sharding.partitioned(launch, "m k -> " + ", ".join(outs), reduced=("m", "k") if axis is None else
+                                ("k" if axis == 1 else "m",), reduced_fn=collective)(x)
+    out = list(out)
+    return (out.pop(0) if emit_n else None), (out.pop(0) if emit_t else None), out[0]
+
+
+def quantize(x, dtype=jnp.float8_e4m3fn, axis: int | None = None, power_of_2: bool = False, *,
+             implementation: str | None = None):
+    """Dynamic, saturating FP8 quantization: returns (x_fp8, scale) with x ~= x_fp8.astype(f32) * scale.
+
+    axis=None: tensorwise, scale is an fp32 scalar. axis=k: the amax is taken along axis k (keepdims),
+    like jnp.max(abs(x), axis=k, keepdims=True); for a (M, K) operand axis=-1 gives (M, 1) rowwise
+    scales. scale = max(amax, 1e-12) / fp8_max, so amax = 0 gives a finite scale; values beyond
+    fp8_max * scale clamp to +-fp8_max. `power_of_2` rounds each scale up to a power of two.
+    One pass of the Pallas kernel computes the amax and the cast (tensorwise: XLA's amax, then one cast pass).
+
+    Non-finite values: the amax is taken over the finite values only, so an inf or NaN never spoils the scale
+    (or the other elements); +-inf saturates to +-fp8_max and NaN stays NaN, element by element. torchao
+    instead lets one inf or NaN make the scale 0 or NaN, and the whole tensor NaN. An empty x (e.g. no tokens)
+    gives an empty x_fp8 and the scale of amax = 0.
+    """
+    op = "fp8.quantize"
+    x = jnp.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.floating) or jnp.dtype(x.dtype) in FP8_DTYPES:
+        raise ValueError(f"{op}: x must be a float32/bfloat16/float16 array, got {x.dtype}")
+    if jnp.dtype(dtype) not in FP8_DTYPES:
+        raise ValueError(f"{op}: dtype must be float8_e4m3fn or float8_e5m2, got {dtype}")
+    if x.ndim == 0:
+        raise ValueError(f"{op}: x must be an array of rank >= 1, got shape {x.shape}")
+    if axis is not None:
+        if not isinstance(axis, int) or not -x.ndim <= axis < x.ndim:
+            raise ValueError(f"{op}: axis must be None or an int in [-{x.ndim}, {x.ndim}), got {axis!r}")
+        axis = axis % x.ndim
+    impl = _resolve(implementation, op)
+    if impl == "xla" or x.size == 0 or (axis is not None and 0 < axis < x.ndim - 1) or x.ndim == 1 and axis is not None:
+        return reference.quantize_reference(x, dtype, axis, power_of_2)
+    # View x as 2-D with the reduced axis as one of the two dimensions.
+    if axis is None or axis == x.ndim - 1:
+        x2 = x.reshape(-1, x.shape[-1]) if x.ndim != 1 else x.reshape(1, -1)
+        ax2 = None if axis is None else 1
+    else:  # axis == 0
+        x2 = x.reshape(x.shape[0], -1)
+        ax2 = 0
+    q, _, scale = _quantize_2d(x2, dtype, ax2, power_of_2, impl)
+    if axis is None:
+        return q.reshape(x.shape), scale
+    keep = list(x.shape)
+    keep[axis] = 1
+    return q.reshape(x.shape), scale.reshape(keep)
+
+
+# ----------------------------------------------------------------------------------------------
+# scaled matmul
+
+
+def _pad_to(x, rows, cols):
+    pr, pc = -x.shape[0] % rows, -x.shape[1] % cols
+    return x if pr == pc == 0 else jnp.pad(x, ((0, pr), (0, pc)))
+
+
+def _pad_vec(v, multiple):
+    p = -v.shape[0] % multiple
+    return v if p == 0 else jnp.pad(v, (0, p), constant_values=1.0)
+
+
+def sm90_config(m, n, k):
+    """The sm90 tile for an (M, K) x (N, K) GEMM: the two compute warpgroups split the CTA tile along N
+    (128 x 256) unless only the split along M (256 x 128) fits the shape without padding, as for the
+    N = 5504 projections of a 2048-wide Llama. Padding costs a copy of each padded operand and of the
+    output (the slice back), ~30% of the GEMM's time at 16384x2048x5504."""
+    from pallas_fused.fp8 import kernel_sm90
+
+    config = kernel_sm90.DEFAULT
+    split_m = dataclasses.replace(config, wg_split="m")
+    for candidate in (config, split_m):
+        if kernel_sm90.supported(m, n, k, jnp.float8_e4m3fn, jnp.float8_e4m3fn, candidate):
+            return candidate
+    # Neither fits: pad as little as possible (the first on a tie).
+    padded = lambda c: (m + -m % c.cta_tile[0]) * (n + -n % c.cta_tile[1])  # noqa: E731
+    return min((config, split_m), key=padded)
+
+
+def _mm_nt(a, bt, sa, sb, out_dtype, fast_accum, impl):
+    """(a * sa[:, None]) @ (bt * sb[:, None])^T; a (M, K), bt (N, K) fp8; sa (M,), sb (N,) fp32."""
+    if 0 in (*a.shape, bt.shape[0]):  # no tokens (or an empty contraction): nothing for a kernel to do
+        return jnp.zeros((a.shape[0], bt.shape[0]), out_dtype)
+    same = a.dtype == bt.dtype
+    if impl == "pallas":
+        impl = "pallas:sm90" if _backend.is_hopper() and same and fast_accum else "xla"
+    if impl == "xla":
+        precision = None if fast_accum else jax.lax.Precision.HIGHEST
+        acc = jax.lax.dot_general(a, bt, (((1,), (1,)), ((), ())), precision=precision,
+                                  preferred_element_type=jnp.float32)
+        return (acc * sa[:, None] * sb[None, :]).astype(out_dtype)
+    if impl == "pallas:sm90":
+        from pallas_fused.fp8 import kernel_sm90
+
+        if not same:
+            raise ValueError(f"scaled_matmul: implementation='pallas:sm90' needs one fp8 dtype for both operands, "
+                             f"got {a.dtype} and {bt.dtype}")
+
+        def launch(a, bt, sa, sb, out_dtype):
+            m, n = a.shape[0], bt.shape[0]
+            config = sm90_config(m, n, a.shape[1])
+            cm, cn = config.cta_tile
+            out = kernel_sm90.scaled_matmul_nt(
+                _pad_to(a, cm, config.tile_k), _pad_to(bt, cn, config.tile_k), _pad_vec(sa, cm), _pad_vec(sb, cn),
+                out_dtype=jnp.dtype(out_dtype), config=config)
+            return out[:m, :n]
+    else:
+        from pallas_fused.fp8 import kernel
+
+        def launch(a, bt, sa, sb, out_dtype):
+            return kernel.scaled_matmul_nt(a, bt, sa, sb, out_dtype=jnp.dtype(out_dtype),
+                                           interpret=impl == "interpret")
+
+    # Sharded: M data parallel, N tensor parallel; a sharded contraction K (tokens, in the weight-gradient
+    # GEMM of data-parallel training) gives float32 partial products, all-reduced and then rounded once.
+    return _sharding.partitioned(lambda *args: launch(*args, out_dtype), "m k, n k, m, n -> m n", summed=("k",),
+                                 partial_fn=lambda *args: launch(*args, jnp.float32))(a, bt, sa, sb)
+
+
+def _check_out_dtype(out_dtype, op):
+    if jnp.dtype(out_dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32), jnp.dtype(jnp.float16)):
+        raise ValueError(f"{op}: out_dtype must be bfloat16, float16 or float32, got {out_dtype}")
+
+
+def scaled_matmul(a_fp8, b_fp8, a_scale, b_scale, *, out_dtype=jnp.bfloat16, fast_accum: bool = True,
+                  implementation: str | None = None):
+    """(a_fp8 * a_scale) @ (b_fp8 * b_scale) in fp32, cast to `out_dtype`.
+
+    a_fp8 (M, K) and b_fp8 (K, N) are float8_e4m3fn / float8_e5m2; a_scale is a scalar or (M, 1)
+    (rowwise), b_scale a scalar or (1, N) (columnwise); the scales are applied to the fp32
+    accumulator in the kernel's epilogue. Prefer `scaled_matmul_nt` with b already K-major
+    ((N, K), e.g. from `quantize(w.T, ...)`): the Hopper kernel needs that layout, so this
+    function transposes b on the Pallas path.
+    """
+    op = "fp8.scaled_matmul"
+    _check_fp8(a_fp8, "a_fp8", op)
+    _check_fp8(b_fp8, "b_fp8", op)
+    _check_out_dtype(out_dtype, op)
+    (m, k), (k2, n) = a_fp8.shape, b_fp8.shape
+    if k != k2:
+        raise ValueError(f"{op}: a_fp8 (M, K) and b_fp8 (K, N) must share K, got {a_fp8.shape} and {b_fp8.shape}")
+    sa = _scale_vector(a_scale, m, "a_scale", [(m, 1)], op)
+    sb = _scale_vector(b_scale, n, "b_scale", [(1, n)], op)
+    impl = _resolve(implementation, op)
+    if impl == "xla":
+        return reference.scaled_matmul_reference(a_fp8, b_fp8, sa[:, None], sb[None, :], out_dtype=out_dtype,
+                                                 fast_accum=fast_accum)
+    return _mm_nt(a_fp8, b_fp8.T, sa, sb, out_dtype, fast_accum, impl)
+
+
+def scaled_matmul_nt(a_fp8, bt_fp8, a_scale, b_scale, *, out_dtype=jnp.bfloat16, fast_accum: bool = True,
+                     implementation: str | None = None):
+    """(a_fp8 * a_scale) @ (bt_fp8 * b_scale)^T with both operands K-major: a (M, K), bt (N, K).
+
+    The layout the Hopper kernel reads directly. a_scale: scalar or (M, 1); b_scale: scalar or
+    (N, 1) (one scale per row of bt, i.e. per output column, as `quantize(bt, axis=-1)` returns).
+    """
+    op = "fp8.scaled_matmul_nt"
+    _check_fp8(a_fp8, "a_fp8", op)
+    _check_fp8(bt_fp8, "bt_fp8", op)
+    _check_out_dtype(out_dtype, op)
+    (m, k), (n, k2) = a_fp8.shape, bt_fp8.shape
+    if k != k2:
+        raise ValueError(f"{op}: a_fp8 (M, K) and bt_fp8 (N, K) must share K, got {a_fp8.shape} and {bt_fp8.shape}")
+    sa = _scale_vector(a_scale, m, "a_scale", [(m, 1)], op)
+    sb = _scale_vector(b_scale, n, "b_scale", [(n, 1)], op)
+    return _mm_nt(a_fp8, bt_fp8, sa, sb, out_dtype, fast_accum, _resolve(implementation, op))
+
+
+# ----------------------------------------------------------------------------------------------
+# the linear layer: three GEMMs, each argument cast per its config
+
+
+class _Operand:
+    """One GEMM argument in K-major form: fp8 `data` with a scale vector per K-major row, or (when its
+    cast is disabled) the high-precision `data` whose K-major form is data (kmajor) or data.T."""
+
+    def __init__(self, data, scale=None, kmajor=True):
+        self.data, self.scale, self.kmajor = data, scale, kmajor
+
+    @property
+    def fp8(self):
+        return self.scale is not None
+
+    def hp(self, dtype):
+        """The K-major high-precision value."""
+        x = self.data if self.kmajor else self.data.T
+        if self.fp8:
+            x = x.astype(jnp.float32) * self.scale[:, None]
+        return x.astype(dtype)
+
+
+jax.tree_util.register_pytree_node(
+    _Operand, lambda o: ((o.data, o.scale), o.kmajor), lambda kmajor, ch: _Operand(ch[0], ch[1], kmajor))
+
+
+def _operands(x, cfg_n: CastConfig, cfg_t: CastConfig | None, pow2, impl):
+    """x (R, C) cast for use as a K-major operand directly (cfg_n: contraction over C) and transposed
+    (cfg_t: x^T, contraction over R). Tensorwise casts with one dtype share a single pass."""
+    qimpl = "xla" if impl == "xla" else ("interpret" if impl == "interpret" else "pallas")
+    out: list[_Operand | None] = []
+    if cfg_t is not None and cfg_n.scaling == cfg_t.scaling == "tensorwise" and cfg_n.dtype == cfg_t.dtype:
+        q, qt, s = _quantize_2d(x, cfg_n.dtype, None, pow2, qimpl, emit_n=True, emit_t=True)
+        s = s.reshape(())
+        return _Operand(q, jnp.broadcast_to(s, (x.shape[0],))), _Operand(qt, jnp.broadcast_to(s, (x.shape[1],)))
+    for cfg, transposed in ((cfg_n, False), (cfg_t, True)):
+        if cfg is None:
+            out.append(None)
+        elif cfg.disabled:
+            out.append(_Operand(x, None, kmajor=not transposed))
+        else:
+            axis = None if cfg.scaling == "tensorwise" else (0 if transposed else 1)
+            q, qt, s = _quantize_2d(x, cfg.dtype, axis, pow2, qimpl, emit_n=not transposed, emit_t=transposed)
+            n = x.shape[1] if transposed else x.shape[0]
+            out.append(_Operand(qt if transposed else q, jnp.broadcast_to(s.reshape(-1), (n,))))
+    return tuple(out)
+
+
+def _gemm(lhs: _Operand, rhs: _Operand, fast_accum, impl, out_dtype, hp_dtype):
+    """lhs_kmajor @ rhs_kmajor^T: fp8 kernel when both are fp8, else a high-precision dot."""
+    if lhs.fp8 and rhs.fp8:
+        return _mm_nt(lhs.data, rhs.data, lhs.scale, rhs.scale, out_dtype, fast_accum, impl)
+    a, b = lhs.hp(hp_dtype), rhs.hp(hp_dtype)
+    # Result in the operands' dtype: the dot accumulates in fp32 and writes it itself (asking for an fp32
+    # result makes XLA write it and read it back for the cast: ~0.1 ms of the 8192-wide weight gradient).
+    acc = None if jnp.dtype(out_dtype) == a.dtype else jnp.float32
+    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=acc).astype(out_dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _linear(x, w, config: Float8Config, impl: str):
+    y, _ = _linear_fwd(x, w, config, impl)
+    return y
+
+
+def _linear_fwd(x, w, config, impl):
+    pow2 = config.round_scales_to_power_of_2
+    x_n, x_t = _operands(x, config.cast_config_input, config.cast_config_input_for_grad_weight, pow2, impl)
+    # W (in, out): the output GEMM reads W^T (contraction over in), grad_input reads W (over out).
+    w_t, w_n = _operands_w(w, config, pow2, impl)
+    y = _gemm(x_n, w_t, config.gemm_config_output.fast_accum, impl, x.dtype, x.dtype)
+    return y, (x_t, w_n, jnp.zeros((0,), x.dtype), jnp.zeros((0,), w.dtype))
+
+
+def _operands_w(w, config, pow2, impl):
+    """W (in, out) -> (W^T for the output GEMM, W for the grad_input GEMM), both K-major."""
+    w_n_for_gi, w_t_for_out = _operands(w, config.cast_config_weight_for_grad_input, config.cast_config_weight,
+                                        pow2, impl)
+    return w_t_for_out, w_n_for_gi
+
+
+def _linear_bwd(config, impl, res, dy):
+    x_t, w_n, x_proto, w_proto = res
+    pow2 = config.round_scales_to_power_of_2
+    dy_n, dy_t = _operands(dy, config.cast_config_grad_output, config.cast_config_grad_output_for_grad_weight,
+                           pow2, impl)
+    dx = _gemm(dy_n, w_n, config.gemm_config_grad_input.fast_accum, impl, x_proto.dtype, dy.dtype)
+    dw = _gemm(x_t, dy_t, config.gemm_config_grad_weight.fast_accum, impl, w_proto.dtype, dy.dtype)
+    return dx, dw
+
+
+_linear.defvjp(_linear_fwd, _linear_bwd)
+
+
+def fp8_linear(x, w, config: Float8Config | str = "tensorwise", *, implementation: str | None = None):
+    """y = x @ w with FP8 GEMMs per `config` (a Float8Config or recipe name), differentiable.
+
+    x: (..., in) float (bf16 typical), w: (in, out) of the same dtype. Forward y = x W, backward
+    dx = dy W^T and dW = x^T dy, each argument cast per its cast config (axiswise scales are taken
+    over that GEMM's contraction axis) and each GEMM with its fast-accumulation setting. Scales are
+    dynamic (from the current amax). Output dtype = x.dtype.
+    """
+    op = "fp8.fp8_linear"
+    config = as_config(config)
+    x, w = jnp.asarray(x), jnp.asarray(w)
+    if w.ndim != 2:
+        raise ValueError(f"{op}: w must be 2-D (in, out), got shape {w.shape}")
+    if x.ndim < 1 or x.shape[-1] != w.shape[0]:
+        raise ValueError(f"{op}: x must be (..., {w.shape[0]}) to match w {w.shape}, got {x.shape}")
+    for name, v in (("x", x), ("w", w)):
+        if not jnp.issubdtype(v.dtype, jnp.floating) or jnp.dtype(v.dtype) in FP8_DTYPES:
+            raise ValueError(f"{op}: {name} must be float32/bfloat16/float16, got {v.dtype}")
+    impl = _resolve(implementation, op)
+    lead = x.shape[:-1]
+    y = _linear(x.reshape(math.prod(lead), x.shape[-1]), w.astype(x.dtype), config, impl)
+    return y.reshape(*lead, w.shape[1])

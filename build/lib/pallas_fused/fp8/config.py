@@ -1,0 +1,112 @@
+"""FP8 training configuration: one cast config per GEMM argument, one GEMM config per GEMM.
+
+A linear layer y = x W (Flax layout: x (tokens, in), W (in, out)) runs three GEMMs:
+
+    output       y  = x   @ W      cast configs: input,                 weight
+    grad_input   dx = dy  @ W^T    cast configs: grad_output,           weight_for_grad_input
+    grad_weight  dW = x^T @ dy     cast configs: input_for_grad_weight, grad_output_for_grad_weight
+
+Each argument of each GEMM is scaled "tensorwise" (one fp32 scale), "axiswise" (one scale per row or
+column: the amax is taken over that GEMM's contraction axis) or "disabled" (kept in high precision).
+This mirrors torchao's `Float8LinearConfig` (pytorch/ao PR 940).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+SCALINGS = ("tensorwise", "axiswise", "disabled")
+FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+
+
+@dataclasses.dataclass(frozen=True)
+class CastConfig:
+    """How one GEMM argument is cast: `scaling` in SCALINGS and the fp8 `dtype` (e4m3fn or e5m2)."""
+
+    scaling: str = "tensorwise"
+    dtype: object = jnp.float8_e4m3fn
+
+    def __post_init__(self):
+        if self.scaling not in SCALINGS:
+            raise ValueError(f"CastConfig: scaling must be one of {SCALINGS}, got {self.scaling!r}")
+        dtype = jnp.dtype(self.dtype)
+        if dtype not in FP8_DTYPES:
+            raise ValueError(f"CastConfig: dtype must be float8_e4m3fn or float8_e5m2, got {dtype}")
+        object.__setattr__(self, "dtype", dtype)
+
+    @property
+    def disabled(self) -> bool:
+        return self.scaling == "disabled"
+
+
+@dataclasses.dataclass(frozen=True)
+class GemmConfig:
+    """One GEMM's settings: `fast_accum` lets the tensor cores accumulate fp8 products in their
+    reduced-precision accumulator (faster; the error grows with K)."""
+
+    fast_accum: bool = True
+
+
+E4M3 = jnp.float8_e4m3fn
+E5M2 = jnp.float8_e5m2
+
+
+@dataclasses.dataclass(frozen=True)
+class Float8Config:
+    """Per-GEMM-argument FP8 configuration of a linear layer (see the module docstring).
+
+    `round_scales_to_power_of_2` rounds every scale up to a power of two, so that scaling is exact
+    (only the exponent changes). Build the standard recipes with `Float8Config.from_recipe(name)`.
+    """
+
+    cast_config_input: CastConfig = CastConfig("tensorwise", E4M3)
+    cast_config_weight: CastConfig = CastConfig("tensorwise", E4M3)
+    cast_config_grad_output: CastConfig = CastConfig("tensorwise", E5M2)
+    cast_config_input_for_grad_weight: CastConfig = CastConfig("tensorwise", E4M3)
+    cast_config_weight_for_grad_input: CastConfig = CastConfig("tensorwise", E4M3)
+    cast_config_grad_output_for_grad_weight: CastConfig = CastConfig("tensorwise", E5M2)
+    gemm_config_output: GemmConfig = GemmConfig(True)
+    gemm_config_grad_input: GemmConfig = GemmConfig(True)
+    gemm_config_grad_weight: GemmConfig = GemmConfig(True)
+    round_scales_to_power_of_2: bool = False
+
+    def __post_init__(self):
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if field.name.startswith("cast_config") and not isinstance(value, CastConfig):
+                raise ValueError(f"Float8Config: {field.name} must be a CastConfig, got {value!r}")
+            if field.name.startswith("gemm_config") and not isinstance(value, GemmConfig):
+                raise ValueError(f"Float8Config: {field.name} must be a GemmConfig, got {value!r}")
+
+    @classmethod
+    def from_recipe(cls, name: str) -> Float8Config:
+        """The torchao recipes.
+
+        - "tensorwise": tensorwise scales; e4m3 for inputs and weights, e5m2 for gradients.
+        - "rowwise": every argument axiswise, e4m3, power-of-2 scales.
+        - "rowwise_with_gw_hp": output: x and W axiswise; grad_input: dy axiswise, W tensorwise;
+          grad_weight in high precision (x^T and dy stay bf16). Power-of-2 scales.
+
+        All GEMMs use fast accumulation (torchao's advice for speed; set `gemm_config_*` to change it).
+        """
+        if name == "tensorwise":
+            return cls()
+        axis = CastConfig("axiswise", E4M3)
+        if name == "rowwise":
+            return cls(axis, axis, axis, axis, axis, axis, round_scales_to_power_of_2=True)
+        if name == "rowwise_with_gw_hp":
+            off = CastConfig("disabled", E4M3)
+            return cls(axis, axis, axis, off, CastConfig("tensorwise", E4M3), off, round_scales_to_power_of_2=True)
+        raise ValueError(f"Float8Config.from_recipe: name must be one of {RECIPES}, got {name!r}")
+
+
+def as_config(config) -> Float8Config:
+    """A Float8Config from a config or a recipe name."""
+    if isinstance(config, Float8Config):
+        return config
+    if isinstance(config, str):
+        return Float8Config.from_recipe(config)
+    raise ValueError(f"config must be a Float8Config or a recipe name in {RECIPES}, got {config!r}")

@@ -1,0 +1,59 @@
+"""Mosaic GPU (Hopper, sm90) FP8 scaled matmul: TMA-fed, warp-specialized wgmma with a scale epilogue.
+
+out = (a * a_scale[:, None]) @ (bt * b_scale[:, None])^T, a (M, K) and bt (N, K) fp8 of ONE dtype
+(wgmma takes a single element type for both operands), both K-major: wgmma reads 8-bit operands
+only K-major, so B arrives transposed ((N, K) row-major) and is viewed as (K, N) in shared memory.
+The quantize kernels emit that layout directly, so the Dense path never transposes an fp8 tensor.
+
+The GEMM is the shared sm90 skeleton (pallas_fused/_sm90.py: persistent, TMA-fed, warp-specialized
+wgmma); this module gives it the scale epilogue: the fp32 accumulator times the row scales and the
+column scales, cast once to the output dtype.
+
+Accumulation: the wgmma fp8 accumulator is the tensor cores' "fast accumulation"; callers that ask
+for fast_accum=False are routed elsewhere by the api.
+Shapes must be multiples of the CTA tile and tile_k; the api pads otherwise.
+
+Measured on an H200 (jax 0.11.2), e4m3 -> bf16, 8192^3: 1431 TFLOP/s rowwise, 1383 tensorwise
+(XLA fp8 dot + rescale 867; torch._scaled_mm 1556 / 1518 in the same run); 16384x4096x11008 rowwise
+1359. Tile sweep at 8192^3 (rowwise): 128x128x128 per warpgroup, split along N, 4 stages: 1390;
+3 stages 1361; split along M 1379; tile_k=64 x 6 stages 1340; 128x256 x 2 stages 274 (register
+spills: a 128x256 fp32 accumulator per warpgroup is too big). On the shared skeleton (session 4):
+8192^3 rowwise 1377, tensorwise 1383; 16384x4096x11008 rowwise 1408 (torch._scaled_mm 1560 / 1512 / 1554).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_fused import _sm90
+
+TileConfig = _sm90.TileConfig  # fp8 defaults: 128 x 128 per warpgroup, tile_k 128 (bytes), 4 stages = 192 KiB
+DEFAULT = TileConfig()
+
+
+def supported(m: int, n: int, k: int, a_dtype, b_dtype, config: TileConfig = DEFAULT) -> bool:
+    """Whether the kernel runs these operands as they are (no padding): one fp8 dtype, tile multiples."""
+    return a_dtype == b_dtype and _sm90.supported(m, n, k, config)
+
+
+def _row_col_scales(acc, rows, cols):
+    return acc * lax.broadcast_in_dim(rows[0], acc.shape, [0]) * lax.broadcast_in_dim(cols[0], acc.shape, [1])
+
+
+@functools.partial(jax.jit, static_argnames=("out_dtype", "config"))
+def scaled_matmul_nt(a, bt, a_scale, b_scale, *, out_dtype, config: TileConfig = DEFAULT):
+    """(a * a_scale[:, None]) @ (bt * b_scale[:, None])^T on Hopper; shapes must be tile multiples.
+
+    Under vmap the batch runs as a loop of kernel launches (the Mosaic GPU kernel has no batching rule).
+    """
+    m, k = a.shape
+    if not supported(m, bt.shape[0], k, a.dtype, bt.dtype, config):
+        raise ValueError(f"kernel_sm90.scaled_matmul_nt: shapes {a.shape} x {bt.shape} must be multiples of the "
+                         f"tile {config.cta_tile + (config.tile_k,)} with one fp8 dtype")
+    return _sm90.matmul(a, bt, b_layout="nk", row_vecs=(a_scale.astype(jnp.float32),),
+                        col_vecs=(b_scale.astype(jnp.float32),), epilogue=_row_col_scales, out_dtype=out_dtype,
+                        config=config, name="pallas_fused_fp8_scaled_matmul_sm90")

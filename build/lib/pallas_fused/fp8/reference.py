@@ -1,0 +1,75 @@
+"""Plain-jnp ground truth for FP8 quantization and scaled matmuls; also the "xla" implementation.
+
+Convention: x ~= x_fp8.astype(float32) * scale, with scale = amax / fp8_max (fp32). amax = 0 gives
+scale = AMAX_FLOOR / fp8_max (finite, positive); the cast saturates at +-fp8_max.
+
+Non-finite input: the amax is taken over the finite values only, so one inf or NaN never reaches the scale;
+in the cast +-inf saturates to +-fp8_max (as any value beyond the range) and NaN stays NaN, element by
+element. (torchao takes the amax over everything, torch.max(abs(x)) in torchao/float8/float8_utils.py: one inf
+makes its scale fp8_max / amax 0 and one NaN makes it NaN, so the whole tensor dequantizes to NaN.) An empty
+tensor has amax 0.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+# Smallest amax used for a scale: an all-zero tensor still gets a finite, positive scale.
+AMAX_FLOOR = 1e-12
+
+
+def fp8_max(dtype) -> float:
+    return float(jnp.finfo(dtype).max)
+
+
+def round_up_pow2(scale: jax.Array) -> jax.Array:
+    """The smallest power of two >= scale (positive, normal fp32), by rounding the mantissa bits up."""
+    bits = jax.lax.bitcast_convert_type(scale.astype(jnp.float32), jnp.int32)
+    bits = (bits + 0x7FFFFF) & jnp.int32(-0x800000)  # -0x800000 == 0xFF800000: sign + exponent
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def finite_abs(x: jax.Array) -> jax.Array:
+    """|x| in fp32 with inf and NaN replaced by 0 (what the amax sees; also used inside the kernels)."""
+    a = jnp.abs(x.astype(jnp.float32))
+    return jnp.where(a <= jnp.finfo(jnp.float32).max, a, 0.0)  # False for inf and NaN
+
+
+def finite_amax(x: jax.Array, axis=None) -> jax.Array:
+    """max |x| over `axis` (keepdims when an axis is given) in fp32, ignoring inf and NaN; 0 if nothing is left."""
+    return jnp.max(finite_abs(x), axis=axis, keepdims=axis is not None, initial=0.0)
+
+
+def scale_from_amax(amax: jax.Array, dtype, power_of_2: bool) -> jax.Array:
+    scale = jnp.maximum(amax.astype(jnp.float32), AMAX_FLOOR) / fp8_max(dtype)
+    return round_up_pow2(scale) if power_of_2 else scale
+
+
+def saturating_cast(x: jax.Array, scale: jax.Array, dtype) -> jax.Array:
+    """x / scale clamped to the fp8 range, then cast: never inf or NaN from an overflow, +-inf saturates, NaN
+    stays NaN."""
+    limit = fp8_max(dtype)
+    v = x.astype(jnp.float32) / scale
+    return jnp.where(v == v, jnp.clip(v, -limit, limit), v).astype(dtype)
+
+
+def quantize_reference(x: jax.Array, dtype=jnp.float8_e4m3fn, axis: int | None = None, power_of_2: bool = False):
+    """(x_fp8, scale): tensorwise (axis=None, scalar scale) or the amax over `axis` (keepdims)."""
+    scale = scale_from_amax(finite_amax(x, axis), dtype, power_of_2)
+    return saturating_cast(x, scale, dtype), scale
+
+
+def scaled_matmul_reference(a, b, a_scale, b_scale, *, out_dtype=jnp.bfloat16, fast_accum: bool = True):
+    """(a * a_scale) @ (b * b_scale) as XLA's fp8 dot (fp32 result) and an fp32 rescale.
+
+    `fast_accum=False` asks for the highest precision, which keeps XLA's cuBLAS call off its
+    fast-accumulation mode.
+    """
+    precision = None if fast_accum else jax.lax.Precision.HIGHEST
+    acc = jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), precision=precision, preferred_element_type=jnp.float32)
+    return (acc * jnp.asarray(a_scale, jnp.float32) * jnp.asarray(b_scale, jnp.float32)).astype(out_dtype)
+
+
+def dequantize(x_fp8: jax.Array, scale: jax.Array, dtype=jnp.float32) -> jax.Array:
+    return (x_fp8.astype(jnp.float32) * scale).astype(dtype)

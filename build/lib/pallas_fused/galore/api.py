@@ -1,0 +1,569 @@
+"""GaLore Adam(W) as optax transforms, plus an in-place training step (kernels via kernel.py; no Pallas here).
+
+    tx = galore_adamw(1e-3, rank=128, update_proj_gap=200, scale=0.25, weight_decay=0.01)
+    state = tx.init(params)
+    updates, state = tx.update(grads, state, params)          # optax path
+    params = optax.apply_updates(params, updates)
+
+    opt = galore_adamw_inplace(1e-3, rank=128, ...)           # same state, same numbers (fp32: bit-identical)
+    step = jax.jit(opt.step, donate_argnums=(0, 2))           # writes params in the update kernel
+    params, state = step(params, grads, state)
+
+Which leaves are projected: the 2-D leaves selected by `mask` (default: every 2-D leaf whose both dims
+exceed `rank`). Every other leaf gets plain Adam(W) from pallas_fused.adam's fused kernel (optax.adamw's
+numbers, m_hat / (sqrt(v_hat) + eps); its non-finite policy: such elements are skipped) and the same
+decoupled weight decay.
+
+Semantics (`convention="galore"`, the default) are the reference GaLore (galore-torch `GaLoreAdamW`):
+the projector is recomputed from the current gradient when the step count (before increment) is a
+multiple of `update_proj_gap` (step 0 included); the low-rank moments are kept across refreshes;
+m = b1 m + (1-b1) R, v = b2 v + (1-b2) R^2, R_n = m / (sqrt(v) + eps),
+W <- W - lr sqrt(1-b2^t)/(1-b1^t) scale backproject(R_n) - lr wd W   (decay of the pre-step W, as AdamW
+in optax; galore-torch decays the post-step W, a difference of order lr^2 wd).
+
+`convention="optax"` reproduces optax.contrib.galore (with its default scale_by_adam base): its projector
+side (proj_type "reverse_std": the smaller dimension is kept) and its eps placement
+m_hat / (sqrt(v_hat) + eps); the learning rate is applied after scale and weight decay as there.
+
+Non-finite gradients: on a refresh step whose gradient (of a projected leaf) is not finite, that leaf
+keeps its previous projector and moments and its update is zero (the step is skipped for that leaf, the
+step count still advances) and every projector is refreshed again on the next step. On other steps a
+projected leaf whose gradient is not finite (or whose squared low-rank gradient overflows) skips its step the
+same way: params, low-rank moments and projector are kept and its update is zero; the check reads only the
+small low-rank moments, never G again. Never a poisoned state: the projected leaves skip the whole leaf,
+the other leaves (as pallas_fused.adam) skip the non-finite elements.
+
+Sharding (FSDP: each weight, its gradient and its state split along one axis of a mesh; see
+pallas_fused._sharding): under jit every kernel runs on each device's shard. The down-projection
+R = G P^T (side right) or P^T G (side left) is local when its contraction is whole; when the contraction
+is split, each device projects its shard and the small (M, r) / (r, N) partial projections are
+all-reduced (never G) before the low-rank Adam kernel. The up-projection's contraction is the rank, so
+W's shard needs only the matching rows/columns of P and N: local. `state_shardings(state,
+param_shardings)` gives the matching state shardings. Projector refresh: "randomized" is GEMMs with a
+sharded G that XLA partitions (all-reducing and at most gathering the (M or N, rank + oversample)
+sketches, never G); "svd" (jnp.linalg.svd is not partitioned) gathers the full gradient of each projected
+leaf on refresh steps (once every update_proj_gap steps): prefer "randomized" on large meshes.
+
+Hyperparameters learning_rate (float or schedule), b1, b2, eps, weight_decay and scale are runtime
+values: under `optax.inject_hyperparams(galore_adamw, static_args=GALORE_STATIC_ARGS)` changing them does
+not recompile.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from pallas_fused import _backend, _sharding
+from pallas_fused import adam as fused_adam
+from pallas_fused.galore import kernel, projector, reference
+from pallas_fused.galore.reference import Scalars
+
+CONVENTIONS = ("galore", "optax")
+PROJECTORS = ("svd", "randomized")
+KERNELS = ("auto", *kernel.VARIANTS)
+# Arguments that are structure, not numbers: pass them to optax.inject_hyperparams as static_args.
+GALORE_STATIC_ARGS = ("rank", "update_proj_gap", "proj_type", "mask", "weight_decay_mask", "projector",
+                      "oversample", "power_iters", "seed", "convention", "mu_dtype", "nu_dtype", "implementation",
+                      "kernel")
+
+_masked_node = optax.MaskedNode
+_is_masked = lambda x: isinstance(x, optax.MaskedNode)
+
+
+class GaLoreAdamState(NamedTuple):
+    """Plain pytree state (checkpointable with orbax).
+
+    count: int32 steps taken. pending_refresh: bool, refresh every projector on the next step (set when a
+    refresh saw a non-finite gradient). projector: P of projected leaves ((r, N) on side "right", (M, r) on
+    side "left"); MaskedNode for the other leaves. mu, nu: the low-rank moments of projected leaves, and
+    the full-size Adam moments (pallas_fused.adam's layout) of the other leaves."""
+
+    # Any: `state_shardings` returns this tuple with a sharding in each field.
+    count: Any
+    pending_refresh: Any
+    mu: Any
+    nu: Any
+    projector: Any
+
+
+class GaLoreInplace(NamedTuple):
+    """`init(params) -> state`; `step(params, grads, state) -> (params, state)`: jit it with
+    donate_argnums=(0, 2) so the update kernels write params and moments in place."""
+
+    init: Callable
+    step: Callable
+
+
+def choose_kernel(shape: tuple[int, int], rank: int, side: str) -> str:
+    """The default kernel variant (one of kernel.VARIANTS) for one leaf: the measured winner nearest in
+    shape and rank (`kernel.MEASURED_VARIANT`, printed by the tuning sweep of benchmarks/bench_galore.py)."""
+    return kernel.choose_variant(shape, rank, side)
+
+
+# ------------------------------------------------------------------------------------------------ sharding
+# The kernels partitioned with pallas_fused._sharding (FSDP: W, G and the moments/projector split along
+# one axis). Factors: "m n" is the weight, "r" the rank (never split), "hp" the scalar operand. Under
+# side "right" P is (r, N) and R, m, v are (M, r); under side "left" P is (M, r) and R, m, v are (r, N).
+
+
+def _down_adam(g, p, m, v, packed, *, side, interpret, variant, n_dtype=jnp.float32, p16=False):
+    """The down-projection + low-rank Adam on each shard: variant "fused" (one kernel) or "splitk" (the split-K
+    kernel, then the elementwise Adam kernel adding its partial sums; with p16 that kernel also returns P cast to
+    fp16, a 4th result sharded as P). A split contraction (N on side right, M on side left): each device projects
+    its shard with XLA's GEMM, the (M, r) / (r, N) partial projections are all-reduced (never G), then the
+    elementwise low-rank Adam kernel runs."""
+    contracted = "n" if side == "right" else "m"
+    low = "m r" if side == "right" else "r n"
+    pf = "r n" if side == "right" else "m r"
+    rule = f"m n, {pf}, {low}, {low}, hp -> {low}, {low}, {low}" + (f", {pf}" if p16 else "")
+
+    def adam(r, m, v, packed, p):
+        return kernel.lowrank_adam(r, m, v, packed, interpret=interpret, n_dtype=n_dtype, p=p if p16 else None)
+
+    def local(g, p, m, v, packed):
+        if variant == "fused":
+            return kernel.down_adam_fused(g, p, m, v, packed, side=side, interpret=interpret)
+        return adam(kernel.down_splitk(g, p, side=side, interpret=interpret), m, v, packed, p)
+
+    def split_contraction(axes):
+        return lambda g, p, m, v, packed: adam(lax.psum(reference.project(g, p, side), axes), m, v, packed, p)
+
+    return _sharding.partitioned(local, rule, replicated=("r", "hp"), reduced=(contracted,),
+                                 reduced_fn=split_contraction)(g, p, m, v, packed)
+
+
+def _lowrank_adam(r, m, v, packed, *, interpret, n_dtype=jnp.float32, p=None):
+    """The elementwise low-rank Adam kernel on each shard of R, m, v (and of P, cast to fp16 as a 4th result,
+    when given)."""
+    def local(r, m, v, packed, *p):
+        return kernel.lowrank_adam(r, m, v, packed, interpret=interpret, n_dtype=n_dtype, p=p[0] if p else None)
+
+    with_p = ", c d" if p is not None else ""
+    return _sharding.partitioned(local, f"a b, a b, a b, hp{with_p} -> a b, a b, a b{with_p}",
+                                 replicated=("hp",))(r, m, v, packed, *(() if p is None else (p,)))
+
+
+def _up_update(w, n, p, packed, *, side, inplace, interpret, out_dtype=None):
+    """The up-projection + update on each shard of W: its contraction is the rank, never split, so a
+    shard of W needs only the matching rows of the (M, r) factor and columns of the (r, N) one.
+    w=None (no weight decay, not in place): the update alone, in `out_dtype`, and W is never read."""
+    a, b = (n, p) if side == "right" else (p, n)
+
+    def local(w, a, b, packed):
+        nn, pp = (a, b) if side == "right" else (b, a)
+        return kernel.up_update(w, nn, pp, packed, side=side, inplace=inplace, interpret=interpret,
+                                out_dtype=out_dtype)
+
+    if w is None:
+        return _sharding.partitioned(lambda a, b, packed: local(None, a, b, packed), "m r, r n, hp -> m n",
+                                     replicated=("r", "hp"))(a, b, packed)
+    return _sharding.partitioned(local, "m n, m r, r n, hp -> m n", replicated=("r", "hp"))(w, a, b, packed)
+
+
+def _check_grads(updates, state: GaLoreAdamState):
+    """A ValueError naming the leaf (path, expected and actual shape) or both key lists, rather than a
+    broadcasting error deep in a kernel."""
+    got, want = jax.tree.structure(updates), jax.tree.structure(state.mu)
+    if got != want:
+        raise ValueError(f"galore: the gradients' tree does not match the state's (from init(params)): "
+                         f"expected {want}, got {got}")
+    flat_m, flat_p = want.flatten_up_to(state.mu), want.flatten_up_to(state.projector)
+    for (path, g), m, p in zip(jax.tree_util.tree_leaves_with_path(updates), flat_m, flat_p):
+        if _is_masked(p):
+            expected = m.shape
+        else:  # side right: m (M, r), P (r, N); side left: P (M, r), m (r, N); r < min(M, N)
+            right = p.shape[0] < p.shape[1]
+            expected = (m.shape[0], p.shape[1]) if right else (p.shape[0], m.shape[1])
+        if tuple(jnp.shape(g)) != tuple(expected):
+            raise ValueError(f"galore: gradient leaf {jax.tree_util.keystr(path)} has shape {tuple(jnp.shape(g))}, "
+                             f"expected {tuple(expected)} (the param's shape at init)")
+
+
+def _skip_nonfinite(m_old, v_old, m, v, s: Scalars):
+    """Skip a projected leaf's step whose low-rank gradient R is not finite: keep its moments and zero its update
+    (s.ok = 0: the up-projection kernel then writes W unchanged / a zero update). A non-finite G makes R = G P^T
+    non-finite, and so the new moments (m = b1 m + (1-b1) R, v = b2 v + (1-b2) R^2; an R whose square overflows
+    too): testing the small (M, r) / (r, N) moments never re-reads G."""
+    fin = jnp.all(jnp.isfinite(m)) & jnp.all(jnp.isfinite(v))
+    return jnp.where(fin, m, m_old), jnp.where(fin, v, v_old), s._replace(ok=jnp.where(fin, s.ok, 0.0))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    rank: int
+    update_proj_gap: int
+    proj_type: str
+    convention: str
+    mask: Any
+    weight_decay_mask: Any
+    projector: str
+    oversample: int
+    power_iters: int
+    seed: int
+    mu_dtype: Any
+    nu_dtype: Any
+    implementation: str
+    kernel: str
+
+
+def _check_int(name, value, minimum):
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be a Python int (with optax.inject_hyperparams pass "
+                         f"static_args=GALORE_STATIC_ARGS), got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+
+
+def _make_config(rank, update_proj_gap, proj_type, convention, mask, weight_decay_mask, projector_, oversample,
+                 power_iters, seed, mu_dtype, nu_dtype, implementation, kernel_) -> _Config:
+    _check_int("rank", rank, 1)
+    _check_int("update_proj_gap", update_proj_gap, 1)
+    _check_int("oversample", oversample, 0)
+    _check_int("power_iters", power_iters, 0)
+    if convention not in CONVENTIONS:
+        raise ValueError(f"convention must be one of {CONVENTIONS}, got {convention!r}")
+    if proj_type is None:
+        proj_type = "std" if convention == "galore" else "reverse_std"
+    if proj_type not in reference.PROJ_TYPES:
+        raise ValueError(f"proj_type must be one of {reference.PROJ_TYPES}, got {proj_type!r}")
+    if projector_ not in PROJECTORS:
+        raise ValueError(f"projector must be one of {PROJECTORS}, got {projector_!r}")
+    if kernel_ not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel_!r}")
+    impl = _backend.resolve_implementation(implementation, op="galore")
+    return _Config(rank, update_proj_gap, proj_type, convention, mask, weight_decay_mask, projector_, oversample,
+                   power_iters, seed, mu_dtype, nu_dtype, impl, kernel_)
+
+
+def _resolve_mask(mask, params, default):
+    if mask is None:
+        return jax.tree.map(default, params)
+    if isinstance(mask, bool):  # a bool prefix of the whole tree, as optax accepts
+        return jax.tree.map(lambda _: mask, params)
+    return mask(params) if callable(mask) else mask
+
+
+class _GaLore:
+    """The shared core of the optax transforms and the in-place step."""
+
+    def __init__(self, cfg: _Config, learning_rate, b1, b2, eps, weight_decay, scale):
+        self.cfg = cfg
+        self.lr, self.b1, self.b2, self.eps, self.wd, self.scale = learning_rate, b1, b2, eps, weight_decay, scale
+
+    # ---------------------------------------------------------------------------------------------- init
+    def _projected(self, params):
+        cfg = self.cfg
+        flags = _resolve_mask(cfg.mask, params, lambda p: p.ndim == 2 and min(p.shape) > cfg.rank)
+        flat_p, treedef = jax.tree.flatten(params)
+        flat_f = treedef.flatten_up_to(flags)
+        for path_leaf, p, f in zip(jax.tree_util.tree_leaves_with_path(params), flat_p, flat_f):
+            if f and (p.ndim != 2 or cfg.rank >= min(p.shape)):
+                where = jax.tree_util.keystr(path_leaf[0])
+                raise ValueError(f"rank={cfg.rank} must be < min(M, N) of every projected (2-D) leaf; leaf {where} "
+                                 f"has shape {p.shape} (exclude it with `mask`)")
+        return [bool(f) for f in flat_f], treedef
+
+    def init(self, params) -> GaLoreAdamState:
+        cfg = self.cfg
+        flags, treedef = self._projected(params)
+        flat = treedef.flatten_up_to(params)
+        mu, nu, proj = [], [], []
+        for p, f in zip(flat, flags):
+            if not f:  # plain Adam(W): pallas_fused.adam's per-leaf state (nu in the param's dtype, as optax)
+                m, v = fused_adam.init_adam_leaf_state(p, mu_dtype=cfg.mu_dtype or jnp.float32)
+                mu.append(m), nu.append(v), proj.append(_masked_node())
+                continue
+            side = reference.projector_side(p.shape, cfg.proj_type)
+            low = reference.lowrank_shape(p.shape, cfg.rank, side)
+            mu.append(jnp.zeros(low, cfg.mu_dtype or jnp.float32))
+            nu.append(jnp.zeros(low, cfg.nu_dtype or jnp.float32))
+            proj.append(jnp.zeros(reference.projector_shape(p.shape, cfg.rank, side), p.dtype))
+        return GaLoreAdamState(
+            count=jnp.zeros([], jnp.int32),
+            pending_refresh=jnp.zeros([], jnp.bool_),
+            mu=treedef.unflatten(mu), nu=treedef.unflatten(nu), projector=treedef.unflatten(proj),
+        )
+
+    # ------------------------------------------------------------------------------------------ refresh
+    def _refresh(self, g, p_old, side, key):
+        cfg = self.cfg
+        finite = jnp.all(jnp.isfinite(g))
+        if cfg.projector == "svd":
+            p_new = reference.svd_projector(g, cfg.rank, side, p_old.dtype)
+        else:
+            kw = dict(oversample=cfg.oversample, power_iters=cfg.power_iters, dtype=p_old.dtype)
+            g_safe = jnp.where(finite, g, 0).astype(g.dtype)
+            p_new = lax.cond(jnp.all(p_old == 0),
+                             lambda: projector.randomized_projector(g_safe, cfg.rank, side, key, **kw),
+                             lambda: projector.randomized_projector(g_safe, cfg.rank, side, key, prev=p_old, **kw))
+        return jnp.where(finite, p_new, p_old), finite
+
+    # ---------------------------------------------------------------------------------------- the step
+    def _scalars(self, count, lr, with_lr: bool):
+        f32 = jnp.float32
+        b1, b2 = jnp.asarray(self.b1, f32), jnp.asarray(self.b2, f32)
+        t = (count + 1).astype(f32)
+        bc1, bc2 = 1 - b1**t, 1 - b2**t
+        scale = jnp.asarray(self.scale, f32)
+        sign_lr = -lr if with_lr else jnp.asarray(1.0, f32)
+        if self.cfg.convention == "galore":
+            alpha = beta = jnp.asarray(1.0, f32)
+            c = sign_lr * scale * jnp.sqrt(bc2) / bc1
+        else:
+            alpha, beta = 1 / bc1, 1 / jnp.sqrt(bc2)
+            c = sign_lr * scale
+        return b1, b2, jnp.asarray(self.eps, f32), alpha, beta, c
+
+    def _leaf(self, w, g, m, v, p, side, s: Scalars, inplace):
+        cfg = self.cfg
+        m_old, v_old = m, v
+        if cfg.implementation == "xla":
+            m, v, n = reference.lowrank_adam(reference.project(g, p, side), m, v, s)
+            m, v, s = _skip_nonfinite(m_old, v_old, m, v, s)
+            return reference.finish_step(w, n, p, side, s, inplace=inplace, dtype=g.dtype), m, v
+        interpret = cfg.implementation == "interpret"
+        if cfg.kernel != "auto":
+            variant = cfg.kernel
+        elif w is None:
+            # An update with no weight-decay term (the optax path): XLA's up-projection GEMM, whose output is the
+            # update itself, so the caller's `optax.apply_updates` can add p inside that GEMM instead of writing
+            # the update and reading it back.
+            variant = "xla_up"
+        else:
+            variant = choose_kernel(g.shape, cfg.rank, side)
+        packed = s.pack()
+        if variant == "xla_up":  # XLA's GEMMs (partitioned by XLA) around the elementwise low-rank Adam kernel
+            m, v, n = _lowrank_adam(reference.project(g, p, side), m, v, packed, interpret=interpret)
+            m, v, s = _skip_nonfinite(m_old, v_old, m, v, s)
+            return reference.finish_step(w, n, p, side, s, inplace=inplace, dtype=g.dtype), m, v
+        # an fp16 up-projection (kernel.UP_CONFIG) takes N in fp16 from the Adam kernel, and P cast once with p16
+        n_dtype, p16 = kernel.up_operands(cfg.rank, side)
+        if variant == "fused":  # (its N stays fp32: the up kernel casts its tiles)
+            m, v, n = _down_adam(g, p, m, v, packed, side=side, interpret=interpret, variant="fused")
+            cast = [p.astype(jnp.float16)] if p16 else []
+        elif variant == "splitk":  # (with p16 the Adam kernel also casts P: no separate launch)
+            m, v, n, *cast = _down_adam(g, p, m, v, packed, side=side, interpret=interpret, variant="splitk",
+                                        n_dtype=n_dtype, p16=p16)
+        else:  # XLA's GEMM (partitioned by XLA: a sharded contraction is all-reduced), then the elementwise kernel
+            m, v, n, *cast = _lowrank_adam(reference.project(g, p, side), m, v, packed, interpret=interpret,
+                                           n_dtype=n_dtype, p=p if p16 else None)
+        m, v, s = _skip_nonfinite(m_old, v_old, m, v, s)
+        out = _up_update(w, n, cast[0] if p16 else p, s.pack(), side=side, inplace=inplace, interpret=interpret,
+                         out_dtype=g.dtype)
+        return out, m, v
+
+    def _update(self, updates, state: GaLoreAdamState, params, inplace: bool):
+        cfg = self.cfg
+        with_lr = self.lr is not None
+        # A literal weight_decay=0 (the default) reads no W; a traced one (inject_hyperparams) may change.
+        has_wd = self.wd is not None and not (isinstance(self.wd, (int, float)) and self.wd == 0)
+        if (has_wd or inplace) and params is None:
+            raise ValueError("galore: `params` are required (weight decay / the in-place step)")
+        count = state.count
+        lr = jnp.asarray(self.lr(count) if callable(self.lr) else (self.lr if with_lr else 1.0), jnp.float32)
+        b1, b2, eps, alpha, beta, c = self._scalars(count, lr, with_lr)
+        wd = jnp.asarray(self.wd if has_wd else 0.0, jnp.float32)
+        refresh = (count % cfg.update_proj_gap == 0) | state.pending_refresh
+
+        treedef = jax.tree.structure(updates)
+        _check_grads(updates, state)
+        flat_g = treedef.flatten_up_to(updates)
+        flat_w = treedef.flatten_up_to(params) if params is not None else [None] * len(flat_g)
+        flat_mu, flat_nu, flat_p = (treedef.flatten_up_to(x) for x in (state.mu, state.nu, state.projector))
+        if has_wd:
+            wd_flags = treedef.flatten_up_to(_resolve_mask(cfg.weight_decay_mask, params, lambda _: True))
+        else:
+            wd_flags = [False] * len(flat_g)
+
+        # One lax.cond refreshes every projector: on a GPU each conditional costs a predicate read-back,
+        # so one per step rather than one per leaf.
+        key = jax.random.fold_in(jax.random.key(cfg.seed), count)
+        proj_idx = [i for i, p in enumerate(flat_p) if not _is_masked(p)]
+        sides = {i: reference.projector_side(flat_g[i].shape, cfg.proj_type) for i in proj_idx}
+
+        def refresh_all():
+            return [self._refresh(flat_g[i], flat_p[i], sides[i], jax.random.fold_in(key, i)) for i in proj_idx]
+
+        def keep_all():
+            return [(flat_p[i], jnp.asarray(True)) for i in proj_idx]
+
+        refreshed = dict(zip(proj_idx, lax.cond(refresh, refresh_all, keep_all))) if proj_idx else {}
+        outs, mus, nus, projs, oks = [], [], [], [], []
+        count_inc = optax.safe_int32_increment(count)
+        for i, (g, w, m, v, p, decay) in enumerate(zip(flat_g, flat_w, flat_mu, flat_nu, flat_p, wd_flags)):
+            a = -lr * wd if decay else jnp.asarray(0.0, jnp.float32)
+            if _is_masked(p):  # not projected: one fused Adam(W) kernel pass (pallas_fused.adam)
+                hp = dict(b1=b1, b2=b2, eps=eps, implementation=cfg.implementation)
+                if inplace:
+                    out, m, v = fused_adam.adam_leaf_update(w, g, m, v, count_inc, learning_rate=lr,
+                                                            weight_decay=wd if decay else 0.0, **hp)
+                elif with_lr:
+                    out, m, v = fused_adam.adam_leaf_direction(g, m, v, count_inc, learning_rate=lr,
+                                                               param=w if decay else None,
+                                                               weight_decay=wd if decay else 0.0, **hp)
+                else:
+                    out, m, v = fused_adam.adam_leaf_direction(g, m, v, count_inc, **hp)
+                outs.append(out), mus.append(m), nus.append(v), projs.append(p)
+                continue
+            side = sides[i]
+            p, ok = refreshed[i]
+            s = Scalars(b1, b2, eps, alpha, beta, a, c, ok.astype(jnp.float32))
+            out, m, v = self._leaf(w if decay or inplace else None, g, m, v, p, side, s, inplace)
+            outs.append(out), mus.append(m), nus.append(v), projs.append(p), oks.append(ok)
+        all_ok = jnp.all(jnp.stack(oks)) if oks else jnp.asarray(True)
+        new_state = GaLoreAdamState(
+            count=count_inc,
+            pending_refresh=jnp.where(refresh, ~all_ok, state.pending_refresh),
+            mu=treedef.unflatten(mus), nu=treedef.unflatten(nus), projector=treedef.unflatten(projs),
+        )
+        return treedef.unflatten(outs), new_state
+
+    def update(self, updates, state, params=None, **extra_args):
+        del extra_args
+        return self._update(updates, state, params, inplace=False)
+
+    def step(self, params, grads, state):
+        return self._update(grads, state, params, inplace=True)
+
+
+def state_shardings(state: GaLoreAdamState, param_shardings) -> GaLoreAdamState:
+    """Shardings for a GaLore `state` that match the params' (for jit's in/out_shardings).
+
+    param_shardings: a tree of `NamedSharding`s like the params. A projected (M, N) weight split as
+    P(a, b) gets low-rank moments and projector split along the dimension they share with it: side right,
+    m, v (M, r) as P(a, None) and P (r, N) as P(None, b); side left, P (M, r) as P(a, None) and m, v (r, N)
+    as P(None, b). The other leaves' Adam moments take their param's sharding; count and the refresh flag
+    are replicated.
+    """
+    leaves, treedef = jax.tree.flatten(param_shardings)
+    mesh = leaves[0].mesh if leaves else None
+    flat_m, flat_p = treedef.flatten_up_to(state.mu), treedef.flatten_up_to(state.projector)
+    mus, nus, projs = [], [], []
+    for sh, m, p in zip(leaves, flat_m, flat_p):
+        if _is_masked(p):
+            mus.append(sh), nus.append(sh), projs.append(p)
+            continue
+        spec = tuple(sh.spec) + (None,) * (2 - len(tuple(sh.spec)))
+        rows, cols = NamedSharding(sh.mesh, P(spec[0], None)), NamedSharding(sh.mesh, P(None, spec[1]))
+        right = m.shape[1] < m.shape[0]  # m is (M, r) on side right, (r, N) on side left (r < min(M, N))
+        low, proj = (rows, cols) if right else (cols, rows)
+        mus.append(low), nus.append(low), projs.append(proj)
+    replicated = NamedSharding(mesh, P())  # type: ignore[arg-type]  # params without leaves have no mesh
+    return GaLoreAdamState(replicated, replicated, treedef.unflatten(mus), treedef.unflatten(nus),
+                           treedef.unflatten(projs))
+
+
+def _build(learning_rate, weight_decay, *, b1, b2, eps, scale, rank, update_proj_gap, proj_type, convention, mask,
+           weight_decay_mask, projector, oversample, power_iters, seed, mu_dtype, nu_dtype, implementation, kernel):
+    cfg = _make_config(rank, update_proj_gap, proj_type, convention, mask, weight_decay_mask, projector, oversample,
+                       power_iters, seed, mu_dtype, nu_dtype, implementation, kernel)
+    # The defaults follow the convention: GaLore's scale 0.25 and eps 1e-6, or optax.contrib.galore's 1.0 and
+    # optax.scale_by_adam's 1e-8, so that convention="optax" alone reproduces optax's numbers.
+    scale = (0.25 if convention == "galore" else 1.0) if scale is None else scale
+    eps = (1e-6 if convention == "galore" else 1e-8) if eps is None else eps
+    return _GaLore(cfg, learning_rate, b1, b2, eps, weight_decay, scale)
+
+
+_DOC_ARGS = """
+    Args:
+      learning_rate: float or optax schedule (called with the step count).
+      rank: projection rank r (a Python int, < min(M, N) of each projected leaf).
+      update_proj_gap: steps between projector refreshes (step 0 refreshes).
+      scale: GaLore's update scale (alpha in the paper); default 0.25 (convention "galore") or 1.0 ("optax").
+      proj_type: "std" | "reverse_std" | "right" | "left" (default "std"; "reverse_std" under
+        convention="optax").
+      b1, b2, eps: Adam's (eps default 1e-6, or 1e-8 under convention="optax").
+      weight_decay: decoupled (AdamW) decay, applied as -lr * wd * W.
+      mask: which leaves are projected: pytree of bools or callable(params) -> pytree (default: 2-D leaves
+        whose both dims exceed rank). Other leaves get plain Adam(W).
+      weight_decay_mask: which leaves decay (pytree of bools, a bool for all, or callable; default all).
+      projector: "svd" (exact, jnp.linalg.svd) or "randomized" (range finder with `oversample` extra
+        columns and `power_iters` subspace iterations, warm-started from the previous projector; `seed`).
+      convention: "galore" (reference GaLore, the default) or "optax" (optax.contrib.galore's numbers).
+      mu_dtype, nu_dtype: moment dtypes (default fp32).
+      implementation: None | "pallas" | "xla" | "interpret" (see pallas_fused._backend). Precision: the Pallas
+        kernels fix theirs (TF32 on fp32 G, fp16 operands in the up-projection: as exact as TF32 there), while the
+        XLA GEMMs follow ``jax.default_matmul_precision`` (TF32 by default on a GPU); for full fp32 projections
+        use implementation="xla" under ``jax.default_matmul_precision("highest")``.
+      kernel: "auto" | "fused" | "hybrid" | "xla_up" | "splitk": how projected leaves are stepped (see
+        pallas_fused.galore.kernel.VARIANTS; auto: choose_kernel's measured table).
+"""
+
+
+def galore_adamw(learning_rate, *, rank: int = 128, update_proj_gap: int = 200, scale: float | None = None,
+                 proj_type: str | None = None, b1: float = 0.9, b2: float = 0.999, eps: float | None = None,
+                 weight_decay: float = 0.0, mask=None, weight_decay_mask=None, projector: str = "svd",
+                 oversample: int = 8, power_iters: int = 2, seed: int = 0, convention: str = "galore",
+                 mu_dtype=None, nu_dtype=None, implementation: str | None = None,
+                 kernel: str = "auto") -> optax.GradientTransformationExtraArgs:
+    """GaLore AdamW (reference GaLore semantics; see the module docstring): the full update, lr included.
+
+    Projected leaves go through the fused Pallas kernels (down-projection + low-rank Adam, then the
+    up-projection with the update in its epilogue); `update` requires params (for weight decay)."""
+    core = _build(learning_rate, weight_decay, b1=b1, b2=b2, eps=eps, scale=scale, rank=rank,
+                  update_proj_gap=update_proj_gap, proj_type=proj_type, convention=convention, mask=mask,
+                  weight_decay_mask=weight_decay_mask, projector=projector, oversample=oversample,
+                  power_iters=power_iters, seed=seed, mu_dtype=mu_dtype, nu_dtype=nu_dtype,
+                  implementation=implementation, kernel=kernel)
+    return optax.GradientTransformationExtraArgs(core.init, core.update)
+
+
+def galore_adam(learning_rate, *, rank: int = 128, update_proj_gap: int = 200, scale: float | None = None,
+                proj_type: str | None = None, b1: float = 0.9, b2: float = 0.999, eps: float | None = None, mask=None,
+                projector: str = "svd", oversample: int = 8, power_iters: int = 2, seed: int = 0,
+                convention: str = "galore", mu_dtype=None, nu_dtype=None, implementation: str | None = None,
+                kernel: str = "auto") -> optax.GradientTransformationExtraArgs:
+    """GaLore Adam without weight decay (params not needed by `update`)."""
+    core = _build(learning_rate, None, b1=b1, b2=b2, eps=eps, scale=scale, rank=rank,
+                  update_proj_gap=update_proj_gap, proj_type=proj_type, convention=convention, mask=mask,
+                  weight_decay_mask=None, projector=projector, oversample=oversample, power_iters=power_iters,
+                  seed=seed, mu_dtype=mu_dtype, nu_dtype=nu_dtype, implementation=implementation, kernel=kernel)
+    return optax.GradientTransformationExtraArgs(core.init, core.update)
+
+
+def scale_by_galore_adam(*, rank: int = 128, update_proj_gap: int = 200, scale: float | None = None,
+                         proj_type: str | None = None, b1: float = 0.9, b2: float = 0.999, eps: float | None = None,
+                         mask=None, projector: str = "svd", oversample: int = 8, power_iters: int = 2, seed: int = 0,
+                         convention: str = "galore", mu_dtype=None, nu_dtype=None, implementation: str | None = None,
+                         kernel: str = "auto") -> optax.GradientTransformationExtraArgs:
+    """The GaLore Adam direction without learning rate or weight decay, for `optax.chain` (like
+    optax.scale_by_adam: positive sign; chain with optax.add_decayed_weights / scale_by_learning_rate).
+    Under convention="galore" the bias correction sqrt(1-b2^t)/(1-b1^t) is included."""
+    core = _build(None, None, b1=b1, b2=b2, eps=eps, scale=scale, rank=rank,
+                  update_proj_gap=update_proj_gap, proj_type=proj_type, convention=convention, mask=mask,
+                  weight_decay_mask=None, projector=projector, oversample=oversample, power_iters=power_iters,
+                  seed=seed, mu_dtype=mu_dtype, nu_dtype=nu_dtype, implementation=implementation, kernel=kernel)
+    return optax.GradientTransformationExtraArgs(core.init, core.update)
+
+
+def galore_adamw_inplace(learning_rate, *, rank: int = 128, update_proj_gap: int = 200, scale: float | None = None,
+                         proj_type: str | None = None, b1: float = 0.9, b2: float = 0.999, eps: float | None = None,
+                         weight_decay: float = 0.0, mask=None, weight_decay_mask=None, projector: str = "svd",
+                         oversample: int = 8, power_iters: int = 2, seed: int = 0, convention: str = "galore",
+                         mu_dtype=None, nu_dtype=None, implementation: str | None = None,
+                         kernel: str = "auto") -> GaLoreInplace:
+    """galore_adamw as one in-place step: `step(params, grads, state) -> (params, state)`.
+
+    Same arguments, state and numbers as `galore_adamw` (fp32: bit-identical to update + apply_updates).
+    The up-projection kernel writes each projected weight over its own buffer (input_output_aliases) and
+    the down-projection kernel its moments: jit `step` with donate_argnums=(0, 2) to save the extra
+    passes over W that `optax.apply_updates` costs."""
+    core = _build(learning_rate, weight_decay, b1=b1, b2=b2, eps=eps, scale=scale, rank=rank,
+                  update_proj_gap=update_proj_gap, proj_type=proj_type, convention=convention, mask=mask,
+                  weight_decay_mask=weight_decay_mask, projector=projector, oversample=oversample,
+                  power_iters=power_iters, seed=seed, mu_dtype=mu_dtype, nu_dtype=nu_dtype,
+                  implementation=implementation, kernel=kernel)
+    return GaLoreInplace(core.init, core.step)
+
+
+for _f in (galore_adamw, galore_adam, scale_by_galore_adam, galore_adamw_inplace):
+    _f.__doc__ += _DOC_ARGS  # type: ignore[operator]  # each of the four has a docstring

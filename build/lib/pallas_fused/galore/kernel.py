@@ -1,0 +1,581 @@
+"""Pallas (Triton lowering) kernels of the GaLore Adam step. Knows nothing of optax.
+
+Four kernels, all launched through `_backend.triton_call` and reading the step's runtime scalars from
+an (8,) fp32 operand (see `reference.Scalars`):
+
+  down_adam_fused   the down-projection GEMM R = G P^T (side "right") or P^T G (side "left"), fp32
+                    accumulate, with the low-rank Adam step in its epilogue: writes m', v' (aliased onto
+                    m, v) and the normalized update N (fp32). One program owns all r columns of its
+                    output rows, so the Adam epilogue sees finished sums (no split-K).
+  lowrank_adam      the same epilogue as an elementwise kernel, after an XLA down-projection ("hybrid") or after
+                    down_splitk (adding its partial sums); optionally writes N in fp16 and casts P to fp16.
+  down_splitk       the down-projection GEMM split along its contraction (grid: kept-dim blocks x rank blocks x
+                    splits, TF32 on fp32 G) writing fp32 partial sums ("splitk": enough programs to fill the GPU
+                    where one program per row block does not).
+  up_update         the up-projection GEMM (N P or P N, K = r) with the full-rank update in its epilogue:
+                    out = a W + c backproject(N), stored as the update (optax path) or added to W and
+                    written over W through input_output_aliases (in-place path). One pass over W; none
+                    when w is None (no weight decay on the optax path). A program may own several tiles.
+                    Operands fp32 (TF32) or fp16 (UpConfig.f16: as exact as TF32, see the note there).
+
+Block sizes come from `UP_CONFIG` / `DOWN_CONFIG` / `_blocks_down` below (overridable per call with `blocks=` for
+tuning), and `leaf_step` runs one projected leaf through one of `VARIANTS`; `choose_variant` picks it from
+`MEASURED_VARIANT`, the table the tuning sweep in benchmarks/bench_galore.py prints.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_fused import _backend
+from pallas_fused.galore import reference
+
+F32 = jnp.float32
+
+# How one projected leaf is stepped (see `leaf_step`):
+#   fused    Pallas down-projection GEMM with the low-rank Adam in its epilogue, Pallas up-projection + update
+#   hybrid   XLA down-projection (TF32), elementwise Pallas low-rank Adam, Pallas up-projection + update
+#   xla_up   XLA down-projection, elementwise Pallas low-rank Adam, XLA up-projection with the update as jnp
+#            (XLA may fuse it into its GEMM's epilogue)
+#   splitk   Pallas split-K down-projection GEMM (fp32 partial sums), elementwise Pallas low-rank Adam that
+#            sums them, Pallas up-projection + update
+VARIANTS = ("fused", "hybrid", "xla_up", "splitk")
+
+# fp16's largest finite value: N is clamped to it before an fp16 store (it never gets near: |N| is O(1)).
+F16_MAX = 65504.0
+
+
+class UpConfig(NamedTuple):
+    """Launch configuration of the up-projection kernel: (bm, bn) tiles of W, tn x tm of them per program
+    (a loop), K (= rank) in chunks of br, and whether W's load is issued before the GEMM (overlapping its
+    HBM latency; with several tiles, the next tile's W is prefetched) or after it."""
+
+    bm: int = 64
+    bn: int = 128
+    br: int = 32
+    warps: int = 4
+    stages: int = 3
+    w_first: bool = True
+    tn: int = 1  # column tiles per program (a pipelined loop; with br >= rank the A rows load once)
+    tm: int = 1  # row tiles per program (with tn == 1 and br >= rank the B columns load once)
+    f16: bool = False  # fp16 GEMM operands (tiles cast in registers; `leaf_step` has the Adam kernel write N in fp16)
+    p16: bool = False  # with f16: `leaf_step` also casts P to fp16 once per step (halves its L2 traffic)
+
+
+# Why fp16 operands lose nothing against TF32 here: the tensor cores round TF32 operands to a 10-bit mantissa,
+# fp16's own. N = m / (sqrt(v) + eps) is O(1) (Cauchy-Schwarz: |m| / sqrt(v) <= (1 - b1) / sqrt((1 - b2)
+# (1 - b1^2 / b2)), 7.3 at b1 0.9, b2 0.999; clamped to F16_MAX anyway) and P has orthonormal rows/columns
+# (|entries| <= 1): neither overflows. Only values below fp16's
+# normal range (6.1e-5) keep fewer mantissa bits, an absolute error <= 2^-25 (3e-8) on terms that small,
+# against the relative 2^-11 TF32 rounding of every term. Accumulation stays fp32. G never goes to fp16
+# (gradients can be far below 6e-5): the down-projection is TF32 on fp32 G.
+
+
+class DownConfig(NamedTuple):
+    """Launch configuration of the split-K down-projection (`down_splitk`): programs own `bm` rows (side right)
+    or columns (side left) of the kept dimension and `br` rank columns, and one of `splits` slices of the
+    contraction, walked in chunks of `bk`. The grid is (kept / bm, rank / br, splits); each program writes its
+    fp32 partial sum, the low-rank Adam kernel adds the `splits` partials."""
+
+    bm: int = 128
+    bk: int = 32
+    splits: int = 4
+    br: int = 128
+    warps: int = 8
+    stages: int = 3
+    # side left: G's tile (K x columns, columns contiguous) is not K-major, which TF32 wgmma needs in shared
+    # memory. False: Triton transposes it on the way in (4-byte cp.async). True: a (redundant) mask select
+    # routes it through registers (16-byte cp.async, then Triton stages it transposed for wgmma's A operand).
+    g_regs: bool = False
+    # side left: P's tile straight from P through registers (True) or from P^T transposed by XLA (False)
+    p_nat: bool = False
+
+
+# The default up-projection configuration, one for all or a dict side ("right" / "left") -> UpConfig: set it
+# from the tuning sweep (benchmarks/bench_galore.py prints the winners as a line to paste here).
+UP_CONFIG: UpConfig | dict[str, UpConfig] = {
+    # H200, session 3 call 2 (benchmarks/results/logs/h200_s3_call2_galore.log), up-projection alone, in place,
+    # r128, amortized over 4 W: 4096^2 0.0518 ms (64% HBM; best fp32-operand config 0.0596); 4096x11008 0.1264 ms
+    # (71%; fp32 operands 0.1613).
+    "right": UpConfig(bm=64, bn=128, br=128, warps=8, stages=2, w_first=True, tn=1, tm=8, f16=True, p16=False),
+    "left": UpConfig(bm=64, bn=64, br=128, warps=4, stages=2, w_first=True, tn=1, tm=8, f16=True, p16=True),
+}
+
+# The default split-K down-projection configuration per side (set from the tuning sweep's printed line).
+# H200, session 3 call 2, split-K kernel + low-rank Adam alone, r128, amortized over 4 G: 4096^2 0.0400 ms (XLA's
+# GEMM + the Adam kernel, "hybrid": 0.0389); 4096x11008 0.1083 ms (hybrid 0.1096; without g_regs 0.1323).
+DOWN_CONFIG: DownConfig | dict[str, DownConfig] = {
+    "right": DownConfig(bm=128, bk=32, splits=8, br=128, warps=8, stages=3),
+    "left": DownConfig(bm=128, bk=32, splits=4, br=128, warps=8, stages=3, g_regs=True),
+}
+
+# Measured winners (H200, fp32, TF32, in-place step): (M, N, rank, side) -> variant. `choose_variant` takes
+# the nearest entry of the same side. Paste the `MEASURED_VARIANT = {...}` line the tuning sweep prints.
+MEASURED_VARIANT: dict[tuple[int, int, int, str], str] = {
+    # H200, session 3 call 2 (benchmarks/results/logs/h200_s3_call2_galore.log), in-place step amortized over 3
+    # leaves, with UP_CONFIG / DOWN_CONFIG above, ms:
+    (4096, 4096, 128, "right"): "hybrid",  # hybrid 0.0838, splitk 0.0892, fused 0.1098, xla_up 0.1346, xla 0.1343
+    (4096, 11008, 128, "left"): "hybrid",  # hybrid 0.2243, splitk 0.2254, xla_up 0.3406, fused 0.4481, xla 0.3440
+    (4096, 4096, 32, "right"): "hybrid",  # hybrid 0.0710, splitk 0.0710, xla_up 0.1081, xla 0.1089
+    (4096, 11008, 32, "left"): "hybrid",  # hybrid 0.1650 (fp32-operand up) / 0.1681, splitk 0.1697, xla 0.2463
+    # call 3 (h200_s3_call3_galore.log, same method): xla_up 0.2113, hybrid 0.2418, splitk 0.3165, xla 0.2171
+    (4096, 4096, 512, "right"): "xla_up",
+    (4096, 4096, 256, "right"): "hybrid",  # call 3: hybrid 0.1605, xla_up 0.1702, splitk 0.1824, xla 0.1686
+    (4096, 11008, 256, "left"): "hybrid",  # call 3: hybrid 0.3087, splitk 0.3583, xla_up 0.4439, xla 0.4492
+}
+# Call 3 repeated the rank-128 and rank-32 steps within 1-2% of call 2 (4096^2 r128: hybrid 0.0844 with a 4-warp
+# up configuration; 4096x11008 r128: splitk 0.2275, hybrid 0.2276 with tm 32): the configurations above stay.
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _rank_block(rank: int) -> int:
+    """Ranks are padded (by masks) to a power of two >= 16 (Triton dot minimum)."""
+    return max(16, 1 << (rank - 1).bit_length())
+
+
+def _pad_rank(x, axis: int, block: int):
+    """`x` zero-padded along its rank `axis` to `block` when the rank is smaller.
+
+    A kernel that covers the whole rank in one power-of-two block (Triton's shapes) would otherwise index a
+    static block past the array's end: masked on the GPU, but jax >= 0.12 rejects such a slice when it traces the
+    kernel (on the GPU and in interpret mode alike). Ranks that are powers of two >= 16 pad nothing; other ranks
+    copy the low-rank arrays, O(rank (M + N)) against the O(M N) of the gradient and weight streams."""
+    if x.shape[axis] >= block:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, block - x.shape[axis])
+    return jnp.pad(x, widths)
+
+
+def _scalars(s_ref):
+    return tuple(s_ref[i] for i in range(8))
+
+
+def _adam_epilogue(r, m, v, s):
+    """fp32 low-rank Adam on a tile: returns (m', v', N)."""
+    b1, b2, eps, alpha, beta, _, _, ok = s
+    okb = ok > 0
+    r = jnp.where(okb, r, 0.0)
+    m_new = jnp.where(okb, b1 * m + (1.0 - b1) * r, m)
+    v_new = jnp.where(okb, b2 * v + (1.0 - b2) * r * r, v)
+    n = (alpha * m_new) / (beta * jnp.sqrt(v_new) + eps)
+    return m_new, v_new, n
+
+
+# ----------------------------------------------------------------------------------------- down + Adam
+def _down_right_kernel(g_ref, p_ref, m_ref, v_ref, s_ref, m_out, v_out, n_out, *, M, N, R, BM, BK, RB):
+    # acc[BM, RB] = G[rows, :] @ P[:, :]^T, the K loop over N.
+    i = pl.program_id(0)
+    rows = i * BM + jnp.arange(BM)
+    rmask = rows < M
+    kmask_r = jnp.arange(RB) < R
+
+    def body(k, acc):
+        cols = k * BK + jnp.arange(BK)
+        cmask = cols < N
+        g = _backend.load(g_ref.at[pl.ds(i * BM, BM), pl.ds(k * BK, BK)], mask=rmask[:, None] & cmask[None, :],
+                          other=0.0)
+        p = _backend.load(p_ref.at[pl.ds(0, RB), pl.ds(k * BK, BK)], mask=kmask_r[:, None] & cmask[None, :],
+                          other=0.0)
+        return acc + _backend.dot(g, p.astype(g.dtype), trans_b=True, allow_tf32=True)
+
+    acc = lax.fori_loop(0, _cdiv(N, BK), body, jnp.zeros((BM, RB), F32))
+    idx = (pl.ds(i * BM, BM), pl.ds(0, RB))
+    mask = rmask[:, None] & kmask_r[None, :]
+    _store_adam(acc, m_ref, v_ref, m_out, v_out, n_out, idx, mask, _scalars(s_ref))
+
+
+def _down_left_kernel(g_ref, p_ref, m_ref, v_ref, s_ref, m_out, v_out, n_out, *, M, N, R, BN, BK, RB):
+    # acc[RB, BN] = P[:, :]^T @ G[:, cols], the K loop over M.
+    j = pl.program_id(0)
+    cols = j * BN + jnp.arange(BN)
+    cmask = cols < N
+    kmask_r = jnp.arange(RB) < R
+
+    def body(k, acc):
+        rows = k * BK + jnp.arange(BK)
+        rmask = rows < M
+        p = _backend.load(p_ref.at[pl.ds(k * BK, BK), pl.ds(0, RB)], mask=rmask[:, None] & kmask_r[None, :],
+                          other=0.0)
+        g = _backend.load(g_ref.at[pl.ds(k * BK, BK), pl.ds(j * BN, BN)], mask=rmask[:, None] & cmask[None, :],
+                          other=0.0)
+        return acc + _backend.dot(p.astype(g.dtype), g, trans_a=True, allow_tf32=True)
+
+    acc = lax.fori_loop(0, _cdiv(M, BK), body, jnp.zeros((RB, BN), F32))
+    idx = (pl.ds(0, RB), pl.ds(j * BN, BN))
+    mask = kmask_r[:, None] & cmask[None, :]
+    _store_adam(acc, m_ref, v_ref, m_out, v_out, n_out, idx, mask, _scalars(s_ref))
+
+
+def _store_adam(acc, m_ref, v_ref, m_out, v_out, n_out, idx, mask, s):
+    m = _backend.load(m_ref.at[idx], mask=mask, other=0.0).astype(F32)
+    v = _backend.load(v_ref.at[idx], mask=mask, other=0.0).astype(F32)
+    m_new, v_new, n = _adam_epilogue(acc, m, v, s)
+    _backend.store(m_out.at[idx], m_new.astype(m_out.dtype), mask=mask)
+    _backend.store(v_out.at[idx], v_new.astype(v_out.dtype), mask=mask)
+    if n_out.dtype == jnp.float16:  # |N| is O(1); the clamp only guards the cast (NaN stays NaN)
+        n = jnp.where(jnp.abs(n) > F16_MAX, jnp.where(n > 0, F16_MAX, -F16_MAX), n)
+    _backend.store(n_out.at[idx], n.astype(n_out.dtype), mask=mask)
+
+
+def _blocks_down(shape, rank, side, itemsize):
+    """(block of the kept dim, K block, warps, stages) for the fused down-projection."""
+    rb = _rank_block(rank)
+    keep = 64 if rb <= 128 else 32
+    bk = 64 if itemsize == 4 else 128
+    if rb >= 512:
+        keep, bk = 16, 32
+    return keep, bk, (4 if rb <= 64 else 8), 3
+
+
+@functools.partial(jax.jit, static_argnames=("side", "interpret", "blocks"))
+def down_adam_fused(g, p, m, v, scalars, *, side: str, interpret: bool = False, blocks=None):
+    """Fused down-projection + low-rank Adam. Returns (m', v', N); m', v' are written over m, v."""
+    M, N = g.shape
+    R = p.shape[0] if side == "right" else p.shape[1]
+    RB = _rank_block(R)
+    keep, bk, warps, stages = blocks or _blocks_down(g.shape, R, side, g.dtype.itemsize)
+    low = m.shape
+    # the rank axis of P (rows on side right, columns on side left) and of m, v (the other way round) padded to
+    # the rank block that the kernel loads and stores in one piece (see `_pad_rank`)
+    p_axis, low_axis = (0, 1) if side == "right" else (1, 0)
+    p, m, v = _pad_rank(p, p_axis, RB), _pad_rank(m, low_axis, RB), _pad_rank(v, low_axis, RB)
+    padded = m.shape
+    outs = (jax.ShapeDtypeStruct(padded, m.dtype), jax.ShapeDtypeStruct(padded, v.dtype),
+            jax.ShapeDtypeStruct(padded, F32))
+    if side == "right":
+        kern = functools.partial(_down_right_kernel, M=M, N=N, R=R, BM=keep, BK=bk, RB=RB)
+        grid = (_cdiv(M, keep),)
+    else:
+        kern = functools.partial(_down_left_kernel, M=M, N=N, R=R, BN=keep, BK=bk, RB=RB)
+        grid = (_cdiv(N, keep),)
+    call = _backend.triton_call(kern, out_shape=outs, grid=grid, name="pallas_fused_galore_down_adam",
+                                interpret=interpret, num_warps=warps, num_stages=stages,
+                                input_output_aliases={2: 0, 3: 1})
+    return tuple(x[: low[0], : low[1]] for x in call(g, p, m, v, scalars))
+
+
+# ------------------------------------------------------------------------------ elementwise low-rank Adam
+def _lowrank_adam_kernel(*refs, size, splits, size_p, BLOCK):
+    # r_ref: (splits * size,) fp32 partial sums (split-K) or (size,) with splits == 1; summed in a fixed order.
+    # With size_p, the same programs also cast P (flattened, size_p elements) to fp16 (p16_out).
+    if size_p:
+        r_ref, m_ref, v_ref, s_ref, p_ref, m_out, v_out, n_out, p16_out = refs
+    else:
+        r_ref, m_ref, v_ref, s_ref, m_out, v_out, n_out = refs
+    i = pl.program_id(0)
+    idx = pl.ds(i * BLOCK, BLOCK)
+    offs = i * BLOCK + jnp.arange(BLOCK)
+    mask = offs < size
+    r = _backend.load(r_ref.at[idx], mask=mask, other=0.0).astype(F32)
+    for k in range(1, splits):
+        r = r + _backend.load(r_ref.at[pl.ds(k * size + i * BLOCK, BLOCK)], mask=mask, other=0.0).astype(F32)
+    _store_adam(r, m_ref, v_ref, m_out, v_out, n_out, idx, mask, _scalars(s_ref))
+    if size_p:
+        pmask = offs < size_p
+        pv = _backend.load(p_ref.at[idx], mask=pmask, other=0.0).astype(F32)
+        _backend.store(p16_out.at[idx], pv.astype(jnp.float16), mask=pmask)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "n_dtype"))
+def lowrank_adam(r, m, v, scalars, *, interpret: bool = False, n_dtype=F32, p=None):
+    """Elementwise low-rank Adam on an already projected R (the "hybrid" path). Returns (m', v', N).
+
+    `r` is R (m's shape) or split-K partial sums of it (splits, *m.shape) that the kernel adds (fixed order).
+    `n_dtype`: N's dtype (fp32, or fp16 for an fp16 up-projection: clamped to +-F16_MAX). With `p` (the
+    projector) the same launch also returns P cast to fp16: (m', v', N, P16), for an up-projection on fp16
+    operands (UpConfig.p16) without a separate cast."""
+    shape = m.shape
+    size = m.size
+    splits = 1 if r.shape == shape else r.shape[0]
+    if r.shape[-2:] != shape or r.ndim not in (2, 3):
+        raise ValueError(f"lowrank_adam: r must have m's shape {shape} or (splits, *{shape}), got {r.shape}")
+    block = 1024
+    size_p = 0 if p is None else p.size
+    outs = (jax.ShapeDtypeStruct((size,), m.dtype), jax.ShapeDtypeStruct((size,), v.dtype),
+            jax.ShapeDtypeStruct((size,), n_dtype))
+    args = (r.reshape(-1), m.reshape(-1), v.reshape(-1), scalars)
+    if size_p:
+        outs += (jax.ShapeDtypeStruct((size_p,), jnp.float16),)
+        args += (p.reshape(-1),)
+    kern = functools.partial(_lowrank_adam_kernel, size=size, splits=splits, size_p=size_p, BLOCK=block)
+    call = _backend.triton_call(kern, out_shape=outs, grid=(_cdiv(max(size, size_p), block),),
+                                name="pallas_fused_galore_adam", interpret=interpret, num_warps=4,
+                                input_output_aliases={1: 0, 2: 1})
+    m2, v2, n, *p16 = call(*args)
+    out = (m2.reshape(shape), v2.reshape(shape), n.reshape(shape))
+    return (*out, p16[0].reshape(p.shape)) if size_p else out
+
+
+# ------------------------------------------------------------------------------------ split-K down-projection
+def _splitk_right_kernel(g_ref, p_ref, o_ref, *, M, N, R, BM, BK, BR, KSTEPS):
+    # o[s, rows, rcols] = G[rows, K slice s] @ P[rcols, K slice s]^T: both tiles K-contiguous (TF32 wgmma's
+    # K-major operands), the K loop pipelined by Triton.
+    i, j, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    rmask = i * BM + jnp.arange(BM) < M
+    qmask = j * BR + jnp.arange(BR) < R
+    k0 = sp * (KSTEPS * BK)
+
+    def body(k, acc):
+        start = k0 + k * BK
+        cmask = start + jnp.arange(BK) < N
+        g = _backend.load(g_ref.at[pl.ds(i * BM, BM), pl.ds(start, BK)], mask=rmask[:, None] & cmask[None, :],
+                          other=0.0)
+        p = _backend.load(p_ref.at[pl.ds(j * BR, BR), pl.ds(start, BK)], mask=qmask[:, None] & cmask[None, :],
+                          other=0.0)
+        return acc + _backend.dot(g.astype(F32), p.astype(F32), trans_b=True, allow_tf32=True)
+
+    acc = lax.fori_loop(0, KSTEPS, body, jnp.zeros((BM, BR), F32))
+    _backend.store(o_ref.at[sp, pl.ds(i * BM, BM), pl.ds(j * BR, BR)], acc, mask=rmask[:, None] & qmask[None, :])
+
+
+def _splitk_left_kernel(g_ref, p_ref, o_ref, *, M, N, R, BN, BK, BR, KSTEPS, g_regs, p_nat):
+    # o[s, rrows, cols] = P^T[rrows, K slice s] @ G[K slice s, cols], computed transposed,
+    # acc[cols, rrows] = G^T @ P: G's tile (K x cols, cols contiguous) is not K-major, so it is the A operand
+    # (Triton transposes it into shared memory, or with g_regs routes it through registers). P's tile is the B
+    # operand: from P^T (r, M), transposed once by XLA, K-major as TF32 wgmma wants it; or (p_nat) from P itself
+    # (M, r), routed through registers for Triton to stage it K-major (no XLA transpose, more shared-memory work).
+    j, q, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    cmask = j * BN + jnp.arange(BN) < N
+    qmask = q * BR + jnp.arange(BR) < R
+    k0 = sp * (KSTEPS * BK)
+
+    def body(k, acc):
+        start = k0 + k * BK
+        kmask = start + jnp.arange(BK) < M
+        gmask = kmask[:, None] & cmask[None, :]
+        g = _backend.load(g_ref.at[pl.ds(start, BK), pl.ds(j * BN, BN)], mask=gmask, other=0.0)
+        if g_regs:  # the same values; the select keeps Triton from copying G straight into shared memory
+            g = jnp.where(gmask, g, 0.0)
+        if p_nat:
+            pmask = kmask[:, None] & qmask[None, :]
+            p = _backend.load(p_ref.at[pl.ds(start, BK), pl.ds(q * BR, BR)], mask=pmask, other=0.0)
+            p = jnp.where(pmask, p, 0.0)  # (as g_regs)
+            return acc + _backend.dot(g.astype(F32), p.astype(F32), trans_a=True, allow_tf32=True)
+        pt = _backend.load(p_ref.at[pl.ds(q * BR, BR), pl.ds(start, BK)], mask=qmask[:, None] & kmask[None, :],
+                           other=0.0)
+        return acc + _backend.dot(g.astype(F32), pt.astype(F32), trans_a=True, trans_b=True, allow_tf32=True)
+
+    acc = lax.fori_loop(0, KSTEPS, body, jnp.zeros((BN, BR), F32))
+    _backend.store(o_ref.at[sp, pl.ds(q * BR, BR), pl.ds(j * BN, BN)], acc.T, mask=qmask[:, None] & cmask[None, :])
+
+
+def _blocks_splitk(side) -> DownConfig:
+    return DOWN_CONFIG[side] if isinstance(DOWN_CONFIG, dict) else DOWN_CONFIG
+
+
+def down_splitk(g, p, *, side: str, interpret: bool = False, blocks=None):
+    """Split-K down-projection R = G P^T (side right) or P^T G (side left), TF32 on G's dtype upcast to fp32:
+    returns the (splits, *R.shape) fp32 partial sums, for `lowrank_adam` to add. `blocks`: a `DownConfig`
+    (or a tuple of its fields) overriding `DOWN_CONFIG` (read here, outside the jit cache)."""
+    cfg = DownConfig(*blocks) if blocks else _blocks_splitk(side)
+    return _down_splitk(g, p, side=side, interpret=interpret, cfg=cfg)
+
+
+@functools.partial(jax.jit, static_argnames=("side", "interpret", "cfg"))
+def _down_splitk(g, p, *, side, interpret, cfg: DownConfig):
+    M, N = g.shape
+    R = p.shape[0] if side == "right" else p.shape[1]
+    br = min(cfg.br, _rank_block(R))
+    K, keep = (N, M) if side == "right" else (M, N)
+    splits = max(1, min(cfg.splits, _cdiv(K, cfg.bk)))
+    ksteps = _cdiv(_cdiv(K, splits), cfg.bk)  # K chunks per split (the last split's tail is masked)
+    low = (M, R) if side == "right" else (R, N)
+    grid = (_cdiv(keep, cfg.bm), _cdiv(R, br), splits)
+    if side == "right":
+        kern = functools.partial(_splitk_right_kernel, M=M, N=N, R=R, BM=cfg.bm, BK=cfg.bk, BR=br, KSTEPS=ksteps)
+        operand = p
+    else:
+        kern = functools.partial(_splitk_left_kernel, M=M, N=N, R=R, BN=cfg.bm, BK=cfg.bk, BR=br, KSTEPS=ksteps,
+                                 g_regs=cfg.g_regs, p_nat=cfg.p_nat)
+        operand = p if cfg.p_nat else p.T  # P^T (r, M): 2 MB at M 4096, r 128, transposed once
+    call = _backend.triton_call(kern, out_shape=jax.ShapeDtypeStruct((splits, *low), F32), grid=grid,
+                                name="pallas_fused_galore_down_splitk", interpret=interpret,
+                                num_warps=cfg.warps, num_stages=cfg.stages)
+    return call(g, operand)
+
+
+# ------------------------------------------------------------------------------------ up + full update
+def _up_kernel(*refs, M, N, R, BM, BN, BR, TM, TN, inplace, has_w, w_first, f16):
+    # acc[BM, BN] = A[rows, :] @ B[:, cols] with K = R; A, B = (N, P) on side right, (P, N) on side left.
+    # A program owns TM x TN tiles (row-major order): a loop whose loads Triton pipelines.
+    w_ref, a_ref, b_ref, s_ref, o_ref = refs if has_w else (None, *refs)
+    op_dtype = jnp.float16 if f16 else F32  # the GEMM's operand dtype (see the fp16 note at UpConfig)
+    ii, jj = pl.program_id(0), pl.program_id(1)
+    _, _, _, _, _, ca, cc, ok = _scalars(s_ref)
+    T = TM * TN
+
+    def tile_index(t):
+        if TN == 1:
+            i, j = ii * TM + t, jj
+        elif TM == 1:
+            i, j = ii, jj * TN + t
+        else:  # lax's truncating div/rem: t >= 0 (jnp's floor versions do not lower here)
+            i, j = ii * TM + lax.div(t, TN), jj * TN + lax.rem(t, TN)
+        rmask = i * BM + jnp.arange(BM) < M
+        cmask = j * BN + jnp.arange(BN) < N
+        return i, j, rmask, cmask, (pl.ds(i * BM, BM), pl.ds(j * BN, BN)), rmask[:, None] & cmask[None, :]
+
+    def load_a(t, k):
+        i, _, rmask, _, _, _ = tile_index(t)
+        kmask = k * BR + jnp.arange(BR) < R
+        return _backend.load(a_ref.at[pl.ds(i * BM, BM), pl.ds(k * BR, BR)], mask=rmask[:, None] & kmask[None, :],
+                             other=0.0).astype(op_dtype)
+
+    def load_b(t, k):
+        _, j, _, cmask, _, _ = tile_index(t)
+        kmask = k * BR + jnp.arange(BR) < R
+        return _backend.load(b_ref.at[pl.ds(k * BR, BR), pl.ds(j * BN, BN)], mask=kmask[:, None] & cmask[None, :],
+                             other=0.0).astype(op_dtype)
+
+    # One K chunk (BR >= R): the operand shared by all the program's tiles (A rows along a column loop, B
+    # columns along a row loop) is loaded once.
+    a_once = load_a(0, 0) if BR >= R and TM == 1 else None
+    b_once = load_b(0, 0) if BR >= R and TN == 1 else None
+
+    def load_w(t, extra_mask=None):
+        *_, idx, mask = tile_index(t)
+        mask = mask if extra_mask is None else mask & extra_mask
+        return _backend.load(w_ref.at[idx], mask=mask, other=0.0).astype(F32)
+
+    # W is the big stream. w_first: its load is issued before the GEMM so the HBM latency overlaps it (holding
+    # the tile in registers through the K loop); with several tiles per program the next tile's W is loaded
+    # during this tile's work (carried through the loop: two tiles of W in flight per program). Otherwise W
+    # loads after the GEMM.
+    prefetch = has_w and w_first and T > 1
+
+    def tile(t, w_next):
+        *_, idx, mask = tile_index(t)
+        if prefetch:
+            w, w_next = w_next, load_w(t + 1, t + 1 < T)
+        else:
+            w = load_w(t) if has_w and w_first else None
+
+        def body(k, acc):
+            a = a_once if a_once is not None else load_a(t, k)
+            b = b_once if b_once is not None else load_b(t, k)
+            return acc + _backend.dot(a, b, allow_tf32=None if f16 else True)
+
+        acc = lax.fori_loop(0, _cdiv(R, BR), body, jnp.zeros((BM, BN), F32))
+        if has_w and not w_first:
+            w = load_w(t)
+        out = ca * w + cc * acc if has_w else cc * acc
+        out = jnp.where(ok > 0, out, 0.0)
+        if inplace:
+            out = w + out
+        _backend.store(o_ref.at[idx], out.astype(o_ref.dtype), mask=mask)
+        return w_next
+
+    if T == 1:
+        tile(0, None)
+    else:
+        lax.fori_loop(0, T, tile, load_w(0) if prefetch else jnp.zeros((), F32))
+
+
+def _blocks_up(rank, side) -> UpConfig:
+    cfg = UP_CONFIG[side] if isinstance(UP_CONFIG, dict) else UP_CONFIG
+    return cfg._replace(br=min(_rank_block(rank), cfg.br))
+
+
+def up_operands(rank: int, side: str):
+    """(N's dtype, whether P is cast to fp16 once per step) for the default up-projection configuration."""
+    cfg = _blocks_up(rank, side)
+    return (jnp.float16 if cfg.f16 else F32), bool(cfg.f16 and cfg.p16)
+
+
+def up_update(w, n, p, scalars, *, side: str, inplace: bool = False, interpret: bool = False, blocks=None,
+              out_dtype=None):
+    """The up-projection GEMM with the full-rank update in its epilogue.
+
+    Returns out = a W + c backproject(N) in W's dtype; with `inplace`, W + out written over W's buffer
+    (input_output_aliases: donate W at the jit boundary to update it without a copy). `w=None` (no weight
+    decay on the optax path) drops the a W term and never reads a W: out = c backproject(N) in `out_dtype`
+    (default P's dtype). `blocks`: an `UpConfig` (or a tuple of its fields) overriding `UP_CONFIG` (read
+    here, outside the jit cache, so changing UP_CONFIG takes effect at the next trace)."""
+    if w is None and inplace:
+        raise ValueError("up_update: inplace=True needs w (the weight to update)")
+    R = n.shape[1] if side == "right" else n.shape[0]
+    if blocks:
+        cfg = UpConfig(*blocks)
+        cfg = cfg._replace(br=min(cfg.br, _rank_block(R)))
+    else:
+        cfg = _blocks_up(R, side)
+    dtype = jnp.dtype(w.dtype if w is not None else (out_dtype or p.dtype))
+    return _up_update(w, n, p, scalars, side=side, inplace=inplace, interpret=interpret, cfg=cfg, dtype=dtype)
+
+
+@functools.partial(jax.jit, static_argnames=("side", "inplace", "interpret", "cfg", "dtype"))
+def _up_update(w, n, p, scalars, *, side, inplace, interpret, cfg: UpConfig, dtype):
+    if side == "right":
+        (M, R), N = n.shape, p.shape[1]
+    else:
+        M, (R, N) = p.shape[0], n.shape
+    a, b = (n, p) if side == "right" else (p, n)
+    if cfg.br > R:  # one K chunk covers the rank: pad it to the chunk (see `_pad_rank`)
+        a, b = _pad_rank(a, 1, cfg.br), _pad_rank(b, 0, cfg.br)
+    has_w = w is not None
+    kern = functools.partial(_up_kernel, M=M, N=N, R=R, BM=cfg.bm, BN=cfg.bn, BR=cfg.br, TM=cfg.tm, TN=cfg.tn,
+                             inplace=inplace, has_w=has_w, w_first=cfg.w_first, f16=cfg.f16)
+    call = _backend.triton_call(kern, out_shape=jax.ShapeDtypeStruct((M, N), dtype),
+                                grid=(_cdiv(_cdiv(M, cfg.bm), cfg.tm), _cdiv(_cdiv(N, cfg.bn), cfg.tn)),
+                                name="pallas_fused_galore_up_inplace" if inplace else "pallas_fused_galore_up",
+                                interpret=interpret, num_warps=cfg.warps, num_stages=cfg.stages,
+                                input_output_aliases={0: 0} if inplace else None)
+    return call(w, a, b, scalars) if has_w else call(a, b, scalars)
+
+
+# ------------------------------------------------------------------------------------------ one leaf
+def leaf_step(variant: str, w, g, m, v, p, scalars, *, side: str, inplace: bool, interpret: bool = False,
+              up_blocks=None, down_blocks=None):
+    """One projected leaf through `variant` (one of VARIANTS): returns (out, m', v'), out being the update
+    (in W's dtype, or G's when w is None: no weight decay) or, with `inplace`, the new W. `up_blocks` /
+    `down_blocks` override the kernels' launch configurations (tuning: an UpConfig, and a DownConfig for
+    "splitk" or a (kept block, K block, warps, stages) tuple for "fused")."""
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
+    rank = p.shape[0] if side == "right" else p.shape[1]
+    up = UpConfig(*up_blocks) if up_blocks else _blocks_up(rank, side)
+    # an fp16 up-projection takes N in fp16 straight from the Adam kernel (and P cast once with p16)
+    n_dtype = jnp.float16 if up.f16 and variant != "xla_up" else F32  # (as `up_operands`)
+    p16 = up.f16 and up.p16 and variant != "xla_up"  # the Adam kernel also casts P to fp16 (one launch)
+    p_up = p
+    if variant == "fused":
+        m, v, n = down_adam_fused(g, p, m, v, scalars, side=side, interpret=interpret, blocks=down_blocks)
+        p_up = p.astype(jnp.float16) if p16 else p
+    else:
+        r = (down_splitk(g, p, side=side, interpret=interpret, blocks=down_blocks) if variant == "splitk"
+             else reference.project(g, p, side))
+        m, v, n, *cast = lowrank_adam(r, m, v, scalars, interpret=interpret, n_dtype=n_dtype, p=p if p16 else None)
+        p_up = cast[0] if p16 else p
+    if variant != "xla_up":
+        out = up_update(w, n, p_up, scalars, side=side, inplace=inplace, interpret=interpret, blocks=up,
+                        out_dtype=g.dtype)
+        return out, m, v
+    s = reference.Scalars(*(scalars[i] for i in range(8)))
+    return reference.finish_step(w, n, p, side, s, inplace=inplace, dtype=g.dtype), m, v
+
+
+def choose_variant(shape: tuple[int, int], rank: int, side: str) -> str:
+    """The default variant for one leaf: the `MEASURED_VARIANT` entry of the same side nearest in size and
+    rank (log scale); with no entry, the fused kernel only where its grid fills the GPU twice over."""
+    table = [(key, val) for key, val in MEASURED_VARIANT.items() if key[3] == side] or list(MEASURED_VARIANT.items())
+    if table:
+        m, n = shape
+
+        def distance(key):
+            return abs(math.log(key[0] * key[1] / (m * n))) + abs(math.log(key[2] / rank))
+
+        return min(table, key=lambda kv: distance(kv[0]))[1]
+    kept = shape[0] if side == "right" else shape[1]
+    blocks = _cdiv(kept, _blocks_down(shape, rank, side, 4)[0])
+    return "fused" if blocks >= 2 * _backend.num_sms() else "hybrid"

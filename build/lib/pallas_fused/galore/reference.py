@@ -1,0 +1,137 @@
+"""Plain-jnp GaLore Adam: the ground truth for the kernels, and the "xla" implementation.
+
+Notation for one projected (M, N) weight W with gradient G and rank r. The projector has one of two
+*sides*, chosen by `proj_type` (as in galore-torch's GaLoreProjector):
+
+    side "right": P is (r, N) (top-r right singular vectors, Vh[:r]); R = G P^T is (M, r); back: R_n P
+    side "left":  P is (M, r) (top-r left singular vectors, U[:, :r]); R = P^T G is (r, N); back: P R_n
+
+    proj_type "std":          right if M >= N else left   (keeps the larger dimension; galore-torch default)
+    proj_type "reverse_std":  left if M >= N else right   (keeps the smaller one; optax.contrib.galore's choice)
+    proj_type "right"/"left": always that side
+
+The low-rank Adam step and the full-rank update take a handful of runtime scalars (`Scalars`), so one
+kernel serves both conventions:
+
+    m' = b1 m + (1 - b1) R            v' = b2 v + (1 - b2) R^2
+    N  = alpha m' / (beta sqrt(v') + eps)
+    out = a * W + c * backproject(N)          (an update, or added to W in place)
+
+reference GaLore ("galore"):  alpha = beta = 1, c = -lr * scale * sqrt(1 - b2^t) / (1 - b1^t), a = -lr * wd
+optax.contrib.galore ("optax"): alpha = 1 / (1 - b1^t), beta = 1 / sqrt(1 - b2^t), c = -lr * scale, a = -lr * wd
+
+`ok` (0 or 1) masks a step whose gradient was non-finite: moments are kept and the update is zero.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+PROJ_TYPES = ("std", "reverse_std", "right", "left")
+
+
+class Scalars(NamedTuple):
+    """Runtime scalars of one GaLore Adam step (all fp32 scalars; traced values are fine)."""
+
+    b1: jax.Array
+    b2: jax.Array
+    eps: jax.Array
+    alpha: jax.Array
+    beta: jax.Array
+    a: jax.Array  # coefficient of W in the output (-lr * wd, or 0)
+    c: jax.Array  # coefficient of the back-projected normalized update
+    ok: jax.Array  # 1.0: a normal step; 0.0: skip (non-finite gradient on a refresh step)
+
+    def pack(self) -> jax.Array:
+        """The (8,) fp32 operand the kernels read."""
+        return jnp.stack([jnp.asarray(x, jnp.float32) for x in self])
+
+
+def projector_side(shape: tuple[int, int], proj_type: str) -> str:
+    """"left" or "right" for a (M, N) weight under `proj_type` (see the module docstring)."""
+    if proj_type not in PROJ_TYPES:
+        raise ValueError(f"proj_type must be one of {PROJ_TYPES}, got {proj_type!r}")
+    m, n = shape
+    if proj_type == "std":
+        return "right" if m >= n else "left"
+    if proj_type == "reverse_std":
+        return "left" if m >= n else "right"
+    return proj_type
+
+
+def projector_shape(shape: tuple[int, int], rank: int, side: str) -> tuple[int, int]:
+    m, n = shape
+    return (rank, n) if side == "right" else (m, rank)
+
+
+def lowrank_shape(shape: tuple[int, int], rank: int, side: str) -> tuple[int, int]:
+    m, n = shape
+    return (m, rank) if side == "right" else (rank, n)
+
+
+def svd_projector(g: jax.Array, rank: int, side: str, dtype=None) -> jax.Array:
+    """The exact projector from a float32 SVD of the gradient (what galore-torch and optax compute)."""
+    u, _, vh = jnp.linalg.svd(g.astype(jnp.float32), full_matrices=False)
+    p = vh[:rank] if side == "right" else u[:, :rank]
+    return p.astype(dtype or g.dtype)
+
+
+def project(g: jax.Array, p: jax.Array, side: str, precision=None) -> jax.Array:
+    """Down-projection R (fp32): G P^T (right) or P^T G (left)."""
+    f32 = jnp.float32
+    if side == "right":
+        return jnp.matmul(g, p.T, precision=precision, preferred_element_type=f32)
+    return jnp.matmul(p.T, g, precision=precision, preferred_element_type=f32)
+
+
+def back_project(n: jax.Array, p: jax.Array, side: str, precision=None) -> jax.Array:
+    """Up-projection (fp32): N P (right) or P N (left)."""
+    n, p = n.astype(jnp.float32), p.astype(jnp.float32)
+    return jnp.matmul(n, p, precision=precision) if side == "right" else jnp.matmul(p, n, precision=precision)
+
+
+def lowrank_adam(r: jax.Array, m: jax.Array, v: jax.Array, s: Scalars):
+    """The low-rank Adam moments and normalized update: returns (m', v', N) with m', v' in m's/v's dtype."""
+    f32 = jnp.float32
+    ok = jnp.asarray(s.ok, f32) > 0
+    r = jnp.where(ok, r.astype(f32), 0.0)
+    m32, v32 = m.astype(f32), v.astype(f32)
+    m_new = jnp.where(ok, s.b1 * m32 + (1 - s.b1) * r, m32)
+    v_new = jnp.where(ok, s.b2 * v32 + (1 - s.b2) * r * r, v32)
+    n = (s.alpha * m_new) / (s.beta * jnp.sqrt(v_new) + s.eps)
+    return m_new.astype(m.dtype), v_new.astype(v.dtype), n
+
+
+def full_update(w: jax.Array, n: jax.Array, p: jax.Array, side: str, s: Scalars, precision=None) -> jax.Array:
+    """out = a * W + c * backproject(N), fp32 (zero when the step is skipped)."""
+    ok = jnp.asarray(s.ok, jnp.float32) > 0
+    out = s.a * w.astype(jnp.float32) + s.c * back_project(n, p, side, precision)
+    return jnp.where(ok, out, 0.0)
+
+
+def finish_step(w, n: jax.Array, p: jax.Array, side: str, s: Scalars, *, inplace: bool = False, dtype=None,
+                precision=None) -> jax.Array:
+    """A step's full-rank output from the normalized low-rank update N: the update (in W's dtype) or, with
+    `inplace`, the new W. w=None (no weight decay, not in place): c * backproject(N) in `dtype`."""
+    if w is None and inplace:
+        raise ValueError("finish_step: inplace=True needs w (the weight to update)")
+    if w is None:
+        # The update is c * backproject(N) alone: scale the small N rather than the product, so that the update
+        # is the GEMM's own output and `optax.apply_updates` (p + update) can fold into that GEMM as its addend.
+        ok = jnp.asarray(s.ok, jnp.float32) > 0
+        n = jnp.where(ok, n.astype(jnp.float32) * s.c, 0.0)
+        return back_project(n, p, side, precision).astype(dtype)
+    w32 = w.astype(jnp.float32)
+    out = full_update(w32, n, p, side, s, precision)
+    return ((w32 + out) if inplace else out).astype(dtype if w is None else w.dtype)
+
+
+def galore_adam_step(w, g, m, v, p, side: str, s: Scalars, *, inplace: bool = False, precision=None):
+    """One projected-leaf step with a given projector: returns (out, m', v') where out is the update
+    (in W's dtype, or G's when w is None: no weight decay) or, with `inplace`, the new W."""
+    r = project(g, p, side, precision)
+    m, v, n = lowrank_adam(r, m, v, s)
+    return finish_step(w, n, p, side, s, inplace=inplace, dtype=g.dtype, precision=precision), m, v
