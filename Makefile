@@ -53,6 +53,7 @@ PKG_DIR ?= $(CURDIR)/.package-check
 package-check: setup
 	rm -rf $(PKG_DIR) && mkdir -p $(PKG_DIR)
 	$(PY) -m pip wheel -q --no-deps -w $(PKG_DIR) .
+	rm -rf build  # setuptools' staging directory, not part of the tree
 	$(PYTHON) -m venv $(PKG_DIR)/venv
 	$(PKG_DIR)/venv/bin/python -m pip install -q -c .ci/jax-floor.txt $(PKG_DIR)/pallas_fused-*.whl
 	cd $(PKG_DIR) && venv/bin/python $(CURDIR)/.ci/wheel_smoke.py
@@ -80,4 +81,4 @@ bench:
 	PYTHONPATH=$(CURDIR) $(PYTHON) -m benchmarks.run $(BENCH)
 
 clean:
-	rm -rf $(VENV) $(VENV_NEW) .pytest_cache .ruff_cache .hypothesis .mypy_cache .package-check site
+	rm -rf $(VENV) $(VENV_NEW) .pytest_cache .ruff_cache .hypothesis .mypy_cache .package-check site build
