@@ -474,6 +474,7 @@ def _build(learning_rate, weight_decay, *, b1, b2, eps, scale, rank, update_proj
 
 
 _DOC_ARGS = """
+
     Args:
       learning_rate: float or optax schedule (called with the step count).
       rank: projection rank r (a Python int, < min(M, N) of each projected leaf).
