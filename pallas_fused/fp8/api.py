@@ -302,7 +302,7 @@ def _operands(x, cfg_n: CastConfig, cfg_t: CastConfig | None, pow2, impl):
     """x (R, C) cast for use as a K-major operand directly (cfg_n: contraction over C) and transposed
     (cfg_t: x^T, contraction over R). Tensorwise casts with one dtype share a single pass."""
     qimpl = "xla" if impl == "xla" else ("interpret" if impl == "interpret" else "pallas")
-    out = []
+    out: list[_Operand | None] = []
     if cfg_t is not None and cfg_n.scaling == cfg_t.scaling == "tensorwise" and cfg_n.dtype == cfg_t.dtype:
         q, qt, s = _quantize_2d(x, cfg_n.dtype, None, pow2, qimpl, emit_n=True, emit_t=True)
         s = s.reshape(())
