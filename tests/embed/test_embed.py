@@ -163,7 +163,8 @@ def test_linen_drop_in_is_nn_embed(kernel_impl):
     params = ours.init(jax.random.key(0), ids)
     flax_params = theirs.init(jax.random.key(0), ids)
     assert jax.tree.map(jnp.shape, params) == {"params": {"embedding": (33, 24)}}
-    np.testing.assert_array_equal(np.asarray(params["params"]["embedding"]), np.asarray(flax_params["params"]["embedding"]))
+    np.testing.assert_array_equal(np.asarray(params["params"]["embedding"]),
+                                  np.asarray(flax_params["params"]["embedding"]))
     np.testing.assert_array_equal(np.asarray(ours.apply(params, ids).astype(jnp.float32)),
                                   np.asarray(theirs.apply(params, ids).astype(jnp.float32)))
     q = rand(3, (2, 24))
@@ -185,7 +186,8 @@ def test_nnx_drop_in_is_nnx_embed(kernel_impl):
     theirs = nnx.Embed(17, 20, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
     assert jax.tree.map(jnp.shape, nnx.state(ours, nnx.Param)) == jax.tree.map(jnp.shape, nnx.state(theirs, nnx.Param))
     np.testing.assert_array_equal(np.asarray(ours.embedding[...]), np.asarray(theirs.embedding[...]))
-    np.testing.assert_array_equal(np.asarray(ours(ids).astype(jnp.float32)), np.asarray(theirs(ids).astype(jnp.float32)))
+    np.testing.assert_array_equal(np.asarray(ours(ids).astype(jnp.float32)),
+                                  np.asarray(theirs(ids).astype(jnp.float32)))
     dy = rand(2, (3, 5, 20), jnp.bfloat16)
 
     def grad_of(model):
