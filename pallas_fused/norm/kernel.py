@@ -55,11 +55,17 @@ def choose_config(rows: int, features: int, backward: bool) -> LaunchConfig:
     return LaunchConfig(block_rows, num_warps, max(programs, 1) if backward else 0)
 
 
+def _at(r0, br, width):
+    """Index arrays of rows [r0, r0 + br) x features [0, width): arrays rather than slices, because a padded
+    width is a static slice past the array's end, which jax >= 0.12 refuses even under a mask."""
+    return (r0 + jnp.arange(br))[:, None], jnp.arange(width)[None, :]
+
+
 def _tile(ref, r0, br, width, rows, features, dtype=jnp.float32):
     """Load rows [r0, r0 + br) x [0, width) of a (rows, features) ref as float32, zero outside it."""
     r_ok = r0 + jnp.arange(br) < rows
     mask = r_ok[:, None] & (jnp.arange(width) < features)[None, :]
-    return _backend.load(ref.at[pl.ds(r0, br), pl.ds(0, width)], mask=mask, other=0).astype(dtype), mask, r_ok
+    return _backend.load(ref.at[_at(r0, br, width)], mask=mask, other=0).astype(dtype), mask, r_ok
 
 
 def _fwd_kernel(*refs, rows, features, width, br, eps, has_scale):
@@ -69,9 +75,9 @@ def _fwd_kernel(*refs, rows, features, width, br, eps, has_scale):
     rstd = lax.rsqrt(jnp.sum(x * x, axis=1) / features + eps)
     mul = jnp.broadcast_to(rstd[:, None], (br, width))
     if has_scale:
-        scale = _backend.load(scale_ref.at[pl.ds(0, width)], mask=jnp.arange(width) < features, other=0)
+        scale = _backend.load(scale_ref.at[jnp.arange(width)], mask=jnp.arange(width) < features, other=0)
         mul = mul * scale.astype(jnp.float32)[None, :]
-    _backend.store(y_ref.at[pl.ds(r0, br), pl.ds(0, width)], (x * mul).astype(y_ref.dtype), mask=mask)
+    _backend.store(y_ref.at[_at(r0, br, width)], (x * mul).astype(y_ref.dtype), mask=mask)
     _backend.store(rstd_ref.at[pl.ds(r0, br)], rstd, mask=r_ok)
 
 
@@ -84,7 +90,7 @@ def _bwd_kernel(*refs, rows, features, width, br, iters, programs, has_scale):
     f_ok = jnp.arange(width) < features
     scale = None
     if has_scale:
-        scale = _backend.load(scale_ref.at[pl.ds(0, width)], mask=f_ok, other=0).astype(jnp.float32)
+        scale = _backend.load(scale_ref.at[jnp.arange(width)], mask=f_ok, other=0).astype(jnp.float32)
 
     def body(i, dscale):
         r0 = (pid + i * programs) * br
@@ -95,12 +101,12 @@ def _bwd_kernel(*refs, rows, features, width, br, iters, programs, has_scale):
         g = dy * scale[None, :] if has_scale else dy
         c = jnp.sum(g * xhat, axis=1) / features
         dx = rstd[:, None] * (g - xhat * c[:, None])
-        _backend.store(dx_ref.at[pl.ds(r0, br), pl.ds(0, width)], dx.astype(dx_ref.dtype), mask=mask)
+        _backend.store(dx_ref.at[_at(r0, br, width)], dx.astype(dx_ref.dtype), mask=mask)
         return dscale + jnp.sum(dy * xhat, axis=0) if has_scale else dscale
 
     dscale = lax.fori_loop(0, iters, body, jnp.zeros((width,), jnp.float32))
     if has_scale:
-        _backend.store(dscale_ref.at[pid, pl.ds(0, width)], dscale, mask=f_ok)
+        _backend.store(dscale_ref.at[pid, jnp.arange(width)], dscale, mask=f_ok)
 
 
 def rms_norm_fwd_pallas(x2, scale, *, eps: float, out_dtype, interpret: bool, config: LaunchConfig | None = None):
