@@ -71,6 +71,7 @@ def classify(name: str) -> str:
 
 
 _DERIVED_LINES = ("xla ops", "xla modules", "steps", "launch stats", "source", "xla traceme", "framework")
+_CPU_THREADS = ("tf_XLAPjRtCpuClient", "tf_XLAExecute")  # the thread that runs XLA's CPU thunks (jax 0.10, 0.12)
 _CPU_NOISE = ("ThreadpoolListener", "end: ", "ThunkExecutor")
 
 
@@ -87,7 +88,7 @@ def kernel_events(trace: dict) -> tuple[list[tuple[str, float]], dict]:
         thread = threads.get((e.get("pid"), e.get("tid")), "")
         if gpu_pids:
             return e.get("pid") in gpu_pids and not thread.lower().startswith(_DERIVED_LINES)
-        return thread.startswith("tf_XLAPjRtCpuClient") and not e["name"].startswith(_CPU_NOISE)
+        return thread.startswith(_CPU_THREADS) and not e["name"].startswith(_CPU_NOISE)
 
     out = [(e["name"], float(e.get("dur", 0.0))) for e in events if e.get("ph") == "X" and wanted(e)]
     read = sorted({f"{procs.get(e['pid'], e['pid'])} / {threads.get((e['pid'], e['tid']), e['tid'])}"
