@@ -8,7 +8,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_fused import _backend
+from pallas_fused import _backend, _sharding
 from pallas_fused.embed import kernel as _kernel
 from pallas_fused.embed.reference import reference_embed, segment_sum_grad, wrap_ids
 
@@ -37,9 +37,15 @@ class _Static:
 
 def _table_grad(ids, dy, vocab: int, st: _Static):
     """float32 (V, D) gradient of the table from wrapped ids (N,) and dy (N, D)."""
-    if use_onehot(vocab, dy.dtype):
+    if not use_onehot(vocab, dy.dtype):
+        return segment_sum_grad(ids, dy, vocab)
+
+    def local(ids, dy):
         return _kernel.onehot_grad_pallas(ids, dy, vocab, interpret=st.interpret, config=st.config)
-    return segment_sum_grad(ids, dy, vocab)
+
+    # Sharded: each device sums its own tokens (and its slice of the features) and the (V, D) float32 partial
+    # gradients are all-reduced, as XLA does for its scatter; dy is never gathered.
+    return _sharding.partitioned(local, "t, t d -> v d", summed=("t",))(ids, dy)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))

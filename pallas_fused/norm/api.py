@@ -32,7 +32,6 @@ def _forward(x2, scale, st: _Static):
 
 
 def _backward(dy2, x2, rstd, scale, st: _Static):
-    # Each shard of rows sums its own dscale partials; `summed` all-reduces that (D,) vector across shards.
     if scale is None:
         def local(dy2, x2, rstd):
             return _kernel.rms_norm_bwd_pallas(dy2, x2, rstd, None, interpret=st.interpret)[0]
@@ -42,8 +41,15 @@ def _backward(dy2, x2, rstd, scale, st: _Static):
     def local_scaled(dy2, x2, rstd, scale):
         return _kernel.rms_norm_bwd_pallas(dy2, x2, rstd, scale, interpret=st.interpret)
 
-    return _sharding.partitioned(local_scaled, "r d, r d, r, d -> r d, d", replicated=("d",),
-                                 summed=("r",))(dy2, x2, rstd, scale)
+    def summed_over(axes):  # rows sharded: each shard's (D,) dscale is all-reduced; dx stays sharded
+        def run(*args):
+            dx, dscale = local_scaled(*args)
+            return dx, jax.lax.psum(dscale, axes)
+
+        return run
+
+    return _sharding.partitioned(local_scaled, "r d, r d, r, d -> r d, d", replicated=("d",), reduced=("r",),
+                                 reduced_fn=summed_over)(dy2, x2, rstd, scale)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
