@@ -83,10 +83,15 @@ def kernel_events(trace: dict) -> tuple[list[tuple[str, float]], dict]:
     threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
                if e.get("ph") == "M" and e.get("name") == "thread_name"}
     gpu_pids = {pid for pid, name in procs.items() if "/device:gpu" in name.lower()}
+    # The stream lines hold what ran; prefer them when the trace names them, else every non-derived line.
+    streams = {key for key, name in threads.items() if key[0] in gpu_pids and name.lower().startswith("stream")}
 
     def wanted(e) -> bool:
-        thread = threads.get((e.get("pid"), e.get("tid")), "")
+        key = (e.get("pid"), e.get("tid"))
+        thread = threads.get(key, "")
         if gpu_pids:
+            if streams:
+                return key in streams
             return e.get("pid") in gpu_pids and not thread.lower().startswith(_DERIVED_LINES)
         return thread.startswith(_CPU_THREADS) and not e["name"].startswith(_CPU_NOISE)
 
@@ -162,6 +167,9 @@ def profile_run(name: str, *, baseline: bool, fp8: str | None, s: dict, args, ba
     if not args.keep_xplane:
         for p in trace_dir.rglob("*.xplane.pb"):
             p.unlink()
+    if example.has_gpu() and not read["device"]:
+        print(f"WARNING {name}: the trace has no GPU kernel events (is CUPTI available to the profiler?); the "
+              "table below counts host events only", flush=True)
     summary = summarize(events, len(inputs))
     return {"name": name, "implementation": implementation or "auto", "fp8": None if baseline else fp8,
             "attention": args.attention, "steps_traced": len(inputs), "wall_ms_per_step": wall_ms,

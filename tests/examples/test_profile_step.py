@@ -31,9 +31,11 @@ def test_kernel_events_reads_device_streams_only():
         {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/device:GPU:0"}},
         {"ph": "M", "name": "thread_name", "pid": 2, "tid": 7, "args": {"name": "Stream #14(Compute)"}},
         {"ph": "M", "name": "thread_name", "pid": 2, "tid": 8, "args": {"name": "XLA Ops"}},
+        {"ph": "M", "name": "thread_name", "pid": 2, "tid": 9, "args": {"name": "Launch Stats"}},
         {"ph": "X", "pid": 2, "tid": 7, "name": "pallas_fused_embed_bwd", "dur": 30.0, "ts": 0},
         {"ph": "X", "pid": 2, "tid": 7, "name": "pallas_fused_embed_bwd", "dur": 10.0, "ts": 50},
         {"ph": "X", "pid": 2, "tid": 8, "name": "fusion.1", "dur": 40.0, "ts": 0},  # derived line: not counted
+        {"ph": "X", "pid": 2, "tid": 9, "name": "fusion.1", "dur": 40.0, "ts": 0},
         {"ph": "X", "pid": 1, "tid": 3, "name": "PjitFunction", "dur": 99.0, "ts": 0},
     ]}
     events, read = profile_step.kernel_events(trace)
