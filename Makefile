@@ -26,7 +26,7 @@ $(VENV)/.installed: pyproject.toml .ci/jax-floor.txt
 $(VENV_NEW)/.installed: pyproject.toml
 	$(PYTHON_NEW) -m venv $(VENV_NEW)
 	$(PY_NEW) -m pip install -q --upgrade pip
-	$(PY_NEW) -m pip install -q -e '.[test]'
+	$(PY_NEW) -m pip install -q -e '.[test,bench]'
 	touch $@
 
 setup: $(VENV)/.installed

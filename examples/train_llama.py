@@ -398,7 +398,7 @@ def main(argv=None) -> dict:
     for name, c in checks.items():
         print(f"{name}: checkpoint restored identical: {c['checkpoint_restored_identical']}; "
               f"fine-tune changed only adapters: {c.get('finetune_only_adapters_changed')}")
-    print(f"wrote {paths['plot']}, {paths['markdown']}, {paths['json']}")
+    print("wrote " + ", ".join(str(p) for p in paths.values()))
     return {"results": results, "checks": checks, "paths": paths, "settings": settings}
 
 
