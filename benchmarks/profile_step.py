@@ -17,17 +17,15 @@ Writes <out>/profile.md (a table of ms per step by family for every run, then ea
 threads read) and the traces under <out>/traces/<run>/ (the perfetto JSON only; `--keep-xplane` keeps the
 .xplane.pb too).
 
-Which events count: on a GPU, the device processes' (named "/device:GPU:...") stream threads, i.e. the
-kernels and memcpy/memset as they ran; derived lines ("XLA Ops", "XLA Modules", "Steps", ...) repeat them
-and are skipped. Without a GPU (the CPU smoke run), the XLA CPU client's thunks on the host stand in, so
-the table is produced; only its families mean little there.
+Which events count (`benchmarks.trace.parse`): on a GPU, the device processes' stream threads, i.e. the
+kernels and memcpy/memset as they ran ("XLA Ops" / "XLA Modules" repeat them and are skipped). Without a GPU
+(the CPU smoke run), the XLA CPU client's thunks on the host stand in, so the table is produced; only its
+families mean little there.
 """
 
 from __future__ import annotations
 
 import argparse
-import collections
-import gzip
 import json
 import pathlib
 import shutil
@@ -47,6 +45,8 @@ import train_llama as example  # noqa: E402  (examples/train_llama.py: presets, 
 from llama import data  # noqa: E402
 from llama.model import Llama  # noqa: E402
 from llama.train import TrainState, place  # noqa: E402
+
+from benchmarks import trace  # noqa: E402  (the perfetto parser: GPU stream events, or the CPU thunks)
 
 FAMILIES = ("pallas_fused", "gemm", "attention", "scatter", "transpose/copy", "xla fusion", "other")
 
@@ -70,45 +70,11 @@ def classify(name: str) -> str:
     return "other"
 
 
-_DERIVED_LINES = ("xla ops", "xla modules", "steps", "launch stats", "source", "xla traceme", "framework")
-_CPU_THREADS = ("tf_XLAPjRtCpuClient", "tf_XLAExecute")  # the thread that runs XLA's CPU thunks (jax 0.10, 0.12)
-_CPU_NOISE = ("ThreadpoolListener", "end: ", "ThunkExecutor")
-
-
-def kernel_events(trace: dict) -> tuple[list[tuple[str, float]], dict]:
-    """[(kernel name, duration in us)] of the device's kernels in a perfetto/Chrome trace, and which
-    (process, thread) names were read."""
-    events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    procs = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
-    threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
-               if e.get("ph") == "M" and e.get("name") == "thread_name"}
-    gpu_pids = {pid for pid, name in procs.items() if "/device:gpu" in name.lower()}
-    # The stream lines hold what ran; prefer them when the trace names them, else every non-derived line.
-    streams = {key for key, name in threads.items() if key[0] in gpu_pids and name.lower().startswith("stream")}
-
-    def wanted(e) -> bool:
-        key = (e.get("pid"), e.get("tid"))
-        thread = threads.get(key, "")
-        if gpu_pids:
-            if streams:
-                return key in streams
-            return e.get("pid") in gpu_pids and not thread.lower().startswith(_DERIVED_LINES)
-        return thread.startswith(_CPU_THREADS) and not e["name"].startswith(_CPU_NOISE)
-
-    out = [(e["name"], float(e.get("dur", 0.0))) for e in events if e.get("ph") == "X" and wanted(e)]
-    read = sorted({f"{procs.get(e['pid'], e['pid'])} / {threads.get((e['pid'], e['tid']), e['tid'])}"
-                   for e in events if e.get("ph") == "X" and wanted(e)})
-    return out, {"device": bool(gpu_pids), "threads": read}
-
-
-def summarize(events: list[tuple[str, float]], steps: int) -> dict:
+def summarize(times: trace.KernelTimes, steps: int) -> dict:
     """ms per step by family and by kernel name (with calls per step)."""
-    by_name: dict = collections.defaultdict(lambda: [0.0, 0])
-    for name, dur in events:
-        by_name[name][0] += dur
-        by_name[name][1] += 1
-    kernels = sorted(({"name": n, "family": classify(n), "ms_per_step": us / 1e3 / steps, "calls_per_step": c / steps}
-                      for n, (us, c) in by_name.items()), key=lambda k: -k["ms_per_step"])
+    kernels = sorted(({"name": n, "family": classify(n), "ms_per_step": us / 1e3 / steps,
+                       "calls_per_step": times.counts[n] / steps} for n, us in times.per_kernel.items()),
+                     key=lambda k: -k["ms_per_step"])
     families = {f: 0.0 for f in FAMILIES}
     for k in kernels:
         families[k["family"]] += k["ms_per_step"]
@@ -162,18 +128,17 @@ def profile_run(name: str, *, baseline: bool, fp8: str | None, s: dict, args, ba
     paths = sorted(trace_dir.rglob("perfetto_trace.json.gz"))
     if not paths:
         raise RuntimeError(f"{name}: no perfetto_trace.json.gz under {trace_dir}")
-    with gzip.open(paths[-1]) as f:
-        events, read = kernel_events(json.load(f))
+    gpu = example.has_gpu()
+    times = trace.parse(trace_dir, host=not gpu)
     if not args.keep_xplane:
         for p in trace_dir.rglob("*.xplane.pb"):
             p.unlink()
-    if example.has_gpu() and not read["device"]:
-        print(f"WARNING {name}: the trace has no GPU kernel events (is CUPTI available to the profiler?); the "
-              "table below counts host events only", flush=True)
-    summary = summarize(events, len(inputs))
+    if gpu and not times.per_kernel:
+        print(f"WARNING {name}: the trace has no GPU kernel events (is CUPTI available to the profiler?)", flush=True)
     return {"name": name, "implementation": implementation or "auto", "fp8": None if baseline else fp8,
             "attention": args.attention, "steps_traced": len(inputs), "wall_ms_per_step": wall_ms,
-            "compile_s": compile_s, "final_loss": float(loss), "trace": str(paths[-1]), **read, **summary}
+            "compile_s": compile_s, "final_loss": float(loss), "trace": str(paths[-1]), "device": gpu,
+            "threads": times.threads, **summarize(times, len(inputs))}
 
 
 def markdown(runs: list[dict], top: int) -> str:

@@ -3,6 +3,7 @@ GPU trace, and the whole script on CPU (a tiny model: the table and JSON are wri
 
 from __future__ import annotations
 
+import gzip
 import json
 
 import pytest
@@ -25,24 +26,33 @@ def test_classify(name, family):
     assert profile_step.classify(name) == family
 
 
-def test_kernel_events_reads_device_streams_only():
-    trace = {"traceEvents": [
+def test_parse_reads_device_streams_only(tmp_path):
+    from benchmarks import trace
+
+    events = [
         {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/host:CPU"}},
         {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/device:GPU:0"}},
+        {"ph": "M", "name": "thread_name", "pid": 1, "tid": 3, "args": {"name": "tf_XLAExecute/1"}},
         {"ph": "M", "name": "thread_name", "pid": 2, "tid": 7, "args": {"name": "Stream #14(Compute)"}},
         {"ph": "M", "name": "thread_name", "pid": 2, "tid": 8, "args": {"name": "XLA Ops"}},
-        {"ph": "M", "name": "thread_name", "pid": 2, "tid": 9, "args": {"name": "Launch Stats"}},
         {"ph": "X", "pid": 2, "tid": 7, "name": "pallas_fused_embed_bwd", "dur": 30.0, "ts": 0},
         {"ph": "X", "pid": 2, "tid": 7, "name": "pallas_fused_embed_bwd", "dur": 10.0, "ts": 50},
         {"ph": "X", "pid": 2, "tid": 8, "name": "fusion.1", "dur": 40.0, "ts": 0},  # derived line: not counted
-        {"ph": "X", "pid": 2, "tid": 9, "name": "fusion.1", "dur": 40.0, "ts": 0},
-        {"ph": "X", "pid": 1, "tid": 3, "name": "PjitFunction", "dur": 99.0, "ts": 0},
-    ]}
-    events, read = profile_step.kernel_events(trace)
-    assert events == [("pallas_fused_embed_bwd", 30.0), ("pallas_fused_embed_bwd", 10.0)] and read["device"]
-    summary = profile_step.summarize(events, steps=2)
+        {"ph": "X", "pid": 1, "tid": 3, "name": "fusion.2", "dur": 99.0, "ts": 0},  # host: not with a GPU
+    ]
+    (tmp_path / "run").mkdir()
+    with gzip.open(tmp_path / "run" / "perfetto_trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    times = trace.parse(tmp_path, host=True)
+    assert times.per_kernel == {"pallas_fused_embed_bwd": 40.0} and times.counts == {"pallas_fused_embed_bwd": 2}
+    summary = profile_step.summarize(times, steps=2)
     assert summary["families_ms"]["pallas_fused"] == pytest.approx(0.02)
     assert summary["kernels"][0]["calls_per_step"] == 1
+    # No device process: the CPU thunks stand in only when asked for.
+    with gzip.open(tmp_path / "run" / "perfetto_trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": [e for e in events if e.get("pid") != 2]}, f)
+    assert trace.parse(tmp_path).per_kernel == {}
+    assert trace.parse(tmp_path, host=True).per_kernel == {"fusion.2": 99.0}
 
 
 def test_cpu_run_writes_table_and_json(tmp_path):
