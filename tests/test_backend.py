@@ -26,6 +26,31 @@ def test_unknown_implementation_raises():
         _backend.resolve_implementation("cuda", op="my_op")
 
 
+VARIANTS = {"pallas:fast": _backend.Variant("a Triton variant"),
+            "pallas:hopper": _backend.Variant("a Mosaic GPU variant", needs=(9, 0), interpretable=False)}
+
+
+def test_variants_resolve_and_interpret_spelling():
+    """"interpret:<variant>" runs a Triton variant's kernels on the CPU; a Mosaic GPU one has no interpret form."""
+    assert _backend.resolve_implementation("interpret:fast", op="x", variants=VARIANTS) == "interpret:fast"
+    assert _backend.split_implementation("interpret:fast") == ("interpret", "fast")
+    assert _backend.split_implementation("pallas") == ("pallas", None)
+    with pytest.raises(ValueError, match="Mosaic GPU kernel, which the Pallas interpreter does not run"):
+        _backend.resolve_implementation("interpret:hopper", op="x", variants=VARIANTS)
+    if _backend.gpu_device() is None:
+        with pytest.raises(_backend.ImplementationError, match="x: implementation='pallas:hopper' needs a CUDA GPU"):
+            _backend.resolve_implementation("pallas:hopper", op="x", variants=VARIANTS)
+
+
+def test_unknown_variant_lists_the_valid_names():
+    names = "None, 'pallas', 'xla', 'interpret', 'pallas:fast', 'pallas:hopper', 'interpret:fast'"
+    with pytest.raises(ValueError, match=f"my_op: implementation must be None or one of {names}, got 'pallas:slow'"):
+        _backend.resolve_implementation("pallas:slow", op="my_op", variants=VARIANTS)
+    with pytest.raises(ValueError, match="got 'pallas:fast'"):  # a variant of another op
+        _backend.resolve_implementation("pallas:fast", op="my_op")
+    assert _backend.valid_implementations(VARIANTS)[-1] == "interpret:fast"
+
+
 def test_explicit_choices_pass_through():
     assert _backend.resolve_implementation("xla", op="x") == "xla"
     assert _backend.resolve_implementation("interpret", op="x") == "interpret"

@@ -134,13 +134,11 @@ def _check_hparams(learning_rate, b1, b2, eps, eps_root, weight_decay):
 
 
 # Variants of "pallas" that force one port of the kernel: the Mosaic GPU backend (fp32/bf16 states only).
-VARIANTS = (_backend.MOSAIC_VARIANT,)
+VARIANTS = {_backend.MOSAIC_VARIANT: _backend.MOSAIC}
 
 
 def _implementation(implementation) -> str:
-    if implementation in VARIANTS:
-        return _backend.resolve_mosaic("adam")
-    return _backend.resolve_implementation(implementation, op="adam")
+    return _backend.resolve_implementation(implementation, op="adam", variants=VARIANTS)
 
 
 def _leaf_implementation(requested, mu) -> str:
