@@ -107,7 +107,6 @@ class Config:
     dx_bk: int = 64
     dx_warps: int = 4
     dx_stages: int = 4
-    quant_swap_ab: bool = False  # int8/NF4 forward: dequantised W as the left MMA operand (untimed option)
     norm_bn: int = 64  # column norm: columns per program
     norm_bk: int = 64  # column norm: rows per loop step
     norm_rows: int = 512  # column norm: rows per program (split-K; partial sums reduced after)
@@ -131,19 +130,6 @@ class Config:
     xnorm_warps: int = 4  # call 3: bn64 bk128 rows1024 4 warps 0.0167 ms at 4096^2 r16 (8 warps 0.0226; XLA 0.0511)
     xnorm_stages: int = 3
     expand_max_rank: int = 32  # above this (padded) rank the column norm uses "direct"
-    # "expand" at (padded) rank >= this: A^T A computed once by XLA (one small extra launch) and passed in, instead
-    # of accumulated by every program (R^2 MMA work per column block per row). 1024: never (untimed).
-    xnorm_gram_rank: int = 1024
-    # "expand": sum of W^2 per column as diag(W^T W) on the tensor cores instead of a convert + FMA per element in
-    # registers. By the compiled loop (ptxas, sm_90a, default tiles): 191 instead of 238 PTX instructions per thread
-    # per 16 KiB of W (137 with the Gram matrix passed in), where ~240 need ~60% of an SM's issue rate at HBM speed.
-    # Only at xnorm_bn >= 64: below, Triton takes mma.sync for the (bn, bn) product and no longer pipelines W.
-    # Measured slower (call 3, 4096^2 r16: best "expand+mma" 0.0241 ms against 0.0167 with squares in registers;
-    # merged forward 0.2329 against 0.2268): off by default.
-    xnorm_mma_squares: bool = False
-    # gemm="merged": form (W + s A B) g inside the column-norm launch (one program per column strip, over all
-    # rows; tiles xnorm_*) instead of the merge launch. Session 2: slower than two launches at every shape.
-    merge_in_norm: bool = False
     # gemm="merged": keep the merged weight (W + s A B) g from the forward for the backward's dx = dy (that)^T:
     # one bf16 copy of W per layer held until the backward (Llama-7B: ~12.5 GB over 32 blocks). False: the
     # backward forms it again (one more pass over W: read W, write the copy).
@@ -338,27 +324,17 @@ def _dot_f32_exact(a32, b_dtype, b):
     return out
 
 
-def _colnorm_expand_kernel(*refs, kind, K, N, R, bk, bn, rows_per_prog, finish, merge=False, gram=False,
-                           mma_squares=False):
+def _colnorm_expand_kernel(*refs, kind, K, N, R, bk, bn, rows_per_prog, finish):
     """||W + s A B||^2 per column as sum W^2 + 2 s sum_r B (A^T W) + s^2 sum_r B (A^T A B), per row range.
 
     W is the right operand of an MMA (A^T W), so Triton streams it through shared memory with cp.async
     (num_stages deep); the squares read the same tile. With `finish` (one program per column block) the
-    program also writes n = sqrt(sum) and g = m / n: the whole column scale is one launch. With `merge`
-    it then walks its column strip again (just read: mostly L2 hits) writing (W + s A B) * g. With `gram`, A^T A
-    (R, R) float32 is an operand, not accumulated by every program (its MMA work grows as R^2 per column block).
-    With `mma_squares` the column sums of W^2 are the diagonal of W^T W on the tensor cores (W read from shared
-    memory by the MMA, as for W^T A) instead of a convert + FMA per element in registers: the loop's instruction
-    count per byte, not the MMA work (2 bn FLOPs per element of W), was the limit.
+    program also writes n = sqrt(sum) and g = m / n: the whole column scale is one launch.
     """
     nw = _num_weight_refs(kind)
     w_refs = refs[:nw]
     a_ref, b_ref, s_ref = refs[nw:nw + 3]
-    if gram:
-        gram_ref, refs = refs[nw + 3], refs[:nw + 3] + refs[nw + 4:]
-    if merge:
-        m_ref, n_ref, g_ref, vg_ref = refs[nw + 3:]
-    elif finish:
+    if finish:
         m_ref, n_ref, g_ref = refs[nw + 3:]
     else:
         (out_ref,) = refs[nw + 3:]
@@ -372,15 +348,6 @@ def _colnorm_expand_kernel(*refs, kind, K, N, R, bk, bn, rows_per_prog, finish, 
     def a_tile(k0):  # masked always: the last step's prefetch reads past the row range (maybe past K)
         return _load(a_ref.at[pl.ds(k0, bk), :], _mask(_in_bounds(k0, bk, K, False), None, (bk, R)))
 
-    def squares(sq, w):
-        if mma_squares:
-            wm = w.astype(mma_dt)
-            return sq + _backend.dot(wm, wm, trans_a=True)  # (bn, bn); its diagonal is wanted
-        wf = w.astype(jnp.float32)
-        return sq + wf * wf  # (bk, bn) tile, reduced over rows once at the end
-
-    sq0 = jnp.zeros((bn, bn) if mma_squares else (bk, bn), jnp.float32)
-
     def body(i, carry):
         sq, wa, aa, a = carry
         k0 = pl.multiple_of(k_start + i * bk, bk)
@@ -390,31 +357,18 @@ def _colnorm_expand_kernel(*refs, kind, K, N, R, bk, bn, rows_per_prog, finish, 
         # register operand (A^T A), which Triton's pipeliner leaves as a synchronous load.
         a_next = a_tile(k0 + bk)
         # W^T A with W^T the transposed left operand: W streams through shared memory (wgmma reads it there).
-        # int8 codes and bf16/fp16 values are exact in the MMA dtype.
-        return (squares(sq, w), wa + _backend.dot(w.astype(mma_dt), a, trans_a=True),
+        # int8 codes and bf16/fp16 values are exact in the MMA dtype. The squares stay a (bk, bn) tile, reduced
+        # over rows once at the end.
+        wf = w.astype(jnp.float32)
+        return (sq + wf * wf, wa + _backend.dot(w.astype(mma_dt), a, trans_a=True),
                 aa + _backend.dot(a, a, trans_a=True), a_next)
 
-    def gram_body(i, carry):  # A only feeds an MMA here: Triton pipelines its load, no hand-made prefetch
-        sq, wa = carry
-        k0 = pl.multiple_of(k_start + i * bk, bk)
-        rmask = _in_bounds(k0, bk, K, rows_aligned)
-        w = _load(w_refs[0].at[pl.ds(k0, bk), pl.ds(n0, bn)], _mask(rmask, cmask, (bk, bn)))
-        return squares(sq, w), wa + _backend.dot(w.astype(mma_dt), a_tile(k0), trans_a=True)
-
-    if gram:
-        sq, wa = lax.fori_loop(0, rows_per_prog // bk, gram_body, (sq0, jnp.zeros((bn, R), jnp.float32)))
-        # the s^2 B^T (A^T A) B term once per column: in the first row range's partial sum
-        aa = _backend.load(gram_ref) * (split == 0).astype(jnp.float32)
-    else:
-        init = (sq0, jnp.zeros((bn, R), jnp.float32), jnp.zeros((R, R), jnp.float32), a_tile(k_start))
-        sq, wa, aa, _ = lax.fori_loop(0, rows_per_prog // bk, body, init)
+    init = (jnp.zeros((bk, bn), jnp.float32), jnp.zeros((bn, R), jnp.float32), jnp.zeros((R, R), jnp.float32),
+            a_tile(k_start))
+    sq, wa, aa, _ = lax.fori_loop(0, rows_per_prog // bk, body, init)
     s = s_ref[0]
     b = _load(b_ref.at[:, pl.ds(n0, bn)], _mask(None, cmask, (R, bn))).astype(jnp.float32)
-    if mma_squares:  # the diagonal of W^T W
-        eye = jnp.arange(bn)[:, None] == jnp.arange(bn)[None, :]
-        sq = jnp.sum(jnp.where(eye, sq, 0.0), axis=0)
-    else:
-        sq = jnp.sum(sq, axis=0)
+    sq = jnp.sum(sq, axis=0)
     if kind == "int8":  # W = q * wscale: every term linear in W takes one wscale, W^2 two
         wscale = _load(w_refs[1].at[pl.ds(n0, bn)], cmask, 1.0)
         sq, wa = sq * wscale * wscale, wa * wscale[:, None]
@@ -427,23 +381,6 @@ def _colnorm_expand_kernel(*refs, kind, K, N, R, bk, bn, rows_per_prog, finish, 
         _store(g_ref.at[pl.ds(n0, bn)], g, cmask)
     else:
         _store(out_ref.at[split, pl.ds(n0, bn)], total, cmask)
-    if not merge:
-        return
-    b16 = _load(b_ref.at[:, pl.ds(n0, bn)], _mask(None, cmask, (R, bn)))
-
-    def w_tile(k0):  # masked always, as a_tile
-        return _load(w_refs[0].at[pl.ds(k0, bk), pl.ds(n0, bn)], _mask(_in_bounds(k0, bk, K, False), cmask, (bk, bn)))
-
-    def merge_body(i, carry):
-        w, a = carry  # this step's tiles, loaded one step ahead (plain loads: no MMA operand to pipeline)
-        k0 = pl.multiple_of(i * bk, bk)
-        nxt = (w_tile(k0 + bk), a_tile(k0 + bk))
-        v = (w.astype(jnp.float32) + s * _backend.dot(a, b16)) * g[None, :]
-        _store(vg_ref.at[pl.ds(k0, bk), pl.ds(n0, bn)], v.astype(vg_ref.dtype),
-               _mask(_in_bounds(k0, bk, K, rows_aligned), cmask, (bk, bn)))
-        return nxt
-
-    lax.fori_loop(0, rows_per_prog // bk, merge_body, (w_tile(0), a_tile(0)))
 
 
 def expand_supported(weight, kind: str, lora_a, max_rank: int | None = None) -> bool:
@@ -466,15 +403,11 @@ def _expand_launch(weight, kind, lora_a, lora_b, scale, magnitude, *, interpret,
     rows_per_prog = max(bk, min(_pow2(rows or config.xnorm_rows, bk), _pow2(K, bk)))
     nsplit = _cdiv(K, rows_per_prog)
     finish = magnitude is not None and nsplit == 1
-    gram = R >= config.xnorm_gram_rank
     kernel = functools.partial(_colnorm_expand_kernel, kind=kind, K=K, N=N, R=R, bk=bk, bn=bn,
-                               rows_per_prog=rows_per_prog, finish=finish, gram=gram,
-                               mma_squares=config.xnorm_mma_squares and bn >= 64)
+                               rows_per_prog=rows_per_prog, finish=finish)
     col = jax.ShapeDtypeStruct((N,), jnp.float32)
     out_shape = (col, col) if finish else jax.ShapeDtypeStruct((nsplit, N), jnp.float32)
     args = (*weight, lora_a, lora_b, jnp.reshape(jnp.asarray(scale, jnp.float32), (1,)))
-    if gram:  # A^T A once (products of 16-bit values are exact in the float32 accumulator)
-        args += (lax.dot_general(lora_a, lora_a, (((0,), (0,)), ((), ())), preferred_element_type=jnp.float32),)
     out = _backend.triton_call(
         kernel,
         out_shape=out_shape,
@@ -485,26 +418,6 @@ def _expand_launch(weight, kind, lora_a, lora_b, scale, magnitude, *, interpret,
         num_stages=config.xnorm_stages,
     )(*args, *((magnitude,) if finish else ()))
     return out
-
-
-def norm_and_merge(weight, lora_a, lora_b, scale, magnitude, *, interpret: bool, config: Config = DEFAULT):
-    """(n, g, (W + s A B) * g) for a dense 16-bit W in one launch: a program per column strip computes the
-    strip's norm, then writes the strip's merged weight (gemm="merged" with Config(merge_in_norm=True))."""
-    K, R = lora_a.shape
-    N = lora_b.shape[1]
-    bk, bn = _tile(K, config.xnorm_bk), _tile(N, config.xnorm_bn)
-    kernel = functools.partial(_colnorm_expand_kernel, kind="dense", K=K, N=N, R=R, bk=bk, bn=bn,
-                               rows_per_prog=_pow2(K, bk), finish=True, merge=True)
-    col = jax.ShapeDtypeStruct((N,), jnp.float32)
-    return _backend.triton_call(
-        kernel,
-        out_shape=(col, col, jax.ShapeDtypeStruct((K, N), weight[0].dtype)),
-        grid=(_cdiv(N, bn), 1),
-        name="pallas_fused_dora_colnorm_merge",
-        interpret=interpret,
-        num_warps=config.xnorm_warps,
-        num_stages=config.xnorm_stages,
-    )(*weight, lora_a, lora_b, jnp.reshape(jnp.asarray(scale, jnp.float32), (1,)), magnitude)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -658,7 +571,7 @@ def column_norm_scale(weight, kind: str, lora_a, lora_b, scale, magnitude, *, in
 # ----------------------------------------------------------------------------------------------------
 
 
-def _fwd_kernel(*refs, kind, M, K, N, R, bm, bn, bk, group_m, has_bias, kloop, swap_ab):
+def _fwd_kernel(*refs, kind, M, K, N, R, bm, bn, bk, group_m, has_bias, kloop):
     nw = _num_weight_refs(kind)
     x_ref = refs[0]
     w_refs = refs[1:1 + nw]
@@ -676,12 +589,7 @@ def _fwd_kernel(*refs, kind, M, K, N, R, bm, bn, bk, group_m, has_bias, kloop, s
         kmask = _in_bounds(k0, bk, K, aligned)
         return _load(x_ref.at[pl.ds(m0, bm), pl.ds(k0, bk)], _mask(rmask, kmask, (bm, bk)))
 
-    def mma(x, w):
-        # swap_ab: accumulate (W^T x^T), so the dequantised W (computed in registers) is the left operand,
-        # which Hopper's wgmma may read from registers; the right one must come from shared memory.
-        if swap_ab:
-            return _backend.dot(w, x, trans_a=True, trans_b=True)
-        return _backend.dot(x, w)
+    mma = _backend.dot
 
     if kind in ("dense", "int8"):
         def body(i, acc):
@@ -703,10 +611,7 @@ def _fwd_kernel(*refs, kind, M, K, N, R, bm, bn, bk, group_m, has_bias, kloop, s
             acc = acc + mma(x_tile(k0, False), w_hi)
             return acc + mma(x_tile(kloop + k0, False), w_lo)
 
-    acc_shape = (bn, bm) if swap_ab else (bm, bn)
-    acc = lax.fori_loop(0, _cdiv(kloop, bk), body, jnp.zeros(acc_shape, jnp.float32))
-    if swap_ab:
-        acc = acc.T
+    acc = lax.fori_loop(0, _cdiv(kloop, bk), body, jnp.zeros((bm, bn), jnp.float32))
     # Epilogue: per-column dequant scale, low-rank term, magnitude scale, bias; one rounding.
     if kind == "int8":
         acc = acc * _load(w_refs[1].at[pl.ds(n0, bn)], cmask, 1.0)[None, :]
@@ -731,8 +636,7 @@ def forward_gemm(x, weight, kind: str, xa, lora_b, g, scale, bias, *, interpret:
         kloop = K
     bm, bn = _tile(M, config.bm), _tile(N, config.bn)
     kernel = functools.partial(_fwd_kernel, kind=kind, M=M, K=K, N=N, R=R, bm=bm, bn=bn, bk=bk,
-                               group_m=config.group_m, has_bias=bias is not None, kloop=kloop,
-                               swap_ab=config.quant_swap_ab and kind != "dense")
+                               group_m=config.group_m, has_bias=bias is not None, kloop=kloop)
     args = (x, *weight, xa, lora_b, g, jnp.reshape(jnp.asarray(scale, jnp.float32), (1,)))
     if bias is not None:
         args = args + (bias,)

@@ -25,8 +25,8 @@ def program_choices() -> dict:
                     "implementation": _backend.resolve_implementation(None, op="choices")}
     record["galore_variant"] = {f"{m}x{n}/r{r}/{side}": galore_kernel.choose_variant((m, n), r, side)
                                 for m, n in SHAPES for r in RANKS for side in ("left", "right")}
-    record["dora_gemm"] = {f"{t}x{fin}x{fout}/{dt}/{interp}": dora_api._resolve_gemm("auto", "dense", t, fin, fout,
-                                                                                     jnp.dtype(dt), interp)
+    record["dora_variant"] = {f"{t}x{fin}x{fout}/{dt}/{interp}": dora_api.choose_variant("dense", t, fin, fout,
+                                                                                        jnp.dtype(dt), interp)
                            for t in TOKENS for fin, fout in SHAPES for dt in ("bfloat16", "float32")
                            for interp in (False, True)}
     record["fp8_recipes"] = {name: repr(Float8Config.from_recipe(name))
