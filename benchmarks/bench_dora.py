@@ -10,7 +10,7 @@ Cases: tokens x in -> out, rank, bf16. Implementations:
                      (x V) g + bias with g and the bias in its epilogue; backward dx = (dy g) V^T on cuBLAS with
                      dy g written by the column launch. fwdbwd configurations: pallas:sm90_remerge
                      (save_merged=False: V not kept, the backward forms (W + s A B) g), pallas:sm90_cols_registers
-                     (Config(cols_mma_sums=False): the column launch's register path)
+                     (ColumnsConfig(mma_sums=False): the column launch's register path)
   pallas:gemm        (fwdbwd) Pallas GEMMs both ways: the fused-epilogue forward and the Pallas dx GEMM
   xla                the plain-jnp reference under jit (what ANCHORS' "XLA" column measures)
   peer:base_matmul   x @ W alone (the forward target is <= 1.10x this)
@@ -47,6 +47,7 @@ DORA_TUNE_BUDGET_S bounds each tuning section (what does not fit is recorded as 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import time
@@ -55,14 +56,25 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.common import Recorder, error_text, rnd
-from pallas_fused.dora import Config, column_scale, column_scale_reference, dora_dense, quantize_int8, quantize_nf4
+from pallas_fused.dora import (
+    ColumnsConfig,
+    Config,
+    MergeConfig,
+    NormConfig,
+    NormTiles,
+    column_scale,
+    column_scale_reference,
+    dora_dense,
+    quantize_int8,
+    quantize_nf4,
+)
 
 CASES = [(512, 4096, 4096, 16), (4096, 4096, 4096, 16), (8192, 4096, 4096, 16),
          (512, 4096, 11008, 64), (4096, 4096, 11008, 64), (8192, 4096, 11008, 64)]
 QUICK = [(4096, 4096, 4096, 16), (4096, 4096, 11008, 64)]
 IMPLS = ["pallas", "pallas:sm90", "pallas:epilogue", "pallas:merged"]
 SM90_FWDBWD_CONFIGS = {"pallas:sm90_remerge": Config(save_merged=False),
-                       "pallas:sm90_cols_registers": Config(cols_mma_sums=False)}
+                       "pallas:sm90_cols_registers": Config(columns=ColumnsConfig(mma_sums=False))}
 
 
 def _wanted(names):
@@ -211,8 +223,7 @@ def main_cases(rec: Recorder, quick: bool) -> None:
 # rows >= in features run one program per column strip with g computed in the kernel (one launch); others write
 # partial sums over row ranges, summed and finished by XLA (a second, small launch). Timed amortized.
 _R16, _R64 = (4096, 4096, 16), (4096, 11008, 64)
-NORM_SWEEP = [
-    ("direct", 64, 64, 128, 4, 2, [_R64]),  # rank > expand_max_rank: "direct"
+NORM_SWEEP = [  # "direct" loads the next W tile one step ahead
     ("expand", 64, 128, 1024, 8, 3, [_R16]),
     ("expand", 128, 64, 1024, 8, 4, [_R16, _R64]),
     ("expand", 64, 256, 1024, 8, 3, [_R16]),  # 32 KiB per step: half the per-step overhead per byte
@@ -225,62 +236,72 @@ NORM_SWEEP = [
     ("expand", 64, 128, 4096, 8, 5, [_R16, _R64]),  # one launch, N/64 programs
     ("expand", 128, 128, 4096, 8, 3, [_R64]),  # one launch, N/128 programs
     ("expand", 128, 64, 512, 8, 3, [_R64]),
-    ("direct", 128, 64, 256, 8, 3, [_R16, _R64]),
-    ("direct", 64, 128, 512, 8, 3, [_R64]),
-    ("direct", 128, 64, 1024, 8, 3, [_R64]),
-    ("direct", 64, 64, 512, 4, 3, [_R64]),
-    ("direct+pf", 64, 64, 512, 4, 2, [_R16, _R64]),  # + the next W tile loaded one step ahead (Config.norm_prefetch)
-    ("direct+pf", 128, 64, 1024, 8, 2, [_R16, _R64]),
-    ("direct+pf", 64, 128, 1024, 8, 2, [_R64]),
-    ("direct+pf", 128, 32, 512, 4, 2, [_R64]),
+    ("direct", 64, 64, 512, 4, 2, [_R16, _R64]),  # the default "direct" launch
+    ("direct", 128, 64, 1024, 8, 2, [_R16, _R64]),
+    ("direct", 64, 128, 1024, 8, 2, [_R64]),
+    ("direct", 128, 32, 512, 4, 2, [_R64]),
 ]
 TUNE_WEIGHTS = [_R16, _R64]
 TUNE_TOKENS = [4096, 8192, 512]  # in order of importance: what doesn't fit the budget is recorded as skipped
 MODES = ["merged", "epilogue"]
-# "pallas:merged" configurations (label -> Config fields): the norm launch's rows per program (partial sums finished by
-# the merge launch), the merge launch's tiles and order.
+
+
+def _merge(**fields):
+    return Config(merge=MergeConfig(**fields))
+
+
+def _expand(**fields):
+    norm = NormConfig()
+    return Config(norm=dataclasses.replace(norm, expand=dataclasses.replace(norm.expand, **fields)))
+
+
+def _cols(**fields):
+    return Config(columns=ColumnsConfig(**fields))
+
+
+# "pallas:merged" configurations (label -> Config): the norm launch's rows per program (partial sums finished by the
+# merge launch), the merge launch's tiles and order.
 MERGED_SWEEP = {
-    "mnorm_rows512": dict(mnorm_rows=512),
-    "mnorm_rows2048": dict(mnorm_rows=2048),
-    "mnorm_rows4096": dict(mnorm_rows=4096),
-    "mnorm bn128 bk64 s4": dict(xnorm_bn=128, xnorm_bk=64, xnorm_stages=4),
-    "merge 64x128 w4": dict(merge_bk=64, merge_bn=128),
-    "merge 128x128 w8": dict(merge_bk=128, merge_bn=128, merge_warps=8),
-    "merge 256x64 w8": dict(merge_bk=256, merge_bn=64, merge_warps=8),
-    "merge 64x64 w4": dict(merge_bk=64, merge_bn=64),
-    "merge forward order": dict(merge_reverse=False),
-    "merge rows512 (4 x 128x64)": dict(merge_rows=512),
-    "merge rows1024 (8 x 128x64) w8": dict(merge_rows=1024, merge_warps=8),
-    "merge rows512 (8 x 64x128)": dict(merge_bk=64, merge_bn=128, merge_rows=512),
-    "mnorm direct+pf bn128 bk64 rows1024 w8": dict(norm_mode="direct", norm_prefetch=True, norm_bn=128, norm_bk=64,
-                                                   norm_rows=1024, norm_warps=8),
-    "merge 128x64 w8": dict(merge_warps=8),
-    "mnorm s5": dict(xnorm_stages=5),
-    "mnorm bk256": dict(xnorm_bk=256),
+    "mnorm_rows512": _merge(norm_rows=512),
+    "mnorm_rows2048": _merge(norm_rows=2048),
+    "mnorm_rows4096": _merge(norm_rows=4096),
+    "mnorm bn128 bk64 s4": _expand(bn=128, bk=64, stages=4),
+    "merge 64x128 w4": _merge(bk=64, bn=128),
+    "merge 128x128 w8": _merge(bk=128, bn=128, warps=8),
+    "merge 256x64 w8": _merge(bk=256, bn=64, warps=8),
+    "merge 128x64 w4": _merge(bk=128, bn=64),
+    "merge forward order": _merge(reverse=False),
+    "merge rows512 (8 x 64x64)": _merge(rows=512),
+    "merge rows1024 (16 x 64x64) w8": _merge(rows=1024, warps=8),
+    "merge rows512 (8 x 64x128)": _merge(bk=64, bn=128, rows=512),
+    "mnorm direct bn128 bk64 rows1024 w8": Config(norm=NormConfig(mode="direct", direct=NormTiles(
+        bn=128, bk=64, rows=1024, warps=8, stages=2))),
+    "merge 64x64 w8": _merge(warps=8),
+    "mnorm s5": _expand(stages=5),
+    "mnorm bk256": _expand(bk=256),
 }
-# Backward column reductions (Config.cols_*), with "pallas:merged": label -> Config fields. rows >= tokens: one program
-# per column strip over every token, dB / dm / dbias finished in the kernel.
+# Backward column reductions (ColumnsConfig), with "pallas:merged": label -> Config. rows >= tokens: one program per
+# column strip over every token, dB / dm / dbias finished in the kernel.
 COLS_SWEEP = {
-    "cols elementwise sums": dict(cols_mma_sums=False),  # the sums in registers, y prefetched (default: on the MMA)
-    "cols elementwise sums, no y prefetch": dict(cols_mma_sums=False, cols_prefetch=False),
-    "cols s3": dict(cols_stages=3),
-    "cols bn128 bt64 rows512 w8": dict(cols_bn=128, cols_warps=8),
-    "cols bn64 bt128 rows1024 w8": dict(cols_bt=128, cols_rows=1024, cols_warps=8),
-    "cols bn128 bt32 rows256 w4": dict(cols_bn=128, cols_bt=32, cols_rows=256),
-    "cols bn32 bt64 rows8192 w4": dict(cols_bn=32, cols_rows=8192),
-    "cols bn32 bt128 rows8192 w8": dict(cols_bn=32, cols_bt=128, cols_rows=8192, cols_warps=8),
-    "cols bn16 bt128 rows8192 w4": dict(cols_bn=16, cols_bt=128, cols_rows=8192),
+    "cols elementwise sums": _cols(mma_sums=False),  # the sums in registers, y prefetched (default: on the MMA)
+    "cols s3": _cols(stages=3),
+    "cols bn128 bt64 rows512 w8": _cols(bn=128, warps=8),
+    "cols bn64 bt128 rows1024 w8": _cols(bt=128, rows=1024, warps=8),
+    "cols bn128 bt32 rows256 w4": _cols(bn=128, bt=32, rows=256),
+    "cols bn32 bt64 rows8192 w4": _cols(bn=32, rows=8192),
+    "cols bn32 bt128 rows8192 w8": _cols(bn=32, bt=128, rows=8192, warps=8),
+    "cols bn16 bt128 rows8192 w4": _cols(bn=16, bt=128, rows=8192),
 }
 TUNE_BUDGET_S = float(os.environ.get("DORA_TUNE_BUDGET_S", "85"))
 
 
 def tuning(rec: Recorder, quick: bool, parts=("norm", "modes", "variants")) -> None:
     """Sweeps that decide the defaults; each failure, and each case past the time budget, is a row (no raise):
-    - dora_tune_colnorm: NORM_SWEEP (Config.norm_* / xnorm_*), amortized over k distinct weights per jit (the
+    - dora_tune_colnorm: NORM_SWEEP (NormConfig), amortized over k distinct weights per jit (the
       single-call timing measures the host dispatch), with XLA's amortized time beside;
     - dora_mode: forward and forward+backward of the cuBLAS-based variants at 4096/8192/512 tokens, with the
       base matmul x W alone (plain "pallas" picks from a byte count: api.choose_variant), the
-      MERGED_SWEEP variants of the forward (Config.mnorm_rows / merge_*) and COLS_SWEEP of the backward (cols_*).
+      MERGED_SWEEP variants of the forward (MergeConfig, NormConfig) and COLS_SWEEP of the backward (ColumnsConfig).
       These layer timings are one jit each and GPU-bound (>= 0.05 ms), so single-call timing is fine there.
     """
     deadline = time.perf_counter() + TUNE_BUDGET_S
@@ -301,12 +322,11 @@ def tuning(rec: Recorder, quick: bool, parts=("norm", "modes", "variants")) -> N
         for mode, bn, bk, rows, warps, stages, shapes in NORM_SWEEP:
             if (fin, fout, r) not in shapes:
                 continue
-            if mode.startswith("direct"):
-                cfg = Config(norm_mode="direct", norm_bn=bn, norm_bk=bk, norm_rows=rows, norm_warps=warps,
-                             norm_stages=stages, norm_prefetch=mode == "direct+pf")
+            tiles = NormTiles(bn=bn, bk=bk, rows=rows, warps=warps, stages=stages)
+            if mode == "direct":
+                cfg = Config(norm=NormConfig(mode="direct", direct=tiles))
             else:
-                cfg = Config(xnorm_bn=bn, xnorm_bk=bk, xnorm_rows=rows, xnorm_warps=warps, xnorm_stages=stages,
-                             expand_max_rank=128)
+                cfg = Config(norm=NormConfig(expand_max_rank=128, expand=tiles))
             impl = f"pallas:{mode} bn{bn} bk{bk} rows{rows} w{warps} s{stages}"
             if time.perf_counter() > until:
                 rec.add("dora_tune_colnorm", case, impl, None, error=skipped)
@@ -331,16 +351,15 @@ def tuning(rec: Recorder, quick: bool, parts=("norm", "modes", "variants")) -> N
                   x, w, a, b, m, dy, flops=6 * tokens * fin * fout)
         if not variants:
             return
-        for label, fields in MERGED_SWEEP.items():
-            cfg = Config(**fields)
+        for label, cfg in MERGED_SWEEP.items():
             timed("dora_mode", case + " fwd", f"pallas:merged {label}", jax.jit(
                 lambda x, w, a, b, m, cfg=cfg: dora_dense(x, w, a, b, m, scale=scale, implementation="pallas:merged",
                                                         config=cfg)), x, w, a, b, m, **fwd)
         timed("dora_mode", case + " fwdbwd", "pallas:merged save_merged=False", _fwdbwd(
             "pallas:merged", scale, Config(save_merged=False)), x, w, a, b, m, dy, flops=6 * tokens * fin * fout)
-        for label, fields in COLS_SWEEP.items():
-            timed("dora_mode", case + " fwdbwd", f"pallas:merged {label}", _fwdbwd("pallas:merged", scale, Config(
-                **fields)), x, w, a, b, m, dy, flops=6 * tokens * fin * fout)
+        for label, cfg in COLS_SWEEP.items():
+            timed("dora_mode", case + " fwdbwd", f"pallas:merged {label}", _fwdbwd("pallas:merged", scale, cfg),
+                  x, w, a, b, m, dy, flops=6 * tokens * fin * fout)
 
     # In order of importance. By estimate on an H200: the column-norm sweep ~70 s, the 4096-token modes with their
     # variants ~65 s, the 8192- and 512-token modes ~50 s (DORA_TUNE_BUDGET_S, per call of this function).
@@ -369,9 +388,10 @@ def parts(rec: Recorder, quick: bool) -> None:
 
 
 def _parts_at(rec, tokens, fin, fout, r):
-    from pallas_fused.dora import kernel as K
+    from pallas_fused.dora import kernel_columns, kernel_merge, kernel_norm
+    from pallas_fused.dora.config import DEFAULT as cfg
 
-    cfg, scale = K.DEFAULT, 2.0
+    scale = 2.0
     ss = jnp.float32(scale)
     interp = jax.default_backend() != "gpu"  # interpret mode off the GPU (a CPU smoke run of this section)
     case = f"{tokens}x{fin}->{fout} r{r} bf16"
@@ -387,13 +407,15 @@ def _parts_at(rec, tokens, fin, fout, r):
         return rec.time_amortized("dora_parts", case, name, fn, args, n=10, reps=3, nbytes=nbytes)
 
     def partials(w, a, b):
-        return K.column_partials((w,), "dense", a, b, ss, interpret=interp, config=cfg, rows=cfg.mnorm_rows)
+        return kernel_norm.column_partials((w,), "dense", a, b, ss, interpret=interp, config=cfg.norm,
+                                           rows=cfg.merge.norm_rows)
 
     def merge(w, a, b, m, p):
-        return K.merge_weight((w,), "dense", a, b, ss, partials=p, magnitude=m, interpret=interp, config=cfg)
+        return kernel_merge.merge_weight((w,), "dense", a, b, ss, partials=p, magnitude=m, interpret=interp,
+                                         config=cfg.merge)
 
     def cols(dy, y, xa, gs, m):
-        return K.backward_columns(dy, y, xa, None, interpret=interp, config=cfg,
+        return kernel_columns.backward_columns(dy, y, xa, None, interpret=interp, config=cfg.columns,
                                   finish=(gs, m, jnp.bfloat16, m.dtype, jnp.float32))
 
     wb, xb, yb = fin * fout * 2, tokens * fin * 2, tokens * fout * 2

@@ -10,8 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_fused import _backend, _sharding
-from pallas_fused.dora import kernel as K
-from pallas_fused.dora import reference
+from pallas_fused.dora import kernel_columns, kernel_gemm, kernel_merge, kernel_norm, reference
+from pallas_fused.dora.config import DEFAULT, Config
+from pallas_fused.dora.kernel_util import pow2
 from pallas_fused.dora.quant import Int8Kernel, NF4Kernel, dequantize, is_quantized
 
 # implementation="pallas:<variant>": which big GEMMs the Pallas path uses (the column norm and the backward column
@@ -101,7 +102,7 @@ def _zero_cotangent(a):
 
 def _pad_rank(lora_a, lora_b):
     r = lora_a.shape[1]
-    rp = K._pow2(r)
+    rp = pow2(r)
     return jnp.pad(lora_a, ((0, 0), (0, rp - r))), jnp.pad(lora_b, ((0, rp - r), (0, 0)))
 
 
@@ -117,7 +118,7 @@ def _shard(launch, kind, rule, replicated=(), summed=()):
 def _column_sumsq(ops, kind, ap, bp, scale, interpret, config):
     """Column sums of squares; sharded: output features split, the input axis summed per shard + psum."""
     def launch(*a):
-        return K.column_sumsq(a[:-3], kind, *a[-3:], interpret=interpret, config=config)
+        return kernel_norm.column_sumsq(a[:-3], kind, *a[-3:], interpret=interpret, config=config.norm)
 
     return _shard(launch, kind, "{w}, k r, r n, -> n", replicated=("r",), summed=("k",))(*ops, ap, bp, scale)
 
@@ -125,7 +126,7 @@ def _column_sumsq(ops, kind, ap, bp, scale, interpret, config):
 def _column_norm_scale(ops, kind, ap, bp, scale, m, interpret, config):
     """(n, g = m / n); on one device the fused kernel (one launch), sharded the partial sums + psum."""
     if jax.device_count() == 1:
-        return K.column_norm_scale(ops, kind, ap, bp, scale, m, interpret=interpret, config=config)
+        return kernel_norm.column_norm_scale(ops, kind, ap, bp, scale, m, interpret=interpret, config=config.norm)
     n = reference.floored_norm(_column_sumsq(ops, kind, ap, bp, scale, interpret, config))
     return n, m.astype(jnp.float32) / n
 
@@ -151,7 +152,8 @@ def _merged_weight(kind, ops, ap, bp, g, scale, interpret, config):
 
     def launch(*a):  # sharded: both weight axes split, the rank gathered
         ap_, bp_, g_, scale_ = a[-4:]
-        return K.merge_weight(a[:-4], kind, ap_, bp_, scale_, g=g_, interpret=interpret, config=config)
+        return kernel_merge.merge_weight(a[:-4], kind, ap_, bp_, scale_, g=g_, interpret=interpret,
+                                         config=config.merge)
 
     return _shard(launch, kind, "{w}, k r, r n, n, -> k n", replicated=("r",))(*ops, ap, bp, g, scale)
 
@@ -162,9 +164,10 @@ def _norm_and_merged_weight(kind, ops, ap, bp, scale, m, interpret, config):
     the norm + psum, then the merge."""
     _check_mergeable(kind)
     if jax.device_count() == 1:
-        parts = K.column_partials(ops, kind, ap, bp, scale, interpret=interpret, config=config, rows=config.mnorm_rows)
-        wm, n, g, bg = K.merge_weight(ops, kind, ap, bp, scale, partials=parts, magnitude=m, interpret=interpret,
-                                      config=config)
+        parts = kernel_norm.column_partials(ops, kind, ap, bp, scale, interpret=interpret, config=config.norm,
+                                            rows=config.merge.norm_rows)
+        wm, n, g, bg = kernel_merge.merge_weight(ops, kind, ap, bp, scale, partials=parts, magnitude=m,
+                                                 interpret=interpret, config=config.merge)
         return n, g, wm, bg
     n, g = _column_norm_scale(ops, kind, ap, bp, scale, m, interpret, config)
     return n, g, _merged_weight(kind, ops, ap, bp, g, scale, interpret, config), None
@@ -198,7 +201,8 @@ def _forward(statics, x, ops, a, b, m, bias, scale):
                              f"and shapes that "
                              f"are multiples of the tile {cfg.cta_tile} x {cfg.tile_k}; got x {x.shape} {x.dtype}, "
                              f"kernel {ops[0].shape}")
-        v, parts = K.merge_weight(ops, kind, ap, bp, scale, emit_partials=True, interpret=interpret, config=config)
+        v, parts = kernel_merge.merge_weight(ops, kind, ap, bp, scale, emit_partials=True, interpret=interpret,
+                                             config=config.merge)
         n = reference.floored_norm(jnp.sum(parts, axis=0))
         g = m.astype(jnp.float32) / n
         y = kernel_sm90.scaled_matmul(x, v, g, bias)
@@ -217,8 +221,8 @@ def _forward(statics, x, ops, a, b, m, bias, scale):
     if variant == "gemm":
         def fwd(x, *a):  # sharded: tokens and output features split; K and the rank gathered
             ops_, (xa_, bp_, g_, scale_, *bias_) = a[:len(ops)], a[len(ops):]
-            return K.forward_gemm(x, ops_, kind, xa_, bp_, g_, scale_, bias_[0] if bias_ else None,
-                                  interpret=interpret, config=config)
+            return kernel_gemm.forward_gemm(x, ops_, kind, xa_, bp_, g_, scale_, bias_[0] if bias_ else None,
+                                            interpret=interpret, config=config.forward)
 
         rule = "m k, {w}, m r, r n, n, " + ("" if bias is None else ", n") + " -> m n"
         y = _shard(fwd, kind, rule, replicated=("k", "r"))(x, *ops, xa, bp, g, scale,
@@ -228,7 +232,8 @@ def _forward(statics, x, ops, a, b, m, bias, scale):
     w = _dense_w(kind, ops, dt)
 
     def epi(z, *a):  # sharded: tokens and output features split, the rank gathered
-        return K.epilogue(z, *a[:4], a[4] if len(a) > 4 else None, interpret=interpret, config=config)
+        return kernel_gemm.epilogue(z, *a[:4], a[4] if len(a) > 4 else None, interpret=interpret,
+                                    config=config.epilogue)
 
     rule = "m n, m r, r n, n, " + ("" if bias is None else ", n") + " -> m n"
     y = _shard(epi, "dense", rule, replicated=("r",))(jnp.dot(x, w), xa, bp, g, scale,
@@ -266,12 +271,12 @@ def _dora_2d_bwd(statics, res, dy):
         # Unsharded, constant norm: the column launch returns the finished dB, dm and dbias (in-kernel when one
         # program covers every token), x^T us is rounded once by cuBLAS: no float32 intermediates left to cast.
         db_dt = jnp.float32 if bias is None else bias.dtype
-        finished = K.backward_columns(dy, y, xa, bias, interpret=interpret, config=config,
+        finished = kernel_columns.backward_columns(dy, y, xa, bias, interpret=interpret, config=config.columns,
                                       finish=(gs, m, bp.dtype, m.dtype, db_dt), dyg_scale=g if dyg_from_v else None)
     if variant == "gemm":
         gw = g * ops[1] if kind == "int8" else g
         def bwd_dx(dy, gw, *a):  # sharded: tokens and input features split; N and the rank gathered
-            return K.backward_dx(dy, gw, a[:-2], kind, *a[-2:], interpret=interpret, config=config)
+            return kernel_gemm.backward_dx(dy, gw, a[:-2], kind, *a[-2:], interpret=interpret, config=config.dx)
 
         dx = _shard(bwd_dx, kind, "m n, n, {w}, m r, k r -> m k", replicated=("n", "r"))(dy, gw, *ops, us, ap)
     else:
@@ -298,7 +303,8 @@ def _dora_2d_bwd(statics, res, dy):
                 None if bias is None else db, jnp.zeros_like(scale))
 
     def bwd_cols(dy, y, xa, *bias_):  # sharded: output features split, tokens summed per shard + psum
-        return K.backward_columns(dy, y, xa, bias_[0] if bias_ else None, interpret=interpret, config=config)
+        return kernel_columns.backward_columns(dy, y, xa, bias_[0] if bias_ else None, interpret=interpret,
+                                               config=config.columns)
 
     rule = "m n, m n, m r" + ("" if bias is None else ", n") + " -> r n, n, n"
     p, dmz, db = _shard(bwd_cols, "dense", rule, replicated=("r",), summed=("m",))(
@@ -349,7 +355,7 @@ _dora_2d.defvjp(_dora_2d_fwd, _dora_2d_bwd)
 
 
 def dora_dense(x, kernel, lora_a, lora_b, magnitude, bias=None, *, scale, exact_norm_grad: bool = False,
-               implementation: str | None = None, save_merged: bool | None = None, config: K.Config | None = None):
+               implementation: str | None = None, save_merged: bool | None = None, config: Config | None = None):
     """DoRA dense layer: ``y = (x W + s (x A) B) * (m / ||W + s A B||) + bias``.
 
     Args:
@@ -404,7 +410,7 @@ def dora_dense(x, kernel, lora_a, lora_b, magnitude, bias=None, *, scale, exact_
     kind, ops = _weight_ops(kernel, dt)
     interpret = base == "interpret"
     mode = variant or choose_variant(kind, x2.shape[0], fin, fout, dt, interpret)
-    config = config or K.DEFAULT
+    config = config or DEFAULT
     if save_merged is not None and bool(save_merged) != config.save_merged:
         config = dataclasses.replace(config, save_merged=bool(save_merged))
     statics = (kind, mode, interpret, config, bool(exact_norm_grad), rank, fin)
@@ -430,7 +436,7 @@ def dora_dense_dropout(x, x_dropped, kernel, lora_a, lora_b, magnitude, bias=Non
 
 
 def column_scale(kernel, lora_a, lora_b, magnitude, *, scale, implementation: str | None = None,
-                 config: K.Config | None = None):
+                 config: Config | None = None):
     """g = m / ||W + s A B|| (float32, (out,)) with the fused column-norm kernel (no A B materialised)."""
     fin, fout = kernel.shape
     x_probe = jax.ShapeDtypeStruct((1, fin), jnp.float32)
@@ -442,4 +448,4 @@ def column_scale(kernel, lora_a, lora_b, magnitude, *, scale, implementation: st
     kind, ops = _weight_ops(kernel, dt)
     ap, bp = _pad_rank(lora_a.astype(dt), lora_b.astype(dt))
     return _column_norm_scale(ops, kind, ap, bp, jnp.asarray(scale, jnp.float32), magnitude, impl == "interpret",
-                              config or K.DEFAULT)[1]
+                              config or DEFAULT)[1]

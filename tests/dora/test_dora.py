@@ -11,9 +11,13 @@ import pytest
 from flax import nnx
 
 from pallas_fused.dora import (
+    ColumnsConfig,
     Config,
     Int8Kernel,
+    MergeConfig,
     NF4Kernel,
+    NormConfig,
+    NormTiles,
     column_scale,
     column_scale_reference,
     dequantize,
@@ -124,16 +128,17 @@ def test_exact_norm_grad(kernel_impl, dtype):
 # "merged" configurations: the norm launch's partial sums over 3 row ranges (not a power of two) finished by the
 # merge launch, "expand" and "direct" norms, merge tiles ragged at both edges, forward or natural tile order.
 MERGE_CONFIGS = {
-    "merged_split3": Config(mnorm_rows=16, xnorm_bk=16, xnorm_bn=16, merge_bk=16, merge_bn=16),
+    "merged_split3": Config(norm=NormConfig(expand=NormTiles(bn=16, bk=16, rows=1024, warps=4, stages=3)),
+                            merge=MergeConfig(bk=16, bn=16, norm_rows=16)),
     # merge programs of 2 row tiles (the second ragged at the bottom), next W tile loaded one step ahead
-    "merged_rows2": Config(merge_bk=16, merge_bn=16, merge_rows=32),
-    "merged_direct_split3": Config(norm_mode="direct", norm_rows=16, norm_bk=16, merge_bk=32, merge_bn=16,
-                                   merge_reverse=False),
+    "merged_rows2": Config(merge=MergeConfig(bk=16, bn=16, rows=32)),
+    "merged_direct_split3": Config(norm=NormConfig(mode="direct", direct=NormTiles(bn=64, bk=16, rows=16, warps=4,
+                                                                                   stages=2)),
+                                   merge=MergeConfig(bk=32, bn=16, reverse=False)),
     # backward column reductions over 3 token ranges, finished by XLA (the default config covers the 37 tokens
-    # with one program per column strip: finished in the kernel)
-    "merged_cols_split3": Config(cols_rows=16, cols_bt=16, cols_prefetch=False, cols_mma_sums=False),
-    # ... with a prefetched y (below 64 output features: the default; the MMA sums: test_backward_columns)
-    "merged_cols_prefetch": Config(cols_mma_sums=False),
+    # with one program per column strip: finished in the kernel); below 64 output features the sums run in
+    # registers with y prefetched (the MMA sums: test_backward_columns)
+    "merged_cols_split3": Config(columns=ColumnsConfig(rows=16, bt=16)),
 }
 
 
@@ -151,16 +156,17 @@ def test_variants(kernel_impl, variant):
 def test_backward_columns(kernel_impl, cfg, with_bias):
     """The backward column reductions (dB = xa^T dy g s, dm = sum dy (y - bias) / m, dbias = sum dy) against jnp:
     sums on the MMA or elementwise, finished in the kernel (one program over all tokens) or by XLA (3 ranges)."""
-    from pallas_fused.dora import kernel as K
+    from pallas_fused.dora import kernel_columns
 
     M, N, R = 37, 70, 16  # N > 64: 64-column tiles (the MMA sums need them), the second one ragged
     dy, y, xa = rand(90, (M, N), jnp.bfloat16), rand(91, (M, N), jnp.bfloat16), rand(92, (M, R), jnp.bfloat16)
     bias = rand(93, (N,), jnp.bfloat16, scale=0.5) if with_bias else None
     gs, m = rand(94, (N,)), jnp.abs(rand(95, (N,))) + 0.5
-    config = Config(cols_mma_sums=cfg.startswith("mma"), **({"cols_rows": 16, "cols_bt": 16} if "split" in cfg else {}))
+    config = ColumnsConfig(mma_sums=cfg.startswith("mma"), **({"rows": 16, "bt": 16} if "split" in cfg else {}))
     g = rand(96, (N,))
-    p, dm, db, dyg = K.backward_columns(dy, y, xa, bias, interpret=kernel_impl == "interpret", config=config,
-                                        finish=(gs, m, jnp.float32, jnp.float32, jnp.float32), dyg_scale=g)
+    p, dm, db, dyg = kernel_columns.backward_columns(dy, y, xa, bias, interpret=kernel_impl == "interpret",
+                                                     config=config, dyg_scale=g,
+                                                     finish=(gs, m, jnp.float32, jnp.float32, jnp.float32))
     # dy * g from the same launch ("sm90"), rounded once to dy's dtype
     np.testing.assert_array_equal(dyg, (dy.astype(jnp.float32) * g[None, :]).astype(jnp.bfloat16))
     f = lambda v: np.asarray(v, np.float64)  # noqa: E731
@@ -191,17 +197,18 @@ def test_save_merged_flag(kernel_impl):
 
 def test_merge_weight_outputs(kernel_impl):
     """merge_weight from partial sums returns ((W + s A B) g, n, g, B g s); from g, the same merged weight."""
-    from pallas_fused.dora import kernel as K
+    from pallas_fused.dora import kernel_merge, kernel_norm
 
     w, a = rand(84, (70, 40), jnp.bfloat16, scale=0.1), rand(85, (70, 16), jnp.bfloat16)
     b = rand(86, (16, 40), jnp.bfloat16)
     m = jnp.abs(rand(87, (40,))) + 0.5
-    cfg = Config(merge_bk=32, merge_bn=16, xnorm_bk=16, xnorm_bn=16)
+    cfg = MergeConfig(bk=32, bn=16)
     interp = kernel_impl == "interpret"
-    parts = K.column_partials((w,), "dense", a, b, 0.7, interpret=interp, config=cfg, rows=32)
+    norm = NormConfig(expand=NormTiles(bn=16, bk=16, rows=1024, warps=4, stages=3))
+    parts = kernel_norm.column_partials((w,), "dense", a, b, 0.7, interpret=interp, config=norm, rows=32)
     assert parts.shape == (3, 40)
-    wm, n, g, bg = K.merge_weight((w,), "dense", a, b, 0.7, partials=parts, magnitude=m, interpret=interp,
-                                  config=cfg)
+    wm, n, g, bg = kernel_merge.merge_weight((w,), "dense", a, b, 0.7, partials=parts, magnitude=m, interpret=interp,
+                                             config=cfg)
     v = w.astype(jnp.float32) + 0.7 * jnp.dot(a.astype(jnp.float32), b.astype(jnp.float32), precision="highest")
     n_ex = jnp.linalg.norm(v, axis=0)
     np.testing.assert_allclose(n, n_ex, rtol=2e-6)
@@ -211,12 +218,13 @@ def test_merge_weight_outputs(kernel_impl):
     assert wm.dtype == jnp.bfloat16
     np.testing.assert_allclose(wm.astype(jnp.float32), (v * (m / n_ex)).astype(jnp.bfloat16).astype(jnp.float32),
                                rtol=1e-2, atol=1e-3)
-    for cfg2 in (Config(merge_reverse=False), Config(merge_bk=16, merge_rows=64, merge_bn=32)):
-        wm2 = K.merge_weight((w,), "dense", a, b, 0.7, g=g, interpret=interp, config=cfg2)
+    for cfg2 in (MergeConfig(reverse=False), MergeConfig(bk=16, rows=64, bn=32)):
+        wm2 = kernel_merge.merge_weight((w,), "dense", a, b, 0.7, g=g, interpret=interp, config=cfg2)
         np.testing.assert_array_equal(wm2.astype(jnp.float32), wm.astype(jnp.float32))
     # emit_partials ("sm90"): V unscaled and V's column sums of squares per row range (3 ranges of 32 rows)
-    cfg3 = Config(merge_bk=16, merge_rows=32, merge_bn=16)  # 2 row tiles a program, a masked last range
-    v2, parts2 = K.merge_weight((w,), "dense", a, b, 0.7, emit_partials=True, interpret=interp, config=cfg3)
+    cfg3 = MergeConfig(v_bk=16, rows=32, v_bn=16)  # 2 row tiles a program, a masked last range
+    v2, parts2 = kernel_merge.merge_weight((w,), "dense", a, b, 0.7, emit_partials=True, interpret=interp,
+                                           config=cfg3)
     assert v2.dtype == jnp.bfloat16 and parts2.shape == (3, 40)
     np.testing.assert_allclose(v2.astype(jnp.float32), v.astype(jnp.bfloat16).astype(jnp.float32), rtol=1e-2,
                                atol=1e-3)
@@ -270,7 +278,7 @@ def test_qdora_int8_merged(kernel_impl):
     """int8 W with "pallas:merged": the merged weight is formed from the codes and scales (fwd and dx)."""
     x, w, a, b, m, bias, dy = make(55, (27,), 150, 36, 6, jnp.bfloat16, w_dtype=jnp.float32)
     check_against_reference(quantize_int8(w), x, a, b, m, bias, dy, scale=0.5, impl=f"{kernel_impl}:merged",
-                            what="int8 merged", config=Config(merge_bk=64, merge_rows=128))  # 2 row tiles a program
+                            what="int8 merged", config=Config(merge=MergeConfig(bk=64, rows=128)))  # 2 tiles a program
 
 
 @pytest.mark.parametrize("kind, dtype, exact", [("int8", jnp.bfloat16, False), ("nf4", jnp.bfloat16, False),
@@ -311,11 +319,12 @@ def test_column_scale(kernel_impl, kind):
 # the kernel), split rows (partial sums finished by XLA), a ragged last tile; "direct" as the fallback.
 NORM_CONFIGS = {
     "fused_finish": Config(),
-    "split_rows": Config(xnorm_rows=64, xnorm_bk=32, xnorm_bn=16),
-    "split_ragged": Config(xnorm_rows=128, xnorm_bk=64, xnorm_bn=32),
-    "direct": Config(norm_mode="direct"),
+    "split_rows": Config(norm=NormConfig(expand=NormTiles(bn=16, bk=32, rows=64, warps=4, stages=3))),
+    "split_ragged": Config(norm=NormConfig(expand=NormTiles(bn=32, bk=64, rows=128, warps=4, stages=3))),
+    "direct": Config(norm=NormConfig(mode="direct")),
     # next W tile loaded one step ahead, 3 row ranges of 2 steps (the last ragged: prefetches past K masked)
-    "direct_prefetch": Config(norm_mode="direct", norm_prefetch=True, norm_rows=64, norm_bk=32, norm_bn=16),
+    "direct_prefetch": Config(norm=NormConfig(mode="direct", direct=NormTiles(bn=16, bk=32, rows=64, warps=4,
+                                                                              stages=2))),
 }
 
 
@@ -326,7 +335,7 @@ NORM_CONFIGS = {
     ("int8", jnp.bfloat16, "direct_prefetch"),
 ], ids=str)
 def test_column_scale_expand(kernel_impl, kind, dtype, cfg):
-    from pallas_fused.dora.kernel import expand_supported
+    from pallas_fused.dora.kernel_norm import expand_supported
 
     fin, fout, r = 150, 36, 6
     w = rand(74, (fin, fout), scale=0.1)
@@ -345,12 +354,12 @@ def test_column_scale_expand(kernel_impl, kind, dtype, cfg):
 
 def test_column_norm_scale_outputs(kernel_impl):
     """The fused-finish launch returns n and g = m / n (the layer keeps n for the exact norm gradient)."""
-    from pallas_fused.dora import kernel as K
+    from pallas_fused.dora import kernel_norm
 
     w, a = rand(80, (70, 40), jnp.bfloat16, scale=0.1), rand(81, (70, 16), jnp.bfloat16)
     b = rand(82, (16, 40), jnp.bfloat16)
     m = jnp.abs(rand(83, (40,))) + 0.5
-    n, g = K.column_norm_scale((w,), "dense", a, b, 0.7, m, interpret=kernel_impl == "interpret")
+    n, g = kernel_norm.column_norm_scale((w,), "dense", a, b, 0.7, m, interpret=kernel_impl == "interpret")
     v = w.astype(jnp.float32) + 0.7 * jnp.dot(a.astype(jnp.float32), b.astype(jnp.float32), precision="highest")
     np.testing.assert_allclose(n, jnp.linalg.norm(v, axis=0), rtol=2e-6)
     np.testing.assert_allclose(g, m / n, rtol=1e-6)
@@ -554,12 +563,14 @@ BIG = [((512,), 4096, 4096, 16), ((256,), 4096, 11008, 64)]
 
 GPU_CONFIGS = {
     "sm90_remerge": Config(save_merged=False),  # V not kept: the backward forms (W + s A B) g for dx
-    "sm90_cols_registers": Config(cols_mma_sums=False),  # dy g written from the register path of the column launch
-    # norm partials over 8 row ranges from the prefetching "direct" kernel, merge tiles 64 x 128 in forward order
-    "merged_direct_pf": Config(norm_mode="direct", norm_prefetch=True, norm_rows=512, merge_bk=64, merge_bn=128,
-                               merge_reverse=False),
-    "merged_cols_split": Config(cols_rows=128),  # backward column sums over token ranges, finished by XLA
-    "merged_rows512": Config(merge_rows=512, cols_mma_sums=False),  # 4 row tiles per merge program; sums in registers
+    # dy g written from the register path of the column launch
+    "sm90_cols_registers": Config(columns=ColumnsConfig(mma_sums=False)),
+    # norm partials over 8 row ranges from the "direct" kernel, merge tiles 64 x 128 in forward order
+    "merged_direct": Config(norm=NormConfig(mode="direct"), merge=MergeConfig(bk=64, bn=128, reverse=False)),
+    # backward column sums over token ranges, finished by XLA
+    "merged_cols_split": Config(columns=ColumnsConfig(rows=128)),
+    # 4 row tiles per merge program; sums in registers
+    "merged_rows512": Config(merge=MergeConfig(rows=512), columns=ColumnsConfig(mma_sums=False)),
 }
 
 
@@ -632,8 +643,10 @@ def test_gpu_odd_shapes(dtype):
 
 GPU_NORM_CONFIGS = {
     **NORM_CONFIGS,
-    "one_launch_4096": Config(xnorm_rows=4096, xnorm_bn=32, xnorm_bk=128),
-    "expand_rank64": Config(expand_max_rank=128, xnorm_bn=128, xnorm_bk=64),  # "expand" past the default max rank
+    "one_launch_4096": Config(norm=NormConfig(expand=NormTiles(bn=32, bk=128, rows=4096, warps=4, stages=3))),
+    # "expand" past the default max rank
+    "expand_rank64": Config(norm=NormConfig(expand_max_rank=128, expand=NormTiles(bn=128, bk=64, rows=1024, warps=4,
+                                                                                   stages=3))),
 }
 
 
