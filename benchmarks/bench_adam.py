@@ -18,7 +18,8 @@ Without --quick the in-place kernels are also swept (105M case only, bounded to 
 size, warps and how the streaming loads are issued (kernel.LOAD_MODES: evict_first / plain / volatile), each
 launch (`kernel.Launch`) passed to the kernels of an in-place step: "pallas:inplace_b<B>w<W>_<mode>" and
 "pallas:inplace_8bit_w<W>_<mode>"; a launch that fails or does not fit the time is recorded with an error, not
-raised. The fastest row of each sweep names the defaults (kernel.FP32 and kernel.Q8).
+raised. The fastest row of each sweep is the device's tuning entry ("adam_launch" in
+pallas_fused/tuning/<device>.json, read by kernel.default_launch).
 
 Floor bytes per parameter: fp32 states 7 passes x 4 B = 28 B (read p, g, m, v; write p, m, v);
 8-bit states: p 4+4, g 4, m and v codes 1+1 each, absmax 4+4 B per 256 elements each = 16 + 16/256 B.
@@ -27,6 +28,7 @@ Floor bytes per parameter: fp32 states 7 passes x 4 B = 28 B (read p, g, m, v; w
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 
@@ -151,11 +153,11 @@ def run(rec, quick: bool):
         ours8 = A.adamw(LR, weight_decay=WD, state_bits=8, implementation=IMPL)
         init32, init8 = ours32.init, ours8.init
         _time(rec, case, "pallas:inplace", _inplace_step, init32, shapes, n, reps, fp32,
-              block=K.FP32.block, num_warps=K.FP32.num_warps, load_mode=K.FP32.load_mode)
+              **dataclasses.asdict(K.default_launch("fp32")))
         _time(rec, case, "pallas:optax", functools.partial(_optax_step, ours32), init32, shapes, n, reps,
               fp32)
         _time(rec, case, "pallas:inplace_8bit", _inplace_step, init8, shapes, n, reps, q8,
-              num_warps=K.Q8.num_warps, load_mode=K.Q8.load_mode)
+              **dataclasses.asdict(K.default_launch("q8")))
         _time(rec, case, "pallas:optax_8bit", functools.partial(_optax_step, ours8), init8,
               shapes, n, reps, q8)
         _time(rec, case, "xla", _xla_step, init32, shapes, n, reps, fp32)
@@ -177,7 +179,7 @@ def _sweep(rec, case, shapes, n, reps, fp32, q8, init32, init8):
     deadline = time.perf_counter() + SWEEP_SECONDS
     fp32_jobs = [(f"pallas:inplace_b{b}w{w}_{mode}", init32, fp32, K.Launch(b, w, mode)) for b, w, mode in FP32_SWEEP]
     q8_jobs = [(f"pallas:inplace_8bit_w{w}_{mode}", init8, q8, K.Launch(256, w, mode)) for w, mode in Q8_SWEEP]
-    # The fp32 launch sits at the HBM ceiling already (see kernel.FP32): the 8-bit launches go first.
+    # The fp32 launch sits at the HBM ceiling already: the 8-bit launches go first.
     for impl, init, nbytes, launch in q8_jobs + fp32_jobs:
         knobs = dict(block=launch.block, num_warps=launch.num_warps, load_mode=launch.load_mode)
         if time.perf_counter() > deadline:

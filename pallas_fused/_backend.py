@@ -17,14 +17,21 @@ Each op with variants lists them in one table in its own package, `VARIANTS = {"
 (the model is tokamax's IMPLEMENTATIONS), and passes it to `resolve_implementation`, which validates the name
 against that table and the machine, and names every valid choice when it refuses one. An explicitly requested
 implementation that cannot run raises `ImplementationError`; nothing falls back silently.
+
+Tuning is data: the measured launch parameters of a GPU kind live in pallas_fused/tuning/<device>.json (from the
+benchmark sweeps, citing the results file behind them), read by `tuned`; a GPU without a table gets each op's own
+heuristic. The choice is a pure function of shapes, dtypes and the device kind, the same on every host of a
+multi-host job of one GPU kind (nothing is autotuned at run time).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import warnings
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -82,6 +89,29 @@ def is_hopper() -> bool:
 def device_name() -> str:
     device = gpu_device() or jax.devices()[0]
     return getattr(device, "device_kind", device.platform)
+
+
+TUNING_DIR = Path(__file__).parent / "tuning"
+
+
+def device_slug(kind: str) -> str:
+    """A device kind as a file name: "NVIDIA H200" -> "nvidia_h200" (as benchmarks/results/<device>.json)."""
+    return "".join(ch if ch.isalnum() else "_" for ch in kind.lower()).strip("_")
+
+
+@functools.cache
+def tuning_table(kind: str) -> Mapping[str, Any]:
+    """The tuning table of one GPU kind (pallas_fused/tuning/<device>.json), or {} where none was measured."""
+    path = TUNING_DIR / f"{device_slug(kind)}.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def tuned(section: str, heuristic: Mapping[str, Any]) -> dict[str, Any]:
+    """`section` of this process's GPU kind's tuning table over `heuristic` (the op's guess, for entries the table
+    lacks and for a GPU, or a CPU, without a table)."""
+    device = gpu_device()
+    table = tuning_table(getattr(device, "device_kind", "")) if device is not None else {}
+    return {**heuristic, **table.get(section, {})}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,7 +14,7 @@ The 8-bit kernel takes one quantization block (256 elements) per program: dequan
 lookup, step, take the block's new absmax, requantize.
 
 Each launch is described by a `Launch` (elements per program, warps, load mode), passed in by the caller
-(`FP32` and `Q8` are the defaults).
+(`default_launch` gives this device kind's: pallas_fused/tuning/<device>.json, else `HEURISTIC`).
 
 How the streaming loads are issued (`Launch.load_mode`): "evict_first" (L1/L2 evict-first hints),
 "plain", or "volatile". Why "volatile" exists: in the SASS that ptxas makes for sm_90 from the plain and
@@ -77,15 +77,18 @@ class Launch:
             raise ValueError(f"load_mode: expected one of {LOAD_MODES}, got {self.load_mode!r}")
 
 
-# The defaults, from H200 sweeps at 105M params in place (the step returns (params, state), so no gradient copies
-# are timed; benchmarks/results/nvidia_h200.json): fp32 1024 elements x 4 warps, volatile loads, 0.7223 ms, at the
-# measured HBM ceiling (XLA's fused step 0.7205, torch fused AdamW 0.8517); 8-bit one block per program, 1 warp,
-# volatile, 0.4844 ms (encoding by three lookups instead of five: 0.4957; by select chains over rows of 256:
-# 0.7113). A revision of the 8-bit kernel with 2 blocks per program, m decoded by magnitude and the update stored
-# before requantizing (86.5 instead of 96 SASS instructions per element) measured 0.69 ms and was set aside: fewer
-# instructions did not mean faster here.
-FP32 = Launch(block=1024, num_warps=4)
-Q8 = Launch(block=QBLOCK, num_warps=1)
+# The launches of a GPU without a tuning table: the H200's (from its sweeps at 105M params in place, see
+# pallas_fused/tuning/nvidia_h200.json). On the H200 the 8-bit kernel encoding with five lookups per code beat
+# three lookups (0.4844 against 0.4957 ms) and select chains over rows of 256 (0.7113). A revision with 2 blocks per
+# program, m decoded by magnitude and the update stored before requantizing (86.5 instead of 96 SASS instructions
+# per element) measured 0.69 ms and was set aside: fewer instructions did not mean faster here.
+HEURISTIC = {"fp32": dict(block=1024, num_warps=4, load_mode="volatile"),
+             "q8": dict(block=QBLOCK, num_warps=1, load_mode="volatile")}
+
+
+def default_launch(kernel: str) -> Launch:
+    """This device kind's launch of the "fp32" or "q8" kernel."""
+    return Launch(**_backend.tuned("adam_launch", HEURISTIC)[kernel])
 
 
 # The direction kernels (inplace=False) also write the moments over their inputs. Without the aliasing, a
@@ -148,12 +151,14 @@ def _fp32_kernel(*refs, n, block, has_p, inplace, load_mode):
 
 
 @functools.partial(jax.jit, static_argnames=("inplace", "interpret", "launch", "u_dtype"))
-def adam_fp32(s, g, m, v, p=None, *, inplace: bool, interpret: bool, launch: Launch = FP32, u_dtype=None):
+def adam_fp32(s, g, m, v, p=None, *, inplace: bool, interpret: bool, launch: Launch | None = None, u_dtype=None):
     """Fused step for fp32/bf16 states. Flat 1-D operands of one length n.
 
     inplace=False: returns (update in u_dtype (default g's dtype), m, v); p (optional) enables weight decay.
     inplace=True: returns (p, m, v), written over the p, m, v operands (donate them under jit).
+    launch: None for `default_launch("fp32")`.
     """
+    launch = launch or default_launch("fp32")
     n = g.shape[0]
     has_p = p is not None
     if inplace:
@@ -268,12 +273,15 @@ def _q8_kernel(*refs, n, has_p, inplace, load_mode):
 
 
 @functools.partial(jax.jit, static_argnames=("inplace", "interpret", "launch", "u_dtype"))
-def adam_q8(s, g, mc, ma, vc, va, p=None, *, inplace: bool, interpret: bool, launch: Launch = Q8, u_dtype=None):
+def adam_q8(s, g, mc, ma, vc, va, p=None, *, inplace: bool, interpret: bool, launch: Launch | None = None,
+            u_dtype=None):
     """Fused step for 8-bit blockwise states. g, p flat (n,); mc, vc uint8 (blocks*256,); ma, va (blocks,).
 
     Returns (update or p, mc, ma, vc, va); with inplace=True the outputs are written over p and the
-    state operands (donate them under jit). One quantization block per program: `launch.block` must be QBLOCK.
+    state operands (donate them under jit). One quantization block per program: `launch.block` must be QBLOCK
+    (None: `default_launch("q8")`).
     """
+    launch = launch or default_launch("q8")
     if launch.block != QBLOCK:
         raise ValueError(f"launch: the 8-bit kernel handles one block of {QBLOCK} elements per program, got "
                          f"block={launch.block}")

@@ -68,9 +68,16 @@ def _outs(shape, dtype, emit_n, emit_t):
     return outs
 
 
-# (rows, columns) of x per program of the cast pass, and warps, per scale axis: the fastest of a sweep
-# on an H200 at 16384x8192 bf16 with q and q^T written (0.24-0.27 ms, ~3 TB/s of traffic).
-CAST_CONFIG = {None: ((128, 128), 8), 1: ((64, 64), 8), 0: ((128, 64), 4)}
+# (rows, columns) of x per program of the cast pass, and warps, per scale axis, for a GPU without a tuning table:
+# the H200's (the fastest of its sweep, see pallas_fused/tuning/nvidia_h200.json).
+HEURISTIC = {"tensorwise": dict(block=(128, 128), num_warps=8), "axis1": dict(block=(64, 64), num_warps=8),
+             "axis0": dict(block=(128, 64), num_warps=4)}
+
+
+def cast_config(axis) -> tuple[tuple[int, int], int]:
+    """((rows, columns) per program, warps) of the cast pass for this scale axis and device kind."""
+    entry = _backend.tuned("fp8_cast", HEURISTIC)["tensorwise" if axis is None else f"axis{axis}"]
+    return tuple(entry["block"]), entry["num_warps"]
 
 
 @functools.partial(jax.jit, static_argnames=("dtype", "axis", "power_of_2", "emit_n", "emit_t", "interpret",
@@ -95,7 +102,8 @@ def quantize_2d(x, *, dtype, axis, power_of_2, emit_n=True, emit_t=False, interp
     amax = finite_amax(x, axis)
     scale = _scale(amax, dtype, power_of_2)
     # Phase 2: the cast, tile by tile.
-    block = block or ((32, 32) if interpret else CAST_CONFIG[axis][0])
+    tuned_block, tuned_warps = cast_config(axis)
+    block = block or ((32, 32) if interpret else tuned_block)
     outs = _backend.triton_call(
         functools.partial(_cast_kernel, shape=shape, block=block, dtype=dtype, scale_axis=axis, emit_n=emit_n,
                           emit_t=emit_t),
@@ -103,7 +111,7 @@ def quantize_2d(x, *, dtype, axis, power_of_2, emit_n=True, emit_t=False, interp
         grid=(pl.cdiv(shape[0], block[0]), pl.cdiv(shape[1], block[1])),
         name="pallas_fused_fp8_quantize_" + ("tensorwise" if axis is None else f"axis{axis}"),
         interpret=interpret,
-        num_warps=num_warps or CAST_CONFIG[axis][1],
+        num_warps=num_warps or tuned_warps,
     )(x, scale.reshape(-1))
     outs = list(outs)
     q = outs.pop(0) if emit_n else None

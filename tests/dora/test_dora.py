@@ -607,7 +607,7 @@ def test_gpu_auto_takes_sm90_on_hopper():
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("with_bias", [True, False])
-@pytest.mark.parametrize("config", ["LARGE", "SMALL"])
+@pytest.mark.parametrize("config", [0, 1])  # kernel_sm90.tiles(): large, small
 def test_gpu_sm90_scaled_matmul(dtype, with_bias, config):
     """The Mosaic GPU GEMM (x V) g + bias against a float32 product of the same 16-bit inputs: one rounding."""
     from pallas_fused import _backend
@@ -617,7 +617,7 @@ def test_gpu_sm90_scaled_matmul(dtype, with_bias, config):
         pytest.skip("the sm90 kernel needs a Hopper GPU")
     x, v = rand(240, (384, 1024), dtype), rand(241, (1024, 768), dtype, scale=1024 ** -0.5)
     g, bias = jnp.abs(rand(242, (768,))) + 0.5, rand(243, (768,), dtype) if with_bias else None
-    y = kernel_sm90.scaled_matmul(x, v, g, bias, config=getattr(kernel_sm90, config))
+    y = kernel_sm90.scaled_matmul(x, v, g, bias, config=kernel_sm90.tiles()[config])
     ref = jnp.dot(x.astype(jnp.float32), v.astype(jnp.float32), precision="highest") * g
     ref = ref + (0.0 if bias is None else bias.astype(jnp.float32))
     assert y.dtype == dtype
