@@ -134,13 +134,11 @@ def _check_hparams(learning_rate, b1, b2, eps, eps_root, weight_decay):
 
 
 # Variants of "pallas" that force one port of the kernel: the Mosaic GPU backend (fp32/bf16 states only).
-VARIANTS = (_backend.MOSAIC_VARIANT,)
+VARIANTS = {_backend.MOSAIC_VARIANT: _backend.MOSAIC}
 
 
 def _implementation(implementation) -> str:
-    if implementation in VARIANTS:
-        return _backend.resolve_mosaic("adam")
-    return _backend.resolve_implementation(implementation, op="adam")
+    return _backend.resolve_implementation(implementation, op="adam", variants=VARIANTS)
 
 
 def _leaf_implementation(requested, mu) -> str:
@@ -252,8 +250,7 @@ def _fp32_sharded(grad, mu, nu, param, s, *, inplace, interpret, u_dtype, mosaic
 
             out, m, v = kernel_mosaic.adam_fp32(s, *flat, inplace=inplace, u_dtype=u_dtype)
         else:
-            out, m, v = _kernel.adam_fp32(s, *flat, inplace=inplace, interpret=interpret, block=_kernel.BLOCK,
-                                          num_warps=_kernel.NUM_WARPS, u_dtype=u_dtype)
+            out, m, v = _kernel.adam_fp32(s, *flat, inplace=inplace, interpret=interpret, u_dtype=u_dtype)
         return out.reshape(g.shape), m.reshape(g.shape), v.reshape(g.shape)
 
     t = " ".join(f"d{i}" for i in range(len(shape)))
@@ -278,8 +275,7 @@ def _q8_sharded(grad, mu, nu, param, s, *, inplace, interpret, u_dtype):
     def local(s, g, mc, ma, vc, va, *p):
         flat = lambda x: x.reshape(-1)  # noqa: E731
         out, mc2, ma, vc2, va = _kernel.adam_q8(s, flat(g), flat(mc), ma, flat(vc), va, *map(flat, p),
-                                                inplace=inplace, interpret=interpret, rows=_kernel.QROWS,
-                                                num_warps=_kernel.Q_NUM_WARPS, u_dtype=u_dtype)
+                                                inplace=inplace, interpret=interpret, u_dtype=u_dtype)
         return out.reshape(g.shape), mc2.reshape(mc.shape), ma, vc2.reshape(vc.shape), va
 
     if n % _ref.QBLOCK:  # padded: the kernel masks the tail of the flat tensor, run it whole

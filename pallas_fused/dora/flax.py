@@ -65,8 +65,7 @@ class DoRADense(nn.Module):
     lora_b_init: Any = _ZEROS
     quantize: str | None = None
     exact_norm_grad: bool = False
-    implementation: str | None = None
-    gemm: str = "auto"
+    implementation: str | None = None  # as dora_dense: None, "pallas", "pallas:<variant>", "xla", "interpret"
     save_merged: bool = True  # see dora_dense: keep the merged weight for the backward (memory) or form it again
 
     @nn.compact
@@ -104,7 +103,7 @@ class DoRADense(nn.Module):
         if quantizer is None:
             kernel = jnp.asarray(kernel, dtype)
         kw: dict[str, Any]
-        kw = dict(scale=s, exact_norm_grad=self.exact_norm_grad, implementation=self.implementation, gemm=self.gemm,
+        kw = dict(scale=s, exact_norm_grad=self.exact_norm_grad, implementation=self.implementation,
                   save_merged=self.save_merged)
         deterministic = nn.merge_param("deterministic", self.deterministic, deterministic) \
             if self.dropout > 0 else True
@@ -188,7 +187,7 @@ class DoRALinear(nnx.Linear):
     def __init__(self, in_features: int, out_features: int, *, rank: int, alpha: float | None = None,
                  use_rslora: bool = False, dropout: float = 0.0, a_initializer=_HE_UNIFORM,
                  b_initializer=_ZEROS, exact_norm_grad: bool = False,
-                 implementation: str | None = None, gemm: str = "auto", save_merged: bool = True, rngs: nnx.Rngs,
+                 implementation: str | None = None, save_merged: bool = True, rngs: nnx.Rngs,
                  **kwargs):
         super().__init__(in_features, out_features, rngs=rngs, **kwargs)
         if rank < 1 or rank > min(in_features, out_features):
@@ -204,7 +203,6 @@ class DoRALinear(nnx.Linear):
         self.rank = rank
         self.exact_norm_grad = exact_norm_grad
         self.implementation = implementation
-        self.gemm = gemm
         self.save_merged = save_merged
 
     @classmethod
@@ -250,7 +248,7 @@ class DoRALinear(nnx.Linear):
         args = (jnp.asarray(self.kernel[...], dtype), self.lora_a[...], self.lora_b[...], self.magnitude[...], bias)
         kw: dict[str, Any]
         kw = dict(scale=self.scale, exact_norm_grad=self.exact_norm_grad, implementation=self.implementation,
-                  gemm=self.gemm, save_merged=self.save_merged)
+                  save_merged=self.save_merged)
         if self.dropout is not None and not self.dropout.deterministic:
             return dora_dense_dropout(x, self.dropout(x), *args, **kw)
         return dora_dense(x, *args, **kw)

@@ -242,8 +242,8 @@ def dora():
                put(bias, "model"))
     check(f, sharded, [P("data", "model")], tol=1e-5, what="dora_dense forward")
 
-    def loss(x, w, a, b, m, bias):  # gemm="pallas": the backward dx kernel too
-        return jnp.sum(dora_dense(x, w, a, b, m, bias, scale=0.5, gemm="pallas", implementation="interpret") ** 2)
+    def loss(x, w, a, b, m, bias):  # the "gemm" variant: the backward dx kernel too
+        return jnp.sum(dora_dense(x, w, a, b, m, bias, scale=0.5, implementation="interpret:gemm") ** 2)
 
     # backward (dx and column kernels): tokens on data; the column kernel sums tokens per shard + psum
     check(jax.grad(loss, argnums=(0, 2, 3, 4, 5)), (put(x, "data"), put(w), put(a), put(b), put(m), put(bias)),
@@ -258,7 +258,7 @@ def dora():
           (put(x, "data"), put(wq.q, None, "model"), put(wq.scale, "model"), put(a), put(b, None, "model"),
            put(m, "model")), [P("data", "model")], tol=1e-5, what="dora_dense int8 forward")
 
-    def loss_q(x, q, s, a, b, m):  # int8 + gemm="auto": the backward dx kernel, tokens on data
+    def loss_q(x, q, s, a, b, m):  # int8 + plain "interpret": the "gemm" variant's dx kernel, tokens on data
         return jnp.sum(dora_dense(x, Int8Kernel(q, s), a, b, m, scale=0.5, implementation="interpret") ** 2)
 
     check(jax.grad(loss_q, argnums=(0, 3, 4, 5)), (put(x, "data"), put(wq.q), put(wq.scale), put(a), put(b), put(m)),
