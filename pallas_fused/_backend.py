@@ -26,8 +26,10 @@ multi-host job of one GPU kind (nothing is autotuned at run time).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import inspect
 import json
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -72,7 +74,36 @@ def gpu_device() -> jax.Device | None:
     return devices[0] if devices else None
 
 
+# A GPU to choose implementations and lower kernels for, in a process that may have none (see `gpu_target`).
+_TARGET: list[tuple[tuple[int, int], str, int]] = []
+# The GPUs `gpu_target` can stand for: compute capability -> (device kind, SM count).
+TARGETS = {(8, 0): ("NVIDIA A100-SXM4-80GB", 108), (9, 0): ("NVIDIA H100 80GB HBM3", 132)}
+
+
+@contextlib.contextmanager
+def gpu_target(compute_capability: tuple[int, int]):
+    """Choose implementations and lower kernels as for a CUDA GPU of `compute_capability` ((8, 0) or (9, 0)).
+
+    For a process without that GPU: exporting a step for one (`jax.export.export(..., platforms=["cuda"])`) or
+    checking that every kernel lowers for it on a CPU (tests/test_lowering.py). Inside, `implementation=None`
+    and "pallas" pick that GPU's kernels and the shape rules use its SM count; running them still needs the GPU.
+    jax's Triton lowering reads the GPU from the abstract mesh's device when the process has none."""
+    if tuple(compute_capability) not in TARGETS:
+        raise ValueError(f"gpu_target: compute_capability must be one of {sorted(TARGETS)}, got {compute_capability}")
+    kind, sms = TARGETS[tuple(compute_capability)]
+    device = jax.sharding.AbstractDevice(device_kind=kind, num_cores=sms, platform="gpu")
+    mesh = jax.sharding.AbstractMesh((1,), ("gpu_target",), (jax.sharding.AxisType.Auto,), abstract_device=device)
+    _TARGET.append((tuple(compute_capability), kind, sms))
+    try:
+        with jax.sharding.use_abstract_mesh(mesh):
+            yield
+    finally:
+        _TARGET.pop()
+
+
 def compute_capability() -> tuple[int, int] | None:
+    if _TARGET:
+        return _TARGET[-1][0]
     device = gpu_device()
     if device is None:
         return None
@@ -87,6 +118,8 @@ def is_hopper() -> bool:
 
 
 def device_name() -> str:
+    if _TARGET:
+        return _TARGET[-1][1]
     device = gpu_device() or jax.devices()[0]
     return getattr(device, "device_kind", device.platform)
 
@@ -221,6 +254,15 @@ def mosaic_gpu():
     return plgpu
 
 
+def mosaic_load(ref, *, layout):
+    """All of a Mosaic GPU ref loaded in `layout`: jax 0.10 takes the index as an argument (`()` for the whole
+    ref), jax >= 0.12 takes none (a view is indexed with `ref.at[...]` instead; 0.11 accepts both)."""
+    plgpu = mosaic_gpu()
+    if "idx" in inspect.signature(plgpu.load).parameters:
+        return plgpu.load(ref, (), layout=layout)
+    return plgpu.load(ref, layout=layout)
+
+
 # The Mosaic GPU ports of Triton kernels (the Adam step is the pilot) are the "pallas:mosaic" variant of their op.
 # They use the API of jax >= 0.11: `plgpu.kernel` + `plgpu.emit_pipeline`, and refs (`jax.new_ref`) that the kernel
 # writes in place (how a `plgpu.kernel` aliases its inputs; `pl.pallas_call` no longer lowers to Mosaic GPU there).
@@ -229,5 +271,7 @@ MOSAIC = Variant("the Mosaic GPU port of the Triton kernel", needs=(9, 0), min_j
 
 
 def num_sms() -> int:
+    if _TARGET:
+        return _TARGET[-1][2]
     device = gpu_device()
     return int(getattr(device, "core_count", 0) or 132) if device is not None else 1

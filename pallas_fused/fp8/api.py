@@ -31,16 +31,20 @@ from pallas_fused import _backend, _sharding
 from pallas_fused.fp8 import reference
 from pallas_fused.fp8.config import FP8_DTYPES, CastConfig, Float8Config, as_config
 
+# FP8 arithmetic (Triton's casts to and from float8 included) needs compute capability 8.9 (Ada) or newer: on an
+# older GPU the default implementation is XLA's, and "pallas" is refused.
+FP8_COMPUTE_CAPABILITY = (8, 9)
 VARIANTS = {
     "pallas:sm90": _backend.Variant("the Mosaic GPU scaled matmul (one fp8 dtype for both operands, fast "
                                     "accumulation)", needs=(9, 0), interpretable=False),
-    "pallas:triton": _backend.Variant("the portable Triton scaled matmul (any fp8 pair, either accumulation)"),
+    "pallas:triton": _backend.Variant("the portable Triton scaled matmul (any fp8 pair, either accumulation)",
+                                      needs=FP8_COMPUTE_CAPABILITY),
 }
 
 
 def _resolve(implementation, op):
     """-> "xla" | "interpret" | "pallas" | "pallas:sm90" | "pallas:triton" ("interpret:triton" is "interpret")."""
-    impl = _backend.resolve_implementation(implementation, op=op, variants=VARIANTS)
+    impl = _backend.resolve_implementation(implementation, op=op, needs=FP8_COMPUTE_CAPABILITY, variants=VARIANTS)
     return "interpret" if impl == "interpret:triton" else impl
 
 
