@@ -205,8 +205,12 @@ def test_inject_hyperparams_runtime_operands_no_recompile(kernel_impl):
 
 def test_inject_hyperparams_with_8bit_states():
     params = mlp_params(hidden=512)
-    with pytest.raises(ValueError, match="static_args"):
-        optax.inject_hyperparams(A.adamw)(learning_rate=1e-2, state_bits=8).init(params)
+    # without static_args: init outside jit reads the value; under jit it is traced, and init says what to do
+    with pytest.raises(ValueError, match=r"state_bits.*static_args=\('state_bits',\)"):
+        jax.jit(optax.inject_hyperparams(A.adamw)(learning_rate=1e-2, state_bits=8).init)(params)
+    opt = optax.inject_hyperparams(A.adamw)(learning_rate=1e-2, state_bits=8, implementation="xla")
+    _, state, loss = train(opt, params, 2)
+    assert isinstance(state.inner_state.mu["w1"], A.QuantizedMoment)
     opt = optax.inject_hyperparams(A.adamw, static_args=("state_bits",))(
         learning_rate=1e-2, state_bits=8, implementation="xla")
     _, state, loss = train(opt, params, 5)
