@@ -235,3 +235,40 @@ def test_optimizers_accept_learning_rate_schedule(name, factory, kwargs):
         ps, ss = step(opt_with_schedule, ps, ss)
         pl, sl = step(opt_with_lr, pl, sl)
     _assert_close(ps, pl)
+
+
+# ---------------------------------------------------------------------------------------------------------- ours
+# inject_hyperparams without any static_args: init outside jit reads the int arguments' values; every update
+# works under jit (GaLore reads each leaf's rank off its projector, 8-bit AdamW its layout off the state), and
+# changing an injected value does not recompile. A jitted init cannot know the value of an int that sets the
+# state's shapes: a ValueError names it and static_args.
+INJECT_CASES = OPTIMIZERS + [("galore_adamw_randomized", optim.galore_adamw,
+                               {"learning_rate": 1e-2, "rank": 8, "projector": "randomized"})]
+
+
+@pytest.mark.parametrize("name,factory,kwargs", INJECT_CASES, ids=[c[0] for c in INJECT_CASES])
+def test_inject_hyperparams_without_static_args(name, factory, kwargs):
+    _, _, objective = _setup_large_matrix_parabola(jnp.float32)
+    params = {"w": jnp.ones((64, 80)), "b": jnp.ones((3,))}
+    obj = lambda p: objective(p["w"]) + jnp.sum(p["b"] ** 2)  # noqa: E731
+    opt, opt_inject = factory(**kwargs), optax.inject_hyperparams(factory)(**kwargs)
+    state, state_inject = opt.init(params), opt_inject.init(params)
+    update = jax.jit(opt.update)
+    update_inject = jax.jit(opt_inject.update)
+    p = params
+    for _ in range(2):
+        g = jax.grad(obj)(p)
+        u, state = update(g, state, p)
+        u_inject, state_inject = update_inject(g, state_inject, p)
+        _assert_close(u_inject, u, rtol=1e-5, atol=1e-7)
+        p = optax.apply_updates(p, u)
+    state_inject.hyperparams["learning_rate"] = jnp.asarray(3e-2, jnp.float32)
+    u2, _ = update_inject(g, state_inject, p)
+    assert not np.allclose(u2["w"], u_inject["w"])
+    assert update_inject._cache_size() == 1
+    traced = "state_bits" if "state_bits" in kwargs else "rank" if "galore" in name else None
+    if traced:
+        with pytest.raises(ValueError, match=rf"{traced}.*static_args"):
+            jax.jit(opt_inject.init)(params)
+    else:
+        jax.jit(opt_inject.init)(params)

@@ -9,10 +9,13 @@
     step = jax.jit(opt.step, donate_argnums=(0, 2))           # writes params in the update kernel
     params, state = step(params, grads, state)
 
-Which leaves are projected: the 2-D leaves selected by `mask` (default: every 2-D leaf whose both dims
-exceed `rank`). Every other leaf gets plain Adam(W) from pallas_fused.adam's fused kernel (optax.adamw's
-numbers, m_hat / (sqrt(v_hat) + eps); its non-finite policy: such elements are skipped) and the same
-decoupled weight decay.
+Which leaves are projected: the 2-D leaves selected by `mask` (default: every non-empty 2-D leaf, as
+optax.contrib.galore), each at rank min(rank, M, N): like optax.contrib.galore and galore-torch, a leaf whose
+smaller side is <= rank is projected at full rank rather than silently left out. Every other leaf gets plain
+Adam(W) from pallas_fused.adam's fused kernel (optax.adamw's numbers, m_hat / (sqrt(v_hat) + eps); its
+non-finite policy: such elements are skipped) and the same decoupled weight decay. A leaf that is not 2-D and
+is chosen by `mask` is a ValueError (N-D leaves are not reshaped, as optax's weight_dimension_numbers would).
+Updates come in the params' dtype (the gradients' when `update` gets no params).
 
 Semantics (`convention="galore"`, the default) are the reference GaLore (galore-torch `GaLoreAdamW`):
 the projector is recomputed from the current gradient when the step count (before increment) is a
@@ -44,9 +47,11 @@ sharded G that XLA partitions (all-reducing and at most gathering the (M or N, r
 sketches, never G); "svd" (jnp.linalg.svd is not partitioned) gathers the full gradient of each projected
 leaf on refresh steps (once every update_proj_gap steps): prefer "randomized" on large meshes.
 
-Hyperparameters learning_rate (float or schedule), b1, b2, eps, weight_decay and scale are runtime
-values: under `optax.inject_hyperparams(galore_adamw, static_args=GALORE_STATIC_ARGS)` changing them does
-not recompile.
+Hyperparameters learning_rate (float or schedule), b1, b2, eps, weight_decay, scale, update_proj_gap and
+seed are runtime values: under `optax.inject_hyperparams(galore_adamw)` changing them does not recompile.
+inject_hyperparams makes an array of every int argument, so `rank` is a traced value under a jitted init,
+which needs it for the state's shapes: pass static_args=("rank",) or GALORE_STATIC_ARGS there (a ValueError
+says so); init outside jit, and every update, need no static_args.
 """
 
 from __future__ import annotations
@@ -71,7 +76,7 @@ from pallas_fused.galore.reference import Scalars
 CONVENTIONS = ("galore", "optax")
 PROJECTORS = ("svd", "randomized")
 KERNELS = ("auto", *kernel.VARIANTS)
-# Arguments that are structure, not numbers: pass them to optax.inject_hyperparams as static_args.
+# Arguments that are structure, not numbers: optax.inject_hyperparams static_args (a jitted init needs `rank`).
 GALORE_STATIC_ARGS = ("rank", "update_proj_gap", "proj_type", "mask", "weight_decay_mask", "projector",
                       "oversample", "power_iters", "seed", "convention", "mu_dtype", "nu_dtype", "implementation",
                       "kernel")
@@ -515,18 +520,25 @@ def _build(learning_rate, weight_decay, *, b1, b2, eps, scale, rank, update_proj
 _DOC_ARGS = """
     Args:
       learning_rate: float or optax schedule (called with the step count).
-      rank: projection rank r (a Python int, < min(M, N) of each projected leaf).
-      update_proj_gap: steps between projector refreshes (step 0 refreshes).
+      rank: projection rank r (an int), clamped per leaf to min(M, N) as optax.contrib.galore and galore-torch do: a
+        leaf whose smaller side is <= rank is projected at full rank (its moments take no less memory than Adam's).
+        It sets the state's shapes, so init needs its value: under `optax.inject_hyperparams` with a jitted init
+        pass it in static_args; update reads each leaf's rank off its projector.
+      update_proj_gap: steps between projector refreshes (step 0 refreshes); a runtime value.
       scale: GaLore's update scale (alpha in the paper); default 0.25 (convention "galore") or 1.0 ("optax").
       proj_type: "std" | "reverse_std" | "right" | "left" (default "std"; "reverse_std" under
         convention="optax").
       b1, b2, eps: Adam's (eps default 1e-6, or 1e-8 under convention="optax").
       weight_decay: decoupled (AdamW) decay, applied as -lr * wd * W.
-      mask: which leaves are projected: pytree of bools or callable(params) -> pytree (default: 2-D leaves
-        whose both dims exceed rank). Other leaves get plain Adam(W).
+      mask: which leaves are projected: pytree of bools, a bool for all, or callable(params) -> pytree (default:
+        every 2-D leaf, as optax.contrib.galore). Other leaves, and empty ones, get plain Adam(W). Only 2-D leaves
+        are projected: a leaf of another rank chosen by `mask` is a ValueError naming it (optax.contrib.galore's
+        weight_dimension_numbers, which reshapes N-D leaves, is not supported: store such a weight as a matrix).
       weight_decay_mask: which leaves decay (pytree of bools, a bool for all, or callable; default all).
       projector: "svd" (exact, jnp.linalg.svd) or "randomized" (range finder with `oversample` extra
-        columns and `power_iters` subspace iterations, warm-started from the previous projector; `seed`).
+        columns, default 8, and `power_iters` subspace iterations, default 2, warm-started from the previous
+        projector; `seed`, a runtime value). oversample and power_iters set shapes and loops, so under
+        `optax.inject_hyperparams` they must stay static when given (their None defaults are).
       convention: "galore" (reference GaLore, the default) or "optax" (optax.contrib.galore's numbers).
       mu_dtype, nu_dtype: moment dtypes (default fp32).
       implementation: None | "pallas" | "xla" | "interpret" (see pallas_fused._backend). Precision: the Pallas
@@ -541,8 +553,8 @@ _DOC_ARGS = """
 def galore_adamw(learning_rate, *, rank: int = 128, update_proj_gap: int = 200, scale: float | None = None,
                  proj_type: str | None = None, b1: float = 0.9, b2: float = 0.999, eps: float | None = None,
                  weight_decay: float = 0.0, mask=None, weight_decay_mask=None, projector: str = "svd",
-                 oversample: int = 8, power_iters: int = 2, seed: int = 0, convention: str = "galore",
-                 mu_dtype=None, nu_dtype=None, implementation: str | None = None,
+                 oversample: int | None = None, power_iters: int | None = None, seed: int = 0,
+                 convention: str = "galore", mu_dtype=None, nu_dtype=None, implementation: str | None = None,
                  kernel: str = "auto") -> optax.GradientTransformationExtraArgs:
     """GaLore AdamW (reference GaLore semantics; see the module docstring): the full update, lr included.
 
@@ -558,7 +570,7 @@ def galore_adamw(learning_rate, *, rank: int = 128, update_proj_gap: int = 200, 
 
 def galore_adam(learning_rate, *, rank: int = 128, update_proj_gap: int = 200, scale: float | None = None,
                 proj_type: str | None = None, b1: float = 0.9, b2: float = 0.999, eps: float | None = None, mask=None,
-                projector: str = "svd", oversample: int = 8, power_iters: int = 2, seed: int = 0,
+                projector: str = "svd", oversample: int | None = None, power_iters: int | None = None, seed: int = 0,
                 convention: str = "galore", mu_dtype=None, nu_dtype=None, implementation: str | None = None,
                 kernel: str = "auto") -> optax.GradientTransformationExtraArgs:
     """GaLore Adam without weight decay (params not needed by `update`)."""
@@ -571,8 +583,9 @@ def galore_adam(learning_rate, *, rank: int = 128, update_proj_gap: int = 200, s
 
 def scale_by_galore_adam(*, rank: int = 128, update_proj_gap: int = 200, scale: float | None = None,
                          proj_type: str | None = None, b1: float = 0.9, b2: float = 0.999, eps: float | None = None,
-                         mask=None, projector: str = "svd", oversample: int = 8, power_iters: int = 2, seed: int = 0,
-                         convention: str = "galore", mu_dtype=None, nu_dtype=None, implementation: str | None = None,
+                         mask=None, projector: str = "svd", oversample: int | None = None,
+                         power_iters: int | None = None, seed: int = 0, convention: str = "galore", mu_dtype=None,
+                         nu_dtype=None, implementation: str | None = None,
                          kernel: str = "auto") -> optax.GradientTransformationExtraArgs:
     """The GaLore Adam direction without learning rate or weight decay, for `optax.chain` (like
     optax.scale_by_adam: positive sign; chain with optax.add_decayed_weights / scale_by_learning_rate).
@@ -587,8 +600,8 @@ def scale_by_galore_adam(*, rank: int = 128, update_proj_gap: int = 200, scale: 
 def galore_adamw_inplace(learning_rate, *, rank: int = 128, update_proj_gap: int = 200, scale: float | None = None,
                          proj_type: str | None = None, b1: float = 0.9, b2: float = 0.999, eps: float | None = None,
                          weight_decay: float = 0.0, mask=None, weight_decay_mask=None, projector: str = "svd",
-                         oversample: int = 8, power_iters: int = 2, seed: int = 0, convention: str = "galore",
-                         mu_dtype=None, nu_dtype=None, implementation: str | None = None,
+                         oversample: int | None = None, power_iters: int | None = None, seed: int = 0,
+                         convention: str = "galore", mu_dtype=None, nu_dtype=None, implementation: str | None = None,
                          kernel: str = "auto") -> GaLoreInplace:
     """galore_adamw as one in-place step: `step(params, grads, state) -> (params, state)`.
 
