@@ -43,8 +43,12 @@ another split is resharded by XLA around the kernel (see `_q8_sharded`). `state_
 param_shardings)` gives the matching state shardings for jit's in/out_shardings.
 
 `state_bits` defaults to None (= 32, full-precision states) rather than 32 so that
-`optax.inject_hyperparams(adamw)` does not take it for a numeric hyperparameter; to inject other
-hyperparameters of an 8-bit optimizer, pass `static_args=("state_bits",)`.
+`optax.inject_hyperparams(adamw)` does not take it for a numeric hyperparameter. Given as an int (8), inject_hyperparams
+makes an array of it: init outside jit reads its value, and update never needs it (the state's layout says which
+moments it holds); only a jitted init cannot know it, and says to pass `static_args=("state_bits",)`.
+
+Updates come in the params' dtype (promoted with the gradient's) when `update` gets params, as optax's; without
+params, in the gradient's dtype promoted with the moments'.
 """
 
 from __future__ import annotations
