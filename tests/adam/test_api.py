@@ -382,3 +382,17 @@ def test_errors_name_the_leaf_and_key_lists():
         tx.update({"a": jnp.ones((8, 40)), "b": jnp.ones((3,))}, state, {"a": jnp.ones((8, 40)), "b": params["b"]})
     with pytest.raises(ValueError, match=r"expected \[\"\['a'\]\", \"\['b'\]\"\], got \[\"\['a'\]\"\]"):
         tx.update({"a": params["a"]}, state, {"a": params["a"]})
+
+
+def test_updates_in_the_params_dtype():
+    # as optax's: bf16 params get bf16 updates whatever the moments' dtype (fp32 mu, 8-bit layout's fp32 small
+    # leaves), with or without weight decay; without params, the grad's dtype promoted with the moments'
+    params = {"w": jnp.ones((8, 4), jnp.bfloat16), "b": jnp.ones((3,), jnp.bfloat16)}
+    grads = jax.tree.map(lambda p: p * 0.5, params)
+    for tx in (A.adam(1e-2, mu_dtype=jnp.float32), A.adam(1e-2, state_bits=8), A.scale_by_adam(mu_dtype=jnp.float32),
+               A.adamw(1e-2, state_bits=8, implementation="xla")):
+        u, _ = jax.jit(tx.update)(grads, tx.init(params), params)
+        assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(u))
+    tx = A.adam(1e-2, mu_dtype=jnp.float32)
+    u, _ = jax.jit(tx.update)(grads, tx.init(params))
+    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(u))
