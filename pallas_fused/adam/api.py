@@ -88,7 +88,7 @@ class FusedAdamState(NamedTuple):
     count is the number of steps taken (int32); the learning-rate schedule is evaluated at it.
     """
 
-    count: jax.Array
+    count: Any  # an int32 array; Any: `state_shardings` returns this tuple with a sharding in each field
     mu: Any
     nu: Any
 
@@ -525,4 +525,5 @@ def state_shardings(state: FusedAdamState, param_shardings) -> FusedAdamState:
     def tree(moments):
         return treedef.unflatten([moment(q, sh) for q, sh in zip(treedef.flatten_up_to(moments), leaves)])
 
-    return FusedAdamState(NamedSharding(mesh, PartitionSpec()), tree(state.mu), tree(state.nu))
+    # params without leaves have no mesh to replicate count over
+    return FusedAdamState(NamedSharding(mesh, PartitionSpec()), tree(state.mu), tree(state.nu))  # type: ignore[arg-type]

@@ -17,7 +17,7 @@ from pallas_fused.dora.quant import dequantize, quantize_int8, quantize_nf4
 from pallas_fused.dora.reference import column_norm_reference, floored_norm
 
 Dtype = Any
-_QUANTIZERS = {None: None, "int8": quantize_int8, "nf4": quantize_nf4}
+_QUANTIZERS: dict[str | None, Any] = {None: None, "int8": quantize_int8, "nf4": quantize_nf4}
 _HE_UNIFORM = nn.initializers.he_uniform()  # nnx.LoRA's default for the fan-in matrix
 _ZEROS = nn.initializers.zeros_init()
 
@@ -103,6 +103,7 @@ class DoRADense(nn.Module):
         x = jnp.asarray(inputs, dtype)
         if quantizer is None:
             kernel = jnp.asarray(kernel, dtype)
+        kw: dict[str, Any]
         kw = dict(scale=s, exact_norm_grad=self.exact_norm_grad, implementation=self.implementation, gemm=self.gemm,
                   save_merged=self.save_merged)
         deterministic = nn.merge_param("deterministic", self.deterministic, deterministic) \
@@ -142,7 +143,7 @@ def dense_to_dora_params(dense_params, rank: int, *, key: jax.Array, alpha: floa
     return out
 
 
-_REQUIRED = object()
+_REQUIRED: Any = object()  # a sentinel: `merge` has no usable default for alpha
 
 
 def merge(dora_params, *, alpha: float | None = _REQUIRED, use_rslora: bool = False) -> dict:
@@ -247,6 +248,7 @@ class DoRALinear(nnx.Linear):
         x = jnp.asarray(inputs, dtype)
         bias = self.bias[...] if self.bias is not None else None
         args = (jnp.asarray(self.kernel[...], dtype), self.lora_a[...], self.lora_b[...], self.magnitude[...], bias)
+        kw: dict[str, Any]
         kw = dict(scale=self.scale, exact_norm_grad=self.exact_norm_grad, implementation=self.implementation,
                   gemm=self.gemm, save_merged=self.save_merged)
         if self.dropout is not None and not self.dropout.deterministic:

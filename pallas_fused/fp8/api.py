@@ -155,21 +155,30 @@ def _pad_vec(v, multiple):
     return v if p == 0 else jnp.pad(v, (0, p), constant_values=1.0)
 
 
-def sm90_config(m, n, k):
+def sm90_config(m, n, k, num_sms: int | None = None):
     """The sm90 tile for an (M, K) x (N, K) GEMM: the two compute warpgroups split the CTA tile along N
     (128 x 256) unless only the split along M (256 x 128) fits the shape without padding, as for the
     N = 5504 projections of a 2048-wide Llama. Padding costs a copy of each padded operand and of the
-    output (the slice back), ~30% of the GEMM's time at 16384x2048x5504."""
+    output (the slice back), ~30% of the GEMM's time at 16384x2048x5504.
+
+    A GEMM with fewer such tiles than half the GPU's SMs (`num_sms`, default this process' GPU) leaves most SMs
+    idle: the weight gradients of narrow projections (2048x16384x512: 32 tiles for 132 SMs). 128 x 128 CTA tiles
+    double the tiles in flight there: rowwise 374 -> 726 TFLOP/s at 2048x16384x512 and 420 -> 600 at
+    512x16384x2048 on an H100 (benchmarks/results/user_path_dev/); with 128 tiles or more the larger tile wins."""
     from pallas_fused.fp8 import kernel_sm90
 
     config = kernel_sm90.DEFAULT
     split_m = dataclasses.replace(config, wg_split="m")
-    for candidate in (config, split_m):
-        if kernel_sm90.supported(m, n, k, jnp.float8_e4m3fn, jnp.float8_e4m3fn, candidate):
-            return candidate
+    fits = [c for c in (config, split_m) if kernel_sm90.supported(m, n, k, jnp.float8_e4m3fn, jnp.float8_e4m3fn, c)]
     # Neither fits: pad as little as possible (the first on a tie).
     padded = lambda c: (m + -m % c.cta_tile[0]) * (n + -n % c.cta_tile[1])  # noqa: E731
-    return min((config, split_m), key=padded)
+    chosen = fits[0] if fits else min((config, split_m), key=padded)
+    tiles = -(-m // chosen.cta_tile[0]) * -(-n // chosen.cta_tile[1])
+    small = dataclasses.replace(config, tile_n=config.tile_n // 2)
+    num_sms = _backend.num_sms() if num_sms is None else num_sms
+    if 2 * tiles <= num_sms and kernel_sm90.supported(m, n, k, jnp.float8_e4m3fn, jnp.float8_e4m3fn, small):
+        return small
+    return chosen
 
 
 def _mm_nt(a, bt, sa, sb, out_dtype, fast_accum, impl):
@@ -293,7 +302,7 @@ def _operands(x, cfg_n: CastConfig, cfg_t: CastConfig | None, pow2, impl):
     """x (R, C) cast for use as a K-major operand directly (cfg_n: contraction over C) and transposed
     (cfg_t: x^T, contraction over R). Tensorwise casts with one dtype share a single pass."""
     qimpl = "xla" if impl == "xla" else ("interpret" if impl == "interpret" else "pallas")
-    out = []
+    out: list[_Operand | None] = []
     if cfg_t is not None and cfg_n.scaling == cfg_t.scaling == "tensorwise" and cfg_n.dtype == cfg_t.dtype:
         q, qt, s = _quantize_2d(x, cfg_n.dtype, None, pow2, qimpl, emit_n=True, emit_t=True)
         s = s.reshape(())

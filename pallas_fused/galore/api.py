@@ -93,8 +93,9 @@ class GaLoreAdamState(NamedTuple):
     side "left"); MaskedNode for the other leaves. mu, nu: the low-rank moments of projected leaves, and
     the full-size Adam moments (pallas_fused.adam's layout) of the other leaves."""
 
-    count: jax.Array
-    pending_refresh: jax.Array
+    # Any: `state_shardings` returns this tuple with a sharding in each field.
+    count: Any
+    pending_refresh: Any
     mu: Any
     nu: Any
     projector: Any
@@ -501,7 +502,7 @@ def state_shardings(state: GaLoreAdamState, param_shardings) -> GaLoreAdamState:
         rows, cols = NamedSharding(sh.mesh, P(spec[0], None)), NamedSharding(sh.mesh, P(None, spec[1]))
         low, proj = (rows, cols) if _state_side(m.shape, p.shape) == "right" else (cols, rows)
         mus.append(low), nus.append(low), projs.append(proj)
-    replicated = NamedSharding(mesh, P())
+    replicated = NamedSharding(mesh, P())  # type: ignore[arg-type]  # params without leaves have no mesh
     return GaLoreAdamState(replicated, replicated, treedef.unflatten(mus), treedef.unflatten(nus),
                            treedef.unflatten(projs))
 
@@ -518,6 +519,7 @@ def _build(learning_rate, weight_decay, *, b1, b2, eps, scale, rank, update_proj
 
 
 _DOC_ARGS = """
+
     Args:
       learning_rate: float or optax schedule (called with the step count).
       rank: projection rank r (an int), clamped per leaf to min(M, N) as optax.contrib.galore and galore-torch do: a
@@ -618,4 +620,4 @@ def galore_adamw_inplace(learning_rate, *, rank: int = 128, update_proj_gap: int
 
 
 for _f in (galore_adamw, galore_adam, scale_by_galore_adam, galore_adamw_inplace):
-    _f.__doc__ += _DOC_ARGS
+    _f.__doc__ += _DOC_ARGS  # type: ignore[operator]  # each of the four has a docstring

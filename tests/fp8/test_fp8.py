@@ -290,7 +290,7 @@ def test_sm90_tile_avoids_padding(m, n, k):
     split along M: 256 x 128); otherwise the one that pads less."""
     from pallas_fused.fp8 import api, kernel_sm90
 
-    config = api.sm90_config(m, n, k)
+    config = api.sm90_config(m, n, k, num_sms=1)  # the padding rule alone (no few-tiles rule)
     splits = [dataclasses.replace(kernel_sm90.DEFAULT, wg_split=w) for w in ("n", "m")]
     fits = [c for c in splits if kernel_sm90.supported(m, n, k, E4, E4, c)]
     if fits:
@@ -469,16 +469,32 @@ def test_gpu_scaled_matmul_matches_reference(impl_name, m, k, n, granularity):
     assert sqnr(out, np.asarray(a, np.float32) @ np.asarray(b, np.float32)) >= 25
 
 
+@pytest.mark.parametrize("m,n,k,small", [(2048, 512, 16384, True), (512, 2048, 16384, True), (2048, 384, 16384, True),
+                                         (2048, 2048, 16384, False), (16384, 512, 2048, False),
+                                         (2048, 320, 16384, False)])
+def test_sm90_tile_few_output_tiles(m, n, k, small):
+    """With fewer 128 x 256 tiles than half the SMs (132 on an H100 / H200) the 128 x 128 CTA tile is taken, where
+    it fits unpadded; 128 tiles or more keep the larger one."""
+    from pallas_fused.fp8 import api, kernel_sm90
+
+    config = api.sm90_config(m, n, k, num_sms=132)
+    assert (config.cta_tile == (128, 128)) is small
+    assert kernel_sm90.supported(m, n, k, E4, E4, config) or not small
+    assert api.sm90_config(m, n, k, num_sms=1) == api.sm90_config(m, n, k, num_sms=1)  # a pure function
+    assert api.sm90_config(m, n, k, num_sms=1).cta_tile != (128, 128)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("granularity", ["tensorwise", "rowwise"])
-def test_gpu_scaled_matmul_nt_split_m_tile(granularity):
-    """The user's call (quantize outputs into scaled_matmul_nt) at a shape only the 256 x 128 tile fits unpadded."""
+@pytest.mark.parametrize("m,k,n,cta_tile", [(6144, 256, 384, (256, 128)), (256, 1024, 384, (128, 128))])
+def test_gpu_scaled_matmul_nt_tiles(granularity, m, k, n, cta_tile):
+    """The user's call (quantize outputs into scaled_matmul_nt) at a shape only the 256 x 128 tile fits unpadded,
+    and at one with so few output tiles that the 128 x 128 tile is taken."""
     from pallas_fused.fp8 import api
 
     if not _backend.is_hopper():
         pytest.skip("needs Hopper")
-    m, k, n = 512, 256, 384
-    assert api.sm90_config(m, n, k).wg_split == "m"
+    assert api.sm90_config(m, n, k).cta_tile == cta_tile
     axis = None if granularity == "tensorwise" else -1
     a8, sa = quantize(rand(35, (m, k), jnp.bfloat16), E4, axis)
     bt8, sb = quantize(rand(36, (n, k), jnp.bfloat16), E4, axis)

@@ -265,6 +265,33 @@ def dora():
           [P("data"), P(), P(), P()], tol=1e-4, what="dora_dense int8 grad, data parallel")
 
 
+# ---------------------------------------------------------------------------------------------- embed, norm
+
+
+@case
+def embed_norm():
+    from pallas_fused.embed import embed
+    from pallas_fused.norm import rms_norm
+
+    table, w = rand(0, (12, 8)), rand(1, (8, 40, 8))
+    ids = jax.random.randint(jax.random.key(2), (8, 40), -12, 12)
+
+    def embed_loss(t, ids):  # the one-hot gradient kernel per token shard, the (V, D) partials all-reduced
+        return jnp.sum(embed(t, ids, implementation="interpret") * w)
+
+    check(jax.grad(embed_loss), (put(table), put(ids, "data", "model")), [P()], tol=1e-5,
+          what="embed grad, tokens sharded")
+    x, scale, dy = rand(3, (8, 6, 24)), rand(4, (24,)) + 1.0, rand(5, (8, 6, 24))
+
+    def norm_loss(x, s):  # rows sharded, features whole; dscale partials all-reduced
+        return jnp.sum(rms_norm(x, s, implementation="interpret") * dy)
+
+    check(jax.grad(norm_loss, argnums=(0, 1)), (put(x, "data"), put(scale)), [P("data"), P()],
+          tol=1e-5, what="rms_norm grad, rows sharded")
+    check(lambda x: rms_norm(x, implementation="interpret"), (put(x, "data"),), [P("data")], tol=1e-6,
+          what="rms_norm forward, no scale")
+
+
 def run_in_subprocess(module: str, name: str) -> None:
     """Run case `name` of worker `module` in a fresh process with 8 simulated CPU devices (the flag must be
     set before jax starts its CPU backend, hence the subprocess)."""

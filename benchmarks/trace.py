@@ -1,0 +1,93 @@
+"""GPU kernel time from a jax.profiler trace, summed by kernel name.
+
+    with trace_kernels() as result:          # a temporary trace directory
+        for _ in range(n): step(...)
+    result.per_kernel  # {kernel name: total microseconds}, GPU stream events only
+
+jax writes a Perfetto JSON (`create_perfetto_trace=True`) beside its xplane file; the GPU's kernels are the
+complete ("X") events on the device process' "Stream" threads (its "XLA Ops" / "XLA Modules" lines repeat the
+same time by op and module, so they are left out). Without a GPU there are no such events and the table is empty,
+unless `parse(..., host=True)`: then the XLA CPU client's thunks (one event per fused op) stand in, so a CPU smoke
+run of a profiling script has something to tabulate.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import json
+import pathlib
+import tempfile
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import jax
+
+
+@dataclass
+class KernelTimes:
+    per_kernel: dict[str, float] = field(default_factory=dict)  # name -> total us
+    counts: dict[str, int] = field(default_factory=dict)
+    threads: list[str] = field(default_factory=list)  # the device threads seen (for a reader of the table)
+
+    def top(self, k: int = 25) -> list[tuple[str, float, int]]:
+        items = sorted(self.per_kernel.items(), key=lambda kv: -kv[1])[:k]
+        return [(name, us, self.counts[name]) for name, us in items]
+
+    @property
+    def total_us(self) -> float:
+        return float(sum(self.per_kernel.values()))
+
+
+# The thread that runs XLA's CPU thunks (jax 0.10, jax 0.12), and its bookkeeping events.
+_CPU_THREADS = ("tf_XLAPjRtCpuClient", "tf_XLAExecute")
+_CPU_NOISE = ("ThreadpoolListener", "end: ", "ThunkExecutor")
+
+
+def parse(trace_dir: str | pathlib.Path, host: bool = False) -> KernelTimes:
+    files = sorted(pathlib.Path(trace_dir).rglob("perfetto_trace.json.gz"))
+    out = KernelTimes()
+    if not files:
+        return out
+    with gzip.open(files[-1], "rt") as f:
+        doc = json.load(f)
+    events = doc["traceEvents"] if isinstance(doc, dict) else doc
+    procs, threads = {}, {}
+    for e in events:
+        if e.get("ph") == "M" and e.get("name") == "process_name":
+            procs[e["pid"]] = e.get("args", {}).get("name", "")
+        elif e.get("ph") == "M" and e.get("name") == "thread_name":
+            threads[(e["pid"], e.get("tid"))] = e.get("args", {}).get("name", "")
+    gpu = {pid for pid, name in procs.items() if "GPU" in name or "gpu" in name}
+    streams = {key for key, name in threads.items() if key[0] in gpu and name.lower().startswith("stream")}
+    out.threads = sorted({threads[k] for k in threads if k[0] in gpu})
+    cpu = set()
+    if host and not gpu:
+        cpu = {key for key, name in threads.items() if name.startswith(_CPU_THREADS)}
+        out.threads = sorted({threads[k] for k in cpu})
+    per, counts = defaultdict(float), defaultdict(int)
+    for e in events:
+        if e.get("ph") != "X":
+            continue
+        if cpu:
+            if (e["pid"], e.get("tid")) not in cpu or e["name"].startswith(_CPU_NOISE):
+                continue
+        elif e.get("pid") not in gpu or (streams and (e["pid"], e.get("tid")) not in streams):
+            continue
+        per[e["name"]] += float(e.get("dur", 0.0))
+        counts[e["name"]] += 1
+    out.per_kernel, out.counts = dict(per), dict(counts)
+    return out
+
+
+@contextlib.contextmanager
+def trace_kernels(trace_dir: str | pathlib.Path | None = None):
+    """Profile the body; on exit the yielded KernelTimes holds the GPU kernel time per kernel name."""
+    result = KernelTimes()
+    with contextlib.ExitStack() as stack:
+        if trace_dir is None:
+            trace_dir = stack.enter_context(tempfile.TemporaryDirectory())
+        with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
+            yield result
+        parsed = parse(trace_dir)
+        result.per_kernel, result.counts, result.threads = parsed.per_kernel, parsed.counts, parsed.threads
