@@ -143,6 +143,16 @@ def _explicit_mesh():
     return mesh if not mesh.empty and jax.sharding.AxisType.Explicit in mesh.axis_types else None
 
 
+def mesh_of(shardings, mesh=None, *, op: str):
+    """The mesh of a list of NamedShardings (or `mesh` when given); a ValueError naming `op` when there is none."""
+    if mesh is None and shardings:
+        mesh = shardings[0].mesh
+    if mesh is None:
+        raise ValueError(f"{op}: the params have no leaves, so there is no mesh to place the step count on: "
+                         f"pass mesh=")
+    return mesh
+
+
 def axes_size(mesh, axis) -> int:
     """Number of devices along a PartitionSpec entry (a mesh axis name, a tuple of them, or None)."""
     return 1 if axis is None else math.prod(mesh.shape[a] for a in _names(axis))

@@ -499,16 +499,16 @@ def adam_state_bytes(state: FusedAdamState) -> int:
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
 
 
-def state_shardings(state: FusedAdamState, param_shardings) -> FusedAdamState:
+def state_shardings(state: FusedAdamState, param_shardings, *, mesh=None) -> FusedAdamState:
     """Shardings for `state` that match the params' (for jit's in/out_shardings, or jax.device_put).
 
     param_shardings: a tree of `NamedSharding`s like the params. Array moments take their param's
     sharding; a `QuantizedMoment` (a flat block layout) is split along its blocks over the mesh axes of
     the param's leading axis (replicated if those do not divide the block count: see `_q8_sharded`);
-    count is replicated.
+    count is replicated over the params' mesh, or over `mesh` (required when the params have no leaves).
     """
     leaves, treedef = jax.tree.flatten(param_shardings)
-    mesh = leaves[0].mesh if leaves else None
+    mesh = _sharding.mesh_of(leaves, mesh, op="adam.state_shardings")
 
     def moment(q, sh):
         if not isinstance(q, QuantizedMoment):
@@ -521,5 +521,4 @@ def state_shardings(state: FusedAdamState, param_shardings) -> FusedAdamState:
     def tree(moments):
         return treedef.unflatten([moment(q, sh) for q, sh in zip(treedef.flatten_up_to(moments), leaves)])
 
-    # params without leaves have no mesh to replicate count over
-    return FusedAdamState(NamedSharding(mesh, PartitionSpec()), tree(state.mu), tree(state.nu))  # type: ignore[arg-type]
+    return FusedAdamState(NamedSharding(mesh, PartitionSpec()), tree(state.mu), tree(state.nu))

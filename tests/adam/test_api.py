@@ -396,3 +396,17 @@ def test_updates_in_the_params_dtype():
     tx = A.adam(1e-2, mu_dtype=jnp.float32)
     u, _ = jax.jit(tx.update)(grads, tx.init(params))
     assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(u))
+
+
+def test_state_shardings_of_empty_params():
+    """No params, no mesh to read from them: a ValueError that says to pass mesh=, and with it the count's sharding."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from pallas_fused.adam import state_shardings
+
+    state = A.adamw(1e-3).init({})
+    with pytest.raises(ValueError, match="mesh="):
+        state_shardings(state, {})
+    mesh = jax.make_mesh((1,), ("data",))
+    out = state_shardings(state, {}, mesh=mesh)
+    assert out.count == NamedSharding(mesh, PartitionSpec())
