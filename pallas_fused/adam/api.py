@@ -173,7 +173,7 @@ def _leaf_implementation(requested, mu) -> str:
 # one tensor
 
 
-def _quantized(state_bits: int, size: int) -> bool:
+def _quantized(state_bits: int | None, size: int) -> bool:
     return state_bits == 8 and size >= _ref.MIN_QUANTIZED_SIZE
 
 
