@@ -103,8 +103,8 @@ def test_implementation_names_variants():
     listing them."""
     with pytest.raises(ValueError, match="implementation.*'interpret:hybrid'"):
         api.galore_adamw(1e-2, implementation="interpret:nope")
-    with pytest.raises(ValueError, match="implementation"):
-        api.galore_adamw(1e-2, kernel="hybrid")  # the old keyword is gone
+    with pytest.raises(TypeError, match="kernel"):
+        api.galore_adamw(1e-2, kernel="hybrid")  # the variant is named by implementation= only
     assert api.GaLoreConfig(implementation="interpret:splitk").resolved().implementation == "interpret:splitk"
 
 
