@@ -91,15 +91,15 @@ class DownConfig(NamedTuple):
 # The default up-projection configuration, one for all or a dict side ("right" / "left") -> UpConfig: set it
 # from the tuning sweep (benchmarks/bench_galore.py prints the winners as a line to paste here).
 UP_CONFIG: UpConfig | dict[str, UpConfig] = {
-    # H200, session 3 call 2 (benchmarks/results/logs/h200_s3_call2_galore.log), up-projection alone, in place,
-    # r128, amortized over 4 W: 4096^2 0.0518 ms (64% HBM; best fp32-operand config 0.0596); 4096x11008 0.1264 ms
+    # H200 (benchmarks/results/nvidia_h200.json, the tuning sweep), up-projection alone, in place, r128, amortized
+    # over 4 W: 4096^2 0.0518 ms (64% HBM; best fp32-operand config 0.0596); 4096x11008 0.1264 ms
     # (71%; fp32 operands 0.1613).
     "right": UpConfig(bm=64, bn=128, br=128, warps=8, stages=2, w_first=True, tn=1, tm=8, f16=True, p16=False),
     "left": UpConfig(bm=64, bn=64, br=128, warps=4, stages=2, w_first=True, tn=1, tm=8, f16=True, p16=True),
 }
 
 # The default split-K down-projection configuration per side (set from the tuning sweep's printed line).
-# H200, session 3 call 2, split-K kernel + low-rank Adam alone, r128, amortized over 4 G: 4096^2 0.0400 ms (XLA's
+# H200 (the same sweep), split-K kernel + low-rank Adam alone, r128, amortized over 4 G: 4096^2 0.0400 ms (XLA's
 # GEMM + the Adam kernel, "hybrid": 0.0389); 4096x11008 0.1083 ms (hybrid 0.1096; without g_regs 0.1323).
 DOWN_CONFIG: DownConfig | dict[str, DownConfig] = {
     "right": DownConfig(bm=128, bk=32, splits=8, br=128, warps=8, stages=3),
@@ -109,19 +109,19 @@ DOWN_CONFIG: DownConfig | dict[str, DownConfig] = {
 # Measured winners (H200, fp32, TF32, in-place step): (M, N, rank, side) -> variant. `choose_variant` takes
 # the nearest entry of the same side. Paste the `MEASURED_VARIANT = {...}` line the tuning sweep prints.
 MEASURED_VARIANT: dict[tuple[int, int, int, str], str] = {
-    # H200, session 3 call 2 (benchmarks/results/logs/h200_s3_call2_galore.log), in-place step amortized over 3
-    # leaves, with UP_CONFIG / DOWN_CONFIG above, ms:
+    # H200 (benchmarks/results/nvidia_h200.json, the tuning sweep), in-place step amortized over 3 leaves, with
+    # UP_CONFIG / DOWN_CONFIG above, ms:
     (4096, 4096, 128, "right"): "hybrid",  # hybrid 0.0838, splitk 0.0892, fused 0.1098, xla_up 0.1346, xla 0.1343
     (4096, 11008, 128, "left"): "hybrid",  # hybrid 0.2243, splitk 0.2254, xla_up 0.3406, fused 0.4481, xla 0.3440
     (4096, 4096, 32, "right"): "hybrid",  # hybrid 0.0710, splitk 0.0710, xla_up 0.1081, xla 0.1089
     (4096, 11008, 32, "left"): "hybrid",  # hybrid 0.1650 (fp32-operand up) / 0.1681, splitk 0.1697, xla 0.2463
-    # call 3 (h200_s3_call3_galore.log, same method): xla_up 0.2113, hybrid 0.2418, splitk 0.3165, xla 0.2171
+    # xla_up 0.2113, hybrid 0.2418, splitk 0.3165, xla 0.2171
     (4096, 4096, 512, "right"): "xla_up",
-    (4096, 4096, 256, "right"): "hybrid",  # call 3: hybrid 0.1605, xla_up 0.1702, splitk 0.1824, xla 0.1686
-    (4096, 11008, 256, "left"): "hybrid",  # call 3: hybrid 0.3087, splitk 0.3583, xla_up 0.4439, xla 0.4492
+    (4096, 4096, 256, "right"): "hybrid",  # hybrid 0.1605, xla_up 0.1702, splitk 0.1824, xla 0.1686
+    (4096, 11008, 256, "left"): "hybrid",  # hybrid 0.3087, splitk 0.3583, xla_up 0.4439, xla 0.4492
 }
-# Call 3 repeated the rank-128 and rank-32 steps within 1-2% of call 2 (4096^2 r128: hybrid 0.0844 with a 4-warp
-# up configuration; 4096x11008 r128: splitk 0.2275, hybrid 0.2276 with tm 32): the configurations above stay.
+# A repeat of the rank-128 and rank-32 steps came within 1-2% (4096^2 r128: hybrid 0.0844 with a 4-warp up
+# configuration; 4096x11008 r128: splitk 0.2275, hybrid 0.2276 with tm 32): the configurations above stay.
 
 
 def _cdiv(a: int, b: int) -> int:
