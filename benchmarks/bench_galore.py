@@ -4,13 +4,13 @@
 Cases (ANCHORS.md): fp32 W and G, TF32 allowed, non-refresh step, proj_type "std".
   pallas:fused    fused down-projection + low-rank Adam kernel, up-projection update kernel, then W + update
   pallas:hybrid   XLA down-projection + elementwise low-rank Adam kernel, same up kernel, then W + update
-  pallas:inplace_<variant>  galore_adamw_inplace's path for each of kernel.VARIANTS (fused, hybrid, xla_up,
+  pallas:inplace_<variant>  galore_adamw_inplace's path for each of api.VARIANTS (fused, hybrid, xla_up,
                   splitk), default configurations; pallas:inplace is the best of them
   pallas:inplace_api  galore_adamw_inplace's step (count 1: the refresh lax.cond is taken but skips)
   pallas:tx       the user's path, the row of record: jit(galore_adamw update -> optax.apply_updates), params,
                   grads and state donated, count > 0 (the refresh lax.cond skips); with no weight decay its
                   up-projection is XLA's GEMM, into which apply_updates' add folds
-  pallas:tx_hybrid  the same with kernel="hybrid" (the Pallas up-projection writing the update)
+  pallas:tx_hybrid  the same with implementation="pallas:hybrid" (the Pallas up-projection writing the update)
   xla             our plain-jnp reference step (donated), default precision (TF32)
   xla:g_copied    the same with G not donated (peers_jax.py's method: XLA returns G as a 2 x M N x 4 byte copy,
                   which ANCHORS.md's XLA and optax.contrib.galore figures include)
@@ -39,6 +39,7 @@ from benchmarks.common import bench_carry, bench_carry_amortized, error_text, rn
 from pallas_fused.galore import api, kernel, projector, reference
 
 OP = "galore"
+VARIANT_NAMES = [name.partition(":")[2] for name in api.VARIANTS]
 # On a machine without a GPU (a smoke run of this file) shapes shrink and the kernels run in interpret mode.
 _CPU = jax.default_backend() == "cpu"
 INTERPRET = _CPU
@@ -73,8 +74,9 @@ def _steps(side):
     def make(variant, inplace, up_blocks=None, down_blocks=None):
         @partial(jax.jit, donate_argnums=(0, 1, 2, 3, 4, 5))
         def step(w, g, m, v, p, s):
-            out, m, v = kernel.leaf_step(variant, w, g, m, v, p, s, side=side, inplace=inplace, interpret=INTERPRET,
-                                         up_blocks=up_blocks, down_blocks=down_blocks)
+            out, m, v = api.leaf_step(variant, w, g, m, v, p, side, reference.Scalars(*(s[i] for i in range(8))),
+                                      inplace=inplace, interpret=INTERPRET, dtype=w.dtype, up_blocks=up_blocks,
+                                      down_blocks=down_blocks)
             return (out if inplace else w + out), g, m, v, p, s
         return step
 
@@ -133,7 +135,7 @@ def step_cases(rec, quick):
             n = 20 if quick else 50
             times = {}
             for impl, fn in [("pallas:fused", make("fused", False)), ("pallas:hybrid", make("hybrid", False)),
-                             *[(f"pallas:inplace_{v}", make(v, True)) for v in kernel.VARIANTS], ("xla", xla)]:
+                             *[(f"pallas:inplace_{v}", make(v, True)) for v in VARIANT_NAMES], ("xla", xla)]:
                 times[impl] = _time_step(rec, case, impl, fn, M, N, r, side, delta_ref, n)
             if r == _r(128):
                 _time_step(rec, case, "xla:g_copied", xla_g_copied, M, N, r, side, delta_ref, n)
@@ -147,7 +149,7 @@ def step_cases(rec, quick):
                         return bench_carry_amortized(fn, [_state(M, N, r, side, seed=10 * i + 2) for i in range(k)], n)
 
                     rec.measure(OP, case, impl, timing, **kw)
-            inplace = {v: times.get(f"pallas:inplace_{v}") for v in kernel.VARIANTS}
+            inplace = {v: times.get(f"pallas:inplace_{v}") for v in VARIANT_NAMES}
             inplace = {v: t for v, t in inplace.items() if t}
             if inplace:
                 best = min(inplace, key=inplace.get)
@@ -175,7 +177,8 @@ def step_cases(rec, quick):
                                                                            scale=SCALE, eps=EPS)),
                                 # the kernel the optax path took before it handed the up-projection to XLA
                                 ("pallas:tx_hybrid", lambda r=r: api.galore_adamw(
-                                    LR, rank=r, update_proj_gap=10**9, scale=SCALE, eps=EPS, kernel="hybrid")),
+                                    LR, rank=r, update_proj_gap=10**9, scale=SCALE, eps=EPS,
+                                    implementation="pallas:hybrid")),
                                 ("peer:optax_contrib_galore", lambda r=r: optax.contrib.galore(
                                     LR, rank=r, update_proj_gap=10**9, scale=SCALE))]:
                 if quick and impl.startswith("pallas:tx") and r != _r(128):

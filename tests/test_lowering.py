@@ -87,14 +87,16 @@ def test_adamw(cc, state_bits):
     assert kernels(update, params, grads, state).count(TRITON) >= 2
 
 
-@pytest.mark.parametrize("kernel", ["auto", "fused", "hybrid", "splitk", "xla_up"])
-def test_galore(cc, kernel):
+@pytest.mark.parametrize("implementation", ["pallas", "pallas:fused", "pallas:hybrid", "pallas:splitk",
+                                            "pallas:xla_up"])
+def test_galore(cc, implementation):
     from pallas_fused.optim import galore_adamw, galore_adamw_inplace
 
     params = {"w": rnd(0, (256, 384)), "v": rnd(1, (384, 200)), "b": rnd(2, (384,))}
     grads = jax.tree.map(lambda p: p * 0.5, params)
     for make in (galore_adamw, galore_adamw_inplace):
-        opt = make(1e-3, rank=24, weight_decay=0.01, projector="randomized", kernel=kernel)
+        opt = make(1e-3, rank=24, weight_decay=0.01, projector="randomized",
+                   implementation=implementation)
         state = opt.init(params)
         if make is galore_adamw:
             fn = lambda p, g, s, opt=opt: optax.apply_updates(p, opt.update(g, s, p)[0])

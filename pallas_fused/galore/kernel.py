@@ -19,8 +19,8 @@ an (8,) fp32 operand (see `reference.Scalars`):
                     Operands fp32 (TF32) or fp16 (UpConfig.f16: as exact as TF32, see the note there).
 
 Block sizes come from `UP_CONFIG` / `DOWN_CONFIG` / `_blocks_down` below (overridable per call with `blocks=` for
-tuning), and `leaf_step` runs one projected leaf through one of `VARIANTS`; `choose_variant` picks it from
-`MEASURED_VARIANT`, the table the tuning sweep in benchmarks/bench_galore.py prints.
+tuning). api.py strings the kernels into the variants of its `VARIANTS` table; `choose_variant` picks one per leaf
+from `MEASURED_VARIANT`, the table the tuning sweep in benchmarks/bench_galore.py prints.
 """
 
 from __future__ import annotations
@@ -35,18 +35,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_fused import _backend
-from pallas_fused.galore import reference
 
 F32 = jnp.float32
-
-# How one projected leaf is stepped (see `leaf_step`):
-#   fused    Pallas down-projection GEMM with the low-rank Adam in its epilogue, Pallas up-projection + update
-#   hybrid   XLA down-projection (TF32), elementwise Pallas low-rank Adam, Pallas up-projection + update
-#   xla_up   XLA down-projection, elementwise Pallas low-rank Adam, XLA up-projection with the update as jnp
-#            (XLA may fuse it into its GEMM's epilogue)
-#   splitk   Pallas split-K down-projection GEMM (fp32 partial sums), elementwise Pallas low-rank Adam that
-#            sums them, Pallas up-projection + update
-VARIANTS = ("fused", "hybrid", "xla_up", "splitk")
 
 # fp16's largest finite value: N is clamped to it before an fp16 store (it never gets near: |N| is O(1)).
 F16_MAX = 65504.0
@@ -65,8 +55,8 @@ class UpConfig(NamedTuple):
     w_first: bool = True
     tn: int = 1  # column tiles per program (a pipelined loop; with br >= rank the A rows load once)
     tm: int = 1  # row tiles per program (with tn == 1 and br >= rank the B columns load once)
-    f16: bool = False  # fp16 GEMM operands (tiles cast in registers; `leaf_step` has the Adam kernel write N in fp16)
-    p16: bool = False  # with f16: `leaf_step` also casts P to fp16 once per step (halves its L2 traffic)
+    f16: bool = False  # fp16 GEMM operands (tiles cast in registers; the Adam kernel then writes N in fp16)
+    p16: bool = False  # with f16: the Adam kernel also casts P to fp16 once per step (halves its L2 traffic)
 
 
 # Why fp16 operands lose nothing against TF32 here: the tensor cores round TF32 operands to a 10-bit mantissa,
@@ -101,15 +91,15 @@ class DownConfig(NamedTuple):
 # The default up-projection configuration, one for all or a dict side ("right" / "left") -> UpConfig: set it
 # from the tuning sweep (benchmarks/bench_galore.py prints the winners as a line to paste here).
 UP_CONFIG: UpConfig | dict[str, UpConfig] = {
-    # H200, session 3 call 2 (benchmarks/results/logs/h200_s3_call2_galore.log), up-projection alone, in place,
-    # r128, amortized over 4 W: 4096^2 0.0518 ms (64% HBM; best fp32-operand config 0.0596); 4096x11008 0.1264 ms
+    # H200 (benchmarks/results/nvidia_h200.json, the tuning sweep), up-projection alone, in place, r128, amortized
+    # over 4 W: 4096^2 0.0518 ms (64% HBM; best fp32-operand config 0.0596); 4096x11008 0.1264 ms
     # (71%; fp32 operands 0.1613).
     "right": UpConfig(bm=64, bn=128, br=128, warps=8, stages=2, w_first=True, tn=1, tm=8, f16=True, p16=False),
     "left": UpConfig(bm=64, bn=64, br=128, warps=4, stages=2, w_first=True, tn=1, tm=8, f16=True, p16=True),
 }
 
 # The default split-K down-projection configuration per side (set from the tuning sweep's printed line).
-# H200, session 3 call 2, split-K kernel + low-rank Adam alone, r128, amortized over 4 G: 4096^2 0.0400 ms (XLA's
+# H200 (the same sweep), split-K kernel + low-rank Adam alone, r128, amortized over 4 G: 4096^2 0.0400 ms (XLA's
 # GEMM + the Adam kernel, "hybrid": 0.0389); 4096x11008 0.1083 ms (hybrid 0.1096; without g_regs 0.1323).
 DOWN_CONFIG: DownConfig | dict[str, DownConfig] = {
     "right": DownConfig(bm=128, bk=32, splits=8, br=128, warps=8, stages=3),
@@ -119,19 +109,19 @@ DOWN_CONFIG: DownConfig | dict[str, DownConfig] = {
 # Measured winners (H200, fp32, TF32, in-place step): (M, N, rank, side) -> variant. `choose_variant` takes
 # the nearest entry of the same side. Paste the `MEASURED_VARIANT = {...}` line the tuning sweep prints.
 MEASURED_VARIANT: dict[tuple[int, int, int, str], str] = {
-    # H200, session 3 call 2 (benchmarks/results/logs/h200_s3_call2_galore.log), in-place step amortized over 3
-    # leaves, with UP_CONFIG / DOWN_CONFIG above, ms:
+    # H200 (benchmarks/results/nvidia_h200.json, the tuning sweep), in-place step amortized over 3 leaves, with
+    # UP_CONFIG / DOWN_CONFIG above, ms:
     (4096, 4096, 128, "right"): "hybrid",  # hybrid 0.0838, splitk 0.0892, fused 0.1098, xla_up 0.1346, xla 0.1343
     (4096, 11008, 128, "left"): "hybrid",  # hybrid 0.2243, splitk 0.2254, xla_up 0.3406, fused 0.4481, xla 0.3440
     (4096, 4096, 32, "right"): "hybrid",  # hybrid 0.0710, splitk 0.0710, xla_up 0.1081, xla 0.1089
     (4096, 11008, 32, "left"): "hybrid",  # hybrid 0.1650 (fp32-operand up) / 0.1681, splitk 0.1697, xla 0.2463
-    # call 3 (h200_s3_call3_galore.log, same method): xla_up 0.2113, hybrid 0.2418, splitk 0.3165, xla 0.2171
+    # xla_up 0.2113, hybrid 0.2418, splitk 0.3165, xla 0.2171
     (4096, 4096, 512, "right"): "xla_up",
-    (4096, 4096, 256, "right"): "hybrid",  # call 3: hybrid 0.1605, xla_up 0.1702, splitk 0.1824, xla 0.1686
-    (4096, 11008, 256, "left"): "hybrid",  # call 3: hybrid 0.3087, splitk 0.3583, xla_up 0.4439, xla 0.4492
+    (4096, 4096, 256, "right"): "hybrid",  # hybrid 0.1605, xla_up 0.1702, splitk 0.1824, xla 0.1686
+    (4096, 11008, 256, "left"): "hybrid",  # hybrid 0.3087, splitk 0.3583, xla_up 0.4439, xla 0.4492
 }
-# Call 3 repeated the rank-128 and rank-32 steps within 1-2% of call 2 (4096^2 r128: hybrid 0.0844 with a 4-warp
-# up configuration; 4096x11008 r128: splitk 0.2275, hybrid 0.2276 with tm 32): the configurations above stay.
+# A repeat of the rank-128 and rank-32 steps came within 1-2% (4096^2 r128: hybrid 0.0844 with a 4-warp up
+# configuration; 4096x11008 r128: splitk 0.2275, hybrid 0.2276 with tm 32): the configurations above stay.
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -487,9 +477,10 @@ def _blocks_up(rank, side) -> UpConfig:
     return cfg._replace(br=min(_rank_block(rank), cfg.br))
 
 
-def up_operands(rank: int, side: str):
-    """(N's dtype, whether P is cast to fp16 once per step) for the default up-projection configuration."""
-    cfg = _blocks_up(rank, side)
+def up_operands(rank: int, side: str, blocks=None):
+    """(N's dtype, whether P is cast to fp16 once per step) for the up-projection configuration `blocks` (an
+    `UpConfig` or a tuple of its fields; default `UP_CONFIG`)."""
+    cfg = UpConfig(*blocks) if blocks else _blocks_up(rank, side)
     return (jnp.float16 if cfg.f16 else F32), bool(cfg.f16 and cfg.p16)
 
 
@@ -532,37 +523,6 @@ def _up_update(w, n, p, scalars, *, side, inplace, interpret, cfg: UpConfig, dty
                                 interpret=interpret, num_warps=cfg.warps, num_stages=cfg.stages,
                                 input_output_aliases={0: 0} if inplace else None)
     return call(w, a, b, scalars) if has_w else call(a, b, scalars)
-
-
-# ------------------------------------------------------------------------------------------ one leaf
-def leaf_step(variant: str, w, g, m, v, p, scalars, *, side: str, inplace: bool, interpret: bool = False,
-              up_blocks=None, down_blocks=None):
-    """One projected leaf through `variant` (one of VARIANTS): returns (out, m', v'), out being the update
-    (in W's dtype, or G's when w is None: no weight decay) or, with `inplace`, the new W. `up_blocks` /
-    `down_blocks` override the kernels' launch configurations (tuning: an UpConfig, and a DownConfig for
-    "splitk" or a (kept block, K block, warps, stages) tuple for "fused")."""
-    if variant not in VARIANTS:
-        raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
-    rank = p.shape[0] if side == "right" else p.shape[1]
-    up = UpConfig(*up_blocks) if up_blocks else _blocks_up(rank, side)
-    # an fp16 up-projection takes N in fp16 straight from the Adam kernel (and P cast once with p16)
-    n_dtype = jnp.float16 if up.f16 and variant != "xla_up" else F32  # (as `up_operands`)
-    p16 = up.f16 and up.p16 and variant != "xla_up"  # the Adam kernel also casts P to fp16 (one launch)
-    p_up = p
-    if variant == "fused":
-        m, v, n = down_adam_fused(g, p, m, v, scalars, side=side, interpret=interpret, blocks=down_blocks)
-        p_up = p.astype(jnp.float16) if p16 else p
-    else:
-        r = (down_splitk(g, p, side=side, interpret=interpret, blocks=down_blocks) if variant == "splitk"
-             else reference.project(g, p, side))
-        m, v, n, *cast = lowrank_adam(r, m, v, scalars, interpret=interpret, n_dtype=n_dtype, p=p if p16 else None)
-        p_up = cast[0] if p16 else p
-    if variant != "xla_up":
-        out = up_update(w, n, p_up, scalars, side=side, inplace=inplace, interpret=interpret, blocks=up,
-                        out_dtype=g.dtype)
-        return out, m, v
-    s = reference.Scalars(*(scalars[i] for i in range(8)))
-    return reference.finish_step(w, n, p, side, s, inplace=inplace, dtype=g.dtype), m, v
 
 
 def choose_variant(shape: tuple[int, int], rank: int, side: str) -> str:

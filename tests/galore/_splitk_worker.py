@@ -15,9 +15,9 @@ def case(fn):
 
 @case
 def galore_splitk_fp16_up():
-    """kernel="splitk", in-place step, with an fp16 (p16) default up configuration: the split-K kernel where the
-    contraction is whole, XLA's GEMM + psum of the partial projections where it is split; N and the fp16 P come
-    out of the Adam kernel sharded as m and P; nothing of W, G or the state gathered."""
+    """implementation="interpret:splitk", in-place step, with an fp16 (p16) default up configuration: the split-K
+    kernel where the contraction is whole, XLA's GEMM + psum of the partial projections where it is split; N and
+    the fp16 P come out of the Adam kernel sharded as m and P; nothing of W, G or the state gathered."""
     from pallas_fused.galore import kernel, state_shardings
 
     kernel.UP_CONFIG = kernel.UpConfig(16, 16, 16, 4, 2, True, 1, 2, True, True)

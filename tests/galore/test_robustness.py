@@ -24,7 +24,8 @@ def _grads(step):
 @pytest.mark.parametrize("kwargs,match", [
     (dict(rank=0), "rank"), (dict(rank=-3), "rank"), (dict(rank=2.5), "rank"), (dict(rank=True), "rank"),
     (dict(proj_type="middle"), "proj_type"), (dict(update_proj_gap=0), "update_proj_gap"),
-    (dict(projector="qr"), "projector"), (dict(convention="torch"), "convention"), (dict(kernel="x"), "kernel"),
+    (dict(projector="qr"), "projector"), (dict(convention="torch"), "convention"),
+    (dict(implementation="pallas:x"), "implementation"),
     (dict(implementation="cuda"), "implementation"),
 ])
 def test_bad_arguments_at_construction(kwargs, match):
@@ -46,7 +47,7 @@ def test_rank_clamped_per_leaf(impl, kernel_impl):
     # galore-torch's rule); the numbers are the independent reference's, whose U[:, :r] / Vh[:r] clamp the same way
     impl = kernel_impl if impl == "kernel" else impl
     params = _small_params()
-    tx = galore_adamw(1e-2, rank=8, update_proj_gap=2, weight_decay=0.1, implementation=impl)
+    tx = galore_adamw(1e-2, rank=8, update_proj_gap=2, weight_decay=0.1, projector="svd", implementation=impl)
     state = tx.init(params)
     shapes = {k: (state.projector[k].shape, state.mu[k].shape) for k in ("w", "small", "square", "tall", "row")}
     assert shapes == {"w": ((24, 8), (8, 40)), "small": ((6, 6), (6, 40)), "square": ((8, 8), (8, 8)),

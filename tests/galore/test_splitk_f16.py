@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_fused.galore import kernel, reference
+from pallas_fused.galore import api, kernel, reference
 from tests.galore.test_kernels import _exact, _inputs
 from tests.helpers import assert_all_written, assert_close
 
@@ -115,8 +115,8 @@ def test_leaf_step_splitk_fp16_up(kernel_impl, side, dtype):
     down = kernel.DownConfig(16, 16, 2, 16, 4, 2)
     for variant, inplace in [("splitk", False), ("splitk", True), ("hybrid", False)]:
         what = f"{variant} inplace={inplace} {side} {jnp.dtype(dtype).name}"
-        out, m2, v2 = kernel.leaf_step(variant, w, g, m, v, p, s.pack(), side=side, inplace=inplace,
-                                       interpret=interpret, up_blocks=up, down_blocks=down)
+        out, m2, v2 = api.leaf_step(variant, w, g, m, v, p, side, s, inplace=inplace, interpret=interpret,
+                                    dtype=w.dtype, up_blocks=up, down_blocks=down)
         assert out.dtype == dtype
         if inplace:
             assert_close(out, w64 + upd_ex, floor=4e-3 if dtype == jnp.bfloat16 else 3e-6, what=what)
@@ -127,17 +127,18 @@ def test_leaf_step_splitk_fp16_up(kernel_impl, side, dtype):
 
 
 def test_api_splitk_and_fp16_default(monkeypatch):
-    """kernel="splitk" / "hybrid" through the optax transform and the in-place step, with an fp16 (and p16:
-    P cast by the Adam kernel) default up configuration: the reference's numbers at TF32 tolerance."""
+    """implementation="interpret:splitk" / "interpret:hybrid" through the optax transform and the in-place step,
+    with an fp16 (and p16: P cast by the Adam kernel) default up configuration: the reference's numbers at TF32
+    tolerance."""
     monkeypatch.setattr(kernel, "UP_CONFIG", kernel.UpConfig(16, 32, 16, 4, 2, True, 1, 2, True, True))
     monkeypatch.setattr(kernel, "DOWN_CONFIG", kernel.DownConfig(16, 16, 2, 16, 4, 2))
     params = {"w": jax.random.normal(jax.random.key(0), (24, 40)), "b": jnp.ones((40,))}
     grads = {"w": jax.random.normal(jax.random.key(1), (24, 40)), "b": jnp.ones((40,))}
     from tests.galore.test_variants import api_outputs
 
-    expected = api_outputs("xla", "auto", params, grads)
+    expected = api_outputs("xla", params, grads)
     for kern in ("splitk", "hybrid"):
-        for a, b in zip(expected, api_outputs("interpret", kern, params, grads)):
+        for a, b in zip(expected, api_outputs(f"interpret:{kern}", params, grads)):
             np.testing.assert_allclose(a, b, rtol=3e-3, atol=3e-5, err_msg=kern)
 
 
@@ -154,5 +155,6 @@ def test_splitk_and_fp16_up_gpu(shape):
     for cfg in DOWN_CANDIDATES[side]:
         assert_close(kernel.down_splitk(g, p, side=side, blocks=cfg).sum(0), r_hi, floor=5e-3, what=f"splitk {cfg}")
     for cfg in [c for c in UP_CANDIDATES if c.f16]:
-        out, _, _ = kernel.leaf_step("splitk", w, g, m, v, p, s.pack(), side=side, inplace=True, up_blocks=cfg)
+        out, _, _ = api.leaf_step("splitk", w, g, m, v, p, side, s, inplace=True, interpret=False, dtype=w.dtype,
+                                  up_blocks=cfg)
         assert_close(out - w, delta, floor=5e-3, what=f"splitk {cfg} update (TF32 / fp16 operands)")

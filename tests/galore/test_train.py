@@ -30,7 +30,7 @@ def _state_bytes(state):
 
 def _train(impl, steps=300):
     params, vg = _problem()
-    hp = dict(rank=8, update_proj_gap=50, scale=0.25, weight_decay=0.01)
+    hp = dict(rank=8, update_proj_gap=50, scale=0.25, weight_decay=0.01, projector="svd")
     tx = galore_adamw(3e-2, implementation=impl, **hp)
     state = tx.init(params)
 

@@ -1,4 +1,4 @@
-"""The per-leaf variants (kernel.VARIANTS), the up kernel's launch configurations and the default-choice
+"""The per-leaf variants (api.VARIANTS), the up kernel's launch configurations and the default-choice
 table, against the plain-jnp reference and a float64 ground truth (CPU: interpret mode, small shapes)."""
 
 import jax
@@ -16,7 +16,10 @@ def _exact_out(g, w, p, m, v, side, s, inplace, with_w):
     return np.asarray(jnp.asarray(w, jnp.float32), np.float64) + out if inplace else out
 
 
-@pytest.mark.parametrize("variant", kernel.VARIANTS)
+VARIANT_NAMES = [name.partition(":")[2] for name in api.VARIANTS]
+
+
+@pytest.mark.parametrize("variant", VARIANT_NAMES)
 @pytest.mark.parametrize("side", ["right", "left"])
 def test_leaf_step_variants(kernel_impl, variant, side):
     """In place, update with W (decay) and update without W (no decay: no W read) for every variant."""
@@ -25,8 +28,8 @@ def test_leaf_step_variants(kernel_impl, variant, side):
     interpret = kernel_impl == "interpret"
     for inplace, with_w in [(True, True), (False, True), (False, False)]:
         what = f"{variant} {side} inplace={inplace} w={with_w}"
-        out, m2, v2 = kernel.leaf_step(variant, w if with_w else None, g, m, v, p, s.pack(), side=side,
-                                       inplace=inplace, interpret=interpret)
+        out, m2, v2 = api.leaf_step(variant, w if with_w else None, g, m, v, p, side, s, inplace=inplace,
+                                    interpret=interpret, dtype=w.dtype)
         s_ref = s if with_w else s._replace(a=0.0)
         base, m_x, v_x = reference.galore_adam_step(w, g, m, v, p, side, s_ref, inplace=inplace)
         assert out.shape == w.shape and out.dtype == w.dtype, what
@@ -89,26 +92,39 @@ def test_choose_variant_table(monkeypatch):
     assert api.choose_kernel((2048, 4096), 128, "left") == "hybrid"  # same side first
     monkeypatch.setattr(kernel, "MEASURED_VARIANT", {})
     assert api.choose_kernel((64, 64), 8, "right") == "hybrid"  # the rule without measurements: grid too small
+    s = reference.Scalars(*([1.0] * 8))
     with pytest.raises(ValueError, match="variant"):
-        kernel.leaf_step("nope", None, *([jnp.ones((4, 4))] * 4), jnp.ones(8), side="right", inplace=False)
+        api.leaf_step("nope", None, *([jnp.ones((4, 4))] * 4), "right", s, inplace=False, interpret=True,
+                      dtype=jnp.float32)
 
 
-def api_outputs(impl, kern, params, grads):
+def test_implementation_names_variants():
+    """implementation="pallas:<variant>" / "interpret:<variant>" name the variants; anything else is a ValueError
+    listing them."""
+    with pytest.raises(ValueError, match="implementation.*'interpret:hybrid'"):
+        api.galore_adamw(1e-2, implementation="interpret:nope")
+    with pytest.raises(TypeError, match="kernel"):
+        api.galore_adamw(1e-2, kernel="hybrid")  # the variant is named by implementation= only
+    assert api.GaLoreConfig(implementation="interpret:splitk").resolved().implementation == "interpret:splitk"
+
+
+def api_outputs(impl, params, grads):
     """Two optax-transform updates and one in-place step of galore_adamw: (update, new param, mu) of leaf "w"."""
-    tx = api.galore_adamw(1e-2, rank=4, weight_decay=0.1, implementation=impl, kernel=kern)
+    tx = api.galore_adamw(1e-2, rank=4, weight_decay=0.1, implementation=impl)
     state = tx.init(params)
     u, state = tx.update(grads, state, params)
     u, state = tx.update(grads, state, params)
-    step = api.galore_adamw_inplace(1e-2, rank=4, weight_decay=0.1, implementation=impl, kernel=kern)
+    step = api.galore_adamw_inplace(1e-2, rank=4, weight_decay=0.1, implementation=impl)
     p2, _ = step.step(params, grads, step.init(params))
     return u["w"], p2["w"], state.mu["w"]
 
 
 def test_optax_path_with_xla_up_variant():
-    """kernel="xla_up" through the optax transform and the in-place step: same numbers as the reference."""
+    """implementation="interpret:xla_up" through the optax transform and the in-place step: the reference's
+    numbers."""
     params = {"w": jax.random.normal(jax.random.key(0), (24, 40))}
     grads = {"w": jax.random.normal(jax.random.key(1), (24, 40))}
-    for a, b in zip(api_outputs("xla", "auto", params, grads), api_outputs("interpret", "xla_up", params, grads)):
+    for a, b in zip(api_outputs("xla", params, grads), api_outputs("interpret:xla_up", params, grads)):
         np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-6)
 
 
@@ -135,8 +151,8 @@ def test_variants_and_up_configs_gpu(shape):
 
     side, w, g, m, v, p, s, delta = full_size_case(shape)
     hi = jax.lax.Precision.HIGHEST
-    for variant in kernel.VARIANTS:
-        out, _, _ = kernel.leaf_step(variant, w, g, m, v, p, s.pack(), side=side, inplace=True)
+    for variant in VARIANT_NAMES:
+        out, _, _ = api.leaf_step(variant, w, g, m, v, p, side, s, inplace=True, interpret=False, dtype=w.dtype)
         assert_close(out - w, delta, floor=5e-3, what=f"{variant} update (TF32)")
     _, _, n = reference.lowrank_adam(reference.project(g, p, side, precision=hi), m, v, s)
     up_exact = reference.full_update(w, n, p, side, s, precision=hi)

@@ -170,13 +170,13 @@ GALORE_SHAPES = {
 }
 
 
-def _galore_steps(projector, kernel, inplace):
+def _galore_steps(projector, variant, inplace):
     import optax
 
     from pallas_fused.galore import galore_adamw, galore_adamw_inplace
 
-    hp = dict(rank=4, update_proj_gap=2, weight_decay=0.1, projector=projector, implementation="interpret",
-              kernel=kernel)
+    hp = dict(rank=4, update_proj_gap=2, weight_decay=0.1, projector=projector,
+              implementation=f"interpret:{variant}")
     if inplace:
         opt = galore_adamw_inplace(1e-2, **hp)
         return opt.step, opt.init

@@ -13,8 +13,8 @@ from pallas_fused.optim import galore_adamw
 
 
 def main():
-    for kernel in ("auto", "hybrid"):
-        tx = galore_adamw(1e-3, rank=128, update_proj_gap=10**9, kernel=kernel)
+    for kernel in ("pallas", "pallas:hybrid"):
+        tx = galore_adamw(1e-3, rank=128, update_proj_gap=10**9, implementation=kernel)
         params = {"w": jax.random.normal(jax.random.key(0), (4096, 4096))}
         state = tx.init(params)
 

@@ -57,7 +57,8 @@ def galore():
         txs = {
             "ours": lambda: api.galore_adamw(lr, rank=128, update_proj_gap=10**9),
             "ours_xla": lambda: api.galore_adamw(lr, rank=128, update_proj_gap=10**9, implementation="xla"),
-            "ours_hybrid": lambda: api.galore_adamw(lr, rank=128, update_proj_gap=10**9, kernel="hybrid"),
+            "ours_hybrid": lambda: api.galore_adamw(lr, rank=128, update_proj_gap=10**9,
+                                                      implementation="pallas:hybrid"),
             "contrib": lambda: optax.contrib.galore(lr, rank=128, update_proj_gap=10**9),
         }
         for name, make in txs.items():
