@@ -353,6 +353,8 @@ class _GaLore:
 
     def __init__(self, learning_rate, cfg: GaLoreConfig):
         self.lr, self.cfg = learning_rate, cfg.resolved()
+        # filled in by resolved(): the str the steps read
+        self.proj_type, self.implementation = str(self.cfg.proj_type), str(self.cfg.implementation)
 
     # ---------------------------------------------------------------------------------------------- init
     def _projected(self, params):
@@ -389,7 +391,7 @@ class _GaLore:
                 m, v = fused_adam.init_adam_leaf_state(p, mu_dtype=cfg.mu_dtype or jnp.float32)
                 mu.append(m), nu.append(v), proj.append(_masked_node())
                 continue
-            side, rank = reference.projector_side(p.shape, cfg.proj_type), self._rank(p.shape)
+            side, rank = reference.projector_side(p.shape, self.proj_type), self._rank(p.shape)
             low = reference.lowrank_shape(p.shape, rank, side)
             mu.append(jnp.zeros(low, cfg.mu_dtype or jnp.float32))
             nu.append(jnp.zeros(low, cfg.nu_dtype or jnp.float32))
@@ -432,7 +434,7 @@ class _GaLore:
         return b1, b2, jnp.asarray(self.cfg.eps, f32), alpha, beta, c
 
     def _leaf(self, w, g, m, v, p, side, s: Scalars, inplace, dtype):
-        base, variant = _backend.split_implementation(self.cfg.implementation)
+        base, variant = _backend.split_implementation(self.implementation)
         if base == "xla":
             m_new, v_new, n = reference.lowrank_adam(reference.project(g, p, side), m, v, s)
             m_new, v_new, s = _skip_nonfinite(m, v, m_new, v_new, s)
@@ -475,7 +477,7 @@ class _GaLore:
         # so one per step rather than one per leaf.
         key = jax.random.fold_in(jax.random.key(cfg.seed), count)
         proj_idx = [i for i, p in enumerate(flat_p) if not _is_masked(p)]
-        sides = {i: reference.projector_side(flat_g[i].shape, cfg.proj_type) for i in proj_idx}
+        sides = {i: reference.projector_side(flat_g[i].shape, self.proj_type) for i in proj_idx}
 
         def refresh_all():
             return [self._refresh(flat_g[i], flat_p[i], sides[i], jax.random.fold_in(key, i)) for i in proj_idx]
@@ -490,7 +492,7 @@ class _GaLore:
             a = -lr * wd if decay else jnp.asarray(0.0, jnp.float32)
             dtype = g.dtype if w is None else w.dtype  # updates in the params' dtype, as optax's
             if _is_masked(p):  # not projected: one fused Adam(W) kernel pass (pallas_fused.adam)
-                hp = dict(b1=b1, b2=b2, eps=eps, implementation=_backend.split_implementation(cfg.implementation)[0])
+                hp = dict(b1=b1, b2=b2, eps=eps, implementation=_backend.split_implementation(self.implementation)[0])
                 if inplace:
                     out, m, v = fused_adam.adam_leaf_update(w, g, m, v, count_inc, learning_rate=lr,
                                                             weight_decay=wd if decay else 0.0, **hp)
@@ -524,17 +526,17 @@ class _GaLore:
         return self._update(grads, state, params, inplace=True)
 
 
-def state_shardings(state: GaLoreAdamState, param_shardings) -> GaLoreAdamState:
+def state_shardings(state: GaLoreAdamState, param_shardings, *, mesh=None) -> GaLoreAdamState:
     """Shardings for a GaLore `state` that match the params' (for jit's in/out_shardings).
 
     param_shardings: a tree of `NamedSharding`s like the params. A projected (M, N) weight split as
     P(a, b) gets low-rank moments and projector split along the dimension they share with it: side right,
     m, v (M, r) as P(a, None) and P (r, N) as P(None, b); side left, P (M, r) as P(a, None) and m, v (r, N)
     as P(None, b). The other leaves' Adam moments take their param's sharding; count and the refresh flag
-    are replicated.
+    are replicated over the params' mesh, or over `mesh` (required when the params have no leaves).
     """
     leaves, treedef = jax.tree.flatten(param_shardings)
-    mesh = leaves[0].mesh if leaves else None
+    mesh = _sharding.mesh_of(leaves, mesh, op="galore.state_shardings")
     flat_m, flat_p = treedef.flatten_up_to(state.mu), treedef.flatten_up_to(state.projector)
     mus, nus, projs = [], [], []
     for sh, m, p in zip(leaves, flat_m, flat_p):
@@ -545,7 +547,7 @@ def state_shardings(state: GaLoreAdamState, param_shardings) -> GaLoreAdamState:
         rows, cols = NamedSharding(sh.mesh, P(spec[0], None)), NamedSharding(sh.mesh, P(None, spec[1]))
         low, proj = (rows, cols) if _state_side(m.shape, p.shape) == "right" else (cols, rows)
         mus.append(low), nus.append(low), projs.append(proj)
-    replicated = NamedSharding(mesh, P())  # type: ignore[arg-type]  # params without leaves have no mesh
+    replicated = NamedSharding(mesh, P())
     return GaLoreAdamState(replicated, replicated, treedef.unflatten(mus), treedef.unflatten(nus),
                            treedef.unflatten(projs))
 
@@ -598,8 +600,8 @@ _D = GaLoreConfig()  # the constructors' defaults, read from the one config
 
 def galore_adamw(learning_rate, *, rank: int = _D.rank, update_proj_gap: int = _D.update_proj_gap,
                  scale: float | None = _D.scale, proj_type: str | None = _D.proj_type, b1: float = _D.b1,
-                 b2: float = _D.b2, eps: float | None = _D.eps, weight_decay: float = _D.weight_decay, mask=_D.mask,
-                 weight_decay_mask=_D.weight_decay_mask, projector: str | None = _D.projector,
+                 b2: float = _D.b2, eps: float | None = _D.eps, weight_decay: float | None = _D.weight_decay,
+                 mask=_D.mask, weight_decay_mask=_D.weight_decay_mask, projector: str | None = _D.projector,
                  oversample: int | None = _D.oversample, power_iters: int | None = _D.power_iters, seed: int = _D.seed,
                  convention: str = _D.convention, mu_dtype=_D.mu_dtype, nu_dtype=_D.nu_dtype,
                  implementation: str | None = _D.implementation) -> optax.GradientTransformationExtraArgs:
@@ -638,7 +640,7 @@ def scale_by_galore_adam(*, rank: int = _D.rank, update_proj_gap: int = _D.updat
 
 def galore_adamw_inplace(learning_rate, *, rank: int = _D.rank, update_proj_gap: int = _D.update_proj_gap,
                          scale: float | None = _D.scale, proj_type: str | None = _D.proj_type, b1: float = _D.b1,
-                         b2: float = _D.b2, eps: float | None = _D.eps, weight_decay: float = _D.weight_decay,
+                         b2: float = _D.b2, eps: float | None = _D.eps, weight_decay: float | None = _D.weight_decay,
                          mask=_D.mask, weight_decay_mask=_D.weight_decay_mask, projector: str | None = _D.projector,
                          oversample: int | None = _D.oversample, power_iters: int | None = _D.power_iters,
                          seed: int = _D.seed, convention: str = _D.convention, mu_dtype=_D.mu_dtype,

@@ -237,3 +237,16 @@ def test_weight_decay_mask_bool_prefix():
         r, _ = ref.update(_grads(0), ref.init(params), params)
         for k in params:
             np.testing.assert_array_equal(u[k], r[k])
+
+
+def test_state_shardings_of_empty_params():
+    """No params, no mesh to read from them: a ValueError that says to pass mesh=, and with it the flags' sharding."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from pallas_fused.galore import galore_adamw, state_shardings
+
+    state = galore_adamw(1e-3).init({})
+    with pytest.raises(ValueError, match="mesh="):
+        state_shardings(state, {})
+    mesh = jax.make_mesh((1,), ("data",))
+    assert state_shardings(state, {}, mesh=mesh).count == NamedSharding(mesh, PartitionSpec())
