@@ -203,7 +203,7 @@ def step_cases(rec, quick):
 # p16). fp16 operands (f16: tiles cast in registers, N written in fp16 by the Adam kernel; p16: P cast to fp16 by
 # the Adam kernel too) halve the L2 traffic of the N and P slices, and wgmma takes fp16 B operands N-contiguous
 # (TF32 B must be K-major: Triton transposes fp32 P/N slices into shared memory with 4-byte cp.async).
-# Session 3 call 2 (H200, up alone, r128, amortized; logs/h200_s3_call2_galore.log), 4096^2 / 4096x11008 ms:
+# H200 (up alone, r128, amortized; logs/2026-11-21_1733_h200_galore.log), 4096^2 / 4096x11008 ms:
 #   64x128x128/8 warps/2 stages w_first tm 8 f16  0.0518 / 0.1776   (170 registers: 1 CTA/SM, 256 programs)
 #   64x64x128/4/2 w_first tm 8 f16 p16            0.0573 / 0.1264   (157 registers: 3 CTAs/SM)
 #   64x128x128/4/2 tm 8 f16                       0.0533 / 0.1431
@@ -232,8 +232,8 @@ UP_CANDIDATES = [
     kernel.UpConfig(128, 128, 128, 8, 2, True, 1, 1, True, True),
 ]
 # Split-K down-projection per side: DownConfig(bm, bk, splits, br, warps, stages, g_regs, p_nat); programs =
-# (kept / bm) x splits at r128 (4096^2: 32 row blocks of 128; 4096x11008: 86 column blocks of 128). Call 2
-# (split-K + Adam alone, amortized): right 128x32/8 splits/8 warps/3 stages 0.0400 ms, 64x32/4 splits/4 warps/3
+# (kept / bm) x splits at r128 (4096^2: 32 row blocks of 128; 4096x11008: 86 column blocks of 128). H200
+# (logs/2026-11-21_1733_h200_galore.log; split-K + Adam alone, amortized): right 128x32/8 splits/8 warps/3 stages 0.0400 ms, 64x32/4 splits/4 warps/3
 # 0.0427, 128x32/4 splits 0.0445, K chunks of 64 0.057-0.058 (XLA's GEMM + Adam 0.0389); left with g_regs (G
 # through registers) 128x32/4 splits 0.1083, 64x32/4 0.1170, 128x32/8 0.1192, without g_regs 0.132-0.197 (XLA +
 # Adam 0.1096). At ~45% of HBM with 1 CTA/SM (168 registers) the loads in flight are short: deeper pipelines
@@ -259,7 +259,7 @@ DOWN_CANDIDATES = {
         kernel.DownConfig(128, 32, 8, 128, 8, 4, True),
     ],
 }
-# the fused kernel's best of session 3 (4096^2 r128: 0.0567 ms), kept as a comparison row
+# the fused kernel's best measured launch (4096^2 r128: 0.0567 ms), kept as a comparison row
 FUSED_DOWN = (32, 128, 4, 3)
 TUNING_BUDGET_S = 115.0
 # Ops under 0.05 ms time the host dispatch (~0.03 ms a jitted call on the H200) unless amortized: the sweep runs
@@ -375,8 +375,8 @@ def tuning(rec, quick):
                 rec.add(OP, case, "reference", None, error=error_text(e))
                 continue
             up, down = best_up.get(side), best_down.get(side)
-            # ("fused" lost to "hybrid" by 1.3-2x at every session-3 shape, and the fp32-operand up configurations
-            # by 0.012-0.04 ms in call 2's steps: left out)
+            # ("fused" lost to "hybrid" by 1.3-2x at every measured shape, and the fp32-operand up configurations
+            # by 0.012-0.04 ms in the tuning sweep's steps: left out)
             cands = [("hybrid", up, None), ("splitk", up, down), ("xla_up", None, None)]
             times = {}
             kw = dict(nbytes=_nbytes(M, N, r), flops=2 * 2 * M * N * r, matmul_ceiling="tf32_tflops")
