@@ -231,14 +231,14 @@ UP_CANDIDATES = [
     kernel.UpConfig(64, 128, 128, 4, 2, True, 1, 1, True, True),
     kernel.UpConfig(128, 128, 128, 8, 2, True, 1, 1, True, True),
 ]
-# Split-K down-projection per side: DownConfig(bm, bk, splits, br, warps, stages, g_regs, p_nat); programs =
-# (kept / bm) x splits at r128 (4096^2: 32 row blocks of 128; 4096x11008: 86 column blocks of 128). H200
+# Split-K down-projection per side: DownConfig(bm, bk, splits, br, warps, stages, g_regs, p_nat); programs = (kept /
+# bm) x splits at r128 (4096^2: 32 row blocks of 128; 4096x11008: 86 column blocks of 128). H200
 # (logs/2026-11-21_1733_h200_galore.log; split-K + Adam alone, amortized): right 128x32/8 splits/8 warps/3 stages
-# 0.0400 ms, 64x32/4 splits/4 warps/3 0.0427, 128x32/4 splits 0.0445, K chunks of 64 0.057-0.058 (XLA's GEMM +
-# Adam 0.0389); left with g_regs (G through registers) 128x32/4 splits 0.1083, 64x32/4 0.1170, 128x32/8 0.1192, without g_regs 0.132-0.197 (XLA +
-# Adam 0.1096). At ~45% of HBM with 1 CTA/SM (168 registers) the loads in flight are short: deeper pipelines
-# here (4-5 stages of 32-wide K chunks, 8 stages of 16-wide: 128-160 KiB of shared memory, 150-168 registers,
-# no spills), and p_nat (P's tile through registers: no XLA transpose of P).
+# 0.0400 ms, 64x32/4 splits/4 warps/3 0.0427, 128x32/4 splits 0.0445, K chunks of 64 0.057-0.058 (XLA's GEMM + Adam
+# 0.0389); left with g_regs (G through registers) 128x32/4 splits 0.1083, 64x32/4 0.1170, 128x32/8 0.1192, without
+# g_regs 0.132-0.197 (XLA + Adam 0.1096). At ~45% of HBM with 1 CTA/SM (168 registers) the loads in flight are short:
+# deeper pipelines here (4-5 stages of 32-wide K chunks, 8 stages of 16-wide: 128-160 KiB of shared memory, 150-168
+# registers, no spills), and p_nat (P's tile through registers: no XLA transpose of P).
 DOWN_CANDIDATES = {
     "right": [
         kernel.DownConfig(128, 32, 8, 128, 8, 3),
