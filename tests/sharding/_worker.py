@@ -269,7 +269,8 @@ def run_in_subprocess(module: str, name: str) -> None:
     """Run case `name` of worker `module` in a fresh process with 8 simulated CPU devices (the flag must be
     set before jax starts its CPU backend, hence the subprocess)."""
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8")
     proc = subprocess.run([sys.executable, "-m", module, name], cwd=root, env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0 and f"ok {name}" in proc.stdout, proc.stdout + proc.stderr[-4000:]
