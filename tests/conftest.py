@@ -6,6 +6,7 @@ import os
 
 import jax
 import pytest
+from hypothesis import HealthCheck, settings
 
 from pallas_fused import _backend
 
@@ -20,6 +21,12 @@ CPU_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive
 if not any((d.metadata["Name"] or "").lower().startswith(("jax-cuda", "jax_cuda", "jax-rocm", "jax_rocm"))
            for d in importlib.metadata.distributions()):
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {CPU_XLA_FLAGS}".strip()
+
+# Property tests that set no settings of their own: each interpret-mode example compiles its kernels (no
+# per-example deadline, a few examples), and the same examples on every run.
+settings.register_profile("pallas_fused", deadline=None, max_examples=10, derandomize=True,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("pallas_fused")
 
 # The longest tests of the CPU suite (most CPU seconds first), started first: under `--dist worksteal` the other
 # worker takes short tests from the end of the queue, so no worker is left running a long one alone at the end.
