@@ -20,12 +20,12 @@ PYTEST_NEW_ARGS ?= -q -n 2 --dist worksteal -m "not gpu and not slow" tests
 OUT ?= $(CURDIR)/runs/gpu-check
 BENCH ?=
 
-.PHONY: setup demo test test-floor test-newest lint gpu-check bench clean
+.PHONY: setup demo test test-floor test-newest lint typecheck docs package-check plots gpu-check bench clean
 
 $(VENV)/.installed: pyproject.toml .ci/jax-floor.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -c .ci/jax-floor.txt -e '.[test,bench]'
+	$(PY) -m pip install -q -c .ci/jax-floor.txt -e '.[test,bench,examples,docs]'
 	touch $@
 
 $(VENV_NEW)/.installed: pyproject.toml
@@ -42,7 +42,30 @@ demo: setup
 lint: setup
 	$(PY) -m ruff check .
 
-test: lint test-floor test-newest
+test: lint typecheck docs package-check test-floor test-newest
+
+# mypy on the public modules (the files and settings are in pyproject's [tool.mypy]).
+typecheck: setup
+	$(PY) -m mypy
+
+# The user guide and API reference (mkdocs.yml), warnings as errors; the site goes to site/.
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --quiet
+
+# What a user gets from `pip install`: the wheel built from this tree, installed with its runtime
+# dependencies into a fresh venv, imported from outside the tree, one op run on the CPU.
+PKG_DIR ?= $(CURDIR)/.package-check
+package-check: setup
+	rm -rf $(PKG_DIR) && mkdir -p $(PKG_DIR)
+	$(PY) -m pip wheel -q --no-deps -w $(PKG_DIR) .
+	rm -rf build  # setuptools' staging directory, not part of the tree
+	$(PYTHON) -m venv $(PKG_DIR)/venv
+	$(PKG_DIR)/venv/bin/python -m pip install -q -c .ci/jax-floor.txt $(PKG_DIR)/pallas_fused-*.whl
+	cd $(PKG_DIR) && venv/bin/python $(CURDIR)/.ci/wheel_smoke.py
+
+# The README's pictures, from the committed results: ours vs peers (ratios) and the example's loss curves.
+plots: setup
+	$(PY) -m benchmarks.plots
 
 test-floor: setup
 	$(PY) -c 'import jax, sys; print("floor leg: Python", sys.version.split()[0], "jax", jax.__version__)'
@@ -63,4 +86,4 @@ bench:
 	PYTHONPATH=$(CURDIR) $(PYTHON) -m benchmarks.run $(BENCH)
 
 clean:
-	rm -rf $(VENV) $(VENV_NEW) .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) $(VENV_NEW) .pytest_cache .ruff_cache .hypothesis .mypy_cache .package-check site build

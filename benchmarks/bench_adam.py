@@ -15,10 +15,11 @@ Implementations (all jitted with params and state donated, timed with `bench_car
                         aliasing then needs two more copies per tensor: 0.4 ms at 105M, seen in the compiled HLO)
   peer:torch_fused_adamw torch.optim.AdamW(fused=True).step() (skipped without torch/CUDA)
 Without --quick the in-place kernels are also swept (105M case only, bounded to SWEEP_SECONDS) over block
-size, warps and how the streaming loads are issued (kernel.LOAD_MODES: evict_first / plain / volatile):
-"pallas:inplace_b<B>w<W>_<mode>" and "pallas:inplace_8bit_<variant>_r<R>w<W>_<mode>"; a variant that fails or does not
-fit the time is recorded with an error, not raised. The fastest row of each sweep names the defaults
-(kernel.BLOCK / NUM_WARPS / LOAD_MODE and Q_VARIANT / QROWS / Q_NUM_WARPS / Q_LOAD_MODE).
+size, warps and how the streaming loads are issued (kernel.LOAD_MODES: evict_first / plain / volatile), each
+launch (`kernel.Launch`) passed to the kernels of an in-place step: "pallas:inplace_b<B>w<W>_<mode>" and
+"pallas:inplace_8bit_w<W>_<mode>"; a launch that fails or does not fit the time is recorded with an error, not
+raised. The fastest row of each sweep is the device's tuning entry ("adam_launch" in
+pallas_fused/tuning/<device>.json, read by kernel.default_launch).
 
 Floor bytes per parameter: fp32 states 7 passes x 4 B = 28 B (read p, g, m, v; write p, m, v);
 8-bit states: p 4+4, g 4, m and v codes 1+1 each, absmax 4+4 B per 256 elements each = 16 + 16/256 B.
@@ -27,6 +28,7 @@ Floor bytes per parameter: fp32 states 7 passes x 4 B = 28 B (read p, g, m, v; w
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 
@@ -44,19 +46,47 @@ Q8_BYTES = 16.0 + 16.0 / 256
 SIZES_M = [100, 400]  # millions (2**20) of parameters
 IMPL = "pallas" if _backend.gpu_device() is not None else None  # explicit on a GPU: never time a fallback
 SWEEP_SECONDS = 90.0
-# (block, warps, load mode) for the fp32-state kernel; (variant, rows, warps, load mode) for the 8-bit one
-# (kernel.Q_VARIANTS). Run in SWEEP_ORDER (most telling first, the sweep is time-bounded).
+# (block, warps, load mode) for the fp32-state kernel; (warps, load mode) for the 8-bit one (one block of 256 per
+# program). Most telling first: the sweep is time-bounded.
 FP32_SWEEP = [(1024, 4, "volatile"), (4096, 8, "volatile"), (1024, 4, "plain"), (512, 4, "volatile"),
               (4096, 8, "plain"), (2048, 8, "volatile"), (512, 2, "volatile"), (2048, 4, "volatile"),
               (1024, 4, "evict_first")]
-Q8_SWEEP = [("binade", 1, 1, "volatile"), ("segments", 1, 1, "volatile"), ("table", 1, 1, "volatile"),
-            ("binade", 1, 2, "volatile"), ("binade", 1, 1, "plain"), ("segments", 1, 2, "volatile"),
-            ("binade", 1, 1, "evict_first"), ("table", 8, 8, "volatile")]
+Q8_SWEEP = [(1, "volatile"), (2, "volatile"), (1, "plain"), (1, "evict_first"), (4, "volatile")]
 
 
 def _inplace_step(impl=IMPL):
     def step(params, grads, state):
         return A.adamw_step(params, grads, state, learning_rate=LR, weight_decay=WD, implementation=impl)
+
+    return jax.jit(step, donate_argnums=(0, 2))
+
+
+def _launch_step(launch):
+    """adamw_step's in-place work on one device with the kernels launched as `launch`: one kernel per tensor
+    reading p, g, m, v and writing p, m, v (or the 8-bit codes and absmaxes) over their buffers."""
+    from pallas_fused.adam import api
+
+    def leaf(s, p, g, m, v):
+        flat = lambda x: x.reshape(-1)  # noqa: E731
+        if isinstance(m, A.QuantizedMoment):
+            out, mc, ma, vc, va = K.adam_q8(s, flat(g), m.codes, m.absmax, v.codes, v.absmax, flat(p), inplace=True,
+                                            interpret=False, launch=launch)
+            return out.reshape(p.shape), A.QuantizedMoment(mc, ma), A.QuantizedMoment(vc, va)
+        out, m2, v2 = K.adam_fp32(s, flat(g), flat(m), flat(v), flat(p), inplace=True, interpret=False,
+                                  launch=launch)
+        return out.reshape(p.shape), m2.reshape(m.shape), v2.reshape(v.shape)
+
+    def step(params, grads, state):
+        count = optax.safe_increment(state.count)
+        s = api._scalars(-LR, 0.9, 0.999, 1e-8, 0.0, WD, count)
+        is_q = lambda x: isinstance(x, A.QuantizedMoment)  # noqa: E731
+        mus = jax.tree.leaves(state.mu, is_leaf=is_q)
+        nus = jax.tree.leaves(state.nu, is_leaf=is_q)
+        outs = [leaf(s, p, g, m, v) for p, g, m, v in zip(params, grads, mus, nus)]
+        new_params = [o[0] for o in outs]
+        mu = jax.tree.unflatten(jax.tree.structure(state.mu, is_leaf=is_q), [o[1] for o in outs])
+        nu = jax.tree.unflatten(jax.tree.structure(state.nu, is_leaf=is_q), [o[2] for o in outs])
+        return new_params, A.FusedAdamState(count, mu, nu)
 
     return jax.jit(step, donate_argnums=(0, 2))
 
@@ -123,11 +153,11 @@ def run(rec, quick: bool):
         ours8 = A.adamw(LR, weight_decay=WD, state_bits=8, implementation=IMPL)
         init32, init8 = ours32.init, ours8.init
         _time(rec, case, "pallas:inplace", _inplace_step, init32, shapes, n, reps, fp32,
-              block=K.BLOCK, num_warps=K.NUM_WARPS, load_mode=K.LOAD_MODE)
+              **dataclasses.asdict(K.default_launch("fp32")))
         _time(rec, case, "pallas:optax", functools.partial(_optax_step, ours32), init32, shapes, n, reps,
               fp32)
         _time(rec, case, "pallas:inplace_8bit", _inplace_step, init8, shapes, n, reps, q8,
-              variant=K.Q_VARIANT, rows=K.QROWS, num_warps=K.Q_NUM_WARPS, load_mode=K.Q_LOAD_MODE)
+              **dataclasses.asdict(K.default_launch("q8")))
         _time(rec, case, "pallas:optax_8bit", functools.partial(_optax_step, ours8), init8,
               shapes, n, reps, q8)
         _time(rec, case, "xla", _xla_step, init32, shapes, n, reps, fp32)
@@ -144,26 +174,15 @@ def run(rec, quick: bool):
 
 
 def _sweep(rec, case, shapes, n, reps, fp32, q8, init32, init8):
-    """Tuning sweeps of the in-place kernels, bounded to SWEEP_SECONDS in all; the module defaults are
-    restored afterwards. The sweep reads the module variables at trace time (each step is a fresh jit)."""
-    saved = K.BLOCK, K.NUM_WARPS, K.LOAD_MODE, K.Q_VARIANT, K.QROWS, K.Q_NUM_WARPS, K.Q_LOAD_MODE
+    """Tuning sweeps of the in-place kernels, bounded to SWEEP_SECONDS in all: each launch passed to the kernels
+    of an in-place step (`_launch_step`)."""
     deadline = time.perf_counter() + SWEEP_SECONDS
-    fp32_jobs = [(f"pallas:inplace_b{b}w{w}_{mode}", init32, fp32, dict(block=b, num_warps=w, load_mode=mode))
-                 for b, w, mode in FP32_SWEEP]
-    q8_jobs = [(f"pallas:inplace_8bit_{var}_r{r}w{w}_{mode}", init8, q8,
-                dict(variant=var, rows=r, num_warps=w, load_mode=mode)) for var, r, w, mode in Q8_SWEEP]
-    # The fp32 sweep settled in session 3 (b1024 w4 volatile at the HBM ceiling): the 8-bit variants go first.
-    jobs = q8_jobs[:6] + fp32_jobs[:2] + q8_jobs[6:] + fp32_jobs[2:]
-    try:
-        for impl, init, nbytes, knobs in jobs:
-            if time.perf_counter() > deadline:
-                rec.add("adam", case, impl, None, error=f"skipped: sweep time ({SWEEP_SECONDS:.0f} s) used up", **knobs)
-                continue
-            if "rows" in knobs:
-                K.Q_VARIANT, K.QROWS = knobs["variant"], knobs["rows"]
-                K.Q_NUM_WARPS, K.Q_LOAD_MODE = knobs["num_warps"], knobs["load_mode"]
-            else:
-                K.BLOCK, K.NUM_WARPS, K.LOAD_MODE = knobs["block"], knobs["num_warps"], knobs["load_mode"]
-            _time(rec, case, impl, _inplace_step, init, shapes, n, reps, nbytes, **knobs)
-    finally:
-        K.BLOCK, K.NUM_WARPS, K.LOAD_MODE, K.Q_VARIANT, K.QROWS, K.Q_NUM_WARPS, K.Q_LOAD_MODE = saved
+    fp32_jobs = [(f"pallas:inplace_b{b}w{w}_{mode}", init32, fp32, K.Launch(b, w, mode)) for b, w, mode in FP32_SWEEP]
+    q8_jobs = [(f"pallas:inplace_8bit_w{w}_{mode}", init8, q8, K.Launch(256, w, mode)) for w, mode in Q8_SWEEP]
+    # The fp32 launch sits at the HBM ceiling already: the 8-bit launches go first.
+    for impl, init, nbytes, launch in q8_jobs + fp32_jobs:
+        knobs = dict(block=launch.block, num_warps=launch.num_warps, load_mode=launch.load_mode)
+        if time.perf_counter() > deadline:
+            rec.add("adam", case, impl, None, error=f"skipped: sweep time ({SWEEP_SECONDS:.0f} s) used up", **knobs)
+            continue
+        _time(rec, case, impl, lambda launch=launch: _launch_step(launch), init, shapes, n, reps, nbytes, **knobs)

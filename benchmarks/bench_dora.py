@@ -3,26 +3,22 @@
 Cases: tokens x in -> out, rank, bf16. Implementations:
   user:DoRADense     (fwd+bwd) the row of record: the linen `DoRADense` layer applied under jit, grads of x, A, B
                      and m (W frozen), every option at its default
-  pallas             the default (gemm="auto": "merged" or "epilogue" by a byte count, "merged" taken as "sm90" on a
-                     Hopper GPU where the shapes fit its tiles, see api.AUTO_DENSE_GEMMS); the column norm (or the
-                     merge pass) and the backward column reductions are Pallas in every mode
+  pallas             the default (api.choose_variant: "merged" or "epilogue" by a byte count, "merged" taken as
+                     "sm90" on a Hopper GPU where the shapes fit its tiles); the column norm (or the merge pass) and
+                     the backward column reductions are Pallas in every variant
   pallas:sm90        one Pallas pass forms V = W + s A B and its column sums of squares, then our Mosaic GPU GEMM
-                     (x V) g + bias with g and the bias in its epilogue (gemm="sm90"); backward dx = (dy g) V^T on
-                     cuBLAS with dy g written by the column launch. fwdbwd variants: pallas:sm90_remerge
+                     (x V) g + bias with g and the bias in its epilogue; backward dx = (dy g) V^T on cuBLAS with
+                     dy g written by the column launch. fwdbwd configurations: pallas:sm90_remerge
                      (save_merged=False: V not kept, the backward forms (W + s A B) g), pallas:sm90_cols_registers
-                     (Config(cols_mma_sums=False): the column launch's register path)
-  pallas:all_pallas  as pallas, with the Pallas dx GEMM too (gemm="pallas")
-  pallas:xla_gemm    Pallas column norm + XLA GEMMs on g-scaled weights: x (W g) + (x A)(s B g)
-  pallas:xla_concat  Pallas column norm + one XLA GEMM over the concatenated K: [x, xA] @ [W g; s B g]
-  pallas:xla_epilogue Pallas column norm + cuBLAS x W + s (x A) B, g-scale and bias fused by XLA after
+                     (ColumnsConfig(mma_sums=False): the column launch's register path)
+  pallas:gemm        (fwdbwd) Pallas GEMMs both ways: the fused-epilogue forward and the Pallas dx GEMM
   xla                the plain-jnp reference under jit (what ANCHORS' "XLA" column measures)
   peer:base_matmul   x @ W alone (the forward target is <= 1.10x this)
-  pallas:fused       Pallas fused-epilogue forward GEMM, cuBLAS dx (gemm="fused"; session 1's "auto")
-  pallas:epilogue    cuBLAS x W, then one Pallas pass (x W + s (x A) B) * g + bias (gemm="epilogue")
+  pallas:epilogue    cuBLAS x W, then one Pallas pass (x W + s (x A) B) * g + bias
   pallas:merged      the norm launch (partial sums over row ranges), one Pallas pass that finishes g and forms
-                     (W + s A B) * g, then cuBLAS x (that) (gemm="merged"); the backward's dx = dy (that)^T
-QDoRA rows: pallas:<fmt> (dequantised in-kernel, the default), pallas:<fmt>_swapab (Config(quant_swap_ab=True):
-dequantised W as the left MMA operand), xla:<fmt> (reference: dequantises W in full, for comparison only).
+                     (W + s A B) * g, then cuBLAS x (that); the backward's dx = dy (that)^T
+QDoRA rows: pallas:<fmt> (dequantised in-kernel, the default: the "gemm" variant), pallas:int8_merged (a transient
+merged weight, then cuBLAS), xla:<fmt> (reference: dequantises W in full, for comparison only).
 
 Floors (bf16, 4096 tokens, 4096 -> 4096, r16; HBM ~4.1 TB/s, cuBLAS x W 0.1895 ms on the H200):
   column norm: read W once, 32 MiB -> 0.008 ms. Timed amortized (see `norm_rows`).
@@ -43,14 +39,15 @@ Floors (bf16, 4096 tokens, 4096 -> 4096, r16; HBM ~4.1 TB/s, cuBLAS x W 0.1895 m
     own floor (8 us): out of reach at that size by construction.
 
 Sections (DORA_SECTIONS, comma-separated; default main_cases,tuning): main_cases (the ANCHORS rows; --quick: the
-4096-token cases), tune_norm (column-norm candidates, amortized), tune_modes (gemm modes and their Config variants
-per token count), tune_variants (Config variants of gemm="merged" at 4096 tokens), tuning (the three under one
+4096-token cases), tune_norm (column-norm candidates, amortized), tune_modes (the cuBLAS-based variants per token
+count), tune_variants (Config variants of "pallas:merged" at 4096 tokens), tuning (the three under one
 budget), parts (each launch of the merged forward + backward alone).
 DORA_TUNE_BUDGET_S bounds each tuning section (what does not fit is recorded as skipped).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import time
@@ -59,23 +56,31 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.common import Recorder, error_text, rnd
-from pallas_fused.dora import Config, column_scale, column_scale_reference, dora_dense, quantize_int8, quantize_nf4
+from pallas_fused.dora import (
+    ColumnsConfig,
+    Config,
+    MergeConfig,
+    NormConfig,
+    NormTiles,
+    column_scale,
+    column_scale_reference,
+    dora_dense,
+    quantize_int8,
+    quantize_nf4,
+)
 
 CASES = [(512, 4096, 4096, 16), (4096, 4096, 4096, 16), (8192, 4096, 4096, 16),
          (512, 4096, 11008, 64), (4096, 4096, 11008, 64), (8192, 4096, 11008, 64)]
 QUICK = [(4096, 4096, 4096, 16), (4096, 4096, 11008, 64)]
-GEMMS = {"pallas": "auto", "pallas:sm90": "sm90", "pallas:fused": "fused", "pallas:epilogue": "epilogue",
-         "pallas:merged": "merged", "pallas:xla_gemm": "xla", "pallas:xla_concat": "xla_concat",
-         "pallas:xla_epilogue": "xla_epilogue"}
-SM90_FWDBWD_VARIANTS = {"pallas:sm90_remerge": Config(save_merged=False),
-                        "pallas:sm90_cols_registers": Config(cols_mma_sums=False)}
+IMPLS = ["pallas", "pallas:sm90", "pallas:epilogue", "pallas:merged"]
+SM90_FWDBWD_CONFIGS = {"pallas:sm90_remerge": Config(save_merged=False),
+                       "pallas:sm90_cols_registers": Config(columns=ColumnsConfig(mma_sums=False))}
 
 
-def _gemms(table=None):
-    """`table` (default GEMMS) restricted to the implementations named in DORA_IMPLS (comma-separated; unset: all)."""
-    table = GEMMS if table is None else table
+def _wanted(names):
+    """`names` restricted to the implementations named in DORA_IMPLS (comma-separated; unset: all)."""
     wanted = os.environ.get("DORA_IMPLS")
-    return {k: v for k, v in table.items() if wanted is None or k in wanted.split(",")}
+    return [k for k in names if wanted is None or k in wanted.split(",")]
 
 
 def _data(tokens, fin, fout, r, seed=0):
@@ -120,10 +125,10 @@ def _norm_sets(fin, fout, r):
     return list(zip(ws, as_, bs, ms))
 
 
-def _fwdbwd(impl, gemm, scale, config=None):
+def _fwdbwd(impl, scale, config=None):
     """jit of (x, W, A, B, m, dy) -> grads of x, A, B, m (W frozen)."""
     def fb(x, w, a, b, m, dy):
-        _, pull = jax.vjp(lambda x, a, b, m: dora_dense(x, w, a, b, m, scale=scale, implementation=impl, gemm=gemm,
+        _, pull = jax.vjp(lambda x, a, b, m: dora_dense(x, w, a, b, m, scale=scale, implementation=impl,
                                                         config=config), x, a, b, m)
         return pull(dy)
     return jax.jit(fb)
@@ -184,19 +189,19 @@ def main_cases(rec: Recorder, quick: bool) -> None:
         layer("dora_fwd", "peer:base_matmul", lambda x, w: x @ w, 2, nbytes=fwd_bytes, flops=2 * tokens * fin * fout)
         layer("dora_fwd", "xla", lambda x, w, a, b, m: dora_dense(x, w, a, b, m, scale=scale, implementation="xla"),
               5, nbytes=fwd_bytes, flops=fwd_flops)
-        for impl, gemm in _gemms().items():
-            layer("dora_fwd", impl, lambda x, w, a, b, m, gemm=gemm: dora_dense(
-                x, w, a, b, m, scale=scale, implementation="pallas", gemm=gemm), 5, nbytes=fwd_bytes, flops=fwd_flops)
+        for impl in _wanted(IMPLS):
+            layer("dora_fwd", impl, lambda x, w, a, b, m, impl=impl: dora_dense(
+                x, w, a, b, m, scale=scale, implementation=impl), 5, nbytes=fwd_bytes, flops=fwd_flops)
 
         # Forward + backward (grads of x, A, B, m; W frozen), as ANCHORS' "XLA layer fwd+bwd".
         fb_flops = fwd_flops + 2 * tokens * fin * fout + 6 * tokens * r * (fin + fout)
 
         layer("dora_fwdbwd", "user:DoRADense", _module_fwdbwd(scale), 6, flops=fb_flops)
-        layer("dora_fwdbwd", "xla", _fwdbwd("xla", "pallas", scale), 6, flops=fb_flops)
-        for impl, gemm in {**_gemms(), **_gemms({"pallas:all_pallas": "pallas"})}.items():
-            layer("dora_fwdbwd", impl, _fwdbwd("pallas", gemm, scale), 6, flops=fb_flops)
-        for impl, cfg in _gemms(SM90_FWDBWD_VARIANTS).items():
-            layer("dora_fwdbwd", impl, _fwdbwd("pallas", "sm90", scale, cfg), 6, flops=fb_flops)
+        layer("dora_fwdbwd", "xla", _fwdbwd("xla", scale), 6, flops=fb_flops)
+        for impl in _wanted([*IMPLS, "pallas:gemm"]):
+            layer("dora_fwdbwd", impl, _fwdbwd(impl, scale), 6, flops=fb_flops)
+        for impl in _wanted(SM90_FWDBWD_CONFIGS):
+            layer("dora_fwdbwd", impl, _fwdbwd("pallas:sm90", scale, SM90_FWDBWD_CONFIGS[impl]), 6, flops=fb_flops)
 
         # QDoRA forward: W int8 / NF4, dequantised inside the kernels (compare with the bf16 "pallas" forward).
         for name, quantize, wbytes in (("int8", quantize_int8, fin * fout), ("nf4", quantize_nf4, fin * fout // 2)):
@@ -204,12 +209,9 @@ def main_cases(rec: Recorder, quick: bool) -> None:
             rec.time("qdora_fwd", case, f"pallas:{name}", jax.jit(lambda x, qw, a, b, m: dora_dense(
                 x, qw, a, b, m, scale=scale, implementation="pallas")), x, qw, a, b, m,
                 nbytes=(tokens * fin + tokens * fout) * item + wbytes, flops=fwd_flops)
-            rec.time("qdora_fwd", case, f"pallas:{name}_swapab", jax.jit(lambda x, qw, a, b, m: dora_dense(
-                x, qw, a, b, m, scale=scale, implementation="pallas", config=Config(quant_swap_ab=True))),
-                x, qw, a, b, m, nbytes=(tokens * fin + tokens * fout) * item + wbytes, flops=fwd_flops)
             if name == "int8":  # opt-in: a transient bf16 merged weight, then cuBLAS
                 rec.time("qdora_fwd", case, "pallas:int8_merged", jax.jit(lambda x, qw, a, b, m: dora_dense(
-                    x, qw, a, b, m, scale=scale, implementation="pallas", gemm="merged")), x, qw, a, b, m,
+                    x, qw, a, b, m, scale=scale, implementation="pallas:merged")), x, qw, a, b, m,
                     nbytes=(tokens * fin + tokens * fout) * item + wbytes, flops=fwd_flops)
             rec.time("qdora_fwd", case, f"xla:{name}", jax.jit(lambda x, qw, a, b, m: dora_dense(
                 x, qw, a, b, m, scale=scale, implementation="xla")), x, qw, a, b, m,
@@ -221,24 +223,8 @@ def main_cases(rec: Recorder, quick: bool) -> None:
 # rows >= in features run one program per column strip with g computed in the kernel (one launch); others write
 # partial sums over row ranges, summed and finished by XLA (a second, small launch). Timed amortized.
 _R16, _R64 = (4096, 4096, 16), (4096, 11008, 64)
-NORM_SWEEP = [
-    # "+mma": sum W^2 as diag(W^T W) on the tensor cores (Config.xnorm_mma_squares, the default); plain "expand"
-    # rows square W in registers. "+gram": A^T A passed in (Config.xnorm_gram_rank): one more (XLA) launch, but no
-    # per-step A^T A MMA (at r16: 16 ldmatrix + 16 mma.sync per warp, replicated over the warps).
-    ("direct", 64, 64, 128, 4, 2, [_R64]),  # Config() default at r64 (rank > expand_max_rank)
-    ("expand+mma", 64, 128, 1024, 8, 3, [_R16]),  # Config() default at r16: 256 programs + XLA finish
-    ("expand+mma", 64, 256, 1024, 8, 3, [_R16]),
-    ("expand+mma", 128, 64, 1024, 8, 4, [_R16]),
-    ("expand+mma", 128, 128, 2048, 8, 3, [_R16]),
-    ("expand+mma", 64, 128, 4096, 8, 4, [_R16]),  # one launch, N/64 programs
-    ("expand+mma", 64, 128, 4096, 8, 6, [_R16]),  # ... 80 KiB in flight per program
-    ("expand+mma", 64, 256, 4096, 8, 4, [_R16]),  # ... 96 KiB in flight per program
-    ("expand+mma", 64, 128, 512, 8, 3, [_R16]),
-    ("expand+mma+gram", 64, 128, 1024, 8, 3, [_R16, _R64]),
-    ("expand+mma+gram", 64, 256, 1024, 8, 3, [_R16]),
-    ("expand+mma+gram", 128, 64, 1024, 8, 4, [_R64]),
-    ("expand+mma+gram", 128, 128, 4096, 8, 3, [_R64]),
-    ("expand", 64, 128, 1024, 8, 3, [_R16]),  # session 2's default (squares in registers)
+NORM_SWEEP = [  # "direct" loads the next W tile one step ahead
+    ("expand", 64, 128, 1024, 8, 3, [_R16]),
     ("expand", 128, 64, 1024, 8, 4, [_R16, _R64]),
     ("expand", 64, 256, 1024, 8, 3, [_R16]),  # 32 KiB per step: half the per-step overhead per byte
     ("expand", 128, 128, 1024, 8, 3, [_R16]),
@@ -250,75 +236,72 @@ NORM_SWEEP = [
     ("expand", 64, 128, 4096, 8, 5, [_R16, _R64]),  # one launch, N/64 programs
     ("expand", 128, 128, 4096, 8, 3, [_R64]),  # one launch, N/128 programs
     ("expand", 128, 64, 512, 8, 3, [_R64]),
-    ("expand+gram", 64, 128, 1024, 8, 3, [_R16]),
-    ("expand+gram", 32, 256, 4096, 4, 4, [_R16]),
-    ("expand+gram", 128, 64, 1024, 8, 4, [_R64]),
-    ("expand+gram", 64, 128, 1024, 8, 3, [_R64]),
-    ("expand+gram", 128, 128, 4096, 8, 3, [_R64]),
-    ("expand+gram", 64, 64, 512, 4, 3, [_R64]),
-    ("expand+gram", 64, 128, 4096, 8, 4, [_R64]),
-    ("direct", 128, 64, 256, 8, 3, [_R16, _R64]),
-    ("direct", 64, 128, 512, 8, 3, [_R64]),
-    ("direct", 128, 64, 1024, 8, 3, [_R64]),
-    ("direct", 64, 64, 512, 4, 3, [_R64]),
-    ("direct+pf", 64, 64, 512, 4, 2, [_R16, _R64]),  # + the next W tile loaded one step ahead (Config.norm_prefetch)
-    ("direct+pf", 128, 64, 1024, 8, 2, [_R16, _R64]),
-    ("direct+pf", 64, 128, 1024, 8, 2, [_R64]),
-    ("direct+pf", 128, 32, 512, 4, 2, [_R64]),
+    ("direct", 64, 64, 512, 4, 2, [_R16, _R64]),  # the default "direct" launch
+    ("direct", 128, 64, 1024, 8, 2, [_R16, _R64]),
+    ("direct", 64, 128, 1024, 8, 2, [_R64]),
+    ("direct", 128, 32, 512, 4, 2, [_R64]),
 ]
 TUNE_WEIGHTS = [_R16, _R64]
 TUNE_TOKENS = [4096, 8192, 512]  # in order of importance: what doesn't fit the budget is recorded as skipped
-FWD_MODES = ["merged", "epilogue", "xla_epilogue", "fused"]
-FWDBWD_MODES = ["merged", "epilogue", "xla_epilogue"]  # "fused" has epilogue's backward
-# gemm="merged" variants (label -> Config fields): the norm launch's rows per program (partial sums finished by the
-# merge launch), the merge launch's tiles and order, and the one-launch norm + merge.
+MODES = ["merged", "epilogue"]
+
+
+def _merge(**fields):
+    return Config(merge=MergeConfig(**fields))
+
+
+def _expand(**fields):
+    norm = NormConfig()
+    return Config(norm=dataclasses.replace(norm, expand=dataclasses.replace(norm.expand, **fields)))
+
+
+def _cols(**fields):
+    return Config(columns=ColumnsConfig(**fields))
+
+
+# "pallas:merged" configurations (label -> Config): the norm launch's rows per program (partial sums finished by the
+# merge launch), the merge launch's tiles and order.
 MERGED_SWEEP = {
-    "mnorm_rows512": dict(mnorm_rows=512),
-    "mnorm_rows2048": dict(mnorm_rows=2048),
-    "mnorm_rows4096": dict(mnorm_rows=4096),
-    "mnorm bn128 bk64 s4": dict(xnorm_bn=128, xnorm_bk=64, xnorm_stages=4),
-    "merge 64x128 w4": dict(merge_bk=64, merge_bn=128),
-    "merge 128x128 w8": dict(merge_bk=128, merge_bn=128, merge_warps=8),
-    "merge 256x64 w8": dict(merge_bk=256, merge_bn=64, merge_warps=8),
-    "merge 64x64 w4": dict(merge_bk=64, merge_bn=64),
-    "merge forward order": dict(merge_reverse=False),
-    "merge rows512 (4 x 128x64)": dict(merge_rows=512),
-    "merge rows1024 (8 x 128x64) w8": dict(merge_rows=1024, merge_warps=8),
-    "merge rows512 (8 x 64x128)": dict(merge_bk=64, merge_bn=128, merge_rows=512),
-    "merge_in_norm bn64 bk64 w8 s4": dict(merge_in_norm=True, xnorm_bn=64, xnorm_bk=64, xnorm_warps=8, xnorm_stages=4),
-    "mnorm direct+pf bn128 bk64 rows1024 w8": dict(norm_mode="direct", norm_prefetch=True, norm_bn=128, norm_bk=64,
-                                                   norm_rows=1024, norm_warps=8),
-    "merge 128x64 w8": dict(merge_warps=8),
-    "mnorm expand+gram bn128 bk64 s4": dict(expand_max_rank=128, xnorm_gram_rank=16, xnorm_bn=128, xnorm_bk=64,
-                                            xnorm_stages=4),
-    "mnorm squares in registers": dict(xnorm_mma_squares=False),
-    "mnorm s5": dict(xnorm_stages=5),
-    "mnorm bk256": dict(xnorm_bk=256),
-    "mnorm +gram": dict(xnorm_gram_rank=16, expand_max_rank=128),
+    "mnorm_rows512": _merge(norm_rows=512),
+    "mnorm_rows2048": _merge(norm_rows=2048),
+    "mnorm_rows4096": _merge(norm_rows=4096),
+    "mnorm bn128 bk64 s4": _expand(bn=128, bk=64, stages=4),
+    "merge 64x128 w4": _merge(bk=64, bn=128),
+    "merge 128x128 w8": _merge(bk=128, bn=128, warps=8),
+    "merge 256x64 w8": _merge(bk=256, bn=64, warps=8),
+    "merge 128x64 w4": _merge(bk=128, bn=64),
+    "merge forward order": _merge(reverse=False),
+    "merge rows512 (8 x 64x64)": _merge(rows=512),
+    "merge rows1024 (16 x 64x64) w8": _merge(rows=1024, warps=8),
+    "merge rows512 (8 x 64x128)": _merge(bk=64, bn=128, rows=512),
+    "mnorm direct bn128 bk64 rows1024 w8": Config(norm=NormConfig(mode="direct", direct=NormTiles(
+        bn=128, bk=64, rows=1024, warps=8, stages=2))),
+    "merge 64x64 w8": _merge(warps=8),
+    "mnorm s5": _expand(stages=5),
+    "mnorm bk256": _expand(bk=256),
 }
-# Backward column reductions (Config.cols_*), with gemm="merged": label -> Config fields. rows >= tokens: one program
-# per column strip over every token, dB / dm / dbias finished in the kernel.
+# Backward column reductions (ColumnsConfig), with "pallas:merged": label -> Config. rows >= tokens: one program per
+# column strip over every token, dB / dm / dbias finished in the kernel.
 COLS_SWEEP = {
-    "cols elementwise sums": dict(cols_mma_sums=False),  # the sums in registers, y prefetched (default: on the MMA)
-    "cols elementwise sums, no y prefetch": dict(cols_mma_sums=False, cols_prefetch=False),
-    "cols s3": dict(cols_stages=3),
-    "cols bn128 bt64 rows512 w8": dict(cols_bn=128, cols_warps=8),
-    "cols bn64 bt128 rows1024 w8": dict(cols_bt=128, cols_rows=1024, cols_warps=8),
-    "cols bn128 bt32 rows256 w4": dict(cols_bn=128, cols_bt=32, cols_rows=256),
-    "cols bn32 bt64 rows8192 w4": dict(cols_bn=32, cols_rows=8192),
-    "cols bn32 bt128 rows8192 w8": dict(cols_bn=32, cols_bt=128, cols_rows=8192, cols_warps=8),
-    "cols bn16 bt128 rows8192 w4": dict(cols_bn=16, cols_bt=128, cols_rows=8192),
+    "cols elementwise sums": _cols(mma_sums=False),  # the sums in registers, y prefetched (default: on the MMA)
+    "cols s3": _cols(stages=3),
+    "cols bn128 bt64 rows512 w8": _cols(bn=128, warps=8),
+    "cols bn64 bt128 rows1024 w8": _cols(bt=128, rows=1024, warps=8),
+    "cols bn128 bt32 rows256 w4": _cols(bn=128, bt=32, rows=256),
+    "cols bn32 bt64 rows8192 w4": _cols(bn=32, rows=8192),
+    "cols bn32 bt128 rows8192 w8": _cols(bn=32, bt=128, rows=8192, warps=8),
+    "cols bn16 bt128 rows8192 w4": _cols(bn=16, bt=128, rows=8192),
 }
 TUNE_BUDGET_S = float(os.environ.get("DORA_TUNE_BUDGET_S", "85"))
 
 
 def tuning(rec: Recorder, quick: bool, parts=("norm", "modes", "variants")) -> None:
     """Sweeps that decide the defaults; each failure, and each case past the time budget, is a row (no raise):
-    - dora_tune_colnorm: NORM_SWEEP (Config.norm_* / xnorm_*), amortized over k distinct weights per jit (the
-      session-2 single-call sweep measured the host dispatch), with XLA's amortized time beside;
-    - dora_mode: forward and forward+backward of the cuBLAS-based gemm modes at 4096/8192/512 tokens, with the
-      base matmul x W alone ("auto" picks from a byte count: api.AUTO_DENSE_GEMMS), the
-      MERGED_SWEEP variants of the forward (Config.mnorm_rows / merge_*) and COLS_SWEEP of the backward (cols_*).
+    - dora_tune_colnorm: NORM_SWEEP (NormConfig), amortized over k distinct weights per jit (the
+      single-call timing measures the host dispatch), with XLA's amortized time beside;
+    - dora_mode: forward and forward+backward of the cuBLAS-based variants at 4096/8192/512 tokens, with the
+      base matmul x W alone (plain "pallas" picks from a byte count: api.choose_variant), the
+      MERGED_SWEEP variants of the forward (MergeConfig, NormConfig) and COLS_SWEEP of the backward (ColumnsConfig).
       These layer timings are one jit each and GPU-bound (>= 0.05 ms), so single-call timing is fine there.
     """
     deadline = time.perf_counter() + TUNE_BUDGET_S
@@ -339,13 +322,11 @@ def tuning(rec: Recorder, quick: bool, parts=("norm", "modes", "variants")) -> N
         for mode, bn, bk, rows, warps, stages, shapes in NORM_SWEEP:
             if (fin, fout, r) not in shapes:
                 continue
-            if mode.startswith("direct"):
-                cfg = Config(norm_mode="direct", norm_bn=bn, norm_bk=bk, norm_rows=rows, norm_warps=warps,
-                             norm_stages=stages, norm_prefetch=mode == "direct+pf")
+            tiles = NormTiles(bn=bn, bk=bk, rows=rows, warps=warps, stages=stages)
+            if mode == "direct":
+                cfg = Config(norm=NormConfig(mode="direct", direct=tiles))
             else:
-                cfg = Config(xnorm_bn=bn, xnorm_bk=bk, xnorm_rows=rows, xnorm_warps=warps, xnorm_stages=stages,
-                             expand_max_rank=128, xnorm_gram_rank=16 if "gram" in mode else 1024,
-                             xnorm_mma_squares="mma" in mode)
+                cfg = Config(norm=NormConfig(expand_max_rank=128, expand=tiles))
             impl = f"pallas:{mode} bn{bn} bk{bk} rows{rows} w{warps} s{stages}"
             if time.perf_counter() > until:
                 rec.add("dora_tune_colnorm", case, impl, None, error=skipped)
@@ -363,24 +344,22 @@ def tuning(rec: Recorder, quick: bool, parts=("norm", "modes", "variants")) -> N
         fwd = dict(nbytes=fwd_bytes, flops=2 * tokens * fin * fout)
         if plain or variants:  # the reference points of the variants too
             timed("dora_mode", case + " fwd", "peer:base_matmul", jax.jit(lambda x, w: x @ w), x, w, **fwd)
-        for mode in FWD_MODES if plain else ["merged"] if variants else []:
+        for mode in MODES if plain else ["merged"] if variants else []:
             timed("dora_mode", case + " fwd", f"pallas:{mode}", jax.jit(lambda x, w, a, b, m, mode=mode: dora_dense(
-                x, w, a, b, m, scale=scale, implementation="pallas", gemm=mode)), x, w, a, b, m, **fwd)
-        for mode in FWDBWD_MODES if plain else ["merged"] if variants else []:
-            timed("dora_mode", case + " fwdbwd", f"pallas:{mode}", _fwdbwd("pallas", mode, scale),
+                x, w, a, b, m, scale=scale, implementation=f"pallas:{mode}")), x, w, a, b, m, **fwd)
+            timed("dora_mode", case + " fwdbwd", f"pallas:{mode}", _fwdbwd(f"pallas:{mode}", scale),
                   x, w, a, b, m, dy, flops=6 * tokens * fin * fout)
         if not variants:
             return
-        for label, fields in MERGED_SWEEP.items():
-            cfg = Config(**fields)
+        for label, cfg in MERGED_SWEEP.items():
             timed("dora_mode", case + " fwd", f"pallas:merged {label}", jax.jit(
-                lambda x, w, a, b, m, cfg=cfg: dora_dense(x, w, a, b, m, scale=scale, implementation="pallas",
-                                                        gemm="merged", config=cfg)), x, w, a, b, m, **fwd)
+                lambda x, w, a, b, m, cfg=cfg: dora_dense(x, w, a, b, m, scale=scale, implementation="pallas:merged",
+                                                        config=cfg)), x, w, a, b, m, **fwd)
         timed("dora_mode", case + " fwdbwd", "pallas:merged save_merged=False", _fwdbwd(
-            "pallas", "merged", scale, Config(save_merged=False)), x, w, a, b, m, dy, flops=6 * tokens * fin * fout)
-        for label, fields in COLS_SWEEP.items():
-            timed("dora_mode", case + " fwdbwd", f"pallas:merged {label}", _fwdbwd("pallas", "merged", scale, Config(
-                **fields)), x, w, a, b, m, dy, flops=6 * tokens * fin * fout)
+            "pallas:merged", scale, Config(save_merged=False)), x, w, a, b, m, dy, flops=6 * tokens * fin * fout)
+        for label, cfg in COLS_SWEEP.items():
+            timed("dora_mode", case + " fwdbwd", f"pallas:merged {label}", _fwdbwd("pallas:merged", scale, cfg),
+                  x, w, a, b, m, dy, flops=6 * tokens * fin * fout)
 
     # In order of importance. By estimate on an H200: the column-norm sweep ~70 s, the 4096-token modes with their
     # variants ~65 s, the 8192- and 512-token modes ~50 s (DORA_TUNE_BUDGET_S, per call of this function).
@@ -388,8 +367,8 @@ def tuning(rec: Recorder, quick: bool, parts=("norm", "modes", "variants")) -> N
         for i, shape in enumerate(TUNE_WEIGHTS):
             now = time.perf_counter()
             colnorm(*shape, until=now + (deadline - now) / (len(TUNE_WEIGHTS) - i))
-    # The budget shared between the cases: "modes" = the gemm modes at every token count, "variants" = the Config
-    # variants of gemm="merged" (MERGED_SWEEP, COLS_SWEEP) at the first token count.
+    # The budget shared between the cases: "modes" = the variants at every token count, "variants" = the Config
+    # variants of "pallas:merged" (MERGED_SWEEP, COLS_SWEEP) at the first token count.
     calls = [(t, shape, True, False) for t in TUNE_TOKENS for shape in TUNE_WEIGHTS] if "modes" in parts else []
     calls += [(TUNE_TOKENS[0], shape, False, True) for shape in TUNE_WEIGHTS] if "variants" in parts else []
     weights = [3 if variants else 1 for *_, variants in calls]
@@ -400,7 +379,7 @@ def tuning(rec: Recorder, quick: bool, parts=("norm", "modes", "variants")) -> N
 
 
 def parts(rec: Recorder, quick: bool) -> None:
-    """dora_parts: each launch of the default gemm="merged" forward + backward alone, amortized over k distinct
+    """dora_parts: each launch of the "pallas:merged" forward + backward alone, amortized over k distinct
     inputs per jit (k * the largest operand >= AMORTIZE_BYTES), at 4096 tokens. Their sum against the dora_mode
     fwd / fwdbwd rows shows what the gaps between launches cost; each row against its bytes (% HBM) shows which
     launch is short of the floor."""
@@ -409,9 +388,10 @@ def parts(rec: Recorder, quick: bool) -> None:
 
 
 def _parts_at(rec, tokens, fin, fout, r):
-    from pallas_fused.dora import kernel as K
+    from pallas_fused.dora import kernel_columns, kernel_merge, kernel_norm
+    from pallas_fused.dora.config import DEFAULT as cfg
 
-    cfg, scale = K.DEFAULT, 2.0
+    scale = 2.0
     ss = jnp.float32(scale)
     interp = jax.default_backend() != "gpu"  # interpret mode off the GPU (a CPU smoke run of this section)
     case = f"{tokens}x{fin}->{fout} r{r} bf16"
@@ -427,13 +407,15 @@ def _parts_at(rec, tokens, fin, fout, r):
         return rec.time_amortized("dora_parts", case, name, fn, args, n=10, reps=3, nbytes=nbytes)
 
     def partials(w, a, b):
-        return K.column_partials((w,), "dense", a, b, ss, interpret=interp, config=cfg, rows=cfg.mnorm_rows)
+        return kernel_norm.column_partials((w,), "dense", a, b, ss, interpret=interp, config=cfg.norm,
+                                           rows=cfg.merge.norm_rows)
 
     def merge(w, a, b, m, p):
-        return K.merge_weight((w,), "dense", a, b, ss, partials=p, magnitude=m, interpret=interp, config=cfg)
+        return kernel_merge.merge_weight((w,), "dense", a, b, ss, partials=p, magnitude=m, interpret=interp,
+                                         config=cfg.merge)
 
     def cols(dy, y, xa, gs, m):
-        return K.backward_columns(dy, y, xa, None, interpret=interp, config=cfg,
+        return kernel_columns.backward_columns(dy, y, xa, None, interpret=interp, config=cfg.columns,
                                   finish=(gs, m, jnp.bfloat16, m.dtype, jnp.float32))
 
     wb, xb, yb = fin * fout * 2, tokens * fin * 2, tokens * fout * 2
@@ -458,7 +440,7 @@ def tune_norm(rec: Recorder, quick: bool) -> None:
 
 
 def tune_modes(rec: Recorder, quick: bool) -> None:
-    """The gemm modes' dora_mode rows of `tuning` at every token count (its own DORA_TUNE_BUDGET_S)."""
+    """The variants' dora_mode rows of `tuning` at every token count (its own DORA_TUNE_BUDGET_S)."""
     tuning(rec, quick, parts=("modes",))
 
 

@@ -242,3 +242,74 @@ def plot_results(doc: dict, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+# What a user writes against what they would use instead, one bar per pair: (label, op, case, ours, peer).
+# Each pair is read from one run of the JSON; a pair whose two rows come from different runs is left out,
+# because clocks and the machine's load differ between runs.
+USER_PATH_PAIRS = [
+    ("apply_rotary fwd+bwd vs XLA", "rotary", "B4 S4096 Hq32 Hk8 D128 fwd+bwd", "user:apply_rotary", "xla"),
+    ("apply_rotary fwd+bwd vs torch.compile", "rotary", "B4 S4096 Hq32 Hk8 D128 fwd+bwd", "user:apply_rotary",
+     "peer:torch_compile"),
+    ("apply_rotary fwd vs XLA", "rotary", "B4 S4096 Hq32 Hk8 D128 fwd", "user:apply_rotary", "xla"),
+    ("DoRADense fwd+bwd 4096->4096 vs XLA", "dora_fwdbwd", "4096x4096->4096 r16 bf16", "user:DoRADense", "xla"),
+    ("DoRADense fwd+bwd 4096->11008 vs XLA", "dora_fwdbwd", "4096x4096->11008 r64 bf16", "user:DoRADense", "xla"),
+    ("FP8 Dense tensorwise vs flax fp8", "fp8_dense", "16384x8192->8192 fwd+bwd", "pallas:tensorwise",
+     "peer:flax_fp8_direct"),
+    ("FP8 Dense rowwise vs bf16 nn.Dense", "fp8_dense", "16384x8192->8192 fwd+bwd", "pallas:rowwise",
+     "peer:bf16_dense"),
+    *[(f"scaled_matmul_nt {case} vs torch._scaled_mm", "fp8_mm", case, "user:scaled_matmul_nt",
+       "peer:torch_scaled_mm")
+      for case in ("8192x8192x8192 rowwise", "16384x16384x16384 rowwise", "4096x4096x4096 rowwise",
+                   "16384x4096x11008 rowwise", "16384x2048x512 rowwise", "2048x16384x512 tensorwise")],
+    ("galore_adamw step 4096x4096 vs optax.contrib.galore", "galore", "4096x4096 r128", "pallas:tx",
+     "peer:optax_contrib_galore"),
+    ("galore_adamw step 4096x11008 vs optax.contrib.galore", "galore", "4096x11008 r128", "pallas:tx",
+     "peer:optax_contrib_galore"),
+    ("galore_adamw, Llama-7B layer, refresh amortized", "galore", "llama7b layer r128 gap200", "pallas:tx",
+     "peer:optax_contrib_galore"),
+    ("adamw (composable) 105M vs optax.adamw", "adam", "105M fp32 params, 4x(4096, 6400)", "xla:optax",
+     "peer:optax_adamw"),
+    ("adamw_step 8-bit 105M vs optax.adamw", "adam", "105M fp32 params, 4x(4096, 6400)", "pallas:inplace_8bit",
+     "peer:optax_adamw"),
+]
+
+
+def user_path_ratios(doc: dict, pairs=USER_PATH_PAIRS) -> list[tuple[str, float, str]]:
+    """(label, peer ms / our ms, run) for each pair measured in one run: > 1 means ours is faster."""
+    rows = {(r["op"], r["case"], r["impl"]): r for r in doc["rows"] if r.get("ms")}
+    out = []
+    for label, op, case, ours, peer in pairs:
+        a, b = rows.get((op, case, ours)), rows.get((op, case, peer))
+        if a is not None and b is not None and a.get("run") == b.get("run"):
+            out.append((label, b["ms"] / a["ms"], a["run"]))
+    return out
+
+
+def plot_ratios(doc: dict, path: Path, pairs=USER_PATH_PAIRS) -> None:
+    """A horizontal bar per pair: the peer's time over ours (log scale; right of 1 = ours faster)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ratios = user_path_ratios(doc, pairs)
+    fig, ax = plt.subplots(figsize=(9, 0.38 * len(ratios) + 1.4))
+    ys = np.arange(len(ratios))[::-1]
+    values = [r for _, r, _ in ratios]
+    # Bars grow from 1 (a tie) in either direction; within 3% of a tie is grey (run-to-run noise).
+    colors = ["#8c8c8c" if abs(v - 1) < 0.03 else "#2a9d4b" if v > 1 else "#c0392b" for v in values]
+    ax.barh(ys, [v - 1 for v in values], left=1.0, color=colors, height=0.7)
+    for y, v in zip(ys, values):
+        ax.text(v * (1.05 if v >= 1 else 0.95), y, f"{v:.2f}x", va="center", ha="left" if v >= 1 else "right",
+                fontsize=7)
+    ax.set_yticks(ys, [label for label, _, _ in ratios], fontsize=7)
+    ax.set_xscale("log")
+    ax.axvline(1.0, color="black", lw=0.8)
+    ax.set_xlim(min(values + [1.0]) / 1.6, max(values + [1.0]) * 1.8)
+    ax.set_xlabel("peer time / our time (log scale; > 1: ours faster), same run, same inputs")
+    runs = sorted({run for _, _, run in ratios})
+    ax.set_title(f"pallas_fused vs peers on one {doc['device']} (runs {runs[0][:10]} to {runs[-1][:10]})", fontsize=9)
+    ax.grid(axis="x", alpha=0.3, which="both")
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)

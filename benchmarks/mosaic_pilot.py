@@ -11,6 +11,7 @@ The Mosaic GPU kernel is swept over (block, steps, concurrent) launch configurat
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -76,7 +77,7 @@ def measure(quick: bool = False) -> list[dict]:
     count = sum(a * b for a, b in shapes)
     case = f"{count / 1e6:.0f}M fp32 params, 4x{shapes[0]}"
     nbytes = FP32_BYTES * count
-    jobs = [("pallas", "pallas", {}, dict(block=K.BLOCK, num_warps=K.NUM_WARPS, load_mode=K.LOAD_MODE)),
+    jobs = [("pallas", "pallas", {}, dataclasses.asdict(K.default_launch("fp32"))),
             ("xla", "xla", {}, {})]
     jobs += [(f"pallas:mosaic_b{b}s{s}c{c}", "pallas:mosaic", dict(BLOCK=b, STEPS=s, CONCURRENT=c),
               dict(block=b, steps=s, concurrent=c)) for b, s, c in (MOSAIC_SWEEP[:2] if quick else MOSAIC_SWEEP)]

@@ -1,6 +1,7 @@
 """Benchmark CLI: `python -m benchmarks.run [op ...] [--quick] [--out DIR]`.
 
-Each op is a module benchmarks/bench_<op>.py with `run(rec, quick)`. Ceilings are measured first, in
+Each op is a module benchmarks/bench_<op>.py with `run(rec, quick)` (found by name: e.g. `embed` and
+`rms_norm`, the example step's embedding and norm). Ceilings are measured first, in
 the same process, so every % is of what this device did in this run.
 """
 

@@ -6,7 +6,9 @@
 
 jax writes a Perfetto JSON (`create_perfetto_trace=True`) beside its xplane file; the GPU's kernels are the
 complete ("X") events on the device process' "Stream" threads (its "XLA Ops" / "XLA Modules" lines repeat the
-same time by op and module, so they are left out). Without a GPU there are no such events and the table is empty.
+same time by op and module, so they are left out). Without a GPU there are no such events and the table is empty,
+unless `parse(..., host=True)`: then the XLA CPU client's thunks (one event per fused op) stand in, so a CPU smoke
+run of a profiling script has something to tabulate.
 """
 
 from __future__ import annotations
@@ -37,7 +39,12 @@ class KernelTimes:
         return float(sum(self.per_kernel.values()))
 
 
-def parse(trace_dir: str | pathlib.Path) -> KernelTimes:
+# The thread that runs XLA's CPU thunks (jax 0.10, jax 0.12), and its bookkeeping events.
+_CPU_THREADS = ("tf_XLAPjRtCpuClient", "tf_XLAExecute")
+_CPU_NOISE = ("ThreadpoolListener", "end: ", "ThunkExecutor")
+
+
+def parse(trace_dir: str | pathlib.Path, host: bool = False) -> KernelTimes:
     files = sorted(pathlib.Path(trace_dir).rglob("perfetto_trace.json.gz"))
     out = KernelTimes()
     if not files:
@@ -54,11 +61,18 @@ def parse(trace_dir: str | pathlib.Path) -> KernelTimes:
     gpu = {pid for pid, name in procs.items() if "GPU" in name or "gpu" in name}
     streams = {key for key, name in threads.items() if key[0] in gpu and name.lower().startswith("stream")}
     out.threads = sorted({threads[k] for k in threads if k[0] in gpu})
+    cpu = set()
+    if host and not gpu:
+        cpu = {key for key, name in threads.items() if name.startswith(_CPU_THREADS)}
+        out.threads = sorted({threads[k] for k in cpu})
     per, counts = defaultdict(float), defaultdict(int)
     for e in events:
-        if e.get("ph") != "X" or e.get("pid") not in gpu:
+        if e.get("ph") != "X":
             continue
-        if streams and (e["pid"], e.get("tid")) not in streams:
+        if cpu:
+            if (e["pid"], e.get("tid")) not in cpu or e["name"].startswith(_CPU_NOISE):
+                continue
+        elif e.get("pid") not in gpu or (streams and (e["pid"], e.get("tid")) not in streams):
             continue
         per[e["name"]] += float(e.get("dur", 0.0))
         counts[e["name"]] += 1

@@ -373,12 +373,13 @@ def main(argv=None) -> dict:
         results += runs
 
     variants = {
-        "pallas_fused": f"pallas_fused kernels (implementation={args.implementation or 'auto'}): rotary, "
+        "pallas_fused": f"pallas_fused kernels (implementation={args.implementation or 'auto'}): rotary, embedding "
+                        "(one-hot GEMM gradient), RMSNorm, "
                         f"galore_adamw ({'optax path' if args.optax_path else 'in-place step'}, {args.projector} "
                         f"projector), fused AdamW, DoRADense" + (f", FP8 {args.fp8} block projections" if args.fp8
                                                                  else ", bf16/fp32 nn.Dense block projections"),
-        "baseline": "plain jnp/flax/optax: implementation='xla' for rotary and DoRA, optax.contrib.galore (SVD "
-                    "projector), optax.adamw, nn.Dense",
+        "baseline": "plain jnp/flax/optax: implementation='xla' for rotary and DoRA, nn.Embed, nn.RMSNorm, "
+                    "optax.contrib.galore (SVD projector), optax.adamw, nn.Dense",
     }
     settings = {**s, "preset": args.preset, "variants": variants, "seed": args.seed,
                 "implementation": args.implementation, "fp8": args.fp8, "optax_path": args.optax_path,
@@ -397,7 +398,7 @@ def main(argv=None) -> dict:
     for name, c in checks.items():
         print(f"{name}: checkpoint restored identical: {c['checkpoint_restored_identical']}; "
               f"fine-tune changed only adapters: {c.get('finetune_only_adapters_changed')}")
-    print(f"wrote {paths['plot']}, {paths['markdown']}, {paths['json']}")
+    print("wrote " + ", ".join(str(p) for p in paths.values()))
     return {"results": results, "checks": checks, "paths": paths, "settings": settings}
 
 

@@ -1,22 +1,39 @@
 """The one place that knows devices, jax versions and how kernels are launched.
 
 Everything that differs between jax 0.10 (CPU CI) and jax 0.11 (the GPU machine) lives here, as does
-the choice of implementation that every public op takes:
+the one selector of implementation that every public op takes:
 
-    implementation=None        "pallas" on a CUDA GPU of compute capability >= 8.0, else "xla"
-    implementation="pallas"    the Pallas kernel, compiled for the GPU (an error without one)
-    implementation="xla"       the plain-jnp reference, compiled by XLA (runs anywhere)
-    implementation="interpret" the Pallas kernel in interpret mode (runs anywhere, slowly; CI uses it)
+    implementation=None                 "pallas" on a CUDA GPU of compute capability >= 8.0, else "xla"
+    implementation="xla"                the plain-jnp reference, compiled by XLA (runs anywhere)
+    implementation="pallas"             the op's Pallas kernels, compiled for the GPU (an error without one);
+                                        where an op has several variants, its own rule picks one per call
+    implementation="pallas:<variant>"   one named variant of the op's kernels, forced
+    implementation="interpret"          the Pallas kernels in interpret mode (runs anywhere, slowly; CI uses it),
+                                        the variant picked by the same rule as "pallas"
+    implementation="interpret:<variant>" that variant's Pallas kernels in interpret mode: how CI tests each
+                                        variant on the CPU (Mosaic GPU variants cannot be interpreted)
 
-An explicitly requested implementation that cannot run raises `ImplementationError`; nothing falls
-back silently.
+Each op with variants lists them in one table in its own package, `VARIANTS = {"pallas:<name>": Variant(...)}`
+(the model is tokamax's IMPLEMENTATIONS), and passes it to `resolve_implementation`, which validates the name
+against that table and the machine, and names every valid choice when it refuses one. An explicitly requested
+implementation that cannot run raises `ImplementationError`; nothing falls back silently.
+
+Tuning is data: the measured launch parameters of a GPU kind live in pallas_fused/tuning/<device>.json (from the
+benchmark sweeps, citing the results file behind them), read by `tuned`; a GPU without a table gets each op's own
+heuristic. The choice is a pure function of shapes, dtypes and the device kind, the same on every host of a
+multi-host job of one GPU kind (nothing is autotuned at run time).
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
+import inspect
+import json
 import warnings
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -57,7 +74,36 @@ def gpu_device() -> jax.Device | None:
     return devices[0] if devices else None
 
 
+# A GPU to choose implementations and lower kernels for, in a process that may have none (see `gpu_target`).
+_TARGET: list[tuple[tuple[int, int], str, int]] = []
+# The GPUs `gpu_target` can stand for: compute capability -> (device kind, SM count).
+TARGETS = {(8, 0): ("NVIDIA A100-SXM4-80GB", 108), (9, 0): ("NVIDIA H100 80GB HBM3", 132)}
+
+
+@contextlib.contextmanager
+def gpu_target(compute_capability: tuple[int, int]):
+    """Choose implementations and lower kernels as for a CUDA GPU of `compute_capability` ((8, 0) or (9, 0)).
+
+    For a process without that GPU: exporting a step for one (`jax.export.export(..., platforms=["cuda"])`) or
+    checking that every kernel lowers for it on a CPU (tests/test_lowering.py). Inside, `implementation=None`
+    and "pallas" pick that GPU's kernels and the shape rules use its SM count; running them still needs the GPU.
+    jax's Triton lowering reads the GPU from the abstract mesh's device when the process has none."""
+    if tuple(compute_capability) not in TARGETS:
+        raise ValueError(f"gpu_target: compute_capability must be one of {sorted(TARGETS)}, got {compute_capability}")
+    kind, sms = TARGETS[tuple(compute_capability)]
+    device = jax.sharding.AbstractDevice(device_kind=kind, num_cores=sms, platform="gpu")
+    mesh = jax.sharding.AbstractMesh((1,), ("gpu_target",), (jax.sharding.AxisType.Auto,), abstract_device=device)
+    _TARGET.append((tuple(compute_capability), kind, sms))
+    try:
+        with jax.sharding.use_abstract_mesh(mesh):
+            yield
+    finally:
+        _TARGET.pop()
+
+
 def compute_capability() -> tuple[int, int] | None:
+    if _TARGET:
+        return _TARGET[-1][0]
     device = gpu_device()
     if device is None:
         return None
@@ -72,27 +118,97 @@ def is_hopper() -> bool:
 
 
 def device_name() -> str:
+    if _TARGET:
+        return _TARGET[-1][1]
     device = gpu_device() or jax.devices()[0]
     return getattr(device, "device_kind", device.platform)
 
 
-def resolve_implementation(implementation: str | None, *, op: str, needs: tuple[int, int] | None = None) -> str:
-    """Turn the user's `implementation=` into the one that will run, or raise.
+TUNING_DIR = Path(__file__).parent / "tuning"
 
-    `needs` is the compute capability the op's Pallas kernel requires (default 8.0).
-    """
-    needs = needs or MIN_COMPUTE_CAPABILITY
+
+def device_slug(kind: str) -> str:
+    """A device kind as a file name: "NVIDIA H200" -> "nvidia_h200" (as benchmarks/results/<device>.json)."""
+    return "".join(ch if ch.isalnum() else "_" for ch in kind.lower()).strip("_")
+
+
+@functools.cache
+def tuning_table(kind: str) -> Mapping[str, Any]:
+    """The tuning table of one GPU kind (pallas_fused/tuning/<device>.json), or {} where none was measured."""
+    path = TUNING_DIR / f"{device_slug(kind)}.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def tuned(section: str, heuristic: Mapping[str, Any]) -> dict[str, Any]:
+    """`section` of this process's GPU kind's tuning table over `heuristic` (the op's guess, for entries the table
+    lacks and for a GPU, or a CPU, without a table)."""
+    device = gpu_device()
+    table = tuning_table(getattr(device, "device_kind", "")) if device is not None else {}
+    return {**heuristic, **table.get(section, {})}
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One "pallas:<name>" entry of an op's `VARIANTS` table: what it needs to run."""
+
+    doc: str  # one line: what the variant does differently
+    needs: tuple[int, int] = MIN_COMPUTE_CAPABILITY  # the GPU's compute capability
+    min_jax: tuple[int, ...] = (0,)  # the jax version (Mosaic GPU kernels need the 0.11 API)
+    interpretable: bool = True  # "interpret:<name>" runs its kernels in interpret mode (Triton lowering only)
+
+
+def valid_implementations(variants: Mapping[str, Variant] | None = None) -> tuple:
+    """Every value `implementation=` takes for an op with these variants, None first."""
+    variants = variants or {}
+    interpreted = tuple("interpret:" + name.partition(":")[2] for name, v in variants.items() if v.interpretable)
+    return (None, *IMPLEMENTATIONS, *variants, *interpreted)
+
+
+def split_implementation(impl: str) -> tuple[str, str | None]:
+    """A resolved implementation as (base, variant): "interpret:merged" -> ("interpret", "merged"),
+    "pallas" -> ("pallas", None)."""
+    base, _, variant = impl.partition(":")
+    return base, variant or None
+
+
+def _check_gpu(op: str, implementation: str, needs: tuple[int, int]) -> None:
     cc = compute_capability()
-    if implementation is None:
-        return "pallas" if cc is not None and cc >= needs else "xla"
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"{op}: implementation must be None or one of {IMPLEMENTATIONS}, got {implementation!r}")
-    if implementation == "pallas" and (cc is None or cc < needs):
+    if cc is None or cc < needs:
         seen = "no CUDA GPU" if cc is None else f"a GPU of compute capability {cc[0]}.{cc[1]}"
         raise ImplementationError(
-            f"{op}: implementation='pallas' needs a CUDA GPU of compute capability >= {needs[0]}.{needs[1]}, "
-            f"but this process sees {seen}. Use implementation='xla' (the reference) or 'interpret'."
-        )
+            f"{op}: implementation={implementation!r} needs a CUDA GPU of compute capability >= {needs[0]}.{needs[1]}, "
+            f"but this process sees {seen}. Use implementation='xla' (the reference) or 'interpret'.")
+
+
+def resolve_implementation(implementation: str | None, *, op: str, needs: tuple[int, int] | None = None,
+                           variants: Mapping[str, Variant] | None = None) -> str:
+    """Turn the user's `implementation=` into the one that will run, or raise.
+
+    `needs` is the compute capability the op's default Pallas kernels require (default 8.0); `variants` the op's
+    `VARIANTS` table ("pallas:<name>" -> Variant). Returns "xla", "pallas", "interpret", "pallas:<name>" or
+    "interpret:<name>" (see the module docstring; `split_implementation` takes it apart).
+    """
+    needs = needs or MIN_COMPUTE_CAPABILITY
+    variants = variants or {}
+    if implementation is None:
+        cc = compute_capability()
+        return "pallas" if cc is not None and cc >= needs else "xla"
+    base, variant = split_implementation(implementation) if isinstance(implementation, str) else ("", None)
+    entry = variants.get(f"pallas:{variant}") if variant else None
+    known = implementation in IMPLEMENTATIONS or (entry is not None and base == "pallas")
+    known = known or (entry is not None and base == "interpret" and entry.interpretable)
+    if not known:
+        names = ", ".join(repr(name) for name in valid_implementations(variants))
+        hint = ""
+        if entry is not None and base == "interpret":
+            hint = f" ({implementation!r}: a Mosaic GPU kernel, which the Pallas interpreter does not run)"
+        raise ValueError(f"{op}: implementation must be None or one of {names}, got {implementation!r}{hint}")
+    if base == "pallas":
+        if entry is not None and JAX_VERSION < entry.min_jax:
+            raise ImplementationError(
+                f"{op}: implementation={implementation!r} needs jax >= {'.'.join(map(str, entry.min_jax))}, this is "
+                f"jax {jax.__version__}. Use 'pallas' (the Triton kernels).")
+        _check_gpu(op, implementation, entry.needs if entry is not None else needs)
     return implementation
 
 
@@ -138,24 +254,24 @@ def mosaic_gpu():
     return plgpu
 
 
-# Mosaic GPU ports of the Triton kernels (implementation="pallas:mosaic"; the Adam step is the pilot). They use
-# the API of jax >= 0.11: `plgpu.kernel` + `plgpu.emit_pipeline`, and refs (`jax.new_ref`) that the kernel
-# writes in place (how a `plgpu.kernel` aliases its inputs; `pl.pallas_call` no longer lowers to Mosaic GPU
-# there). Measured on jax 0.11.2 (H200); it lowers under 0.12 as well.
+def mosaic_load(ref, *, layout):
+    """All of a Mosaic GPU ref loaded in `layout`: jax 0.10 takes the index as an argument (`()` for the whole
+    ref), jax >= 0.12 takes none (a view is indexed with `ref.at[...]` instead; 0.11 accepts both)."""
+    plgpu = mosaic_gpu()
+    if "idx" in inspect.signature(plgpu.load).parameters:
+        return plgpu.load(ref, (), layout=layout)
+    return plgpu.load(ref, layout=layout)
+
+
+# The Mosaic GPU ports of Triton kernels (the Adam step is the pilot) are the "pallas:mosaic" variant of their op.
+# They use the API of jax >= 0.11: `plgpu.kernel` + `plgpu.emit_pipeline`, and refs (`jax.new_ref`) that the kernel
+# writes in place (how a `plgpu.kernel` aliases its inputs; `pl.pallas_call` no longer lowers to Mosaic GPU there).
 MOSAIC_VARIANT = "pallas:mosaic"
-MOSAIC_MIN_JAX = (0, 11)
-
-
-def resolve_mosaic(op: str) -> str:
-    """Check that `implementation="pallas:mosaic"` can run here (jax >= 0.11, a Hopper or newer GPU), or raise."""
-    if JAX_VERSION < MOSAIC_MIN_JAX:
-        raise ImplementationError(
-            f"{op}: implementation={MOSAIC_VARIANT!r} needs jax >= {'.'.join(map(str, MOSAIC_MIN_JAX))} "
-            f"(the Mosaic GPU pallas_call API), this is jax {jax.__version__}. Use 'pallas' (the Triton kernel).")
-    resolve_implementation("pallas", op=f"{op} ({MOSAIC_VARIANT})", needs=(9, 0))
-    return MOSAIC_VARIANT
+MOSAIC = Variant("the Mosaic GPU port of the Triton kernel", needs=(9, 0), min_jax=(0, 11), interpretable=False)
 
 
 def num_sms() -> int:
+    if _TARGET:
+        return _TARGET[-1][2]
     device = gpu_device()
     return int(getattr(device, "core_count", 0) or 132) if device is not None else 1

@@ -42,6 +42,11 @@ What each public op can be sharded along (everything else in an operand is gathe
   (N,) vector). Forward GEMM: M and N split, K gathered. Backward dx kernel: M and K split, N (its
   contraction) gathered. Backward column kernel: N split, tokens summed per shard and its (r, N), (N,)
   results all-reduced. The LoRA rank is never split. NF4 kernels are not partitioned (gathered).
+- `embed` (the one-hot gradient kernel): tokens and features of dy split; each device sums its tokens and the
+  (V, D) float32 partial gradients are all-reduced (as XLA's own scatter gradient is). The forward gather and
+  the large-vocabulary segment sum are XLA's.
+- `rms_norm` (forward and backward kernels): rows split, features gathered; the backward all-reduces the
+  (D,) dscale of each row shard.
 - `adam` (adamw, adamw_step, ...): elementwise, any axis of any tensor. 8-bit states shard along their
   256-element blocks (a weight split along its leading axis with whole blocks per shard maps onto them;
   other splits are resharded by XLA). Helper: `pallas_fused.adam.state_shardings`.
@@ -136,6 +141,16 @@ def partitioned(local_fn: Callable, rule: str, *, replicated: tuple[str, ...] = 
 def _explicit_mesh():
     mesh = jax.sharding.get_abstract_mesh()
     return mesh if not mesh.empty and jax.sharding.AxisType.Explicit in mesh.axis_types else None
+
+
+def mesh_of(shardings, mesh=None, *, op: str):
+    """The mesh of a list of NamedShardings (or `mesh` when given); a ValueError naming `op` when there is none."""
+    if mesh is None and shardings:
+        mesh = shardings[0].mesh
+    if mesh is None:
+        raise ValueError(f"{op}: the params have no leaves, so there is no mesh to place the step count on: "
+                         f"pass mesh=")
+    return mesh
 
 
 def axes_size(mesh, axis) -> int:

@@ -130,7 +130,7 @@ def _kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: in
                     for i in range(len(vec_gmems)):
                         plgpu.barrier_wait(vec_barrier.at[2 * i + wg])
                         layout = plgpu.Layout.WGMMA.reduce(1 if i < n_rows else 0)
-                        vecs.append(plgpu.load(vec_smem[i].at[wg], (), layout=layout).astype(jnp.float32))
+                        vecs.append(_backend.mosaic_load(vec_smem[i].at[wg], layout=layout).astype(jnp.float32))
                     acc = epilogue(acc_ref[...], vecs[:n_rows], vecs[n_rows:]).astype(out_dtype)
                     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                     for ei in range(tile_m // epi):

@@ -26,6 +26,56 @@ def test_unknown_implementation_raises():
         _backend.resolve_implementation("cuda", op="my_op")
 
 
+VARIANTS = {"pallas:fast": _backend.Variant("a Triton variant"),
+            "pallas:hopper": _backend.Variant("a Mosaic GPU variant", needs=(9, 0), interpretable=False)}
+
+
+def test_variants_resolve_and_interpret_spelling():
+    """"interpret:<variant>" runs a Triton variant's kernels on the CPU; a Mosaic GPU one has no interpret form."""
+    assert _backend.resolve_implementation("interpret:fast", op="x", variants=VARIANTS) == "interpret:fast"
+    assert _backend.split_implementation("interpret:fast") == ("interpret", "fast")
+    assert _backend.split_implementation("pallas") == ("pallas", None)
+    with pytest.raises(ValueError, match="Mosaic GPU kernel, which the Pallas interpreter does not run"):
+        _backend.resolve_implementation("interpret:hopper", op="x", variants=VARIANTS)
+    if _backend.gpu_device() is None:
+        with pytest.raises(_backend.ImplementationError, match="x: implementation='pallas:hopper' needs a CUDA GPU"):
+            _backend.resolve_implementation("pallas:hopper", op="x", variants=VARIANTS)
+
+
+def test_unknown_variant_lists_the_valid_names():
+    names = "None, 'pallas', 'xla', 'interpret', 'pallas:fast', 'pallas:hopper', 'interpret:fast'"
+    with pytest.raises(ValueError, match=f"my_op: implementation must be None or one of {names}, got 'pallas:slow'"):
+        _backend.resolve_implementation("pallas:slow", op="my_op", variants=VARIANTS)
+    with pytest.raises(ValueError, match="got 'pallas:fast'"):  # a variant of another op
+        _backend.resolve_implementation("pallas:fast", op="my_op")
+    assert _backend.valid_implementations(VARIANTS)[-1] == "interpret:fast"
+
+
+def test_tuning_tables_load_and_fall_back():
+    """Each device kind's table holds every entry the ops read, with their heuristic's fields; a GPU kind without a
+    table (and the CPU) gets the heuristic."""
+    from pallas_fused.adam import kernel as adam_kernel
+    from pallas_fused.dora import kernel_sm90
+    from pallas_fused.fp8 import kernel as fp8_kernel
+
+    assert _backend.device_slug("NVIDIA H100 80GB HBM3") == "nvidia_h100_80gb_hbm3"
+    assert _backend.tuning_table("A GPU nobody measured") == {}
+    tables = sorted(_backend.TUNING_DIR.glob("*.json"))
+    assert tables, "no tuning table ships with the package"
+    for path in tables:
+        table = _backend.tuning_table(path.stem.upper().replace("_", " "))
+        assert _backend.device_slug(table["device_kind"]) == path.stem
+        for section, heuristic in (("dora_sm90", kernel_sm90.HEURISTIC), ("adam_launch", adam_kernel.HEURISTIC),
+                                   ("fp8_cast", fp8_kernel.HEURISTIC)):
+            for key, fields in heuristic.items():
+                if key in table.get(section, {}):
+                    assert set(table[section][key]) == set(fields), (path.name, section, key)
+    if _backend.gpu_device() is None:
+        assert _backend.tuned("dora_sm90", {"large": 1}) == {"large": 1}
+        assert kernel_sm90.tiles()[0].tile_k == kernel_sm90.HEURISTIC["large"]["tile_k"]
+        assert adam_kernel.default_launch("q8").block == 256
+
+
 def test_explicit_choices_pass_through():
     assert _backend.resolve_implementation("xla", op="x") == "xla"
     assert _backend.resolve_implementation("interpret", op="x") == "interpret"

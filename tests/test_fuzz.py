@@ -8,11 +8,13 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pallas_fused.dora import column_scale, dora_dense, quantize_int8
 from pallas_fused.fp8 import RECIPES, fp8_linear, quantize, scaled_matmul, scaled_matmul_nt
+from pallas_fused.optim import adamw, adamw_step, galore_adamw, galore_adamw_inplace
 from pallas_fused.rotary import RotaryScaling, apply_rotary
 from tests.helpers import rand
 
@@ -90,14 +92,14 @@ def test_fuzz_dora_dense(data):
     m = jnp.sqrt(jnp.sum(jnp.square(w.astype(jnp.float32)), axis=0))
     bias = draw(st.sampled_from([None, "ok"]))
     bias = None if bias is None else rand(4, (fout,), scale=0.1)
-    kw = dict(scale=draw(st.sampled_from([0.5, 2.0])), implementation=draw(IMPLS),
-              gemm=draw(st.sampled_from(["auto", "pallas", "merged", "epilogue", "xla", "bad"])),
-              exact_norm_grad=draw(st.booleans()))
-    names = ("x", "kernel", "lora_a", "lora_b", "magnitude", "bias", "gemm", "rank")
+    impl = draw(IMPLS)
+    variant = draw(st.sampled_from(["", ":gemm", ":merged", ":epilogue", ":bad"]))
+    kw = dict(scale=draw(st.sampled_from([0.5, 2.0])), implementation=impl + variant if impl in ("pallas", "interpret")
+              else impl, exact_norm_grad=draw(st.booleans()))
+    names = ("x", "kernel", "lora_a", "lora_b", "magnitude", "bias", "implementation", "rank")
     finite_or_named_error(lambda: _with_grad(lambda x, a, b, m: dora_dense(x, kernel, a, b, m, bias, **kw),
                                              x, a, b, m), names)
-    finite_or_named_error(lambda: column_scale(kernel, a, b, m + 0.5, scale=kw["scale"],
-                                               implementation=kw["implementation"]), names)
+    finite_or_named_error(lambda: column_scale(kernel, a, b, m + 0.5, scale=kw["scale"], implementation=impl), names)
 
 
 @settings(FUZZ, max_examples=12)
@@ -149,3 +151,73 @@ def test_fuzz_fp8_linear(data):
     impl = draw(IMPLS)
     finite_or_named_error(lambda: _with_grad(lambda x, w: fp8_linear(x, w, config, implementation=impl), x, w),
                           ("x", "w", "config", "name"))
+
+
+# Optimizers: a tree of leaves of random shapes (scalars, empty, 1-D, thin and wide 2-D, N-D; one over 4096 elements
+# so that 8-bit moments are quantized) stepped twice under jit (a projector refresh, then a step between refreshes).
+LEAF_SHAPES = st.sampled_from([(), (0,), (5,), (0, 4), (3, 0), (3, 7), (9, 2), (1, 6), (12, 20), (2, 3, 4),
+                               (64, 65)])
+OPT_NAMES = ("leaf", "rank", "mask", "update_proj_gap", "learning_rate", "b1", "b2", "eps", "weight_decay",
+             "state_bits", "params", "projector", "oversample", "power_iters")
+
+
+def _opt_tree(draw):
+    shapes = draw(st.lists(LEAF_SHAPES, min_size=1, max_size=3))
+    dtype = draw(FLOATS)
+    params = {f"p{i}": rand(i, s, dtype, scale=0.5) for i, s in enumerate(shapes)}
+    grads = [{k: rand(10 * t + i, p.shape, dtype) for i, (k, p) in enumerate(params.items())} for t in range(2)]
+    if draw(st.integers(0, 5)) == 0:  # a gradient of another shape than its param
+        k = draw(st.sampled_from(sorted(params)))
+        grads[1][k] = rand(99, (*params[k].shape[:-1], params[k].shape[-1] + 1) if params[k].ndim else (2,), dtype)
+    return params, grads
+
+
+def _steps(tx, params, grads):
+    state = tx.init(params)
+    update = jax.jit(tx.update)
+    outs = []
+    for g in grads:
+        u, state = update(g, state, params)
+        params = optax.apply_updates(params, u)
+        outs.append(u)
+    return outs, params, state
+
+
+@FUZZ
+@given(data=st.data())
+def test_fuzz_galore(data):
+    draw = data.draw
+    params, grads = _opt_tree(draw)
+    mask = draw(st.sampled_from([None, True, "2d"]))
+    mask = {k: p.ndim == 2 for k, p in params.items()} if mask == "2d" else mask
+    kw = dict(rank=draw(st.sampled_from([1, 4, 8, 0])), update_proj_gap=draw(st.sampled_from([1, 2])),
+              weight_decay=draw(st.sampled_from([0.0, 0.1])), mask=mask,
+              convention=draw(st.sampled_from(["galore", "optax"])),
+              proj_type=draw(st.sampled_from([None, "std", "reverse_std", "left", "right"])),
+              projector=draw(st.sampled_from(["svd", "randomized"])), implementation=draw(IMPLS))
+    out = finite_or_named_error(lambda: _steps(galore_adamw(1e-2, **kw), params, grads), OPT_NAMES)
+    if out is not None:
+        assert all(u.dtype == p.dtype and u.shape == p.shape for u, p in zip(jax.tree.leaves(out[0][0]),
+                                                                           jax.tree.leaves(params)))
+        opt = galore_adamw_inplace(1e-2, **kw)
+        finite_or_named_error(lambda: jax.jit(opt.step)(params, grads[0], opt.init(params)), OPT_NAMES)
+
+
+@FUZZ
+@given(data=st.data())
+def test_fuzz_adamw(data):
+    draw = data.draw
+    params, grads = _opt_tree(draw)
+    kw = dict(b1=draw(st.sampled_from([0.9, 0.0, 1.0])), eps=draw(st.sampled_from([1e-8, 0.0])),
+              weight_decay=draw(st.sampled_from([0.0, 1e-2, -1.0])),
+              mask=draw(st.sampled_from([None, True, False])), implementation=draw(IMPLS))
+    bits = draw(st.sampled_from([None, 8, 32, 16]))
+    mu_dtype = draw(st.sampled_from([None, jnp.bfloat16]))
+    out = finite_or_named_error(lambda: _steps(adamw(1e-2, state_bits=bits, mu_dtype=mu_dtype, **kw), params, grads),
+                                OPT_NAMES)
+    if out is not None:
+        assert all(u.dtype == p.dtype and u.shape == p.shape for u, p in zip(jax.tree.leaves(out[0][0]),
+                                                                           jax.tree.leaves(params)))
+        state = adamw(1e-2, state_bits=bits, mu_dtype=mu_dtype, **kw).init(params)
+        finite_or_named_error(lambda: jax.jit(lambda p, g, s: adamw_step(p, g, s, learning_rate=1e-2, **kw))(
+            params, grads[0], state), OPT_NAMES)

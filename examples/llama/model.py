@@ -11,7 +11,10 @@ flag decides what a linear layer is without touching the model:
     dora_rank=r     pallas_fused.dora.DoRADense (same `kernel` name: pretrained params load unchanged)
 
 `implementation` is handed to every pallas_fused op ("xla" is the plain-jnp reference: the baseline).
-The embedding and the output head stay plain high-precision layers (as FP8 recipes usually do).
+The embedding (`pallas_fused.embed.Embed`: nn.Embed's params, a one-hot GEMM for its gradient instead of a
+scatter) and the norms (`pallas_fused.norm.RMSNorm`: nn.RMSNorm's params, one fused kernel each way) are
+flax's own layers under implementation "xla". The embedding and the output head stay high-precision layers
+(as FP8 recipes usually do).
 """
 
 from __future__ import annotations
@@ -53,6 +56,11 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
+
+    def norm(self, name: str) -> nn.Module:
+        from pallas_fused.norm import RMSNorm
+
+        return RMSNorm(dtype=self.dtype, implementation=self.implementation, name=name)
 
     def dense(self, features: int, name: str) -> nn.Module:
         """The factory for every projection in the blocks (see the module docstring)."""
@@ -116,8 +124,8 @@ class Block(nn.Module):
     @nn.compact
     def __call__(self, x):
         cfg = self.config
-        x = x + Attention(cfg, name="attn")(nn.RMSNorm(dtype=cfg.dtype, name="attn_norm")(x))
-        return x + MLP(cfg, name="mlp")(nn.RMSNorm(dtype=cfg.dtype, name="mlp_norm")(x))
+        x = x + Attention(cfg, name="attn")(cfg.norm("attn_norm")(x))
+        return x + MLP(cfg, name="mlp")(cfg.norm("mlp_norm")(x))
 
 
 class Llama(nn.Module):
@@ -127,11 +135,14 @@ class Llama(nn.Module):
 
     @nn.compact
     def __call__(self, tokens):
+        from pallas_fused.embed import Embed
+
         cfg = self.config
-        x = nn.Embed(cfg.vocab_size, cfg.d_model, dtype=cfg.dtype, name="embed")(tokens)
+        embed = Embed(cfg.vocab_size, cfg.d_model, dtype=cfg.dtype, implementation=cfg.implementation, name="embed")
+        x = embed(tokens)
         for i in range(cfg.n_layers):
             x = Block(cfg, name=f"block_{i}")(x)
-        x = nn.RMSNorm(dtype=cfg.dtype, name="final_norm")(x)
+        x = cfg.norm("final_norm")(x)
         logits = nn.Dense(cfg.vocab_size, use_bias=False, dtype=cfg.dtype, name="head")(x)
         return logits.astype(jnp.float32)
 

@@ -85,13 +85,14 @@ def comparison_lines(results: list[RunResult]) -> list[str]:
 
 
 def write(out: pathlib.Path, results: list[RunResult], *, command: str, settings: dict, environment: dict) -> dict:
-    """Write loss.png, report.md and report.json under `out`; returns the paths."""
+    """Write loss.png (with matplotlib), report.md and report.json under `out`; returns the paths written."""
     out.mkdir(parents=True, exist_ok=True)
     paths = {"plot": out / "loss.png", "markdown": out / "report.md", "json": out / "report.json"}
     try:
         plot(results, paths["plot"], title=command)
     except ImportError as err:  # matplotlib is optional (pip install '.[bench]'); the report is written anyway
         print(f"no plot: {err}")
+        del paths["plot"]
     text = [
         "# train_llama report",
         "",
@@ -112,8 +113,7 @@ def write(out: pathlib.Path, results: list[RunResult], *, command: str, settings
         "passes; the mean includes GaLore projector refreshes (every update_proj_gap steps), the median over "
         "10-step windows shows the typical step. Speedup = baseline mean / pallas_fused mean.",
         "",
-        "![loss](loss.png)",
-        "",
+        *(["![loss](loss.png)", ""] if "plot" in paths else []),
         "## Settings",
         "",
         "```json",

@@ -43,8 +43,12 @@ another split is resharded by XLA around the kernel (see `_q8_sharded`). `state_
 param_shardings)` gives the matching state shardings for jit's in/out_shardings.
 
 `state_bits` defaults to None (= 32, full-precision states) rather than 32 so that
-`optax.inject_hyperparams(adamw)` does not take it for a numeric hyperparameter; to inject other
-hyperparameters of an 8-bit optimizer, pass `static_args=("state_bits",)`.
+`optax.inject_hyperparams(adamw)` does not take it for a numeric hyperparameter. Given as an int (8), inject_hyperparams
+makes an array of it: init outside jit reads its value, and update never needs it (the state's layout says which
+moments it holds); only a jitted init cannot know it, and says to pass `static_args=("state_bits",)`.
+
+Updates come in the params' dtype (promoted with the gradient's) when `update` gets params, as optax's; without
+params, in the gradient's dtype promoted with the moments'.
 """
 
 from __future__ import annotations
@@ -55,6 +59,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
@@ -83,7 +88,7 @@ class FusedAdamState(NamedTuple):
     count is the number of steps taken (int32); the learning-rate schedule is evaluated at it.
     """
 
-    count: jax.Array
+    count: Any  # an int32 array; Any: `state_shardings` returns this tuple with a sharding in each field
     mu: Any
     nu: Any
 
@@ -97,13 +102,24 @@ def dequantize_moment(q: QuantizedMoment, shape, signed: bool) -> jax.Array:
 # argument checks
 
 
-def _check_bits(state_bits) -> int:
+def _check_bits(state_bits, *, traced_ok: bool = False) -> int | None:
+    """state_bits as an int (None: 32). An integer scalar array (what optax.inject_hyperparams makes of an int)
+    counts as its value. A traced one (inject_hyperparams under jit) is unknown: `update` does not need it (the
+    state's layout says which moments it holds), so with `traced_ok` it gives None; init needs it."""
     if state_bits is None:
         return 32
+    if isinstance(state_bits, jax.core.Tracer) and jnp.ndim(state_bits) == 0 and jnp.issubdtype(
+            state_bits.dtype, jnp.integer):
+        if traced_ok:
+            return None
+        raise ValueError("state_bits chooses the moments' layout, so init needs its value; got a traced one "
+                         "(optax.inject_hyperparams makes an array of every int argument, traced under jit): pass "
+                         "static_args=('state_bits',), or call init outside jit")
+    if isinstance(state_bits, (np.ndarray, np.generic, jax.Array)) and state_bits.ndim == 0 and jnp.issubdtype(
+            state_bits.dtype, jnp.integer):
+        state_bits = int(state_bits)
     if isinstance(state_bits, bool) or not isinstance(state_bits, numbers.Integral) or state_bits not in (8, 32):
-        raise ValueError(
-            f"state_bits must be None, 32 or 8 (a Python int), got {state_bits!r}. With optax.inject_hyperparams "
-            "pass static_args=('state_bits',).")
+        raise ValueError(f"state_bits must be None, 32 or 8, got {state_bits!r}")
     return int(state_bits)
 
 
@@ -134,13 +150,11 @@ def _check_hparams(learning_rate, b1, b2, eps, eps_root, weight_decay):
 
 
 # Variants of "pallas" that force one port of the kernel: the Mosaic GPU backend (fp32/bf16 states only).
-VARIANTS = (_backend.MOSAIC_VARIANT,)
+VARIANTS = {_backend.MOSAIC_VARIANT: _backend.MOSAIC}
 
 
 def _implementation(implementation) -> str:
-    if implementation in VARIANTS:
-        return _backend.resolve_mosaic("adam")
-    return _backend.resolve_implementation(implementation, op="adam")
+    return _backend.resolve_implementation(implementation, op="adam", variants=VARIANTS)
 
 
 def _leaf_implementation(requested, mu) -> str:
@@ -159,7 +173,7 @@ def _leaf_implementation(requested, mu) -> str:
 # one tensor
 
 
-def _quantized(state_bits: int, size: int) -> bool:
+def _quantized(state_bits: int | None, size: int) -> bool:
     return state_bits == 8 and size >= _ref.MIN_QUANTIZED_SIZE
 
 
@@ -207,14 +221,22 @@ def _check_leaf(grad, mu, nu, param):
             raise ValueError(f"{name}: expected a floating dtype, got {x.dtype}")
 
 
-def _leaf(grad, mu, nu, param, s, *, inplace: bool, implementation: str):
-    """Run one leaf through the kernel or the reference. Returns (update or new param, mu, nu)."""
+def _update_dtype(grad, mu, nu, param):
+    """The update's dtype: the params' when given (promoted with the grad's: fp32 params with bf16 grads give fp32
+    updates, as optax's arithmetic), else the grad's promoted with the moments'."""
+    if param is not None:
+        return jnp.promote_types(grad.dtype, param.dtype)
+    moment_dtype = jnp.float32 if isinstance(mu, QuantizedMoment) else jnp.promote_types(mu.dtype, nu.dtype)
+    return jnp.promote_types(grad.dtype, moment_dtype)
+
+
+def _leaf(grad, mu, nu, param, s, *, inplace: bool, implementation: str, u_dtype=None):
+    """Run one leaf through the kernel or the reference. Returns (update or new param, mu, nu). u_dtype: the
+    update's dtype (default `_update_dtype` with `param`)."""
     _check_leaf(grad, mu, nu, param)
     if grad.size == 0:
-        return (param if inplace else grad), mu, nu
-    # The update's dtype follows optax's promotion: fp32 params with bf16 grads give fp32 updates.
-    moment_dtype = jnp.float32 if isinstance(mu, QuantizedMoment) else jnp.promote_types(mu.dtype, nu.dtype)
-    u_dtype = None if inplace else jnp.promote_types(grad.dtype, param.dtype if param is not None else moment_dtype)
+        return (param if inplace else grad.astype(u_dtype or grad.dtype)), mu, nu
+    u_dtype = None if inplace else (u_dtype or _update_dtype(grad, mu, nu, param))
     if isinstance(mu, QuantizedMoment):
         if implementation == _backend.MOSAIC_VARIANT:
             raise ValueError(f"adam: implementation={implementation!r} steps fp32/bf16 states only (the 8-bit "
@@ -252,8 +274,7 @@ def _fp32_sharded(grad, mu, nu, param, s, *, inplace, interpret, u_dtype, mosaic
 
             out, m, v = kernel_mosaic.adam_fp32(s, *flat, inplace=inplace, u_dtype=u_dtype)
         else:
-            out, m, v = _kernel.adam_fp32(s, *flat, inplace=inplace, interpret=interpret, block=_kernel.BLOCK,
-                                          num_warps=_kernel.NUM_WARPS, u_dtype=u_dtype)
+            out, m, v = _kernel.adam_fp32(s, *flat, inplace=inplace, interpret=interpret, u_dtype=u_dtype)
         return out.reshape(g.shape), m.reshape(g.shape), v.reshape(g.shape)
 
     t = " ".join(f"d{i}" for i in range(len(shape)))
@@ -278,8 +299,7 @@ def _q8_sharded(grad, mu, nu, param, s, *, inplace, interpret, u_dtype):
     def local(s, g, mc, ma, vc, va, *p):
         flat = lambda x: x.reshape(-1)  # noqa: E731
         out, mc2, ma, vc2, va = _kernel.adam_q8(s, flat(g), flat(mc), ma, flat(vc), va, *map(flat, p),
-                                                inplace=inplace, interpret=interpret, rows=_kernel.QROWS,
-                                                num_warps=_kernel.Q_NUM_WARPS, u_dtype=u_dtype)
+                                                inplace=inplace, interpret=interpret, u_dtype=u_dtype)
         return out.reshape(g.shape), mc2.reshape(mc.shape), ma, vc2.reshape(vc.shape), va
 
     if n % _ref.QBLOCK:  # padded: the kernel masks the tail of the flat tensor, run it whole
@@ -298,20 +318,21 @@ def _q8_sharded(grad, mu, nu, param, s, *, inplace, interpret, u_dtype):
 
 
 def adam_leaf_direction(grad, mu, nu, count, *, b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, param=None,
-                        learning_rate=None, weight_decay=0.0, implementation=None):
+                        learning_rate=None, weight_decay=0.0, implementation=None, update_dtype=None):
     """One tensor's Adam update in one kernel pass: returns (update, new_mu, new_nu).
 
     count: the step number *after* incrementing (1 on the first step), for the bias corrections.
     With learning_rate=None the update is the Adam direction (as optax.scale_by_adam); otherwise it is
     -learning_rate * (direction + weight_decay * param) (as optax.adamw; param needed if weight_decay).
-    mu / nu: arrays or `QuantizedMoment`s (see `init_adam_leaf_state`). The update's dtype promotes the
-    grad's with the param's (or, without param, the moments'), as optax's arithmetic does.
+    mu / nu: arrays or `QuantizedMoment`s (see `init_adam_leaf_state`). The update's dtype: `update_dtype`, or
+    the grad's promoted with the param's (or, without param, the moments'), as optax's arithmetic does.
     """
     if learning_rate is None and param is not None:
         raise ValueError("param: only used with learning_rate (for the weight decay); got learning_rate=None")
     neg_lr = 1.0 if learning_rate is None else -learning_rate
     s = _scalars(neg_lr, b1, b2, eps, eps_root, weight_decay, count)
-    return _leaf(grad, mu, nu, param, s, inplace=False, implementation=_leaf_implementation(implementation, mu))
+    return _leaf(grad, mu, nu, param, s, inplace=False, implementation=_leaf_implementation(implementation, mu),
+                 u_dtype=update_dtype)
 
 
 def adam_leaf_update(param, grad, mu, nu, count, *, learning_rate, b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0,
@@ -345,7 +366,9 @@ def _lr_at(value, count):
 
 
 def _tree_step(grads, state: FusedAdamState, params, *, learning_rate, b1, b2, eps, eps_root, weight_decay, mask,
-               inplace, implementation):
+               inplace, implementation, dtype_params=None):
+    """params: read for the weight decay (None: no decay). dtype_params: the caller's params (or None), whose dtypes
+    the updates take, as optax's."""
     _implementation(implementation)  # a bad choice fails here, before any leaf
     count_inc = optax.safe_increment(state.count)
     lr = _lr_at(learning_rate, state.count)
@@ -366,14 +389,17 @@ def _tree_step(grads, state: FusedAdamState, params, *, learning_rate, b1, b2, e
     else:
         p_leaves = treedef.flatten_up_to(params)
         wd_leaves = treedef.flatten_up_to(_decay_tree(weight_decay, mask, params))
+    d_leaves = [None] * len(g_leaves) if dtype_params is None else treedef.flatten_up_to(dtype_params)
     outs, mus, nus = [], [], []
     operands = {}  # one scalar operand per distinct weight decay (masked leaves get 0), shared by leaves
-    for (path, g), m, v, p, wd in zip(g_paths, mu_leaves, nu_leaves, p_leaves, wd_leaves):
+    for (path, g), m, v, p, wd, d in zip(g_paths, mu_leaves, nu_leaves, p_leaves, wd_leaves, d_leaves):
         if id(wd) not in operands:
             operands[id(wd)] = (wd, _scalars(neg_lr, b1, b2, eps, eps_root, wd, count_inc))
         s = operands[id(wd)][1]
         try:
-            o, m, v = _leaf(g, m, v, p, s, inplace=inplace, implementation=_leaf_implementation(implementation, m))
+            u_dtype = None if d is None else jnp.promote_types(g.dtype, jnp.result_type(d))
+            o, m, v = _leaf(g, m, v, p, s, inplace=inplace, implementation=_leaf_implementation(implementation, m),
+                            u_dtype=u_dtype)
         except ValueError as e:  # name the leaf: a shape or dtype error says which tensor
             raise ValueError(f"leaf {jax.tree_util.keystr(path)}: {e}") from None
         outs.append(o)
@@ -395,7 +421,7 @@ def _init_tree(params, mu_dtype, state_bits) -> FusedAdamState:
 
 def _fused(learning_rate, b1, b2, eps, eps_root, weight_decay, mask, mu_dtype, state_bits, implementation):
     _check_hparams(learning_rate, b1, b2, eps, eps_root, weight_decay)
-    _check_bits(state_bits)
+    _check_bits(state_bits, traced_ok=True)
     _implementation(implementation)  # fail early on a bad choice
 
     def init_fn(params):
@@ -407,7 +433,8 @@ def _fused(learning_rate, b1, b2, eps, eps_root, weight_decay, mask, mu_dtype, s
             raise ValueError("adamw: params must be passed to update() (the weight decay needs them)")
         return _tree_step(updates, state, params if weight_decay is not None else None,
                           learning_rate=learning_rate, b1=b1, b2=b2, eps=eps, eps_root=eps_root,
-                          weight_decay=weight_decay, mask=mask, inplace=False, implementation=implementation)
+                          weight_decay=weight_decay, mask=mask, inplace=False, implementation=implementation,
+                          dtype_params=params)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -472,16 +499,16 @@ def adam_state_bytes(state: FusedAdamState) -> int:
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state))
 
 
-def state_shardings(state: FusedAdamState, param_shardings) -> FusedAdamState:
+def state_shardings(state: FusedAdamState, param_shardings, *, mesh=None) -> FusedAdamState:
     """Shardings for `state` that match the params' (for jit's in/out_shardings, or jax.device_put).
 
     param_shardings: a tree of `NamedSharding`s like the params. Array moments take their param's
     sharding; a `QuantizedMoment` (a flat block layout) is split along its blocks over the mesh axes of
     the param's leading axis (replicated if those do not divide the block count: see `_q8_sharded`);
-    count is replicated.
+    count is replicated over the params' mesh, or over `mesh` (required when the params have no leaves).
     """
     leaves, treedef = jax.tree.flatten(param_shardings)
-    mesh = leaves[0].mesh if leaves else None
+    mesh = _sharding.mesh_of(leaves, mesh, op="adam.state_shardings")
 
     def moment(q, sh):
         if not isinstance(q, QuantizedMoment):

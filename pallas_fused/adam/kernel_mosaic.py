@@ -13,7 +13,7 @@ Same operands, math (`reference.adam_math`) and results as `kernel.adam_fp32`; o
   results afterwards: XLA (0.11.2, GPU) rejects a dynamic-update-slice into the output of this custom call
   ("DynamicSliceFusion: DUS target must be a fusion parameter").
 
-Needs jax >= 0.11 (`_backend.resolve_mosaic`): `plgpu.kernel` taking refs (`jax.new_ref`) that it writes in
+Needs jax >= 0.11 (`_backend.MOSAIC`, the variant's entry): `plgpu.kernel` taking refs (`jax.new_ref`) that it writes in
 place. Checked on an H200 with jax 0.11.2 against the reference (see tests/adam/test_mosaic.py); the launch
 configuration below is not tuned yet (benchmarks/mosaic_pilot.py sweeps it).
 """

@@ -25,8 +25,8 @@ decades; so small and large magnitudes both keep ~2-3 significant digits.
 
 Encoding is arithmetic (no search): the decade is found by comparing with the fixed midpoints between
 decades, the index inside it by one multiply-add and a floor; decoding is a 256-entry table lookup.
-`encode` is the definition; `encode_segments` computes the same codes (bit for bit) with three small
-table lookups instead of a compare-and-select chain per decade, for the kernels (see `SegmentTables`).
+`encode` is the definition; `encode_binade` computes the same codes (bit for bit) with five small table
+lookups instead of a compare-and-select chain per decade, for the kernel (see `BinadeTables`).
 """
 
 from __future__ import annotations
@@ -166,26 +166,21 @@ def encode(a, dmap: DynamicMap):
     return jnp.where(a >= dmap.one_bound, dmap.one_code, code)
 
 
-def encode_signed(x, inv_absmax, dmap: DynamicMap, encode_fn=None, signed_fn=None):
-    """Codes of x * inv_absmax (signed map: sign in bit 7; unsigned map: x must be >= 0).
-
-    encode_fn(a) replaces `encode(a, dmap)` (the kernels pass `encode_segments` with their table loads);
-    signed_fn(x * inv_absmax) replaces the whole function (the kernels' `encode_binade`)."""
-    if signed_fn is not None:
-        return signed_fn(x * inv_absmax)
+def encode_signed(x, inv_absmax, dmap: DynamicMap):
+    """Codes of x * inv_absmax (signed map: sign in bit 7; unsigned map: x must be >= 0)."""
     a = jnp.abs(x) * inv_absmax
-    code = encode(a, dmap) if encode_fn is None else encode_fn(a)
+    code = encode(a, dmap)
     if dmap.signed:
         code = jnp.where(x < 0, code + 128, code)
     return code
 
 
 # ----------------------------------------------------------------------------------------------
-# The same encoder by table lookups (for the kernels)
+# The same encoder by table lookups (for the kernel)
 
 
 class SegmentTables(NamedTuple):
-    """`encode` as a piecewise-linear function of `a`, looked up instead of selected.
+    """`encode` as a piecewise-linear function of `a` (the step from which `BinadeTables` are built).
 
     The boundaries of `encode` (bounds[0], the decade bounds, one_bound) cut [0, 1] into segments
     s = 0 (code 0), 1.. (one per decade), last (code one_code). Segment s has code
@@ -222,25 +217,10 @@ def _segment_tables(dmap: DynamicMap) -> SegmentTables:
     return SegmentTables(binade.astype(np.int32), coef_a, coef_c)
 
 
-SIGNED_SEGMENTS = _segment_tables(SIGNED_MAP)
-UNSIGNED_SEGMENTS = _segment_tables(UNSIGNED_MAP)
-
-
-def encode_segments(a, binade, coef_a, coef_c):
-    """`encode(a, dmap)` for a in [0, 1] (fp32) from the map's `SegmentTables`, bit for bit.
-
-    binade / coef_a / coef_c are lookups: functions from an int32 index array to the table's values
-    (jnp indexing here; loads from a table operand in the kernels)."""
-    bits = jax.lax.bitcast_convert_type(a, jnp.int32)
-    t = binade(bits >> 23)
-    seg = (t >> 24) + ((bits & 0x7FFFFF) >= (t & 0xFFFFFF)).astype(jnp.int32)
-    # a * A + C >= 0 in every segment, so truncation is the floor of `encode`.
-    code = (a * coef_a(seg) + coef_c(seg)).astype(jnp.int32)
-    return jnp.minimum(code, (2 << seg) - 2)
 
 
 def table_lookups(tables):
-    """The lookups of `encode_segments` / `encode_binade` (one per table of the NamedTuple) by jnp indexing."""
+    """The lookups of `encode_binade` (one per table of the NamedTuple) by jnp indexing."""
 
     def lookup(table):
         table = jnp.asarray(table)
@@ -289,8 +269,8 @@ def _binade_tables(dmap: DynamicMap, seg: SegmentTables) -> BinadeTables:
     return BinadeTables(bound.view(np.int32), coef_a, coef_c, top, magic)
 
 
-SIGNED_BINADES = _binade_tables(SIGNED_MAP, SIGNED_SEGMENTS)
-UNSIGNED_BINADES = _binade_tables(UNSIGNED_MAP, UNSIGNED_SEGMENTS)
+SIGNED_BINADES = _binade_tables(SIGNED_MAP, _segment_tables(SIGNED_MAP))
+UNSIGNED_BINADES = _binade_tables(UNSIGNED_MAP, _segment_tables(UNSIGNED_MAP))
 
 
 def encode_binade(a, bound, coef_a, coef_c, top, magic):
@@ -334,12 +314,13 @@ def dequantize_blockwise(codes, absmax, shape, signed: bool):
     return vals.reshape(-1)[:n].reshape(shape)
 
 
-def q8_step(g, m, v, p, s, valid, *, axis=1, encoders=(None, None), signed_encoders=(None, None)):
+def q8_step(g, m, v, p, s, valid, *, axis=1, encoders=(None, None)):
     """The 8-bit step on fp32 tiles, shared by the kernels and the reference: Adam on the dequantized
     moments (elements whose new moments are not finite keep the old ones, update 0), then each block's
     new absmax and codes. `valid` masks elements past the tensor's end (None: all valid). A block is a
-    row of a (blocks, 256) tile (axis=1) or the whole tile (axis=None). encoders / signed_encoders: the
-    `encode_fn` / `signed_fn` of `encode_signed` for m and v (None: `encode`).
+    row of a (blocks, 256) tile (axis=1) or the whole tile (axis=None). encoders: for m and v, a function of
+    x * inv_absmax that replaces `encode_signed` (the kernel's `encode_binade` with its table loads; None:
+    `encode_signed`).
     Returns (update, m_absmax, v_absmax, m_codes, v_codes); codes are int32, absmaxes (blocks,) or scalars."""
     u, m_new, v_new, ok = adam_math(g, m, v, p, s, fast=True)
     if valid is not None:
@@ -351,8 +332,12 @@ def q8_step(g, m, v, p, s, valid, *, axis=1, encoders=(None, None), signed_encod
     keep = axis is not None
     ma_new = jnp.max(jnp.abs(m_new), axis=axis, keepdims=keep)
     va_new = jnp.max(v_new, axis=axis, keepdims=keep)
-    mc_new = encode_signed(m_new, block_inv_absmax(ma_new), SIGNED_MAP, encoders[0], signed_encoders[0])
-    vc_new = encode_signed(v_new, block_inv_absmax(va_new), UNSIGNED_MAP, encoders[1], signed_encoders[1])
+    codes = []
+    for x, absmax, dmap, encoder in ((m_new, ma_new, SIGNED_MAP, encoders[0]), (v_new, va_new, UNSIGNED_MAP,
+                                                                                encoders[1])):
+        inv = block_inv_absmax(absmax)
+        codes.append(encode_signed(x, inv, dmap) if encoder is None else encoder(x * inv))
+    mc_new, vc_new = codes
     if keep:
         ma_new, va_new = ma_new.squeeze(axis), va_new.squeeze(axis)
     return u, ma_new, va_new, mc_new, vc_new

@@ -1,13 +1,27 @@
 """DoRA (weight-decomposed low-rank adaptation): fused column-norm and epilogue-GEMM kernels, QDoRA, Flax."""
 
 from pallas_fused.dora.api import column_scale, dora_dense, dora_dense_dropout
+from pallas_fused.dora.config import (
+    ColumnsConfig,
+    Config,
+    EpilogueConfig,
+    GemmConfig,
+    MergeConfig,
+    NormConfig,
+    NormTiles,
+)
 from pallas_fused.dora.flax import DoRADense, DoRALinear, dense_to_dora_params, lora_scale, merge
-from pallas_fused.dora.kernel import Config
 from pallas_fused.dora.quant import Int8Kernel, NF4Kernel, dequantize, quantize_int8, quantize_nf4
 from pallas_fused.dora.reference import column_scale_reference, dora_dense_reference
 
 __all__ = [
+    "ColumnsConfig",
     "Config",
+    "EpilogueConfig",
+    "GemmConfig",
+    "MergeConfig",
+    "NormConfig",
+    "NormTiles",
     "DoRADense",
     "DoRALinear",
     "Int8Kernel",

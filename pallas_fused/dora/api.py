@@ -10,25 +10,39 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_fused import _backend, _sharding
-from pallas_fused.dora import kernel as K
-from pallas_fused.dora import reference
+from pallas_fused.dora import kernel_columns, kernel_gemm, kernel_merge, kernel_norm, reference
+from pallas_fused.dora.config import DEFAULT, Config
+from pallas_fused.dora.kernel_util import pow2
 from pallas_fused.dora.quant import Int8Kernel, NF4Kernel, dequantize, is_quantized
 
-GEMMS = ("auto", "pallas", "fused", "epilogue", "merged", "sm90", "xla", "xla_concat", "xla_epilogue")
-# gemm="auto" for dense weights: the mode whose one extra pass over memory is cheaper. "merged" reads W and writes
-# (W + s A B) g (4 K N bytes) before one cuBLAS GEMM; "epilogue" reads x for x A and reads + writes x W (2 M K +
-# 4 M N bytes) after one. Where "merged" wins and "sm90" runs (one Hopper GPU, 16-bit, tile-multiple shapes),
-# "sm90" replaces it: the same pass (forming W + s A B, unscaled) but no norm pass ahead of it, since its Mosaic GPU
-# GEMM, which ties cuBLAS, applies g and the bias in its epilogue. benchmarks/bench_dora.py measures every mode.
-# Quantised weights always take "pallas" (cuBLAS would need W dequantised in full).
-AUTO_DENSE_GEMMS = ("sm90", "merged", "epilogue")
+# implementation="pallas:<variant>": which big GEMMs the Pallas path uses (the column norm and the backward column
+# reductions are Pallas in every variant). Plain "pallas" (and "interpret") takes `choose_variant`'s pick.
+VARIANTS = {
+    "pallas:sm90": _backend.Variant(
+        "one Pallas pass forms V = W + s A B and its column sums of squares, then one Mosaic GPU GEMM (x V) g + bias "
+        "with g and the bias in its epilogue (Hopper, dense 16-bit W, tile-multiple shapes)", needs=(9, 0),
+        interpretable=False),
+    "pallas:merged": _backend.Variant(
+        "one Pallas pass forms (W + s A B) g, then one cuBLAS GEMM; dense or Int8Kernel weights (QDoRA at cuBLAS "
+        "speed: the merged weight is then a transient full-precision array)"),
+    "pallas:epilogue": _backend.Variant("cuBLAS x W, then one Pallas pass (x W + s (x A) B) g + bias; dense W"),
+    "pallas:gemm": _backend.Variant("Pallas GEMMs both ways (the fused-epilogue forward, the dx GEMM) with W "
+                                    "dequantised in-kernel: the variant for Int8Kernel / NF4Kernel weights"),
+}
 
 
-def _resolve_gemm(gemm: str, kind: str, tokens: int, fin: int, fout: int, dtype, interpret: bool) -> str:
-    if gemm != "auto":
-        return gemm
+def choose_variant(kind: str, tokens: int, fin: int, fout: int, dtype, interpret: bool) -> str:
+    """The variant plain "pallas" runs: a pure function of the shapes, the dtype and the device kind.
+
+    Quantised weights take "gemm" (cuBLAS would need W dequantised in full). Dense weights take the variant whose
+    one extra pass over memory is cheaper: "merged" reads W and writes (W + s A B) g (4 K N bytes) before one
+    cuBLAS GEMM; "epilogue" reads x for x A and reads + writes x W (2 M K + 4 M N bytes) after one. Where "merged"
+    wins and "sm90" runs (one Hopper GPU, 16-bit, tile-multiple shapes), "sm90" replaces it: the same pass (forming
+    W + s A B, unscaled) but no norm pass ahead of it, since its Mosaic GPU GEMM, which ties cuBLAS, applies g and
+    the bias in its epilogue. benchmarks/bench_dora.py measures every variant.
+    """
     if kind != "dense":
-        return "pallas"
+        return "gemm"
     merged_bytes, epilogue_bytes = 4 * fin * fout, 2 * tokens * fin + 4 * tokens * fout
     if merged_bytes > epilogue_bytes:
         return "epilogue"
@@ -88,7 +102,7 @@ def _zero_cotangent(a):
 
 def _pad_rank(lora_a, lora_b):
     r = lora_a.shape[1]
-    rp = K._pow2(r)
+    rp = pow2(r)
     return jnp.pad(lora_a, ((0, 0), (0, rp - r))), jnp.pad(lora_b, ((0, rp - r), (0, 0)))
 
 
@@ -104,7 +118,7 @@ def _shard(launch, kind, rule, replicated=(), summed=()):
 def _column_sumsq(ops, kind, ap, bp, scale, interpret, config):
     """Column sums of squares; sharded: output features split, the input axis summed per shard + psum."""
     def launch(*a):
-        return K.column_sumsq(a[:-3], kind, *a[-3:], interpret=interpret, config=config)
+        return kernel_norm.column_sumsq(a[:-3], kind, *a[-3:], interpret=interpret, config=config.norm)
 
     return _shard(launch, kind, "{w}, k r, r n, -> n", replicated=("r",), summed=("k",))(*ops, ap, bp, scale)
 
@@ -112,33 +126,34 @@ def _column_sumsq(ops, kind, ap, bp, scale, interpret, config):
 def _column_norm_scale(ops, kind, ap, bp, scale, m, interpret, config):
     """(n, g = m / n); on one device the fused kernel (one launch), sharded the partial sums + psum."""
     if jax.device_count() == 1:
-        return K.column_norm_scale(ops, kind, ap, bp, scale, m, interpret=interpret, config=config)
+        return kernel_norm.column_norm_scale(ops, kind, ap, bp, scale, m, interpret=interpret, config=config.norm)
     n = reference.floored_norm(_column_sumsq(ops, kind, ap, bp, scale, interpret, config))
     return n, m.astype(jnp.float32) / n
 
 
 def _dense_w(kind, ops, dtype):
-    """Full-precision W for the XLA GEMM variants (dense kernels only)."""
+    """Full-precision W for the cuBLAS GEMMs (dense kernels only)."""
     if kind != "dense":
-        raise ValueError("dora_dense: this gemm mode supports dense kernels only; use gemm='auto' or "
-                         "'pallas' for Int8Kernel/NF4Kernel")
+        raise ValueError("dora_dense: implementation='pallas:epilogue' takes a dense kernel only; use 'pallas' (or "
+                         "'pallas:merged' for an Int8Kernel)")
     return ops[0].astype(dtype)
 
 
 def _check_mergeable(kind):
     if kind not in ("dense", "int8"):
-        raise ValueError("dora_dense: gemm='merged' supports dense and Int8Kernel kernels; use gemm='auto' or "
-                         "'pallas' for NF4Kernel")
+        raise ValueError("dora_dense: implementation='pallas:merged' takes a dense kernel or an Int8Kernel; use "
+                         "'pallas' for an NF4Kernel")
 
 
 def _merged_weight(kind, ops, ap, bp, g, scale, interpret, config):
     """(W + s A B) * g in the compute dtype (K, N): one Pallas pass over W. Dense or int8 W (QDoRA with
-    gemm="merged": a transient full-precision weight)."""
+    "pallas:merged": a transient full-precision weight)."""
     _check_mergeable(kind)
 
     def launch(*a):  # sharded: both weight axes split, the rank gathered
         ap_, bp_, g_, scale_ = a[-4:]
-        return K.merge_weight(a[:-4], kind, ap_, bp_, scale_, g=g_, interpret=interpret, config=config)
+        return kernel_merge.merge_weight(a[:-4], kind, ap_, bp_, scale_, g=g_, interpret=interpret,
+                                         config=config.merge)
 
     return _shard(launch, kind, "{w}, k r, r n, n, -> k n", replicated=("r",))(*ops, ap, bp, g, scale)
 
@@ -149,18 +164,17 @@ def _norm_and_merged_weight(kind, ops, ap, bp, scale, m, interpret, config):
     the norm + psum, then the merge."""
     _check_mergeable(kind)
     if jax.device_count() == 1:
-        if config.merge_in_norm and kind == "dense" and K.expand_supported(ops, kind, ap, config.expand_max_rank):
-            return (*K.norm_and_merge(ops, ap, bp, scale, m, interpret=interpret, config=config), None)
-        parts = K.column_partials(ops, kind, ap, bp, scale, interpret=interpret, config=config, rows=config.mnorm_rows)
-        wm, n, g, bg = K.merge_weight(ops, kind, ap, bp, scale, partials=parts, magnitude=m, interpret=interpret,
-                                      config=config)
+        parts = kernel_norm.column_partials(ops, kind, ap, bp, scale, interpret=interpret, config=config.norm,
+                                            rows=config.merge.norm_rows)
+        wm, n, g, bg = kernel_merge.merge_weight(ops, kind, ap, bp, scale, partials=parts, magnitude=m,
+                                                 interpret=interpret, config=config.merge)
         return n, g, wm, bg
     n, g = _column_norm_scale(ops, kind, ap, bp, scale, m, interpret, config)
     return n, g, _merged_weight(kind, ops, ap, bp, g, scale, interpret, config), None
 
 
 def _sm90_ok(kind, tokens, fin, fout, dtype) -> bool:
-    """Whether gemm="sm90" can run: a dense 16-bit W on one Hopper device, tile-multiple shapes."""
+    """Whether "pallas:sm90" can run: a dense 16-bit W on one Hopper device, tile-multiple shapes."""
     from pallas_fused.dora import kernel_sm90
 
     return (kind == "dense" and _backend.is_hopper() and jax.device_count() == 1
@@ -172,10 +186,10 @@ def _xa(x, ap):
 
 
 def _forward(statics, x, ops, a, b, m, bias, scale):
-    kind, gemm, interpret, config = statics[:4]
+    kind, variant, interpret, config = statics[:4]
     dt = x.dtype
     ap, bp = _pad_rank(a, b)
-    if gemm == "sm90":
+    if variant == "sm90":
         # y = (x V) g + bias in one Mosaic GPU GEMM (g and the bias in its epilogue), V = W + s A B formed unscaled
         # by one Pallas pass that also sums V^2 per column over row ranges (no norm pass ahead of it). V is kept
         # for the backward's dx = (dy g) V^T.
@@ -183,15 +197,17 @@ def _forward(statics, x, ops, a, b, m, bias, scale):
 
         if not _sm90_ok(kind, x.shape[0], ap.shape[0], bp.shape[1], x.dtype):
             cfg = kernel_sm90.config_for(x.shape[0], bp.shape[1], ap.shape[0])
-            raise ValueError(f"dora_dense: gemm='sm90' needs a dense 16-bit kernel on one Hopper GPU and shapes that "
+            raise ValueError(f"dora_dense: implementation='pallas:sm90' needs a dense 16-bit kernel on one Hopper GPU "
+                             f"and shapes that "
                              f"are multiples of the tile {cfg.cta_tile} x {cfg.tile_k}; got x {x.shape} {x.dtype}, "
                              f"kernel {ops[0].shape}")
-        v, parts = K.merge_weight(ops, kind, ap, bp, scale, emit_partials=True, interpret=interpret, config=config)
+        v, parts = kernel_merge.merge_weight(ops, kind, ap, bp, scale, emit_partials=True, interpret=interpret,
+                                             config=config.merge)
         n = reference.floored_norm(jnp.sum(parts, axis=0))
         g = m.astype(jnp.float32) / n
         y = kernel_sm90.scaled_matmul(x, v, g, bias)
         return y, (ap, bp, n, g, None, (v if config.save_merged else None, None))
-    if gemm == "merged":
+    if variant == "merged":
         # y = x ((W + s A B) g) + bias: one cuBLAS GEMM on the merged weight (x A is left to the backward). The
         # merged weight is kept for the backward's dx = dy wm^T (one bf16 copy of W per layer in memory).
         n, g, wm, bg = _norm_and_merged_weight(kind, ops, ap, bp, scale, m, interpret, config)
@@ -202,43 +218,26 @@ def _forward(statics, x, ops, a, b, m, bias, scale):
         return y, (ap, bp, n, g, None, saved)
     n, g = _column_norm_scale(ops, kind, ap, bp, scale, m, interpret, config)
     xa = _xa(x, ap)
-    if gemm in ("pallas", "fused"):
+    if variant == "gemm":
         def fwd(x, *a):  # sharded: tokens and output features split; K and the rank gathered
             ops_, (xa_, bp_, g_, scale_, *bias_) = a[:len(ops)], a[len(ops):]
-            return K.forward_gemm(x, ops_, kind, xa_, bp_, g_, scale_, bias_[0] if bias_ else None,
-                                  interpret=interpret, config=config)
+            return kernel_gemm.forward_gemm(x, ops_, kind, xa_, bp_, g_, scale_, bias_[0] if bias_ else None,
+                                            interpret=interpret, config=config.forward)
 
         rule = "m k, {w}, m r, r n, n, " + ("" if bias is None else ", n") + " -> m n"
         y = _shard(fwd, kind, rule, replicated=("k", "r"))(x, *ops, xa, bp, g, scale,
                                                             *(() if bias is None else (bias,)))
-    else:
-        w = _dense_w(kind, ops, dt)
-        if gemm == "epilogue":
-            # cuBLAS z = x W (rounded once to the compute dtype), then one Pallas pass: (z + s xa B) g + bias.
-            def epi(z, *a):  # sharded: tokens and output features split, the rank gathered
-                return K.epilogue(z, *a[:4], a[4] if len(a) > 4 else None, interpret=interpret, config=config)
+        return y, (ap, bp, n, g, xa, (None, None))
+    # "epilogue": cuBLAS z = x W (rounded once to the compute dtype), then one Pallas pass: (z + s xa B) g + bias.
+    w = _dense_w(kind, ops, dt)
 
-            rule = "m n, m r, r n, n, " + ("" if bias is None else ", n") + " -> m n"
-            y = _shard(epi, "dense", rule, replicated=("r",))(jnp.dot(x, w), xa, bp, g, scale,
-                                                              *(() if bias is None else (bias,)))
-            return y, (ap, bp, n, g, xa, (None, None))
-        if gemm == "xla_epilogue":
-            # cuBLAS x W and (x A) B, the scale + bias left to an XLA elementwise fusion (what the
-            # jnp reference does, with the Pallas column norm).
-            z = jnp.dot(x, w) + (scale * jnp.dot(xa, bp, preferred_element_type=jnp.float32)).astype(dt)
-            y = z.astype(jnp.float32) * g[None, :]
-        else:
-            wg = (w.astype(jnp.float32) * g[None, :]).astype(dt)
-            bg = (bp.astype(jnp.float32) * (scale * g)[None, :]).astype(dt)
-            if gemm == "xla_concat":
-                y = jnp.dot(jnp.concatenate([x, xa], axis=1), jnp.concatenate([wg, bg], axis=0),
-                            preferred_element_type=jnp.float32)
-            else:
-                y = (jnp.dot(x, wg, preferred_element_type=jnp.float32)
-                     + jnp.dot(xa, bg, preferred_element_type=jnp.float32))
-        if bias is not None:
-            y = y + bias.astype(jnp.float32)
-        y = y.astype(dt)
+    def epi(z, *a):  # sharded: tokens and output features split, the rank gathered
+        return kernel_gemm.epilogue(z, *a[:4], a[4] if len(a) > 4 else None, interpret=interpret,
+                                    config=config.epilogue)
+
+    rule = "m n, m r, r n, n, " + ("" if bias is None else ", n") + " -> m n"
+    y = _shard(epi, "dense", rule, replicated=("r",))(jnp.dot(x, w), xa, bp, g, scale,
+                                                      *(() if bias is None else (bias,)))
     return y, (ap, bp, n, g, xa, (None, None))
 
 
@@ -253,31 +252,31 @@ def _dora_2d_fwd(statics, x, ops, a, b, m, bias, scale):
 
 
 def _dora_2d_bwd(statics, res, dy):
-    kind, gemm, interpret, config, exact, rank, fin = statics
+    kind, variant, interpret, config, exact, rank, fin = statics
     x, ops, ap, bp, m, bias, scale, n, g, xa, y, wm, bg = res
     dt = x.dtype
     gs = g * scale
-    # us = s (dy * g) B^T, with g folded into the tiny B instead of the big dy (gemm="merged": the merge launch
-    # wrote B g s).
+    # us = s (dy * g) B^T, with g folded into the tiny B instead of the big dy ("merged": the merge launch wrote
+    # B g s).
     if bg is None:
         bg = (bp.astype(jnp.float32) * gs[None, :]).astype(dt)
     us = jnp.dot(dy, bg.T)  # cuBLAS rounds once to dt
-    if xa is None:  # gemm="merged" / "sm90" never formed x A in the forward
+    if xa is None:  # "merged" / "sm90" never formed x A in the forward
         xa = _xa(x, ap)
-    # gemm="sm90" keeps V = W + s A B unscaled, so dx = (dy g) V^T: dy g is written by the column launch (it reads
+    # "sm90" keeps V = W + s A B unscaled, so dx = (dy g) V^T: dy g is written by the column launch (it reads
     # dy anyway) where that launch runs below, by XLA otherwise.
-    dyg_from_v = gemm == "sm90" and wm is not None
+    dyg_from_v = variant == "sm90" and wm is not None
     finished = None
     if not exact and jax.device_count() == 1:
         # Unsharded, constant norm: the column launch returns the finished dB, dm and dbias (in-kernel when one
         # program covers every token), x^T us is rounded once by cuBLAS: no float32 intermediates left to cast.
         db_dt = jnp.float32 if bias is None else bias.dtype
-        finished = K.backward_columns(dy, y, xa, bias, interpret=interpret, config=config,
+        finished = kernel_columns.backward_columns(dy, y, xa, bias, interpret=interpret, config=config.columns,
                                       finish=(gs, m, bp.dtype, m.dtype, db_dt), dyg_scale=g if dyg_from_v else None)
-    if gemm == "pallas":
+    if variant == "gemm":
         gw = g * ops[1] if kind == "int8" else g
         def bwd_dx(dy, gw, *a):  # sharded: tokens and input features split; N and the rank gathered
-            return K.backward_dx(dy, gw, a[:-2], kind, *a[-2:], interpret=interpret, config=config)
+            return kernel_gemm.backward_dx(dy, gw, a[:-2], kind, *a[-2:], interpret=interpret, config=config.dx)
 
         dx = _shard(bwd_dx, kind, "m n, n, {w}, m r, k r -> m k", replicated=("n", "r"))(dy, gw, *ops, us, ap)
     else:
@@ -288,7 +287,7 @@ def _dora_2d_bwd(statics, res, dy):
         if dyg_from_v:
             dyg = finished[3] if finished is not None else (dy.astype(jnp.float32) * g[None, :]).astype(dt)
             dx = jnp.dot(dyg, wm.T)
-        elif wm is not None:  # gemm="merged" kept it
+        elif wm is not None:  # "merged" kept it
             dx = jnp.dot(dy, wm.T)
         elif kind == "int8" or dy.shape[0] * (fout_ + 3.5 * fin_) >= fin_ * fout_:
             dx = jnp.dot(dy, _merged_weight(kind, ops, ap, bp, g, scale, interpret, config).T)
@@ -304,7 +303,8 @@ def _dora_2d_bwd(statics, res, dy):
                 None if bias is None else db, jnp.zeros_like(scale))
 
     def bwd_cols(dy, y, xa, *bias_):  # sharded: output features split, tokens summed per shard + psum
-        return K.backward_columns(dy, y, xa, bias_[0] if bias_ else None, interpret=interpret, config=config)
+        return kernel_columns.backward_columns(dy, y, xa, bias_[0] if bias_ else None, interpret=interpret,
+                                               config=config.columns)
 
     rule = "m n, m n, m r" + ("" if bias is None else ", n") + " -> r n, n, n"
     p, dmz, db = _shard(bwd_cols, "dense", rule, replicated=("r",), summed=("m",))(
@@ -355,8 +355,7 @@ _dora_2d.defvjp(_dora_2d_fwd, _dora_2d_bwd)
 
 
 def dora_dense(x, kernel, lora_a, lora_b, magnitude, bias=None, *, scale, exact_norm_grad: bool = False,
-               implementation: str | None = None, gemm: str = "auto", save_merged: bool | None = None,
-               config: K.Config | None = None):
+               implementation: str | None = None, save_merged: bool | None = None, config: Config | None = None):
     """DoRA dense layer: ``y = (x W + s (x A) B) * (m / ||W + s A B||) + bias``.
 
     Args:
@@ -366,31 +365,25 @@ def dora_dense(x, kernel, lora_a, lora_b, magnitude, bias=None, *, scale, exact_
       scale: s, e.g. alpha / rank (a runtime operand: changing it does not recompile).
       exact_norm_grad: differentiate through the column norm (default: treat it as a constant, as the
         DoRA paper section 4.3 and peft do).
-      implementation: None (Pallas on a GPU, XLA elsewhere), "pallas", "xla" or "interpret".
-      gemm: which big GEMMs the Pallas path uses (the column norm and the backward column reductions are
-        Pallas in every mode).
-        "auto" (default): for dense weights "merged" (as "sm90" where that runs) or "epilogue", whichever makes
-        the smaller extra pass over memory at this shape (see `AUTO_DENSE_GEMMS`); "pallas" for quantised weights.
-        "pallas": Pallas GEMMs both ways (the fused-epilogue forward, the dx GEMM; W dequantised in-kernel).
-        "fused": the fused-epilogue Pallas GEMM forward, cuBLAS dx backward.
-        "epilogue": cuBLAS x W, then one Pallas pass (x W + s (x A) B) * g + bias.
-        "merged": one Pallas pass forms (W + s A B) * g, then one cuBLAS GEMM (x A waits for the backward). The
-        merged weight is kept for the backward's dx (one copy of W per layer in the compute dtype, held from the
-        forward to the backward; `save_merged=False` forms it again in the backward instead).
-        "sm90" (Hopper, dense 16-bit W, tile-multiple shapes): one Pallas pass forms V = W + s A B and its column
-        sums of squares, then one Mosaic GPU GEMM (x V) g + bias with g and the bias in its epilogue: no norm pass.
-        V is kept for the backward (as "merged"; dx = (dy g) V^T on cuBLAS, dy g written by the backward's column
-        launch), or with `save_merged=False` not kept: the backward forms (W + s A B) g and dx = dy (that)^T.
-        "xla": XLA GEMMs on g-scaled weights, x (W g) + (x A)(s B g); "xla_concat": one forward GEMM over
-        the concatenated K, [x, xA] @ [W g; s B g]; "xla_epilogue": cuBLAS x W + s (x A) B with the
-        g-scale and bias fused by XLA afterwards.
-        Every mode but "pallas" runs dx on cuBLAS (with many tokens, or int8 weights, one GEMM on the
-        merged weight) and takes dense weights only, except "merged" and "fused", which also take an
+      implementation: None (Pallas on a GPU, XLA elsewhere), "xla", "pallas", "interpret", or one variant of the
+        Pallas path, "pallas:<variant>" ("interpret:<variant>" runs it in the Pallas interpreter; see `VARIANTS`).
+        Plain "pallas" takes `choose_variant`'s pick: "merged" (as "sm90" where that runs) or "epilogue" for dense
+        weights, whichever makes the smaller extra pass over memory at this shape, and "gemm" for quantised ones.
+        "pallas:gemm": Pallas GEMMs both ways (the fused-epilogue forward, the dx GEMM; W dequantised in-kernel).
+        "pallas:epilogue": cuBLAS x W, then one Pallas pass (x W + s (x A) B) * g + bias (dense W).
+        "pallas:merged": one Pallas pass forms (W + s A B) * g, then one cuBLAS GEMM (x A waits for the backward).
+        The merged weight is kept for the backward's dx (one copy of W per layer in the compute dtype, held from the
+        forward to the backward; `save_merged=False` forms it again in the backward instead). Also takes an
         Int8Kernel (QDoRA at cuBLAS speed; the merged weight is then a transient full-precision array).
-      save_merged: gemm="merged" only: keep the merged weight (W + s A B) g from the forward for the backward's
-        dx = dy (that)^T (default True: one copy of W per layer in the compute dtype held until the backward, e.g.
-        ~12.5 GB over a Llama-7B's 32 blocks in bf16), or form it again in the backward (False: one more pass over
-        W, ~0.016 ms per 4096 x 4096 layer on an H200). None: `config.save_merged` (True by default).
+        "pallas:sm90" (Hopper, dense 16-bit W, tile-multiple shapes): one Pallas pass forms V = W + s A B and its
+        column sums of squares, then one Mosaic GPU GEMM (x V) g + bias with g and the bias in its epilogue: no norm
+        pass. V is kept for the backward (as "merged"; dx = (dy g) V^T on cuBLAS, dy g written by the backward's
+        column launch), or with `save_merged=False` not kept: the backward forms (W + s A B) g and dx = dy (that)^T.
+        Every variant but "gemm" runs dx on cuBLAS (with many tokens, or int8 weights, one GEMM on the merged weight).
+      save_merged: "merged" / "sm90" only: keep the merged weight from the forward for the backward's dx (default
+        True: one copy of W per layer in the compute dtype held until the backward, e.g. ~12.5 GB over a Llama-7B's
+        32 blocks in bf16), or form it again in the backward (False: one more pass over W, ~0.016 ms per
+        4096 x 4096 layer on an H200). None: `config.save_merged` (True by default).
       config: tile sizes of the Pallas kernels (advanced).
 
     Gradients flow to x, lora_a, lora_b, magnitude and bias; W (and `scale`) get zero cotangents.
@@ -402,13 +395,12 @@ def dora_dense(x, kernel, lora_a, lora_b, magnitude, bias=None, *, scale, exact_
     tokens give an empty output and zero gradients.
     """
     fin, fout, rank = _check(x, kernel, lora_a, lora_b, magnitude, bias, scale)
-    impl = _backend.resolve_implementation(implementation, op="dora_dense")
-    if gemm not in GEMMS:
-        raise ValueError(f"dora_dense: gemm must be one of {GEMMS}, got {gemm!r}")
+    impl = _backend.resolve_implementation(implementation, op="dora_dense", variants=VARIANTS)
+    base, variant = _backend.split_implementation(impl)
     dt = x.dtype
     a, b = lora_a.astype(dt), lora_b.astype(dt)
     bias_c = None if bias is None else bias.astype(dt)
-    if impl == "xla":
+    if base == "xla":
         return reference.dora_dense_reference(x, kernel, a, b, magnitude, bias_c, scale=scale,
                                               exact_norm_grad=exact_norm_grad)
     lead = x.shape[:-1]
@@ -416,11 +408,12 @@ def dora_dense(x, kernel, lora_a, lora_b, magnitude, bias=None, *, scale, exact_
     if x2.shape[0] == 0:
         return jnp.zeros((*lead, fout), dt)
     kind, ops = _weight_ops(kernel, dt)
-    mode = _resolve_gemm(gemm, kind, x2.shape[0], fin, fout, dt, impl == "interpret")
-    config = config or K.DEFAULT
+    interpret = base == "interpret"
+    mode = variant or choose_variant(kind, x2.shape[0], fin, fout, dt, interpret)
+    config = config or DEFAULT
     if save_merged is not None and bool(save_merged) != config.save_merged:
         config = dataclasses.replace(config, save_merged=bool(save_merged))
-    statics = (kind, mode, impl == "interpret", config, bool(exact_norm_grad), rank, fin)
+    statics = (kind, mode, interpret, config, bool(exact_norm_grad), rank, fin)
     y = _dora_2d(statics, x2, ops, a, b, magnitude, bias_c, jnp.asarray(scale, jnp.float32))
     return y.reshape(*lead, fout)
 
@@ -443,7 +436,7 @@ def dora_dense_dropout(x, x_dropped, kernel, lora_a, lora_b, magnitude, bias=Non
 
 
 def column_scale(kernel, lora_a, lora_b, magnitude, *, scale, implementation: str | None = None,
-                 config: K.Config | None = None):
+                 config: Config | None = None):
     """g = m / ||W + s A B|| (float32, (out,)) with the fused column-norm kernel (no A B materialised)."""
     fin, fout = kernel.shape
     x_probe = jax.ShapeDtypeStruct((1, fin), jnp.float32)
@@ -455,4 +448,4 @@ def column_scale(kernel, lora_a, lora_b, magnitude, *, scale, implementation: st
     kind, ops = _weight_ops(kernel, dt)
     ap, bp = _pad_rank(lora_a.astype(dt), lora_b.astype(dt))
     return _column_norm_scale(ops, kind, ap, bp, jnp.asarray(scale, jnp.float32), magnitude, impl == "interpret",
-                              config or K.DEFAULT)[1]
+                              config or DEFAULT)[1]

@@ -17,7 +17,7 @@ from pallas_fused.dora.quant import dequantize, quantize_int8, quantize_nf4
 from pallas_fused.dora.reference import column_norm_reference, floored_norm
 
 Dtype = Any
-_QUANTIZERS = {None: None, "int8": quantize_int8, "nf4": quantize_nf4}
+_QUANTIZERS: dict[str | None, Any] = {None: None, "int8": quantize_int8, "nf4": quantize_nf4}
 _HE_UNIFORM = nn.initializers.he_uniform()  # nnx.LoRA's default for the fan-in matrix
 _ZEROS = nn.initializers.zeros_init()
 
@@ -65,8 +65,7 @@ class DoRADense(nn.Module):
     lora_b_init: Any = _ZEROS
     quantize: str | None = None
     exact_norm_grad: bool = False
-    implementation: str | None = None
-    gemm: str = "auto"
+    implementation: str | None = None  # as dora_dense: None, "pallas", "pallas:<variant>", "xla", "interpret"
     save_merged: bool = True  # see dora_dense: keep the merged weight for the backward (memory) or form it again
 
     @nn.compact
@@ -103,7 +102,8 @@ class DoRADense(nn.Module):
         x = jnp.asarray(inputs, dtype)
         if quantizer is None:
             kernel = jnp.asarray(kernel, dtype)
-        kw = dict(scale=s, exact_norm_grad=self.exact_norm_grad, implementation=self.implementation, gemm=self.gemm,
+        kw: dict[str, Any]
+        kw = dict(scale=s, exact_norm_grad=self.exact_norm_grad, implementation=self.implementation,
                   save_merged=self.save_merged)
         deterministic = nn.merge_param("deterministic", self.deterministic, deterministic) \
             if self.dropout > 0 else True
@@ -142,7 +142,7 @@ def dense_to_dora_params(dense_params, rank: int, *, key: jax.Array, alpha: floa
     return out
 
 
-_REQUIRED = object()
+_REQUIRED: Any = object()  # a sentinel: `merge` has no usable default for alpha
 
 
 def merge(dora_params, *, alpha: float | None = _REQUIRED, use_rslora: bool = False) -> dict:
@@ -187,7 +187,7 @@ class DoRALinear(nnx.Linear):
     def __init__(self, in_features: int, out_features: int, *, rank: int, alpha: float | None = None,
                  use_rslora: bool = False, dropout: float = 0.0, a_initializer=_HE_UNIFORM,
                  b_initializer=_ZEROS, exact_norm_grad: bool = False,
-                 implementation: str | None = None, gemm: str = "auto", save_merged: bool = True, rngs: nnx.Rngs,
+                 implementation: str | None = None, save_merged: bool = True, rngs: nnx.Rngs,
                  **kwargs):
         super().__init__(in_features, out_features, rngs=rngs, **kwargs)
         if rank < 1 or rank > min(in_features, out_features):
@@ -203,7 +203,6 @@ class DoRALinear(nnx.Linear):
         self.rank = rank
         self.exact_norm_grad = exact_norm_grad
         self.implementation = implementation
-        self.gemm = gemm
         self.save_merged = save_merged
 
     @classmethod
@@ -247,8 +246,9 @@ class DoRALinear(nnx.Linear):
         x = jnp.asarray(inputs, dtype)
         bias = self.bias[...] if self.bias is not None else None
         args = (jnp.asarray(self.kernel[...], dtype), self.lora_a[...], self.lora_b[...], self.magnitude[...], bias)
+        kw: dict[str, Any]
         kw = dict(scale=self.scale, exact_norm_grad=self.exact_norm_grad, implementation=self.implementation,
-                  gemm=self.gemm, save_merged=self.save_merged)
+                  save_merged=self.save_merged)
         if self.dropout is not None and not self.dropout.deterministic:
             return dora_dense_dropout(x, self.dropout(x), *args, **kw)
         return dora_dense(x, *args, **kw)

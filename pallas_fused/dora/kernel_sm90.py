@@ -19,21 +19,25 @@ from jax import lax
 
 from pallas_fused import _backend, _sm90
 
-# Tile configurations by output size (H200 sweep, session 4 call 1, bf16, with the g + bias epilogue; cuBLAS x @ V
-# beside): 128 x 128 per warpgroup, tile_k 128 x 2 stages: 0.1864 ms at 4096^3 (cuBLAS 0.1875), 0.513 at
-# 4096 x 4096 -> 11008 (cuBLAS 0.488); with few output tiles (512 tokens: 64 CTA tiles of 128 x 256 for 132 SMs)
-# 128 x 64 per warpgroup, tile_k 64 x 5 stages: 0.0283 ms at 512 x 4096 -> 4096 (cuBLAS 0.0303).
-LARGE = _sm90.TileConfig(tile_m=128, tile_n=128, tile_k=128, max_concurrent_steps=2)
-SMALL = _sm90.TileConfig(tile_m=128, tile_n=64, tile_k=64, max_concurrent_steps=5)
-DEFAULT = LARGE
+# Tile configurations by output size: "large", and "small" where large leaves SMs idle. A GPU without a tuning table
+# gets the H200's (Hopper parts share the SM design; the table cites the measurements).
+HEURISTIC = {"large": dict(tile_m=128, tile_n=128, tile_k=128, max_concurrent_steps=2),
+             "small": dict(tile_m=128, tile_n=64, tile_k=64, max_concurrent_steps=5)}
+
+
+def tiles() -> tuple[_sm90.TileConfig, _sm90.TileConfig]:
+    """(large, small) for this device kind (pallas_fused/tuning/<device>.json, else HEURISTIC)."""
+    table = _backend.tuned("dora_sm90", HEURISTIC)
+    return _sm90.TileConfig(**table["large"]), _sm90.TileConfig(**table["small"])
 
 
 def config_for(m: int, n: int, k: int) -> _sm90.TileConfig:
-    """The tile configuration for an (m, k) x (k, n) product (LARGE unless it leaves SMs idle)."""
-    cta_m, cta_n = LARGE.cta_tile
+    """The tile configuration for an (m, k) x (k, n) product (large unless it leaves SMs idle)."""
+    large, small = tiles()
+    cta_m, cta_n = large.cta_tile
     if -(-m // cta_m) * -(-n // cta_n) < _backend.num_sms():
-        return SMALL
-    return LARGE
+        return small
+    return large
 
 
 def supported(m: int, n: int, k: int, dtype, config: _sm90.TileConfig | None = None) -> bool:

@@ -12,9 +12,10 @@ both layouts by one pass.
 Implementations ("implementation=" of every op): None picks "pallas" on a GPU and "xla" on the CPU;
 "pallas" runs the fastest correct path per case: the Mosaic GPU kernel ("pallas:sm90") on Hopper
 for same-dtype fp8 operands with fast accumulation, else XLA's fp8 dot (cuBLAS), which also takes
-mixed e4m3 x e5m2 operands and fast_accum=False; "pallas:sm90" and "pallas:triton" force a kernel;
-"xla" is the reference (XLA fp8 dot + fp32 rescale); "interpret" runs the Triton kernels in the
-Pallas interpreter (CPU tests).
+mixed e4m3 x e5m2 operands and fast_accum=False; "pallas:sm90" and "pallas:triton" force a kernel
+(the `VARIANTS` table, validated by `_backend.resolve_implementation`); "xla" is the reference (XLA fp8
+dot + fp32 rescale); "interpret" (= "interpret:triton") runs the Triton kernels in the Pallas
+interpreter (CPU tests).
 """
 
 from __future__ import annotations
@@ -30,15 +31,21 @@ from pallas_fused import _backend, _sharding
 from pallas_fused.fp8 import reference
 from pallas_fused.fp8.config import FP8_DTYPES, CastConfig, Float8Config, as_config
 
-VARIANTS = ("pallas:sm90", "pallas:triton")
+# FP8 arithmetic (Triton's casts to and from float8 included) needs compute capability 8.9 (Ada) or newer: on an
+# older GPU the default implementation is XLA's, and "pallas" is refused.
+FP8_COMPUTE_CAPABILITY = (8, 9)
+VARIANTS = {
+    "pallas:sm90": _backend.Variant("the Mosaic GPU scaled matmul (one fp8 dtype for both operands, fast "
+                                    "accumulation)", needs=(9, 0), interpretable=False),
+    "pallas:triton": _backend.Variant("the portable Triton scaled matmul (any fp8 pair, either accumulation)",
+                                      needs=FP8_COMPUTE_CAPABILITY),
+}
 
 
 def _resolve(implementation, op):
-    """-> "xla" | "interpret" | "pallas" | "pallas:sm90" | "pallas:triton"."""
-    if implementation in VARIANTS:
-        _backend.resolve_implementation("pallas", op=op, needs=(9, 0) if implementation == "pallas:sm90" else None)
-        return implementation
-    return _backend.resolve_implementation(implementation, op=op)
+    """-> "xla" | "interpret" | "pallas" | "pallas:sm90" | "pallas:triton" ("interpret:triton" is "interpret")."""
+    impl = _backend.resolve_implementation(implementation, op=op, needs=FP8_COMPUTE_CAPABILITY, variants=VARIANTS)
+    return "interpret" if impl == "interpret:triton" else impl
 
 
 def _check_fp8(x, name, op):
@@ -301,8 +308,8 @@ jax.tree_util.register_pytree_node(
 def _operands(x, cfg_n: CastConfig, cfg_t: CastConfig | None, pow2, impl):
     """x (R, C) cast for use as a K-major operand directly (cfg_n: contraction over C) and transposed
     (cfg_t: x^T, contraction over R). Tensorwise casts with one dtype share a single pass."""
-    qimpl = "xla" if impl == "xla" else ("interpret" if impl == "interpret" else "pallas")
-    out = []
+    qimpl = impl if impl in ("xla", "interpret") else "pallas"  # the quantize kernels have no variants
+    out: list[_Operand | None] = []
     if cfg_t is not None and cfg_n.scaling == cfg_t.scaling == "tensorwise" and cfg_n.dtype == cfg_t.dtype:
         q, qt, s = _quantize_2d(x, cfg_n.dtype, None, pow2, qimpl, emit_n=True, emit_t=True)
         s = s.reshape(())

@@ -1,13 +1,8 @@
 """Triton-lowered Pallas kernels for FP8: the quantize passes and a portable scaled matmul.
 
-Quantize (x ~= q * scale, saturating), two methods (see `quantize_2d`):
-  * "fused" (axiswise): one program owns a block of rows (or columns) and loops over the other axis
-    twice: the first loop takes the amax, the second casts and stores (the block is still in L2 when
-    re-read). The per-row (per-column) fp32 scales are stored by the same program.
-  * "two_phase" (any; the only choice for tensorwise, whose global amax must finish first): XLA
-    reduces the amax, then one Pallas pass over a 2-D grid of tiles casts.
-  Both write the transposed copy q^T in the same pass when asked (the K-major operand the backward
-  GEMMs need), so an fp8 tensor is produced in both layouts from one cast pass.
+Quantize (x ~= q * scale, saturating; see `quantize_2d`): XLA reduces the amax, then one Pallas pass
+over a 2-D grid of tiles casts, writing the transposed copy q^T in the same pass when asked (the K-major
+operand the backward GEMMs need), so an fp8 tensor is produced in both layouts from one cast pass.
 
 Scaled matmul (`scaled_matmul_nt`): out = (a * a_scale) @ (bt * b_scale)^T, a (M, K) and bt (N, K)
 both K-major, with per-row/per-column fp32 scale vectors applied to the fp32 accumulator in the
@@ -24,7 +19,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_fused import _backend
-from pallas_fused.fp8.reference import AMAX_FLOOR, finite_abs, finite_amax, fp8_max, round_up_pow2
+from pallas_fused.fp8.reference import AMAX_FLOOR, finite_amax, fp8_max, round_up_pow2
 
 
 def _scale(amax, dtype, power_of_2):
@@ -37,51 +32,6 @@ def _cast(x, scale, dtype):
     limit = fp8_max(dtype)
     v = x / scale
     return jnp.where(v == v, jnp.clip(v, -limit, limit), v)
-
-
-def _quantize_axis_kernel(x_ref, *refs, shape, block, reduce_axis, dtype, power_of_2, emit_n, emit_t):
-    """One program: a block of `block[keep]` rows (reduce_axis=1) or columns (reduce_axis=0) of x."""
-    refs = list(refs)
-    o_ref = refs.pop(0) if emit_n else None
-    ot_ref = refs.pop(0) if emit_t else None
-    (s_ref,) = refs
-    keep = 1 - reduce_axis
-    start = pl.program_id(0) * block[keep]
-    kept = start + jnp.arange(block[keep])
-    kept_mask = kept < shape[keep]
-    steps = pl.cdiv(shape[reduce_axis], block[reduce_axis])
-
-    def tile(i):
-        red = i * block[reduce_axis] + jnp.arange(block[reduce_axis])
-        red_mask = red < shape[reduce_axis]
-        if reduce_axis == 1:
-            idx = (pl.ds(start, block[0]), pl.ds(i * block[1], block[1]))
-            mask = kept_mask[:, None] & red_mask[None, :]
-        else:
-            idx = (pl.ds(i * block[0], block[0]), pl.ds(start, block[1]))
-            mask = red_mask[:, None] & kept_mask[None, :]
-        x = _backend.load(x_ref.at[idx], mask=mask, other=0.0).astype(jnp.float32)
-        return idx, mask, x
-
-    def amax_step(i, amax):
-        _, _, x = tile(i)
-        return jnp.maximum(amax, jnp.max(finite_abs(x), axis=reduce_axis))  # inf and NaN stay out of the scale
-
-    amax = jax.lax.fori_loop(0, steps, amax_step, jnp.zeros((block[keep],), jnp.float32))
-    scale = _scale(amax, dtype, power_of_2)
-    scale_b = scale[:, None] if reduce_axis == 1 else scale[None, :]
-
-    def cast_step(i, carry):
-        idx, mask, x = tile(i)
-        q = _cast(x, scale_b, dtype)
-        if emit_n:
-            _backend.store(o_ref.at[idx], q.astype(dtype), mask=mask)
-        if emit_t:
-            _backend.store(ot_ref.at[idx[1], idx[0]], q.T.astype(dtype), mask=mask.T)
-        return carry
-
-    jax.lax.fori_loop(0, steps, cast_step, 0)
-    _backend.store(s_ref.at[pl.ds(start, block[keep])], scale, mask=kept_mask)
 
 
 def _cast_kernel(x_ref, s_ref, *refs, shape, block, dtype, scale_axis, emit_n, emit_t):
@@ -118,61 +68,51 @@ def _outs(shape, dtype, emit_n, emit_t):
     return outs
 
 
-# (rows, columns) of x per program of the cast pass, and warps, per scale axis: the fastest of a sweep
-# on an H200 at 16384x8192 bf16 with q and q^T written (0.24-0.27 ms, ~3 TB/s of traffic).
-CAST_CONFIG = {None: ((128, 128), 8), 1: ((64, 64), 8), 0: ((128, 64), 4)}
-FUSED_BLOCK = {1: (16, 256), 0: (256, 16)}  # fused axiswise kernel: (kept, looped) extents per axis
+# (rows, columns) of x per program of the cast pass, and warps, per scale axis, for a GPU without a tuning table:
+# the H200's (the fastest of its sweep, see pallas_fused/tuning/nvidia_h200.json).
+HEURISTIC = {"tensorwise": dict(block=(128, 128), num_warps=8), "axis1": dict(block=(64, 64), num_warps=8),
+             "axis0": dict(block=(128, 64), num_warps=4)}
 
 
-@functools.partial(jax.jit, static_argnames=("dtype", "axis", "power_of_2", "emit_n", "emit_t", "interpret", "method",
+def cast_config(axis) -> tuple[tuple[int, int], int]:
+    """((rows, columns) per program, warps) of the cast pass for this scale axis and device kind."""
+    entry = _backend.tuned("fp8_cast", HEURISTIC)["tensorwise" if axis is None else f"axis{axis}"]
+    return tuple(entry["block"]), entry["num_warps"]
+
+
+@functools.partial(jax.jit, static_argnames=("dtype", "axis", "power_of_2", "emit_n", "emit_t", "interpret",
                                              "block", "num_warps"))
-def quantize_2d(x, *, dtype, axis, power_of_2, emit_n=True, emit_t=False, interpret=False, method="two_phase",
-                block=None, num_warps=None):
+def quantize_2d(x, *, dtype, axis, power_of_2, emit_n=True, emit_t=False, interpret=False, block=None,
+                num_warps=None):
     """Quantize a 2-D x: returns (q or None, q^T or None, scale).
 
     axis=None: tensorwise (scale shape ()); axis=1: one scale per row ((R, 1)); axis=0: one per
     column ((1, C)). The transposed copy q^T has the same scale, transposed.
 
-    method="two_phase": XLA reduces the amax (one read of x), then one Pallas pass over a 2-D grid of
-    tiles casts and writes q and/or q^T (a second read of x): bytes = 2 reads + the writes, but every
-    tile runs in parallel. method="fused" (axiswise only): one Pallas program per block of rows
-    (columns) takes the amax and casts in the same kernel (the second read mostly hits L2), with
-    fewer, longer programs. Tensorwise is always two-phase (a global amax must finish first).
-    Measured on an H200 (16384x8192 bf16, q and q^T): two_phase 0.24-0.27 ms for every axis, fused
-    0.53-0.73 ms (too few programs in flight), hence the default.
+    XLA reduces the amax (one read of x), then one Pallas pass over a 2-D grid of tiles casts and writes
+    q and/or q^T (a second read of x): bytes = 2 reads + the writes, but every tile runs in parallel.
+    Measured on an H200 (16384x8192 bf16, q and q^T): 0.24-0.27 ms for every axis; one program per block
+    of rows (columns) taking the amax and casting in one kernel took 0.53-0.73 ms (too few programs in
+    flight).
     """
     dtype = jnp.dtype(dtype)
     shape = x.shape
-    if axis is not None and method == "fused":
-        block = block or ((16, 64) if axis == 1 else (64, 16)) if interpret else (block or FUSED_BLOCK[axis])
-        keep = 1 - axis
-        outs = _backend.triton_call(
-            functools.partial(_quantize_axis_kernel, shape=shape, block=block, reduce_axis=axis, dtype=dtype,
-                              power_of_2=power_of_2, emit_n=emit_n, emit_t=emit_t),
-            out_shape=[*_outs(shape, dtype, emit_n, emit_t), jax.ShapeDtypeStruct((shape[keep],), jnp.float32)],
-            grid=(pl.cdiv(shape[keep], block[keep]),),
-            name=f"pallas_fused_fp8_quantize_axis{axis}",
-            interpret=interpret,
-            num_warps=num_warps or 4,
-        )(x)
-        *outs, scale = outs
-        scale = scale[:, None] if axis == 1 else scale[None, :]
-    else:
-        # Phase 1: the amax of the finite values (XLA's reduction fuses abs, max and the scale arithmetic into one
-        # read of x).
-        amax = finite_amax(x, axis)
-        scale = _scale(amax, dtype, power_of_2)
-        # Phase 2: the cast, tile by tile.
-        block = block or ((32, 32) if interpret else CAST_CONFIG[axis][0])
-        outs = _backend.triton_call(
-            functools.partial(_cast_kernel, shape=shape, block=block, dtype=dtype, scale_axis=axis, emit_n=emit_n,
-                              emit_t=emit_t),
-            out_shape=_outs(shape, dtype, emit_n, emit_t),
-            grid=(pl.cdiv(shape[0], block[0]), pl.cdiv(shape[1], block[1])),
-            name="pallas_fused_fp8_quantize_" + ("tensorwise" if axis is None else f"axis{axis}"),
-            interpret=interpret,
-            num_warps=num_warps or CAST_CONFIG[axis][1],
-        )(x, scale.reshape(-1))
+    # Phase 1: the amax of the finite values (XLA's reduction fuses abs, max and the scale arithmetic into one
+    # read of x).
+    amax = finite_amax(x, axis)
+    scale = _scale(amax, dtype, power_of_2)
+    # Phase 2: the cast, tile by tile.
+    tuned_block, tuned_warps = cast_config(axis)
+    block = block or ((32, 32) if interpret else tuned_block)
+    outs = _backend.triton_call(
+        functools.partial(_cast_kernel, shape=shape, block=block, dtype=dtype, scale_axis=axis, emit_n=emit_n,
+                          emit_t=emit_t),
+        out_shape=_outs(shape, dtype, emit_n, emit_t),
+        grid=(pl.cdiv(shape[0], block[0]), pl.cdiv(shape[1], block[1])),
+        name="pallas_fused_fp8_quantize_" + ("tensorwise" if axis is None else f"axis{axis}"),
+        interpret=interpret,
+        num_warps=num_warps or tuned_warps,
+    )(x, scale.reshape(-1))
     outs = list(outs)
     q = outs.pop(0) if emit_n else None
     qt = outs.pop(0) if emit_t else None

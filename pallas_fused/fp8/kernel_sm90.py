@@ -17,7 +17,7 @@ Measured on an H200 (jax 0.11.2), e4m3 -> bf16, 8192^3: 1431 TFLOP/s rowwise, 13
 (XLA fp8 dot + rescale 867; torch._scaled_mm 1556 / 1518 in the same run); 16384x4096x11008 rowwise
 1359. Tile sweep at 8192^3 (rowwise): 128x128x128 per warpgroup, split along N, 4 stages: 1390;
 3 stages 1361; split along M 1379; tile_k=64 x 6 stages 1340; 128x256 x 2 stages 274 (register
-spills: a 128x256 fp32 accumulator per warpgroup is too big). On the shared skeleton (session 4):
+spills: a 128x256 fp32 accumulator per warpgroup is too big). On the shared skeleton (pallas_fused/_sm90.py):
 8192^3 rowwise 1377, tensorwise 1383; 16384x4096x11008 rowwise 1408 (torch._scaled_mm 1560 / 1512 / 1554).
 """
 

@@ -9,10 +9,13 @@
     step = jax.jit(opt.step, donate_argnums=(0, 2))           # writes params in the update kernel
     params, state = step(params, grads, state)
 
-Which leaves are projected: the 2-D leaves selected by `mask` (default: every 2-D leaf whose both dims
-exceed `rank`). Every other leaf gets plain Adam(W) from pallas_fused.adam's fused kernel (optax.adamw's
-numbers, m_hat / (sqrt(v_hat) + eps); its non-finite policy: such elements are skipped) and the same
-decoupled weight decay.
+Which leaves are projected: the 2-D leaves selected by `mask` (default: every non-empty 2-D leaf, as
+optax.contrib.galore), each at rank min(rank, M, N): like optax.contrib.galore and galore-torch, a leaf whose
+smaller side is <= rank is projected at full rank rather than silently left out. Every other leaf gets plain
+Adam(W) from pallas_fused.adam's fused kernel (optax.adamw's numbers, m_hat / (sqrt(v_hat) + eps); its
+non-finite policy: such elements are skipped) and the same decoupled weight decay. A leaf that is not 2-D and
+is chosen by `mask` is a ValueError (N-D leaves are not reshaped, as optax's weight_dimension_numbers would).
+Updates come in the params' dtype (the gradients' when `update` gets no params).
 
 Semantics (`convention="galore"`, the default) are the reference GaLore (galore-torch `GaLoreAdamW`):
 the projector is recomputed from the current gradient when the step count (before increment) is a
@@ -44,9 +47,11 @@ sharded G that XLA partitions (all-reducing and at most gathering the (M or N, r
 sketches, never G); "svd" (jnp.linalg.svd is not partitioned) gathers the full gradient of each projected
 leaf on refresh steps (once every update_proj_gap steps): prefer "randomized" on large meshes.
 
-Hyperparameters learning_rate (float or schedule), b1, b2, eps, weight_decay and scale are runtime
-values: under `optax.inject_hyperparams(galore_adamw, static_args=GALORE_STATIC_ARGS)` changing them does
-not recompile.
+Hyperparameters learning_rate (float or schedule), b1, b2, eps, weight_decay, scale, update_proj_gap and
+seed are runtime values: under `optax.inject_hyperparams(galore_adamw)` changing them does not recompile.
+inject_hyperparams makes an array of every int argument, so `rank` is a traced value under a jitted init,
+which needs it for the state's shapes: pass static_args=("rank",) or GALORE_STATIC_ARGS there (a ValueError
+says so); init outside jit, and every update, need no static_args.
 """
 
 from __future__ import annotations
@@ -57,6 +62,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax import lax
 from jax.sharding import NamedSharding
@@ -70,7 +76,7 @@ from pallas_fused.galore.reference import Scalars
 CONVENTIONS = ("galore", "optax")
 PROJECTORS = ("svd", "randomized")
 KERNELS = ("auto", *kernel.VARIANTS)
-# Arguments that are structure, not numbers: pass them to optax.inject_hyperparams as static_args.
+# Arguments that are structure, not numbers: optax.inject_hyperparams static_args (a jitted init needs `rank`).
 GALORE_STATIC_ARGS = ("rank", "update_proj_gap", "proj_type", "mask", "weight_decay_mask", "projector",
                       "oversample", "power_iters", "seed", "convention", "mu_dtype", "nu_dtype", "implementation",
                       "kernel")
@@ -87,8 +93,9 @@ class GaLoreAdamState(NamedTuple):
     side "left"); MaskedNode for the other leaves. mu, nu: the low-rank moments of projected leaves, and
     the full-size Adam moments (pallas_fused.adam's layout) of the other leaves."""
 
-    count: jax.Array
-    pending_refresh: jax.Array
+    # Any: `state_shardings` returns this tuple with a sharding in each field.
+    count: Any
+    pending_refresh: Any
     mu: Any
     nu: Any
     projector: Any
@@ -168,6 +175,13 @@ def _up_update(w, n, p, packed, *, side, inplace, interpret, out_dtype=None):
     return _sharding.partitioned(local, "m n, m r, r n, hp -> m n", replicated=("r", "hp"))(w, a, b, packed)
 
 
+def _state_side(m_shape, p_shape) -> str:
+    """A projected leaf's side, read off its state: m (M, r) and P (r, N) on side right, P (M, r) and m (r, N) on
+    side left, with r <= min(M, N). The shapes fit both sides only when M = N = r, where the sides coincide."""
+    right = m_shape[1] == p_shape[0] and m_shape[1] <= m_shape[0] and p_shape[0] <= p_shape[1]
+    return "right" if right else "left"
+
+
 def _check_grads(updates, state: GaLoreAdamState):
     """A ValueError naming the leaf (path, expected and actual shape) or both key lists, rather than a
     broadcasting error deep in a kernel."""
@@ -179,9 +193,10 @@ def _check_grads(updates, state: GaLoreAdamState):
     for (path, g), m, p in zip(jax.tree_util.tree_leaves_with_path(updates), flat_m, flat_p):
         if _is_masked(p):
             expected = m.shape
-        else:  # side right: m (M, r), P (r, N); side left: P (M, r), m (r, N); r < min(M, N)
-            right = p.shape[0] < p.shape[1]
-            expected = (m.shape[0], p.shape[1]) if right else (p.shape[0], m.shape[1])
+        elif _state_side(m.shape, p.shape) == "right":
+            expected = (m.shape[0], p.shape[1])
+        else:
+            expected = (p.shape[0], m.shape[1])
         if tuple(jnp.shape(g)) != tuple(expected):
             raise ValueError(f"galore: gradient leaf {jax.tree_util.keystr(path)} has shape {tuple(jnp.shape(g))}, "
                              f"expected {tuple(expected)} (the param's shape at init)")
@@ -214,20 +229,37 @@ class _Config:
     kernel: str
 
 
-def _check_int(name, value, minimum):
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be a Python int (with optax.inject_hyperparams pass "
-                         f"static_args=GALORE_STATIC_ARGS), got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+_STATIC_HINT = ("optax.inject_hyperparams makes an array of every int argument, traced under jit: pass "
+                "static_args=GALORE_STATIC_ARGS")
+
+
+def _int_arg(name, value, minimum, *, static: bool):
+    """An int argument: a Python int, or an integer scalar array (what optax.inject_hyperparams makes of an int)
+    converted to one. A traced scalar is returned as it is where a runtime value serves (`static` False: the
+    projector gap, the seed, the rank outside init); where the value sets a shape or a loop it is a ValueError."""
+    if isinstance(value, bool) or not (isinstance(value, int) or (
+            isinstance(value, (np.ndarray, np.generic, jax.Array)) and jnp.issubdtype(value.dtype, jnp.integer)
+            and jnp.ndim(value) == 0)):
+        raise ValueError(f"{name} must be an int, got {value!r}")
+    if isinstance(value, jax.core.Tracer):
+        if static:
+            raise ValueError(f"{name} sets a shape, so it must be known when the step is traced; got a traced "
+                             f"value ({_STATIC_HINT}, or ({name!r},))")
+        return value
+    if minimum is not None and int(value) < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {int(value)}")
+    return int(value)
 
 
 def _make_config(rank, update_proj_gap, proj_type, convention, mask, weight_decay_mask, projector_, oversample,
                  power_iters, seed, mu_dtype, nu_dtype, implementation, kernel_) -> _Config:
-    _check_int("rank", rank, 1)
-    _check_int("update_proj_gap", update_proj_gap, 1)
-    _check_int("oversample", oversample, 0)
-    _check_int("power_iters", power_iters, 0)
+    # rank sets the state's shapes at init (checked there); update reads each leaf's rank off its projector
+    rank = _int_arg("rank", rank, 1, static=False)
+    update_proj_gap = _int_arg("update_proj_gap", update_proj_gap, 1, static=False)
+    seed = _int_arg("seed", seed, None, static=False)
+    randomized = projector_ == "randomized"  # the sketch's width and the iteration count: static there, unused else
+    oversample = _int_arg("oversample", 8 if oversample is None else oversample, 0, static=randomized)
+    power_iters = _int_arg("power_iters", 2 if power_iters is None else power_iters, 0, static=randomized)
     if convention not in CONVENTIONS:
         raise ValueError(f"convention must be one of {CONVENTIONS}, got {convention!r}")
     if proj_type is None:
@@ -260,16 +292,28 @@ class _GaLore:
 
     # ---------------------------------------------------------------------------------------------- init
     def _projected(self, params):
-        cfg = self.cfg
-        flags = _resolve_mask(cfg.mask, params, lambda p: p.ndim == 2 and min(p.shape) > cfg.rank)
+        """Which leaves are projected: `mask`'s choice (default: every 2-D leaf, as optax.contrib.galore). An empty
+        leaf has nothing to project and steps as plain Adam(W); a selected leaf that is not 2-D is a ValueError."""
+        flags = _resolve_mask(self.cfg.mask, params, lambda p: p.ndim == 2)
         flat_p, treedef = jax.tree.flatten(params)
         flat_f = treedef.flatten_up_to(flags)
         for path_leaf, p, f in zip(jax.tree_util.tree_leaves_with_path(params), flat_p, flat_f):
-            if f and (p.ndim != 2 or cfg.rank >= min(p.shape)):
+            if f and p.ndim != 2:
                 where = jax.tree_util.keystr(path_leaf[0])
-                raise ValueError(f"rank={cfg.rank} must be < min(M, N) of every projected (2-D) leaf; leaf {where} "
-                                 f"has shape {p.shape} (exclude it with `mask`)")
-        return [bool(f) for f in flat_f], treedef
+                raise ValueError(
+                    f"galore: leaf {where} has shape {p.shape}: only 2-D leaves are projected (optax.contrib.galore's "
+                    f"weight_dimension_numbers is not supported). Store it as a 2-D matrix (e.g. (embed, heads * "
+                    f"head_dim)), or leave it out of `mask` (it then steps as plain Adam(W))")
+        return [bool(f) and p.size > 0 for p, f in zip(flat_p, flat_f)], treedef
+
+    def _rank(self, shape) -> int:
+        """A projected leaf's rank: `rank`, clamped to min(M, N) as optax.contrib.galore and galore-torch do (a
+        leaf whose smaller side is <= rank is projected at full rank: its moments take no less memory than Adam's
+        but it is stepped in the gradient's singular basis, as the peers step it)."""
+        if isinstance(self.cfg.rank, jax.core.Tracer):
+            raise ValueError(f"rank sets the state's shapes, so it must be known at init; got a traced value "
+                             f"({_STATIC_HINT}, or ('rank',); or call init outside jit)")
+        return min(self.cfg.rank, *shape)
 
     def init(self, params) -> GaLoreAdamState:
         cfg = self.cfg
@@ -281,11 +325,11 @@ class _GaLore:
                 m, v = fused_adam.init_adam_leaf_state(p, mu_dtype=cfg.mu_dtype or jnp.float32)
                 mu.append(m), nu.append(v), proj.append(_masked_node())
                 continue
-            side = reference.projector_side(p.shape, cfg.proj_type)
-            low = reference.lowrank_shape(p.shape, cfg.rank, side)
+            side, rank = reference.projector_side(p.shape, cfg.proj_type), self._rank(p.shape)
+            low = reference.lowrank_shape(p.shape, rank, side)
             mu.append(jnp.zeros(low, cfg.mu_dtype or jnp.float32))
             nu.append(jnp.zeros(low, cfg.nu_dtype or jnp.float32))
-            proj.append(jnp.zeros(reference.projector_shape(p.shape, cfg.rank, side), p.dtype))
+            proj.append(jnp.zeros(reference.projector_shape(p.shape, rank, side), p.dtype))
         return GaLoreAdamState(
             count=jnp.zeros([], jnp.int32),
             pending_refresh=jnp.zeros([], jnp.bool_),
@@ -296,14 +340,15 @@ class _GaLore:
     def _refresh(self, g, p_old, side, key):
         cfg = self.cfg
         finite = jnp.all(jnp.isfinite(g))
+        rank = reference.projector_rank(p_old.shape, side)
         if cfg.projector == "svd":
-            p_new = reference.svd_projector(g, cfg.rank, side, p_old.dtype)
+            p_new = reference.svd_projector(g, rank, side, p_old.dtype)
         else:
             kw = dict(oversample=cfg.oversample, power_iters=cfg.power_iters, dtype=p_old.dtype)
             g_safe = jnp.where(finite, g, 0).astype(g.dtype)
             p_new = lax.cond(jnp.all(p_old == 0),
-                             lambda: projector.randomized_projector(g_safe, cfg.rank, side, key, **kw),
-                             lambda: projector.randomized_projector(g_safe, cfg.rank, side, key, prev=p_old, **kw))
+                             lambda: projector.randomized_projector(g_safe, rank, side, key, **kw),
+                             lambda: projector.randomized_projector(g_safe, rank, side, key, prev=p_old, **kw))
         return jnp.where(finite, p_new, p_old), finite
 
     # ---------------------------------------------------------------------------------------- the step
@@ -322,13 +367,13 @@ class _GaLore:
             c = sign_lr * scale
         return b1, b2, jnp.asarray(self.eps, f32), alpha, beta, c
 
-    def _leaf(self, w, g, m, v, p, side, s: Scalars, inplace):
+    def _leaf(self, w, g, m, v, p, side, s: Scalars, inplace, dtype):
         cfg = self.cfg
         m_old, v_old = m, v
         if cfg.implementation == "xla":
             m, v, n = reference.lowrank_adam(reference.project(g, p, side), m, v, s)
             m, v, s = _skip_nonfinite(m_old, v_old, m, v, s)
-            return reference.finish_step(w, n, p, side, s, inplace=inplace, dtype=g.dtype), m, v
+            return reference.finish_step(w, n, p, side, s, inplace=inplace, dtype=dtype), m, v
         interpret = cfg.implementation == "interpret"
         if cfg.kernel != "auto":
             variant = cfg.kernel
@@ -338,14 +383,14 @@ class _GaLore:
             # the update and reading it back.
             variant = "xla_up"
         else:
-            variant = choose_kernel(g.shape, cfg.rank, side)
+            variant = choose_kernel(g.shape, reference.projector_rank(p.shape, side), side)
         packed = s.pack()
         if variant == "xla_up":  # XLA's GEMMs (partitioned by XLA) around the elementwise low-rank Adam kernel
             m, v, n = _lowrank_adam(reference.project(g, p, side), m, v, packed, interpret=interpret)
             m, v, s = _skip_nonfinite(m_old, v_old, m, v, s)
-            return reference.finish_step(w, n, p, side, s, inplace=inplace, dtype=g.dtype), m, v
+            return reference.finish_step(w, n, p, side, s, inplace=inplace, dtype=dtype), m, v
         # an fp16 up-projection (kernel.UP_CONFIG) takes N in fp16 from the Adam kernel, and P cast once with p16
-        n_dtype, p16 = kernel.up_operands(cfg.rank, side)
+        n_dtype, p16 = kernel.up_operands(reference.projector_rank(p.shape, side), side)
         if variant == "fused":  # (its N stays fp32: the up kernel casts its tiles)
             m, v, n = _down_adam(g, p, m, v, packed, side=side, interpret=interpret, variant="fused")
             cast = [p.astype(jnp.float16)] if p16 else []
@@ -357,7 +402,7 @@ class _GaLore:
                                            n_dtype=n_dtype, p=p if p16 else None)
         m, v, s = _skip_nonfinite(m_old, v_old, m, v, s)
         out = _up_update(w, n, cast[0] if p16 else p, s.pack(), side=side, inplace=inplace, interpret=interpret,
-                         out_dtype=g.dtype)
+                         out_dtype=dtype)
         return out, m, v
 
     def _update(self, updates, state: GaLoreAdamState, params, inplace: bool):
@@ -400,6 +445,7 @@ class _GaLore:
         count_inc = optax.safe_int32_increment(count)
         for i, (g, w, m, v, p, decay) in enumerate(zip(flat_g, flat_w, flat_mu, flat_nu, flat_p, wd_flags)):
             a = -lr * wd if decay else jnp.asarray(0.0, jnp.float32)
+            dtype = g.dtype if w is None else w.dtype  # updates in the params' dtype, as optax's
             if _is_masked(p):  # not projected: one fused Adam(W) kernel pass (pallas_fused.adam)
                 hp = dict(b1=b1, b2=b2, eps=eps, implementation=cfg.implementation)
                 if inplace:
@@ -408,15 +454,16 @@ class _GaLore:
                 elif with_lr:
                     out, m, v = fused_adam.adam_leaf_direction(g, m, v, count_inc, learning_rate=lr,
                                                                param=w if decay else None,
-                                                               weight_decay=wd if decay else 0.0, **hp)
+                                                               weight_decay=wd if decay else 0.0,
+                                                               update_dtype=dtype, **hp)
                 else:
-                    out, m, v = fused_adam.adam_leaf_direction(g, m, v, count_inc, **hp)
+                    out, m, v = fused_adam.adam_leaf_direction(g, m, v, count_inc, update_dtype=dtype, **hp)
                 outs.append(out), mus.append(m), nus.append(v), projs.append(p)
                 continue
             side = sides[i]
             p, ok = refreshed[i]
             s = Scalars(b1, b2, eps, alpha, beta, a, c, ok.astype(jnp.float32))
-            out, m, v = self._leaf(w if decay or inplace else None, g, m, v, p, side, s, inplace)
+            out, m, v = self._leaf(w if decay or inplace else None, g, m, v, p, side, s, inplace, dtype)
             outs.append(out), mus.append(m), nus.append(v), projs.append(p), oks.append(ok)
         all_ok = jnp.all(jnp.stack(oks)) if oks else jnp.asarray(True)
         new_state = GaLoreAdamState(
@@ -453,10 +500,9 @@ def state_shardings(state: GaLoreAdamState, param_shardings) -> GaLoreAdamState:
             continue
         spec = tuple(sh.spec) + (None,) * (2 - len(tuple(sh.spec)))
         rows, cols = NamedSharding(sh.mesh, P(spec[0], None)), NamedSharding(sh.mesh, P(None, spec[1]))
-        right = m.shape[1] < m.shape[0]  # m is (M, r) on side right, (r, N) on side left (r < min(M, N))
-        low, proj = (rows, cols) if right else (cols, rows)
+        low, proj = (rows, cols) if _state_side(m.shape, p.shape) == "right" else (cols, rows)
         mus.append(low), nus.append(low), projs.append(proj)
-    replicated = NamedSharding(mesh, P())
+    replicated = NamedSharding(mesh, P())  # type: ignore[arg-type]  # params without leaves have no mesh
     return GaLoreAdamState(replicated, replicated, treedef.unflatten(mus), treedef.unflatten(nus),
                            treedef.unflatten(projs))
 
@@ -473,20 +519,28 @@ def _build(learning_rate, weight_decay, *, b1, b2, eps, scale, rank, update_proj
 
 
 _DOC_ARGS = """
+
     Args:
       learning_rate: float or optax schedule (called with the step count).
-      rank: projection rank r (a Python int, < min(M, N) of each projected leaf).
-      update_proj_gap: steps between projector refreshes (step 0 refreshes).
+      rank: projection rank r (an int), clamped per leaf to min(M, N) as optax.contrib.galore and galore-torch do: a
+        leaf whose smaller side is <= rank is projected at full rank (its moments take no less memory than Adam's).
+        It sets the state's shapes, so init needs its value: under `optax.inject_hyperparams` with a jitted init
+        pass it in static_args; update reads each leaf's rank off its projector.
+      update_proj_gap: steps between projector refreshes (step 0 refreshes); a runtime value.
       scale: GaLore's update scale (alpha in the paper); default 0.25 (convention "galore") or 1.0 ("optax").
       proj_type: "std" | "reverse_std" | "right" | "left" (default "std"; "reverse_std" under
         convention="optax").
       b1, b2, eps: Adam's (eps default 1e-6, or 1e-8 under convention="optax").
       weight_decay: decoupled (AdamW) decay, applied as -lr * wd * W.
-      mask: which leaves are projected: pytree of bools or callable(params) -> pytree (default: 2-D leaves
-        whose both dims exceed rank). Other leaves get plain Adam(W).
+      mask: which leaves are projected: pytree of bools, a bool for all, or callable(params) -> pytree (default:
+        every 2-D leaf, as optax.contrib.galore). Other leaves, and empty ones, get plain Adam(W). Only 2-D leaves
+        are projected: a leaf of another rank chosen by `mask` is a ValueError naming it (optax.contrib.galore's
+        weight_dimension_numbers, which reshapes N-D leaves, is not supported: store such a weight as a matrix).
       weight_decay_mask: which leaves decay (pytree of bools, a bool for all, or callable; default all).
       projector: "svd" (exact, jnp.linalg.svd) or "randomized" (range finder with `oversample` extra
-        columns and `power_iters` subspace iterations, warm-started from the previous projector; `seed`).
+        columns, default 8, and `power_iters` subspace iterations, default 2, warm-started from the previous
+        projector; `seed`, a runtime value). oversample and power_iters set shapes and loops, so under
+        `optax.inject_hyperparams` they must stay static when given (their None defaults are).
       convention: "galore" (reference GaLore, the default) or "optax" (optax.contrib.galore's numbers).
       mu_dtype, nu_dtype: moment dtypes (default fp32).
       implementation: None | "pallas" | "xla" | "interpret" (see pallas_fused._backend). Precision: the Pallas
@@ -501,8 +555,8 @@ _DOC_ARGS = """
 def galore_adamw(learning_rate, *, rank: int = 128, update_proj_gap: int = 200, scale: float | None = None,
                  proj_type: str | None = None, b1: float = 0.9, b2: float = 0.999, eps: float | None = None,
                  weight_decay: float = 0.0, mask=None, weight_decay_mask=None, projector: str = "svd",
-                 oversample: int = 8, power_iters: int = 2, seed: int = 0, convention: str = "galore",
-                 mu_dtype=None, nu_dtype=None, implementation: str | None = None,
+                 oversample: int | None = None, power_iters: int | None = None, seed: int = 0,
+                 convention: str = "galore", mu_dtype=None, nu_dtype=None, implementation: str | None = None,
                  kernel: str = "auto") -> optax.GradientTransformationExtraArgs:
     """GaLore AdamW (reference GaLore semantics; see the module docstring): the full update, lr included.
 
@@ -518,7 +572,7 @@ def galore_adamw(learning_rate, *, rank: int = 128, update_proj_gap: int = 200, 
 
 def galore_adam(learning_rate, *, rank: int = 128, update_proj_gap: int = 200, scale: float | None = None,
                 proj_type: str | None = None, b1: float = 0.9, b2: float = 0.999, eps: float | None = None, mask=None,
-                projector: str = "svd", oversample: int = 8, power_iters: int = 2, seed: int = 0,
+                projector: str = "svd", oversample: int | None = None, power_iters: int | None = None, seed: int = 0,
                 convention: str = "galore", mu_dtype=None, nu_dtype=None, implementation: str | None = None,
                 kernel: str = "auto") -> optax.GradientTransformationExtraArgs:
     """GaLore Adam without weight decay (params not needed by `update`)."""
@@ -531,8 +585,9 @@ def galore_adam(learning_rate, *, rank: int = 128, update_proj_gap: int = 200, s
 
 def scale_by_galore_adam(*, rank: int = 128, update_proj_gap: int = 200, scale: float | None = None,
                          proj_type: str | None = None, b1: float = 0.9, b2: float = 0.999, eps: float | None = None,
-                         mask=None, projector: str = "svd", oversample: int = 8, power_iters: int = 2, seed: int = 0,
-                         convention: str = "galore", mu_dtype=None, nu_dtype=None, implementation: str | None = None,
+                         mask=None, projector: str = "svd", oversample: int | None = None,
+                         power_iters: int | None = None, seed: int = 0, convention: str = "galore", mu_dtype=None,
+                         nu_dtype=None, implementation: str | None = None,
                          kernel: str = "auto") -> optax.GradientTransformationExtraArgs:
     """The GaLore Adam direction without learning rate or weight decay, for `optax.chain` (like
     optax.scale_by_adam: positive sign; chain with optax.add_decayed_weights / scale_by_learning_rate).
@@ -547,8 +602,8 @@ def scale_by_galore_adam(*, rank: int = 128, update_proj_gap: int = 200, scale: 
 def galore_adamw_inplace(learning_rate, *, rank: int = 128, update_proj_gap: int = 200, scale: float | None = None,
                          proj_type: str | None = None, b1: float = 0.9, b2: float = 0.999, eps: float | None = None,
                          weight_decay: float = 0.0, mask=None, weight_decay_mask=None, projector: str = "svd",
-                         oversample: int = 8, power_iters: int = 2, seed: int = 0, convention: str = "galore",
-                         mu_dtype=None, nu_dtype=None, implementation: str | None = None,
+                         oversample: int | None = None, power_iters: int | None = None, seed: int = 0,
+                         convention: str = "galore", mu_dtype=None, nu_dtype=None, implementation: str | None = None,
                          kernel: str = "auto") -> GaLoreInplace:
     """galore_adamw as one in-place step: `step(params, grads, state) -> (params, state)`.
 
@@ -565,4 +620,4 @@ def galore_adamw_inplace(learning_rate, *, rank: int = 128, update_proj_gap: int
 
 
 for _f in (galore_adamw, galore_adam, scale_by_galore_adam, galore_adamw_inplace):
-    _f.__doc__ += _DOC_ARGS
+    _f.__doc__ += _DOC_ARGS  # type: ignore[operator]  # each of the four has a docstring

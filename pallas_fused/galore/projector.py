@@ -70,12 +70,14 @@ def randomized_projector(g: jax.Array, rank: int, side: str, key: jax.Array, pre
         a_mul = lambda x: _mm(g32, x)
         at_mul = lambda x: _mm(g32.T, x)
         n_other = g.shape[1]
-    l = rank + oversample
+    # at most min(M, N) columns, so that the (M or N, l) bases of both subspace steps have full column rank (a rank
+    # near min(M, N) leaves less room for oversampling)
+    l = min(rank + oversample, *g.shape)
     if prev is None:
         q = orthonormalize(a_mul(jax.random.normal(key, (n_other, l), jnp.float32)), qr)
     else:
         p_prev = (prev.T if side == "right" else prev).astype(jnp.float32)
-        fresh = a_mul(jax.random.normal(key, (n_other, oversample), jnp.float32))
+        fresh = a_mul(jax.random.normal(key, (n_other, l - rank), jnp.float32))
         q = orthonormalize(jnp.concatenate([p_prev, fresh], axis=1), qr)
     for _ in range(power_iters):
         q = orthonormalize(a_mul(orthonormalize(at_mul(q), qr)), qr)

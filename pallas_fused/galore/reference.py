@@ -67,6 +67,11 @@ def projector_shape(shape: tuple[int, int], rank: int, side: str) -> tuple[int, 
     return (rank, n) if side == "right" else (m, rank)
 
 
+def projector_rank(p_shape: tuple[int, int], side: str) -> int:
+    """The rank of a projector of shape `p_shape` on `side`."""
+    return p_shape[0] if side == "right" else p_shape[1]
+
+
 def lowrank_shape(shape: tuple[int, int], rank: int, side: str) -> tuple[int, int]:
     m, n = shape
     return (m, rank) if side == "right" else (rank, n)

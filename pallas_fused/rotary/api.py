@@ -152,7 +152,7 @@ def apply_rotary_with_config(q, k=None, positions=None, *, rotary_dim=None, inte
     rotary_dim = int(rotary_dim)
     if rotary_dim <= 0 or rotary_dim % 2 or rotary_dim > head_dim:
         raise ValueError(f"rotary_dim: expected an even number in [2, head_dim={head_dim}], got {rotary_dim}")
-    if not isinstance(base, numbers.Real) or isinstance(base, bool) or not base > 1.0:
+    if not isinstance(base, numbers.Real) or isinstance(base, bool) or not base > 1.0:  # type: ignore[operator]  # numbers.Real declares no operators
         raise ValueError(f"base: expected a Python number > 1 (static configuration), got {base!r}")
     if scaling is not None and not isinstance(scaling, RotaryScaling):
         raise ValueError(f"scaling: expected None or a RotaryScaling (e.g. RotaryScaling.linear(8.0)), "

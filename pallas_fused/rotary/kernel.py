@@ -56,8 +56,9 @@ from pallas_fused.rotary.reference import TABLE_ROWS, angle_table, reduced_angle
 # for sm_90: 4 tokens x 40 heads x 128 features over 8 warps = 80 per thread uses 79 registers, no spills).
 MAX_ELEMENTS_PER_THREAD = 96
 # Whether choose_config picks trig="fast" for 16-bit q/k (see the module docstring); decided by the GPU sweep
-# in benchmarks/bench_rotary.py. H200, session 2, B4 S4096 Hq32 Hk8 D128 bf16: fast + volatile loads fwd 0.094
-# ms, fwd+bwd 0.178 (precise + plain: 0.108 / 0.206; XLA 0.096 / 0.296); MHA B8 S2048: 0.144 / 0.278.
+# in benchmarks/bench_rotary.py. H200, B4 S4096 Hq32 Hk8 D128 bf16: fast + volatile loads fwd 0.094 ms, fwd+bwd
+# 0.178 (precise + plain: 0.108 / 0.206; XLA 0.096 / 0.296); MHA B8 S2048: 0.144 / 0.278
+# (benchmarks/results/nvidia_h200.json).
 FAST_TRIG_16BIT = True
 TRIGS = ("precise", "fast")
 # How q/k are loaded. The kernel issues them before any math (see the comment at the loads); "plain" keeps
@@ -114,9 +115,9 @@ def choose_config(batch: int, seq_len: int, n_q_heads: int, n_k_heads: int, pair
     load_mode = load_mode or LOAD_MODE
     if load_mode not in _LOAD_KW:
         raise ValueError(f"load_mode: expected one of {tuple(_LOAD_KW)}, got {load_mode!r}")
-    # Measured on an H200 (benchmarks/results/logs/*rotary*): one token per program ran 2.7x faster than
-    # 4 tokens x 8 warps (0.10 vs 0.27 ms fwd, B4 S4096 Hq32 Hk8 D128 bf16); with one token, 4 warps beat 2
-    # there (40 elements per thread) and 8 beat 4 for Hq=Hk=32 (32 per thread).
+    # Measured on an H200 (benchmarks/results/logs/h200_2026-11-21_rotary_adam_tile_experiment.log): one token per
+    # program ran 2.7x faster than 4 tokens x 8 warps (0.10 vs 0.27 ms fwd, B4 S4096 Hq32 Hk8 D128 bf16); with one
+    # token, 4 warps beat 2 there (40 elements per thread) and 8 beat 4 for Hq=Hk=32 (32 per thread).
     bt = block_tokens or 1
     bt = min(bt, _next_pow2(seq_len))
     features = 2 * pairs + passthrough

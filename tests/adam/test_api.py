@@ -205,8 +205,12 @@ def test_inject_hyperparams_runtime_operands_no_recompile(kernel_impl):
 
 def test_inject_hyperparams_with_8bit_states():
     params = mlp_params(hidden=512)
-    with pytest.raises(ValueError, match="static_args"):
-        optax.inject_hyperparams(A.adamw)(learning_rate=1e-2, state_bits=8).init(params)
+    # without static_args: init outside jit reads the value; under jit it is traced, and init says what to do
+    with pytest.raises(ValueError, match=r"state_bits.*static_args=\('state_bits',\)"):
+        jax.jit(optax.inject_hyperparams(A.adamw)(learning_rate=1e-2, state_bits=8).init)(params)
+    opt = optax.inject_hyperparams(A.adamw)(learning_rate=1e-2, state_bits=8, implementation="xla")
+    _, state, loss = train(opt, params, 2)
+    assert isinstance(state.inner_state.mu["w1"], A.QuantizedMoment)
     opt = optax.inject_hyperparams(A.adamw, static_args=("state_bits",))(
         learning_rate=1e-2, state_bits=8, implementation="xla")
     _, state, loss = train(opt, params, 5)
@@ -378,3 +382,31 @@ def test_errors_name_the_leaf_and_key_lists():
         tx.update({"a": jnp.ones((8, 40)), "b": jnp.ones((3,))}, state, {"a": jnp.ones((8, 40)), "b": params["b"]})
     with pytest.raises(ValueError, match=r"expected \[\"\['a'\]\", \"\['b'\]\"\], got \[\"\['a'\]\"\]"):
         tx.update({"a": params["a"]}, state, {"a": params["a"]})
+
+
+def test_updates_in_the_params_dtype():
+    # as optax's: bf16 params get bf16 updates whatever the moments' dtype (fp32 mu, 8-bit layout's fp32 small
+    # leaves), with or without weight decay; without params, the grad's dtype promoted with the moments'
+    params = {"w": jnp.ones((8, 4), jnp.bfloat16), "b": jnp.ones((3,), jnp.bfloat16)}
+    grads = jax.tree.map(lambda p: p * 0.5, params)
+    for tx in (A.adam(1e-2, mu_dtype=jnp.float32), A.adam(1e-2, state_bits=8), A.scale_by_adam(mu_dtype=jnp.float32),
+               A.adamw(1e-2, state_bits=8, implementation="xla")):
+        u, _ = jax.jit(tx.update)(grads, tx.init(params), params)
+        assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(u))
+    tx = A.adam(1e-2, mu_dtype=jnp.float32)
+    u, _ = jax.jit(tx.update)(grads, tx.init(params))
+    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(u))
+
+
+def test_state_shardings_of_empty_params():
+    """No params, no mesh to read from them: a ValueError that says to pass mesh=, and with it the count's sharding."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    from pallas_fused.adam import state_shardings
+
+    state = A.adamw(1e-3).init({})
+    with pytest.raises(ValueError, match="mesh="):
+        state_shardings(state, {})
+    mesh = jax.make_mesh((1,), ("data",))
+    out = state_shardings(state, {}, mesh=mesh)
+    assert out.count == NamedSharding(mesh, PartitionSpec())

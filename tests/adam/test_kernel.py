@@ -64,24 +64,13 @@ def _fp32_sweep(dmap, stride):
     return np.clip(bits, 0, None).astype(np.uint32).view(np.float32)
 
 
-@pytest.mark.parametrize("dmap,seg", [(R.SIGNED_MAP, R.SIGNED_SEGMENTS), (R.UNSIGNED_MAP, R.UNSIGNED_SEGMENTS)],
-                         ids=["signed", "unsigned"])
-def test_encode_segments_is_encode(dmap, seg):
-    """The kernels' table-lookup encoder gives the same code as `encode` for every input swept (dense over
-    [0, 1], every value near a decade bound or a midpoint between codes; an exhaustive sweep of all fp32 in
-    [0, 1] found no difference either)."""
-    a = jnp.asarray(_fp32_sweep(dmap, stride=251))
-    ref = jax.jit(lambda a: R.encode(a, dmap))(a)
-    out = jax.jit(lambda a: R.encode_segments(a, *R.table_lookups(seg)))(a)
-    bad = np.flatnonzero(np.asarray(ref) != np.asarray(out))
-    assert bad.size == 0, (np.asarray(a)[bad[:5]], np.asarray(ref)[bad[:5]], np.asarray(out)[bad[:5]])
-
-
 @pytest.mark.parametrize("dmap,tables", [(R.SIGNED_MAP, R.SIGNED_BINADES), (R.UNSIGNED_MAP, R.UNSIGNED_BINADES)],
                          ids=["signed", "unsigned"])
 def test_encode_binade_is_encode_signed(dmap, tables):
     """The binade-indexed encoder (sign, abs and clip folded into its tables) against `encode_signed` on the
-    same sweep, both signs for the signed map (-0 and negative denormals included); exhaustively checked too."""
+    same sweep (dense over [0, 1], every value near a decade bound or a midpoint between codes), both signs for
+    the signed map (-0 and negative denormals included); an exhaustive sweep of all fp32 in [-1, 1] found no
+    difference either."""
     a = _fp32_sweep(dmap, stride=251)
     x = jnp.asarray(np.concatenate([a, -a]) if dmap.signed else a)
     one = jnp.float32(1.0)
@@ -91,9 +80,8 @@ def test_encode_binade_is_encode_signed(dmap, tables):
     assert bad.size == 0, (np.asarray(x)[bad[:5]], np.asarray(ref)[bad[:5]], np.asarray(out)[bad[:5]])
 
 
-@pytest.mark.parametrize("variant", ["segments", "binade"])
 @pytest.mark.parametrize("signed", [True, False])
-def test_lookup_encoders_in_kernel_are_encode(signed, variant):
+def test_lookup_encoders_in_kernel_are_encode(signed):
     """The kernel's own table operands and lookups (interpret mode) against `encode`: quantize with the kernel
     (zero state, b1 = b2 = 0 so m_new = g and v_new = g*g) values at every code, on both sides of every
     midpoint between codes and of every decade bound (2e-5 away: XLA:CPU contracts a * A + C to an FMA in
@@ -116,7 +104,7 @@ def test_lookup_encoders_in_kernel_are_encode(signed, variant):
     nb = blocks.size // 256
     zc, za = jnp.zeros((nb * 256,), jnp.uint8), jnp.zeros((nb,), jnp.float32)
     s = K.scalar_operand([-1e-3, 0.0, 1.0, 0.0, 1.0, 1e-8, 0.0, 0.0, 1.0, 1.0])
-    out = K.adam_q8(s, g, zc, za, zc, za, inplace=False, interpret=True, variant=variant)
+    out = K.adam_q8(s, g, zc, za, zc, za, inplace=False, interpret=True)
     ref, _ = R.quantize_blockwise(vals, signed)
     np.testing.assert_array_equal(np.asarray(out[1] if signed else out[3]), np.asarray(ref))
     assert len(np.unique(np.asarray(ref))) == 256  # every code is hit
@@ -181,14 +169,13 @@ def _q8_inputs(n, seed=0, dtype=jnp.float32):
     return g, p, mc, ma, vc, va
 
 
-@pytest.mark.parametrize("variant", K.Q_VARIANTS)
 @pytest.mark.parametrize("n,dtype", [(5003, jnp.float32), (4096, jnp.bfloat16)])
-def test_q8_kernel_matches_reference(n, dtype, variant):
+def test_q8_kernel_matches_reference(n, dtype):
     g, p, mc, ma, vc, va = _q8_inputs(n, dtype=dtype)
     g = g.at[17].set(jnp.nan)
     s = _scalars()
     for inplace, pp in ((False, None), (True, p)):
-        out = K.adam_q8(s, g, mc, ma, vc, va, pp, inplace=inplace, interpret=True, variant=variant)
+        out = K.adam_q8(s, g, mc, ma, vc, va, pp, inplace=inplace, interpret=True)
         ref = R.adam_leaf_reference_q8(g, mc, ma, vc, va, s, pp, inplace=inplace)
         for o, r, name in zip(out, ref, ("out", "mc", "ma", "vc", "va")):
             assert o.dtype == r.dtype and o.shape == r.shape, name
@@ -240,35 +227,27 @@ def test_load_modes_match_reference(mode):
     v = rand(3, (n,)) ** 2
     g = g.at[7].set(jnp.nan)
     s = _scalars()
-    out = K.adam_fp32(s, g, m, v, p, inplace=True, interpret=True, block=512, num_warps=2, load_mode=mode)
+    out = K.adam_fp32(s, g, m, v, p, inplace=True, interpret=True, launch=K.Launch(512, 2, mode))
     for o, r, name in zip(out, R.adam_leaf_reference(g, m, v, s, p, inplace=True), ("p", "m", "v")):
         assert_all_written(o, name)
         _close(o, r, f"{name} {mode}")
     g8, p8, mc, ma, vc, va = _q8_inputs(n, seed=3)
     ref = R.adam_leaf_reference_q8(g8, mc, ma, vc, va, s, p8, inplace=True)
-    for variant, rows in (("table", 2), ("segments", 1), ("binade", 1)):
-        out = K.adam_q8(s, g8, mc, ma, vc, va, p8, inplace=True, interpret=True, rows=rows, num_warps=2,
-                        load_mode=mode, variant=variant)
-        _close(out[0], ref[0], f"p 8-bit {mode} {variant}")
-        for o, r in zip(out[1:], ref[1:]):
-            if o.dtype == jnp.uint8:
-                assert np.max(np.abs(np.asarray(o, np.int32) - np.asarray(r, np.int32))) <= 1
-            else:
-                _close(o, r, f"absmax 8-bit {mode} {variant}")
+    out = K.adam_q8(s, g8, mc, ma, vc, va, p8, inplace=True, interpret=True, launch=K.Launch(256, 2, mode))
+    _close(out[0], ref[0], f"p 8-bit {mode}")
+    for o, r in zip(out[1:], ref[1:]):
+        if o.dtype == jnp.uint8:
+            assert np.max(np.abs(np.asarray(o, np.int32) - np.asarray(r, np.int32))) <= 1
+        else:
+            _close(o, r, f"absmax 8-bit {mode}")
 
 
-def test_bad_load_mode():
-    x = jnp.zeros((8,))
-    with pytest.raises(ValueError, match="load_mode"):
-        K.adam_fp32(_scalars(), x, x, x, x, inplace=True, interpret=True, load_mode="streaming")
-
-
-def test_bad_q8_variant_and_rows():
+def test_bad_launch():
+    with pytest.raises(ValueError, match="load_mode: expected one of"):
+        K.Launch(load_mode="streaming")
     g, p, mc, ma, vc, va = _q8_inputs(300)
-    with pytest.raises(ValueError, match="variant"):
-        K.adam_q8(_scalars(), g, mc, ma, vc, va, p, inplace=True, interpret=True, variant="lut")
-    with pytest.raises(ValueError, match="rows"):
-        K.adam_q8(_scalars(), g, mc, ma, vc, va, p, inplace=True, interpret=True, rows=2, variant="segments")
+    with pytest.raises(ValueError, match="launch: the 8-bit kernel handles one block of 256"):
+        K.adam_q8(_scalars(), g, mc, ma, vc, va, p, inplace=True, interpret=True, launch=K.Launch(512, 1))
 
 
 def _assert_q8_close(out, ref):
@@ -291,8 +270,8 @@ def test_gpu_fp32_kernel_variants(block, warps, mode):
     g, p, m = rand(0, (n,)), rand(1, (n,)), rand(2, (n,), scale=0.1)
     v = rand(3, (n,)) ** 2
     s = _scalars()
-    out = jax.jit(lambda *a: K.adam_fp32(*a, inplace=True, interpret=False, block=block, num_warps=warps,
-                                         load_mode=mode))(s, g, m, v, p)
+    out = jax.jit(lambda *a: K.adam_fp32(*a, inplace=True, interpret=False, launch=K.Launch(block, warps, mode)))(
+        s, g, m, v, p)
     ref = jax.jit(lambda *a: R.adam_leaf_reference(*a, inplace=True))(g, m, v, s, p)
     for o, r in zip(out, ref):
         assert_all_written(o)
@@ -300,17 +279,13 @@ def test_gpu_fp32_kernel_variants(block, warps, mode):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("variant,rows,warps,mode", [
-    ("table", 8, 8, "volatile"), ("table", 2, 2, "volatile"), ("table", 4, 4, "plain"),
-    ("segments", 1, 1, "volatile"), ("segments", 1, 2, "plain"), ("binade", 1, 1, "volatile"),
-    ("binade", 1, 2, "evict_first"),
-])
-def test_gpu_q8_kernel_variants(variant, rows, warps, mode):
+@pytest.mark.parametrize("warps,mode", [(1, "volatile"), (2, "plain"), (2, "evict_first")])
+def test_gpu_q8_kernel_launches(warps, mode):
     n = 4096 * 256 + 17
     g, p, mc, ma, vc, va = _q8_inputs(n)
     s = _scalars()
-    out = jax.jit(lambda *a: K.adam_q8(*a, inplace=True, interpret=False, rows=rows, num_warps=warps,
-                                       load_mode=mode, variant=variant))(s, g, mc, ma, vc, va, p)
+    out = jax.jit(lambda *a: K.adam_q8(*a, inplace=True, interpret=False, launch=K.Launch(256, warps, mode)))(
+        s, g, mc, ma, vc, va, p)
     ref = jax.jit(lambda *a: R.adam_leaf_reference_q8(*a, inplace=True))(g, mc, ma, vc, va, s, p)
     _assert_q8_close(out, ref)
 

@@ -25,6 +25,8 @@ def test_mosaic_refused_without_a_gpu():
     with pytest.raises(_backend.ImplementationError, match="pallas:mosaic"):
         A.adam_leaf_update(p, p, *A.init_adam_leaf_state(p), jnp.int32(1), learning_rate=1e-3,
                            implementation="pallas:mosaic")
+    with pytest.raises(ValueError, match="'pallas', 'xla', 'interpret', 'pallas:mosaic', got 'interpret:mosaic'"):
+        A.adamw(1e-3, implementation="interpret:mosaic")  # a Mosaic GPU kernel has no interpret form
 
 
 def _scalars(count=3, wd=0.05):

@@ -11,9 +11,13 @@ import pytest
 from flax import nnx
 
 from pallas_fused.dora import (
+    ColumnsConfig,
     Config,
     Int8Kernel,
+    MergeConfig,
     NF4Kernel,
+    NormConfig,
+    NormTiles,
     column_scale,
     column_scale_reference,
     dequantize,
@@ -50,12 +54,11 @@ def vjp_all(fn, args, dy):
     return jax.jit(run)(tuple(args), dy)
 
 
-def check_against_reference(kernel, x, a, b, m, bias, dy, *, scale, impl, exact=False, gemm="auto", what="",
-                            config=None):
+def check_against_reference(kernel, x, a, b, m, bias, dy, *, scale, impl, exact=False, what="", config=None):
     """Forward and all 5 gradients: error vs the float32 reference <= 2x the same-dtype XLA reference's."""
     dt = x.dtype
     ours_fn = lambda x, a, b, m, bias: dora_dense(x, kernel, a, b, m, bias, scale=scale, exact_norm_grad=exact,  # noqa: E731
-                                                  implementation=impl, gemm=gemm, config=config)
+                                                  implementation=impl, config=config)
     base_fn = lambda x, a, b, m, bias: dora_dense(x, kernel, a, b, m, bias, scale=scale, exact_norm_grad=exact,  # noqa: E731
                                                   implementation="xla")
     w32 = dequantize(kernel, dt).astype(jnp.float32)
@@ -94,11 +97,11 @@ def test_forward_and_grads(kernel_impl, dtype, shape):
 
 
 def test_large_rank_no_bias(kernel_impl):
-    """Rank 64, no bias; "auto" takes gemm="epilogue" at this shape (asserted)."""
-    from pallas_fused.dora.api import _resolve_gemm
+    """Rank 64, no bias; plain "pallas" takes the "epilogue" variant at this shape (asserted)."""
+    from pallas_fused.dora.api import choose_variant
 
     x, w, a, b, m, _, dy = make(20, (23,), 130, 96, 64, jnp.bfloat16)
-    assert _resolve_gemm("auto", "dense", 23, 130, 96, jnp.bfloat16, False) == "epilogue"  # 23 tokens: no sm90 tile
+    assert choose_variant("dense", 23, 130, 96, jnp.bfloat16, False) == "epilogue"  # 23 tokens: no sm90 tile
     fn = lambda x, a, b, m: dora_dense(x, w, a, b, m, None, scale=0.25, implementation=kernel_impl)  # noqa: E731
     ref = lambda x, a, b, m: dora_dense(x, w, a, b, m, None, scale=0.25, implementation="xla")  # noqa: E731
     w32 = w.astype(jnp.float32)
@@ -122,30 +125,30 @@ def test_exact_norm_grad(kernel_impl, dtype):
     assert float(jnp.max(jnp.abs(grad_a(False) - grad_a(True)))) > 1e-3
 
 
-# gemm="merged" variants: the norm launch's partial sums over 3 row ranges (not a power of two) finished by the
+# "merged" configurations: the norm launch's partial sums over 3 row ranges (not a power of two) finished by the
 # merge launch, "expand" and "direct" norms, merge tiles ragged at both edges, forward or natural tile order.
 MERGE_CONFIGS = {
-    "merged_split3": Config(mnorm_rows=16, xnorm_bk=16, xnorm_bn=16, merge_bk=16, merge_bn=16),
+    "merged_split3": Config(norm=NormConfig(expand=NormTiles(bn=16, bk=16, rows=1024, warps=4, stages=3)),
+                            merge=MergeConfig(bk=16, bn=16, norm_rows=16)),
     # merge programs of 2 row tiles (the second ragged at the bottom), next W tile loaded one step ahead
-    "merged_rows2": Config(merge_bk=16, merge_bn=16, merge_rows=32),
-    "merged_direct_split3": Config(norm_mode="direct", norm_rows=16, norm_bk=16, merge_bk=32, merge_bn=16,
-                                   merge_reverse=False),
-    "merged_in_norm": Config(merge_in_norm=True, xnorm_bk=16, xnorm_bn=16),
+    "merged_rows2": Config(merge=MergeConfig(bk=16, bn=16, rows=32)),
+    "merged_direct_split3": Config(norm=NormConfig(mode="direct", direct=NormTiles(bn=64, bk=16, rows=16, warps=4,
+                                                                                   stages=2)),
+                                   merge=MergeConfig(bk=32, bn=16, reverse=False)),
     # backward column reductions over 3 token ranges, finished by XLA (the default config covers the 37 tokens
-    # with one program per column strip: finished in the kernel)
-    "merged_cols_split3": Config(cols_rows=16, cols_bt=16, cols_prefetch=False, cols_mma_sums=False),
-    # ... with a prefetched y (below 64 output features: the default; the MMA sums: test_backward_columns)
-    "merged_cols_prefetch": Config(cols_mma_sums=False),
+    # with one program per column strip: finished in the kernel); below 64 output features the sums run in
+    # registers with y prefetched (the MMA sums: test_backward_columns)
+    "merged_cols_split3": Config(columns=ColumnsConfig(rows=16, bt=16)),
 }
 
 
-@pytest.mark.parametrize("gemm", ["pallas", "fused", "epilogue", "merged", "xla", "xla_concat", "xla_epilogue",
-                                  *MERGE_CONFIGS])
-def test_gemm_variants(kernel_impl, gemm):
+@pytest.mark.parametrize("variant", ["gemm", "epilogue", "merged", *MERGE_CONFIGS])
+def test_variants(kernel_impl, variant):
+    """Each "pallas:<variant>" (on the CPU "interpret:<variant>") against the reference."""
     x, w, a, b, m, bias, dy = make(40, *BASE, jnp.bfloat16)
-    config = MERGE_CONFIGS.get(gemm)
-    check_against_reference(w, x, a, b, m, bias, dy, scale=0.5, impl=kernel_impl, gemm=gemm.split("_")[0],
-                            what=gemm, config=config)
+    config = MERGE_CONFIGS.get(variant)
+    check_against_reference(w, x, a, b, m, bias, dy, scale=0.5, impl=f"{kernel_impl}:{variant.split('_')[0]}",
+                            what=variant, config=config)
 
 
 @pytest.mark.parametrize("cfg", ["mma_finish", "mma_split", "elementwise_finish", "elementwise_split"])
@@ -153,17 +156,18 @@ def test_gemm_variants(kernel_impl, gemm):
 def test_backward_columns(kernel_impl, cfg, with_bias):
     """The backward column reductions (dB = xa^T dy g s, dm = sum dy (y - bias) / m, dbias = sum dy) against jnp:
     sums on the MMA or elementwise, finished in the kernel (one program over all tokens) or by XLA (3 ranges)."""
-    from pallas_fused.dora import kernel as K
+    from pallas_fused.dora import kernel_columns
 
     M, N, R = 37, 70, 16  # N > 64: 64-column tiles (the MMA sums need them), the second one ragged
     dy, y, xa = rand(90, (M, N), jnp.bfloat16), rand(91, (M, N), jnp.bfloat16), rand(92, (M, R), jnp.bfloat16)
     bias = rand(93, (N,), jnp.bfloat16, scale=0.5) if with_bias else None
     gs, m = rand(94, (N,)), jnp.abs(rand(95, (N,))) + 0.5
-    config = Config(cols_mma_sums=cfg.startswith("mma"), **({"cols_rows": 16, "cols_bt": 16} if "split" in cfg else {}))
+    config = ColumnsConfig(mma_sums=cfg.startswith("mma"), **({"rows": 16, "bt": 16} if "split" in cfg else {}))
     g = rand(96, (N,))
-    p, dm, db, dyg = K.backward_columns(dy, y, xa, bias, interpret=kernel_impl == "interpret", config=config,
-                                        finish=(gs, m, jnp.float32, jnp.float32, jnp.float32), dyg_scale=g)
-    # dy * g from the same launch (gemm="sm90"), rounded once to dy's dtype
+    p, dm, db, dyg = kernel_columns.backward_columns(dy, y, xa, bias, interpret=kernel_impl == "interpret",
+                                                     config=config, dyg_scale=g,
+                                                     finish=(gs, m, jnp.float32, jnp.float32, jnp.float32))
+    # dy * g from the same launch ("sm90"), rounded once to dy's dtype
     np.testing.assert_array_equal(dyg, (dy.astype(jnp.float32) * g[None, :]).astype(jnp.bfloat16))
     f = lambda v: np.asarray(v, np.float64)  # noqa: E731
     z = f(y) - (0 if bias is None else f(bias))
@@ -178,32 +182,33 @@ def test_save_merged_flag(kernel_impl):
     x, w, a, b, m, bias, dy = make(47, (21,), 40, 24, 4, jnp.bfloat16)
     outs = {}
     for keep in (True, False):
-        fn = lambda x, a, b, m, keep=keep: dora_dense(x, w, a, b, m, bias, scale=0.5, implementation=kernel_impl,  # noqa: E731
-                                                      gemm="merged", save_merged=keep)
+        fn = lambda x, a, b, m, keep=keep: dora_dense(x, w, a, b, m, bias, scale=0.5,  # noqa: E731
+                                                      implementation=f"{kernel_impl}:merged", save_merged=keep)
         outs[keep] = vjp_all(fn, (x, a, b, m), dy)
         _, pull = jax.vjp(fn, x, a, b, m)
         kept = [leaf for leaf in jax.tree.leaves(pull) if getattr(leaf, "shape", None) == w.shape]
         assert (len(kept) >= 2) == keep, (keep, len(kept))  # W itself, plus the merged weight when kept
     for o, n in zip(jax.tree.leaves(outs[True]), jax.tree.leaves(outs[False])):
         np.testing.assert_array_equal(np.asarray(o, np.float32), np.asarray(n, np.float32))
-    module = DoRADense(24, rank=4, save_merged=False, implementation=kernel_impl, gemm="merged")
+    module = DoRADense(24, rank=4, save_merged=False, implementation=f"{kernel_impl}:merged")
     params = module.init(jax.random.key(0), x)
     assert module.apply(params, x).shape == (21, 24)
 
 
 def test_merge_weight_outputs(kernel_impl):
     """merge_weight from partial sums returns ((W + s A B) g, n, g, B g s); from g, the same merged weight."""
-    from pallas_fused.dora import kernel as K
+    from pallas_fused.dora import kernel_merge, kernel_norm
 
     w, a = rand(84, (70, 40), jnp.bfloat16, scale=0.1), rand(85, (70, 16), jnp.bfloat16)
     b = rand(86, (16, 40), jnp.bfloat16)
     m = jnp.abs(rand(87, (40,))) + 0.5
-    cfg = Config(merge_bk=32, merge_bn=16, xnorm_bk=16, xnorm_bn=16)
+    cfg = MergeConfig(bk=32, bn=16)
     interp = kernel_impl == "interpret"
-    parts = K.column_partials((w,), "dense", a, b, 0.7, interpret=interp, config=cfg, rows=32)
+    norm = NormConfig(expand=NormTiles(bn=16, bk=16, rows=1024, warps=4, stages=3))
+    parts = kernel_norm.column_partials((w,), "dense", a, b, 0.7, interpret=interp, config=norm, rows=32)
     assert parts.shape == (3, 40)
-    wm, n, g, bg = K.merge_weight((w,), "dense", a, b, 0.7, partials=parts, magnitude=m, interpret=interp,
-                                  config=cfg)
+    wm, n, g, bg = kernel_merge.merge_weight((w,), "dense", a, b, 0.7, partials=parts, magnitude=m, interpret=interp,
+                                             config=cfg)
     v = w.astype(jnp.float32) + 0.7 * jnp.dot(a.astype(jnp.float32), b.astype(jnp.float32), precision="highest")
     n_ex = jnp.linalg.norm(v, axis=0)
     np.testing.assert_allclose(n, n_ex, rtol=2e-6)
@@ -213,12 +218,13 @@ def test_merge_weight_outputs(kernel_impl):
     assert wm.dtype == jnp.bfloat16
     np.testing.assert_allclose(wm.astype(jnp.float32), (v * (m / n_ex)).astype(jnp.bfloat16).astype(jnp.float32),
                                rtol=1e-2, atol=1e-3)
-    for cfg2 in (Config(merge_reverse=False), Config(merge_bk=16, merge_rows=64, merge_bn=32)):
-        wm2 = K.merge_weight((w,), "dense", a, b, 0.7, g=g, interpret=interp, config=cfg2)
+    for cfg2 in (MergeConfig(reverse=False), MergeConfig(bk=16, rows=64, bn=32)):
+        wm2 = kernel_merge.merge_weight((w,), "dense", a, b, 0.7, g=g, interpret=interp, config=cfg2)
         np.testing.assert_array_equal(wm2.astype(jnp.float32), wm.astype(jnp.float32))
-    # emit_partials (gemm="sm90"): V unscaled and V's column sums of squares per row range (3 ranges of 32 rows)
-    cfg3 = Config(merge_bk=16, merge_rows=32, merge_bn=16)  # 2 row tiles a program, a masked last range
-    v2, parts2 = K.merge_weight((w,), "dense", a, b, 0.7, emit_partials=True, interpret=interp, config=cfg3)
+    # emit_partials ("sm90"): V unscaled and V's column sums of squares per row range (3 ranges of 32 rows)
+    cfg3 = MergeConfig(v_bk=16, rows=32, v_bn=16)  # 2 row tiles a program, a masked last range
+    v2, parts2 = kernel_merge.merge_weight((w,), "dense", a, b, 0.7, emit_partials=True, interpret=interp,
+                                           config=cfg3)
     assert v2.dtype == jnp.bfloat16 and parts2.shape == (3, 40)
     np.testing.assert_allclose(v2.astype(jnp.float32), v.astype(jnp.bfloat16).astype(jnp.float32), rtol=1e-2,
                                atol=1e-3)
@@ -240,20 +246,23 @@ def test_sm90_skeleton_rejects_bad_operands():
         _sm90.matmul(a8[:100], a8, b_layout="nk", **kw)
 
 
-def test_sm90_gemm_needs_hopper_and_tile_shapes(kernel_impl):
-    """gemm="sm90" runs only where it can (a Hopper GPU, dense 16-bit W, tile-multiple shapes), else a clear error."""
+def test_sm90_needs_hopper_and_tile_shapes():
+    """"pallas:sm90" runs only where it can (a Hopper GPU, dense 16-bit W, tile-multiple shapes), else a clear error;
+    it has no interpret form (a Mosaic GPU kernel)."""
     x, w, a, b, m, bias, _ = make(46, (5,), 64, 48, 4, jnp.bfloat16)
-    with pytest.raises(ValueError, match="gemm='sm90' needs"):
-        dora_dense(x, w, a, b, m, bias, scale=0.5, implementation=kernel_impl, gemm="sm90")
+    with pytest.raises(ValueError, match="implementation='pallas:sm90' needs"):
+        dora_dense(x, w, a, b, m, bias, scale=0.5, implementation="pallas:sm90")
+    with pytest.raises(ValueError, match="'pallas:merged', 'pallas:epilogue', 'pallas:gemm', 'interpret:merged'"):
+        dora_dense(x, w, a, b, m, bias, scale=0.5, implementation="interpret:sm90")
 
 
-@pytest.mark.parametrize("gemm", ["merged", "epilogue"])
-def test_few_tokens_no_bias(kernel_impl, gemm):
+@pytest.mark.parametrize("variant", ["merged", "epilogue"])
+def test_few_tokens_no_bias(kernel_impl, variant):
     """Few tokens per weight, no bias. "merged": dx on the merged weight kept from the forward; "epilogue": the
     cuBLAS backward scales dy by g and adds the low-rank term separately (many tokens: one GEMM on the merged
-    weight, covered by test_gemm_variants)."""
+    weight, covered by test_variants)."""
     x, w, a, b, m, _, dy = make(45, (3,), 64, 48, 4, jnp.bfloat16)
-    fn = lambda x, a, b, m: dora_dense(x, w, a, b, m, None, scale=0.5, implementation=kernel_impl, gemm=gemm)  # noqa: E731
+    fn = lambda x, a, b, m: dora_dense(x, w, a, b, m, None, scale=0.5, implementation=f"{kernel_impl}:{variant}")  # noqa: E731
     ref = lambda x, a, b, m: dora_dense(x, w, a, b, m, None, scale=0.5, implementation="xla")  # noqa: E731
     ex = lambda x, a, b, m: dora_dense_reference(x, w.astype(jnp.float32), a, b, m, None, scale=0.5)  # noqa: E731
     y, g = vjp_all(fn, (x, a, b, m), dy)
@@ -266,10 +275,10 @@ def test_few_tokens_no_bias(kernel_impl, gemm):
 
 
 def test_qdora_int8_merged(kernel_impl):
-    """int8 W with gemm="merged": the merged weight is formed from the codes and scales (fwd and dx)."""
+    """int8 W with "pallas:merged": the merged weight is formed from the codes and scales (fwd and dx)."""
     x, w, a, b, m, bias, dy = make(55, (27,), 150, 36, 6, jnp.bfloat16, w_dtype=jnp.float32)
-    check_against_reference(quantize_int8(w), x, a, b, m, bias, dy, scale=0.5, impl=kernel_impl, gemm="merged",
-                            what="int8 merged", config=Config(merge_bk=64, merge_rows=128))  # 2 row tiles a program
+    check_against_reference(quantize_int8(w), x, a, b, m, bias, dy, scale=0.5, impl=f"{kernel_impl}:merged",
+                            what="int8 merged", config=Config(merge=MergeConfig(bk=64, rows=128)))  # 2 tiles a program
 
 
 @pytest.mark.parametrize("kind, dtype, exact", [("int8", jnp.bfloat16, False), ("nf4", jnp.bfloat16, False),
@@ -278,18 +287,6 @@ def test_qdora_matches_dequantized_reference(kernel_impl, kind, dtype, exact):
     x, w, a, b, m, bias, dy = make(50, (27,), 150, 36, 6, dtype, w_dtype=jnp.float32)
     qw = quantize_int8(w) if kind == "int8" else quantize_nf4(w)
     check_against_reference(qw, x, a, b, m, bias, dy, scale=0.6, impl=kernel_impl, exact=exact, what=kind)
-
-
-@pytest.mark.parametrize("kind", ["int8", "nf4"])
-def test_qdora_swap_ab_forward(kernel_impl, kind):
-    x, w, a, b, m, bias, _ = make(55, (27,), 150, 36, 6, jnp.bfloat16, w_dtype=jnp.float32)
-    qw = quantize_int8(w) if kind == "int8" else quantize_nf4(w)
-    y = jax.jit(lambda x: dora_dense(x, qw, a, b, m, bias, scale=0.6, implementation=kernel_impl,
-                                     config=Config(quant_swap_ab=True)))(x)
-    base = dora_dense(x, qw, a, b, m, bias, scale=0.6, implementation="xla")
-    w32 = dequantize(qw, jnp.bfloat16).astype(jnp.float32)
-    ref = dora_dense_reference(x.astype(jnp.float32), w32, a, b, m, bias, scale=0.6)
-    assert_close(y, ref, baseline=base, what=f"{kind} swap_ab")
 
 
 def test_quantizers():
@@ -322,19 +319,12 @@ def test_column_scale(kernel_impl, kind):
 # the kernel), split rows (partial sums finished by XLA), a ragged last tile; "direct" as the fallback.
 NORM_CONFIGS = {
     "fused_finish": Config(),
-    "split_rows": Config(xnorm_rows=64, xnorm_bk=32, xnorm_bn=16),
-    "split_ragged": Config(xnorm_rows=128, xnorm_bk=64, xnorm_bn=32),
-    "direct": Config(norm_mode="direct"),
+    "split_rows": Config(norm=NormConfig(expand=NormTiles(bn=16, bk=32, rows=64, warps=4, stages=3))),
+    "split_ragged": Config(norm=NormConfig(expand=NormTiles(bn=32, bk=64, rows=128, warps=4, stages=3))),
+    "direct": Config(norm=NormConfig(mode="direct")),
     # next W tile loaded one step ahead, 3 row ranges of 2 steps (the last ragged: prefetches past K masked)
-    "direct_prefetch": Config(norm_mode="direct", norm_prefetch=True, norm_rows=64, norm_bk=32, norm_bn=16),
-    # A^T A passed in (XLA) instead of accumulated per program: one launch, and 3 row ranges (added once)
-    "gram_finish": Config(xnorm_gram_rank=16),
-    "gram_split": Config(xnorm_gram_rank=16, xnorm_rows=64, xnorm_bk=32, xnorm_bn=16),
-    # sum of W^2 as diag(W^T W) on the MMA: one launch; split rows with A^T A passed in
-    "mma_squares": Config(xnorm_mma_squares=True),
-    "mma_squares_gram_split": Config(xnorm_mma_squares=True, xnorm_gram_rank=16, xnorm_rows=64, xnorm_bk=32,
-                                     xnorm_bn=64),
-    "register_squares": Config(xnorm_mma_squares=False),
+    "direct_prefetch": Config(norm=NormConfig(mode="direct", direct=NormTiles(bn=16, bk=32, rows=64, warps=4,
+                                                                              stages=2))),
 }
 
 
@@ -342,13 +332,10 @@ NORM_CONFIGS = {
     ("dense", jnp.bfloat16, "fused_finish"), ("dense", jnp.bfloat16, "split_rows"), ("dense", jnp.bfloat16, "direct"),
     ("dense", jnp.float16, "split_ragged"), ("int8", jnp.bfloat16, "fused_finish"),
     ("int8", jnp.bfloat16, "split_ragged"), ("dense", jnp.bfloat16, "direct_prefetch"),
-    ("int8", jnp.bfloat16, "direct_prefetch"), ("dense", jnp.bfloat16, "gram_finish"),
-    ("dense", jnp.float16, "gram_split"), ("int8", jnp.bfloat16, "gram_split"), ("dense", jnp.bfloat16, "mma_squares"),
-    ("int8", jnp.bfloat16, "mma_squares"), ("dense", jnp.float16, "mma_squares_gram_split"),
-    ("dense", jnp.bfloat16, "register_squares"),
+    ("int8", jnp.bfloat16, "direct_prefetch"),
 ], ids=str)
 def test_column_scale_expand(kernel_impl, kind, dtype, cfg):
-    from pallas_fused.dora.kernel import expand_supported
+    from pallas_fused.dora.kernel_norm import expand_supported
 
     fin, fout, r = 150, 36, 6
     w = rand(74, (fin, fout), scale=0.1)
@@ -367,12 +354,12 @@ def test_column_scale_expand(kernel_impl, kind, dtype, cfg):
 
 def test_column_norm_scale_outputs(kernel_impl):
     """The fused-finish launch returns n and g = m / n (the layer keeps n for the exact norm gradient)."""
-    from pallas_fused.dora import kernel as K
+    from pallas_fused.dora import kernel_norm
 
     w, a = rand(80, (70, 40), jnp.bfloat16, scale=0.1), rand(81, (70, 16), jnp.bfloat16)
     b = rand(82, (16, 40), jnp.bfloat16)
     m = jnp.abs(rand(83, (40,))) + 0.5
-    n, g = K.column_norm_scale((w,), "dense", a, b, 0.7, m, interpret=kernel_impl == "interpret")
+    n, g = kernel_norm.column_norm_scale((w,), "dense", a, b, 0.7, m, interpret=kernel_impl == "interpret")
     v = w.astype(jnp.float32) + 0.7 * jnp.dot(a.astype(jnp.float32), b.astype(jnp.float32), precision="highest")
     np.testing.assert_allclose(n, jnp.linalg.norm(v, axis=0), rtol=2e-6)
     np.testing.assert_allclose(g, m / n, rtol=1e-6)
@@ -559,8 +546,15 @@ def test_bad_module_args():
         DoRADense(4, rank=5).init(jax.random.key(0), x)
     with pytest.raises(ValueError, match="quantize"):
         DoRADense(4, rank=2, quantize="int4").init(jax.random.key(0), x)
-    with pytest.raises(ValueError, match="gemm"):
-        dora_dense(x, jnp.ones((6, 4)), jnp.ones((6, 2)), jnp.ones((2, 4)), jnp.ones((4,)), scale=1.0, gemm="cublas")
+    with pytest.raises(ValueError, match="implementation must be None or one of .*'pallas:merged'"):
+        dora_dense(x, jnp.ones((6, 4)), jnp.ones((6, 2)), jnp.ones((2, 4)), jnp.ones((4,)), scale=1.0,
+                   implementation="pallas:cublas")
+    with pytest.raises(ValueError, match="'pallas:epilogue' takes a dense kernel only"):
+        dora_dense(x, quantize_int8(jnp.ones((6, 4))), jnp.ones((6, 2)), jnp.ones((2, 4)), jnp.ones((4,)), scale=1.0,
+                   implementation="interpret:epilogue")
+    with pytest.raises(ValueError, match="'pallas:merged' takes a dense kernel or an Int8Kernel"):
+        dora_dense(x, quantize_nf4(jnp.ones((6, 4))), jnp.ones((6, 2)), jnp.ones((2, 4)), jnp.ones((4,)), scale=1.0,
+                   implementation="interpret:merged")
 
 
 # ---------------------------------------------------------------------------------------------------- GPU
@@ -569,49 +563,51 @@ BIG = [((512,), 4096, 4096, 16), ((256,), 4096, 11008, 64)]
 
 GPU_CONFIGS = {
     "sm90_remerge": Config(save_merged=False),  # V not kept: the backward forms (W + s A B) g for dx
-    "sm90_cols_registers": Config(cols_mma_sums=False),  # dy g written from the register path of the column launch
-    "merged_in_norm": Config(merge_in_norm=True, xnorm_bn=32, xnorm_bk=128),
-    # norm partials over 8 row ranges from the prefetching "direct" kernel, merge tiles 64 x 128 in forward order
-    "merged_direct_pf": Config(norm_mode="direct", norm_prefetch=True, norm_rows=512, merge_bk=64, merge_bn=128,
-                               merge_reverse=False),
-    "merged_cols_split": Config(cols_rows=128),  # backward column sums over token ranges, finished by XLA
-    "merged_rows512": Config(merge_rows=512, cols_mma_sums=False),  # 4 row tiles per merge program; sums in registers
+    # dy g written from the register path of the column launch
+    "sm90_cols_registers": Config(columns=ColumnsConfig(mma_sums=False)),
+    # norm partials over 8 row ranges from the "direct" kernel, merge tiles 64 x 128 in forward order
+    "merged_direct": Config(norm=NormConfig(mode="direct"), merge=MergeConfig(bk=64, bn=128, reverse=False)),
+    # backward column sums over token ranges, finished by XLA
+    "merged_cols_split": Config(columns=ColumnsConfig(rows=128)),
+    # 4 row tiles per merge program; sums in registers
+    "merged_rows512": Config(merge=MergeConfig(rows=512), columns=ColumnsConfig(mma_sums=False)),
 }
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", BIG, ids=str)
-@pytest.mark.parametrize("gemm", ["auto", "pallas", "merged", "epilogue", "sm90", *GPU_CONFIGS])
-def test_gpu_big_shapes(shape, gemm):
+@pytest.mark.parametrize("variant", ["", "gemm", "merged", "epilogue", "sm90", *GPU_CONFIGS])
+def test_gpu_big_shapes(shape, variant):
     lead, fin, fout, r = shape
     x, w, a, b, m, bias, dy = make(200, lead, fin, fout, r, jnp.bfloat16)
-    check_against_reference(w, x, a, b, m, bias, dy, scale=0.5, impl="pallas", gemm=gemm.split("_")[0],
-                            what=f"gpu {shape} {gemm}", config=GPU_CONFIGS.get(gemm))
+    impl = "pallas" + (f":{variant.split('_')[0]}" if variant else "")
+    check_against_reference(w, x, a, b, m, bias, dy, scale=0.5, impl=impl, what=f"gpu {shape} {variant}",
+                            config=GPU_CONFIGS.get(variant))
 
 
 @pytest.mark.gpu
 def test_gpu_sm90_exact_norm_grad():
-    """gemm="sm90" differentiating through the norm (dy g formed by XLA, the column sums on the sharded path)."""
+    """"pallas:sm90" differentiating through the norm (dy g formed by XLA, the column sums on the sharded path)."""
     lead, fin, fout, r = BIG[0]
     x, w, a, b, m, bias, dy = make(205, lead, fin, fout, r, jnp.bfloat16)
-    check_against_reference(w, x, a, b, m, bias, dy, scale=0.5, impl="pallas", gemm="sm90", exact=True,
+    check_against_reference(w, x, a, b, m, bias, dy, scale=0.5, impl="pallas:sm90", exact=True,
                             what="gpu sm90 exact")
 
 
 @pytest.mark.gpu
 def test_gpu_auto_takes_sm90_on_hopper():
     from pallas_fused import _backend
-    from pallas_fused.dora.api import _resolve_gemm
+    from pallas_fused.dora.api import choose_variant
 
     want = "sm90" if _backend.is_hopper() else "merged"
-    assert _resolve_gemm("auto", "dense", 4096, 4096, 4096, jnp.bfloat16, False) == want
-    assert _resolve_gemm("auto", "dense", 4096, 4096, 4096, jnp.bfloat16, True) == "merged"  # interpret: no sm90
+    assert choose_variant("dense", 4096, 4096, 4096, jnp.bfloat16, False) == want
+    assert choose_variant("dense", 4096, 4096, 4096, jnp.bfloat16, True) == "merged"  # interpret: no sm90
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
 @pytest.mark.parametrize("with_bias", [True, False])
-@pytest.mark.parametrize("config", ["LARGE", "SMALL"])
+@pytest.mark.parametrize("config", [0, 1])  # kernel_sm90.tiles(): large, small
 def test_gpu_sm90_scaled_matmul(dtype, with_bias, config):
     """The Mosaic GPU GEMM (x V) g + bias against a float32 product of the same 16-bit inputs: one rounding."""
     from pallas_fused import _backend
@@ -621,7 +617,7 @@ def test_gpu_sm90_scaled_matmul(dtype, with_bias, config):
         pytest.skip("the sm90 kernel needs a Hopper GPU")
     x, v = rand(240, (384, 1024), dtype), rand(241, (1024, 768), dtype, scale=1024 ** -0.5)
     g, bias = jnp.abs(rand(242, (768,))) + 0.5, rand(243, (768,), dtype) if with_bias else None
-    y = kernel_sm90.scaled_matmul(x, v, g, bias, config=getattr(kernel_sm90, config))
+    y = kernel_sm90.scaled_matmul(x, v, g, bias, config=kernel_sm90.tiles()[config])
     ref = jnp.dot(x.astype(jnp.float32), v.astype(jnp.float32), precision="highest") * g
     ref = ref + (0.0 if bias is None else bias.astype(jnp.float32))
     assert y.dtype == dtype
@@ -632,19 +628,10 @@ def test_gpu_sm90_scaled_matmul(dtype, with_bias, config):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", ["int8", "nf4"])
-@pytest.mark.parametrize("swap_ab", [False, True])
-def test_gpu_qdora(kind, swap_ab):
+def test_gpu_qdora(kind):
     x, w, a, b, m, bias, dy = make(210, (300,), 4096, 1024, 16, jnp.bfloat16, w_dtype=jnp.float32)
     qw = quantize_int8(w) if kind == "int8" else quantize_nf4(w)
-    fn = lambda x, a, b, m, bias: dora_dense(x, qw, a, b, m, bias, scale=0.5, implementation="pallas",  # noqa: E731
-                                             config=Config(quant_swap_ab=swap_ab))
-    if swap_ab:  # forward only (the option only changes the forward GEMM)
-        w32 = dequantize(qw, jnp.bfloat16).astype(jnp.float32)
-        ref = dora_dense_reference(x.astype(jnp.float32), w32, a, b, m, bias, scale=0.5)
-        base = dora_dense(x, qw, a, b, m, bias, scale=0.5, implementation="xla")
-        assert_close(fn(x, a, b, m, bias), ref, baseline=base, what=f"gpu {kind} swap_ab")
-    else:
-        check_against_reference(qw, x, a, b, m, bias, dy, scale=0.5, impl="pallas", what=f"gpu {kind}")
+    check_against_reference(qw, x, a, b, m, bias, dy, scale=0.5, impl="pallas", what=f"gpu {kind}")
 
 
 @pytest.mark.gpu
@@ -656,10 +643,10 @@ def test_gpu_odd_shapes(dtype):
 
 GPU_NORM_CONFIGS = {
     **NORM_CONFIGS,
-    "one_launch_4096": Config(xnorm_rows=4096, xnorm_bn=32, xnorm_bk=128),
-    # "expand" at any rank, with A^T A passed in: split rows, and one launch
-    "gram_any_rank": Config(expand_max_rank=128, xnorm_gram_rank=16, xnorm_bn=128, xnorm_bk=64),
-    "gram_one_launch": Config(expand_max_rank=128, xnorm_gram_rank=16, xnorm_bn=128, xnorm_bk=128, xnorm_rows=4096),
+    "one_launch_4096": Config(norm=NormConfig(expand=NormTiles(bn=32, bk=128, rows=4096, warps=4, stages=3))),
+    # "expand" past the default max rank
+    "expand_rank64": Config(norm=NormConfig(expand_max_rank=128, expand=NormTiles(bn=128, bk=64, rows=1024, warps=4,
+                                                                                   stages=3))),
 }
 
 
@@ -667,13 +654,11 @@ GPU_NORM_CONFIGS = {
 @pytest.mark.parametrize("cfg", list(GPU_NORM_CONFIGS), ids=str)
 @pytest.mark.parametrize("fout, r", [(4096, 16), (11008, 64)])
 def test_gpu_column_scale(cfg, fout, r):
-    """The column norm variants at the benchmark shapes vs a float32 reference of the same 16-bit inputs.
-
-    Sums of W^2 on the tensor cores (xnorm_mma_squares at bn >= 64) are accumulated by the MMA unit, whose float32
-    additions may truncate: up to 5e-5 relative is allowed there (XLA's bf16 reference errs by up to 2.2e-4 here,
-    median 4e-5: it rounds W + s A B to bf16), 1e-5 for squares summed by FMAs."""
+    """The column norm configurations at the benchmark shapes vs a float32 reference of the same 16-bit inputs
+    (squares summed by FMAs: 1e-5 relative; XLA's bf16 reference errs by up to 2.2e-4 here, it rounds W + s A B to
+    bf16)."""
     config = GPU_NORM_CONFIGS[cfg]
-    rtol = 5e-5 if config.xnorm_mma_squares and config.xnorm_bn >= 64 else 1e-5
+    rtol = 1e-5
     w = rand(230, (4096, fout), jnp.bfloat16, scale=4096 ** -0.5)
     a, b = rand(231, (4096, r), jnp.bfloat16, scale=r ** -0.5), rand(232, (r, fout), jnp.bfloat16, scale=0.05)
     m = jnp.abs(rand(233, (fout,))) + 0.5

@@ -17,20 +17,37 @@ TOKENS = (256, 16384)
 def program_choices() -> dict:
     from pallas_fused import _backend
     from pallas_fused.dora import api as dora_api
+    from pallas_fused.embed import api as embed_api
+    from pallas_fused.embed import kernel as embed_kernel
     from pallas_fused.fp8 import Float8Config
     from pallas_fused.fp8 import api as fp8_api
     from pallas_fused.galore import kernel as galore_kernel
+    from pallas_fused.norm import kernel as norm_kernel
 
     record: dict = {"device": _backend.device_name(),
                     "implementation": _backend.resolve_implementation(None, op="choices")}
     record["galore_variant"] = {f"{m}x{n}/r{r}/{side}": galore_kernel.choose_variant((m, n), r, side)
                                 for m, n in SHAPES for r in RANKS for side in ("left", "right")}
-    record["dora_gemm"] = {f"{t}x{fin}x{fout}/{dt}/{interp}": dora_api._resolve_gemm("auto", "dense", t, fin, fout,
-                                                                                     jnp.dtype(dt), interp)
+    record["dora_variant"] = {f"{t}x{fin}x{fout}/{dt}/{interp}": dora_api.choose_variant("dense", t, fin, fout,
+                                                                                        jnp.dtype(dt), interp)
                            for t in TOKENS for fin, fout in SHAPES for dt in ("bfloat16", "float32")
                            for interp in (False, True)}
+    from pallas_fused.adam import kernel as adam_kernel
+    from pallas_fused.dora import kernel_sm90
+    from pallas_fused.fp8 import kernel as fp8_kernel
+
+    record["dora_sm90_tiles"] = {f"{t}x{fin}x{fout}": repr(kernel_sm90.config_for(t, fout, fin))
+                                 for t in TOKENS for fin, fout in SHAPES}
+    record["adam_launch"] = {k: repr(adam_kernel.default_launch(k)) for k in ("fp32", "q8")}
+    record["fp8_cast"] = {str(axis): fp8_kernel.cast_config(axis) for axis in (None, 0, 1)}
     record["fp8_recipes"] = {name: repr(Float8Config.from_recipe(name))
                              for name in ("tensorwise", "rowwise", "rowwise_with_gw_hp")}
     record["fp8_sm90_config"] = {f"{m}x{n}x{k}": repr(fp8_api.sm90_config(m, n, k))
                                  for m, n in SHAPES for k in (64, 2048)}
+    record["embed"] = {f"{t}x{v}x{d}/{dt}": (embed_api.use_onehot(v, jnp.dtype(dt)),
+                                             repr(embed_kernel.choose_config(t, v, d)))
+                       for t in TOKENS for v in (256, 1000, 32000) for d in (128, 2048)
+                       for dt in ("bfloat16", "float32")}
+    record["rms_norm"] = {f"{r}x{d}/{bwd}": repr(norm_kernel.choose_config(r, d, bwd))
+                          for r in TOKENS for d in (100, 2048, 5504) for bwd in (False, True)}
     return record

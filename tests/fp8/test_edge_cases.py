@@ -106,17 +106,26 @@ def test_flax_zero_tokens_like_nn_dense(impl):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("axis", [None, 0, 1])
-@pytest.mark.parametrize("method", ["two_phase", "fused"])
-def test_gpu_non_finite_quantize_matches_reference(axis, method):
+def test_gpu_non_finite_quantize_matches_reference(axis):
     """On the GPU, Triton's min/max drop NaN: the compiled kernel must still keep NaN as NaN and saturate inf,
     bit for bit as the reference."""
     from pallas_fused.fp8 import kernel
 
-    if method == "fused" and axis is None:
-        pytest.skip("tensorwise is always two-phase")
     x = rand(5, (300, 520), jnp.bfloat16).at[7, 9].set(jnp.inf).at[100, 3].set(jnp.nan).at[299, 519].set(-jnp.inf)
-    q, qt, s = kernel.quantize_2d(x, dtype=E4, axis=axis, power_of_2=False, emit_t=True, method=method)
+    q, qt, s = kernel.quantize_2d(x, dtype=E4, axis=axis, power_of_2=False, emit_t=True)
     rq, rs = quantize(x, E4, axis=axis, implementation="xla")
     np.testing.assert_array_equal(np.asarray(s).reshape(-1), np.asarray(rs).reshape(-1))
     np.testing.assert_array_equal(_f32(q), _f32(rq))
     np.testing.assert_array_equal(_f32(qt), _f32(rq).T)
+
+
+def test_variant_selector():
+    """"interpret:triton" is the interpreted Triton matmul (as "interpret"); the sm90 kernel has no interpret form
+    and an unknown variant is refused with the valid names."""
+    a, b = rand(1, (5, 32)).astype(E4), rand(2, (32, 7)).astype(E4)
+    want = scaled_matmul(a, b, 0.5, 2.0, implementation="xla")
+    got = scaled_matmul(a, b, 0.5, 2.0, implementation="interpret:triton")
+    np.testing.assert_allclose(_f32(got), _f32(want), rtol=1e-2)
+    for bad in ("interpret:sm90", "pallas:cublas"):
+        with pytest.raises(ValueError, match=f"'pallas:sm90', 'pallas:triton', 'interpret:triton', got '{bad}'"):
+            scaled_matmul(a, b, 0.5, 2.0, implementation=bad)

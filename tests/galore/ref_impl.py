@@ -18,7 +18,8 @@ class RefGaLoreAdamW:
     def __init__(self, lr, rank, gap, scale, b1=0.9, b2=0.999, eps=1e-6, wd=0.0, proj_type="std", projected=None):
         self.lr, self.rank, self.gap, self.scale = lr, rank, gap, scale
         self.b1, self.b2, self.eps, self.wd, self.proj_type = b1, b2, eps, wd, proj_type
-        self.projected = projected or (lambda p: p.ndim == 2 and min(p.shape) > rank)
+        # every 2-D leaf; P = U[:, :rank] / Vh[:rank] clamps the rank to min(M, N), as galore-torch's slicing does
+        self.projected = projected or (lambda p: p.ndim == 2)
         self.state = {}
 
     def step(self, params: dict, grads: dict) -> dict:

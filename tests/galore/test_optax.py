@@ -21,7 +21,7 @@ RANK, GAP = 8, 3
 
 def _params(dtype=jnp.float32, scale=1.0):
     return {"w": rand(0, (48, 80), dtype, scale), "u": rand(1, (80, 48), dtype, scale),
-            "b": rand(2, (7,), dtype, scale), "small": rand(3, (6, 40), dtype, scale)}  # min dim <= rank: plain Adam
+            "b": rand(2, (7,), dtype, scale), "small": rand(3, (6, 40), dtype, scale)}  # rank clamped to 6
 
 
 def _grads(step, params):

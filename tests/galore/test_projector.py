@@ -40,3 +40,18 @@ def test_degenerate_gradients_stay_finite():
     for g in [jnp.zeros((48, 80)), jnp.outer(jnp.arange(48.0), jnp.ones(80))]:  # zero, rank 1 < rank
         p = projector.randomized_projector(g, 8, "right", jax.random.key(0))
         assert np.all(np.isfinite(np.asarray(p)))
+
+
+@pytest.mark.parametrize("shape,rank,side", [((3, 7), 3, "right"), ((3, 7), 3, "left"), ((7, 3), 3, "right"),
+                                             ((48, 80), 45, "right"), ((1, 6), 1, "left")])
+def test_rank_near_min_dim(shape, rank, side):
+    # rank + oversample beyond min(M, N) (GaLore clamps the rank to min(M, N)): the sketch is narrowed to min(M, N)
+    # columns, cold and warm, and spans the exact subspace
+    g = jax.random.normal(jax.random.key(0), shape)
+    exact = reference.svd_projector(g, rank, side)
+    span = lambda q: np.asarray(q.T @ q if side == "right" else q @ q.T)  # noqa: E731
+    p = projector.randomized_projector(g, rank, side, jax.random.key(1))
+    p2 = projector.randomized_projector(g, rank, side, jax.random.key(2), prev=p)
+    for q in (p, p2):
+        assert q.shape == exact.shape
+        np.testing.assert_allclose(span(q), span(exact), atol=1e-5)

@@ -9,6 +9,7 @@ import optax
 import pytest
 
 from pallas_fused.galore import galore_adamw, galore_adamw_inplace, scale_by_galore_adam
+from tests.galore.ref_impl import RefGaLoreAdamW
 from tests.helpers import rand
 
 
@@ -33,15 +34,64 @@ def test_bad_arguments_at_construction(kwargs, match):
         scale_by_galore_adam(**kwargs)
 
 
-def test_rank_too_large_for_a_projected_leaf_at_init():
-    params = _params()
-    with pytest.raises(ValueError, match=r"rank=48 .*\['w'\].*\(48, 80\)"):
-        galore_adamw(1e-3, rank=48, mask={"w": True, "u": False, "b": False}).init(params)
-    with pytest.raises(ValueError, match="rank"):
-        galore_adamw(1e-3, rank=4, mask={"w": True, "u": False, "b": True}).init(params)  # 1-D leaf
-    # the default mask leaves out what cannot be projected
-    state = galore_adamw(1e-3, rank=48).init(params)
-    assert isinstance(state.projector["w"], optax.MaskedNode) and isinstance(state.projector["u"], optax.MaskedNode)
+def _small_params():
+    """2-D leaves whose smaller side is below, at and above rank 8, a one-row leaf, an empty one, a vector."""
+    return {"w": rand(0, (24, 40)), "small": rand(1, (6, 40)), "square": rand(2, (8, 8)), "tall": rand(3, (40, 5)),
+            "row": rand(4, (1, 7)), "empty": rand(5, (0, 5)), "b": rand(6, (7,))}
+
+
+@pytest.mark.parametrize("impl", ["xla", "kernel"])
+def test_rank_clamped_per_leaf(impl, kernel_impl):
+    # Never a silent no-op: every 2-D leaf is projected, at rank min(rank, M, N) (optax.contrib.galore's and
+    # galore-torch's rule); the numbers are the independent reference's, whose U[:, :r] / Vh[:r] clamp the same way
+    impl = kernel_impl if impl == "kernel" else impl
+    params = _small_params()
+    tx = galore_adamw(1e-2, rank=8, update_proj_gap=2, weight_decay=0.1, implementation=impl)
+    state = tx.init(params)
+    shapes = {k: (state.projector[k].shape, state.mu[k].shape) for k in ("w", "small", "square", "tall", "row")}
+    assert shapes == {"w": ((24, 8), (8, 40)), "small": ((6, 6), (6, 40)), "square": ((8, 8), (8, 8)),
+                      "tall": ((5, 5), (40, 5)), "row": ((1, 1), (1, 7))}
+    assert isinstance(state.projector["empty"], optax.MaskedNode) and isinstance(state.projector["b"], optax.MaskedNode)
+    ref = RefGaLoreAdamW(1e-2, 8, 2, 0.25, wd=0.1)
+    step = jax.jit(tx.update)
+    p, q = params, {k: v for k, v in params.items() if k != "empty"}
+    for t in range(3):
+        g = {k: rand(50 + 10 * t + i, x.shape) for i, (k, x) in enumerate(sorted(params.items()))}
+        u, state = step(g, state, p)
+        p = optax.apply_updates(p, u)
+        q = ref.step(q, g)
+        assert p["empty"].shape == (0, 5)
+        for k in q:
+            np.testing.assert_allclose(p[k], q[k], rtol=2e-5, atol=2e-6, err_msg=f"step {t} leaf {k}")
+
+
+def test_optax_convention_with_default_rank_matches_optax_contrib_on_small_leaves():
+    params = {k: v for k, v in _small_params().items() if k != "empty"}
+    ours, peer = galore_adamw(1e-2, convention="optax", implementation="xla"), optax.contrib.galore(1e-2)
+    s_ours, s_peer, p, q = ours.init(params), peer.init(params), params, params
+    for t in range(3):
+        g = {k: rand(70 + 10 * t + i, x.shape) for i, (k, x) in enumerate(sorted(params.items()))}
+        u, s_ours = jax.jit(ours.update)(g, s_ours, p)
+        v, s_peer = jax.jit(peer.update)(g, s_peer, q)
+        p, q = optax.apply_updates(p, u), optax.apply_updates(q, v)
+        for k in params:
+            np.testing.assert_allclose(p[k], q[k], rtol=2e-5, atol=2e-6, err_msg=f"step {t} leaf {k}")
+
+
+def test_leaves_that_cannot_be_projected():
+    params = dict(_params(), qkv=rand(3, (16, 4, 8)))
+    # the default mask projects the 2-D leaves only: the 3-D one steps as plain Adam(W)
+    tx = galore_adamw(1e-2, rank=4, implementation="xla")
+    state = tx.init(params)
+    assert isinstance(state.projector["qkv"], optax.MaskedNode) and state.mu["qkv"].shape == (16, 4, 8)
+    u, _ = jax.jit(tx.update)(jax.tree.map(lambda x: x * 0.5 + 1, params), state, params)
+    assert np.all(np.isfinite(np.asarray(u["qkv"]))) and np.all(np.asarray(u["qkv"]) != 0)
+    # selected by `mask`, an N-D leaf (optax's weight_dimension_numbers) or a vector is refused, naming the leaf,
+    # its shape and the alternatives
+    for leaf, shape in (("qkv", (16, 4, 8)), ("b", (7,))):
+        mask = {k: k in ("w", leaf) for k in params}
+        with pytest.raises(ValueError, match=re.escape(f"leaf ['{leaf}'] has shape {shape}") + r".*2-D.*`mask`"):
+            galore_adamw(1e-2, rank=4, mask=mask).init(params)
 
 
 def test_params_required_for_weight_decay():
@@ -164,6 +214,16 @@ def test_wrong_gradient_names_the_leaf_and_shapes():
     del g["b"]
     with pytest.raises(ValueError, match=r"does not match.*expected .*'b'.*got"):
         tx.update(g, state, params)
+    # leaves projected at a clamped (full) rank: the expected shape is read off the state all the same
+    params = _small_params()
+    state = tx.init(params)
+    for k in ("small", "square", "tall", "row"):
+        shape = params[k].shape
+        g = {n: rand(9, (shape[1], shape[0]) if n == k else x.shape) for n, x in params.items()}
+        if k == "square":
+            g[k] = rand(9, (8, 9))
+        with pytest.raises(ValueError, match=re.escape(f"['{k}'] has shape {g[k].shape}, expected {shape}")):
+            tx.update(g, state, params)
 
 
 def test_weight_decay_mask_bool_prefix():

@@ -243,8 +243,8 @@ def dora():
                put(bias, "model"))
     check(f, sharded, [P("data", "model")], tol=1e-5, what="dora_dense forward")
 
-    def loss(x, w, a, b, m, bias):  # gemm="pallas": the backward dx kernel too
-        return jnp.sum(dora_dense(x, w, a, b, m, bias, scale=0.5, gemm="pallas", implementation="interpret") ** 2)
+    def loss(x, w, a, b, m, bias):  # the "gemm" variant: the backward dx kernel too
+        return jnp.sum(dora_dense(x, w, a, b, m, bias, scale=0.5, implementation="interpret:gemm") ** 2)
 
     # backward (dx and column kernels): tokens on data; the column kernel sums tokens per shard + psum
     check(jax.grad(loss, argnums=(0, 2, 3, 4, 5)), (put(x, "data"), put(w), put(a), put(b), put(m), put(bias)),
@@ -259,11 +259,38 @@ def dora():
           (put(x, "data"), put(wq.q, None, "model"), put(wq.scale, "model"), put(a), put(b, None, "model"),
            put(m, "model")), [P("data", "model")], tol=1e-5, what="dora_dense int8 forward")
 
-    def loss_q(x, q, s, a, b, m):  # int8 + gemm="auto": the backward dx kernel, tokens on data
+    def loss_q(x, q, s, a, b, m):  # int8 + plain "interpret": the "gemm" variant's dx kernel, tokens on data
         return jnp.sum(dora_dense(x, Int8Kernel(q, s), a, b, m, scale=0.5, implementation="interpret") ** 2)
 
     check(jax.grad(loss_q, argnums=(0, 3, 4, 5)), (put(x, "data"), put(wq.q), put(wq.scale), put(a), put(b), put(m)),
           [P("data"), P(), P(), P()], tol=1e-4, what="dora_dense int8 grad, data parallel")
+
+
+# ---------------------------------------------------------------------------------------------- embed, norm
+
+
+@case
+def embed_norm():
+    from pallas_fused.embed import embed
+    from pallas_fused.norm import rms_norm
+
+    table, w = rand(0, (12, 8)), rand(1, (8, 40, 8))
+    ids = jax.random.randint(jax.random.key(2), (8, 40), -12, 12)
+
+    def embed_loss(t, ids):  # the one-hot gradient kernel per token shard, the (V, D) partials all-reduced
+        return jnp.sum(embed(t, ids, implementation="interpret") * w)
+
+    check(jax.grad(embed_loss), (put(table), put(ids, "data", "model")), [P()], tol=1e-5,
+          what="embed grad, tokens sharded")
+    x, scale, dy = rand(3, (8, 6, 24)), rand(4, (24,)) + 1.0, rand(5, (8, 6, 24))
+
+    def norm_loss(x, s):  # rows sharded, features whole; dscale partials all-reduced
+        return jnp.sum(rms_norm(x, s, implementation="interpret") * dy)
+
+    check(jax.grad(norm_loss, argnums=(0, 1)), (put(x, "data"), put(scale)), [P("data"), P()],
+          tol=1e-5, what="rms_norm grad, rows sharded")
+    check(lambda x: rms_norm(x, implementation="interpret"), (put(x, "data"),), [P("data")], tol=1e-6,
+          what="rms_norm forward, no scale")
 
 
 def run_in_subprocess(module: str, names) -> None:

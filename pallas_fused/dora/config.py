@@ -1,0 +1,34 @@
+"""The public `dora.Config`: one small frozen config per kernel family, and whether the merged weight is kept."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from pallas_fused.dora.kernel_columns import ColumnsConfig
+from pallas_fused.dora.kernel_gemm import DX, FORWARD, EpilogueConfig, GemmConfig
+from pallas_fused.dora.kernel_merge import MergeConfig
+from pallas_fused.dora.kernel_norm import NormConfig, NormTiles
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Launch parameters of the DoRA Pallas kernels (advanced; GPU defaults, small inputs shrink the tiles).
+
+    e.g. ``Config(merge=MergeConfig(bk=128), columns=ColumnsConfig(rows=1024))``.
+    """
+
+    norm: NormConfig = NormConfig()  # the column norm (kernel_norm)
+    merge: MergeConfig = MergeConfig()  # the merge pass of "merged" / "sm90" (kernel_merge)
+    forward: GemmConfig = FORWARD  # the fused-epilogue forward GEMM of "gemm" (kernel_gemm)
+    dx: GemmConfig = DX  # the backward dx GEMM of "gemm"
+    epilogue: EpilogueConfig = EpilogueConfig()  # the epilogue pass of "epilogue"
+    columns: ColumnsConfig = ColumnsConfig()  # the backward column reductions (kernel_columns)
+    # "merged" / "sm90": keep the merged weight from the forward for the backward's dx: one copy of W per layer in
+    # the compute dtype held until the backward (Llama-7B: ~12.5 GB over 32 blocks in bf16). False: the backward
+    # forms it again (one more pass over W: read W, write the copy).
+    save_merged: bool = True
+
+
+DEFAULT = Config()
+
+__all__ = ["ColumnsConfig", "Config", "EpilogueConfig", "GemmConfig", "MergeConfig", "NormConfig", "NormTiles"]

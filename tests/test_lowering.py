@@ -1,0 +1,168 @@
+"""Every Pallas kernel lowers for a CUDA GPU, checked without one.
+
+CI has no GPU, and interpret mode runs a kernel's jaxpr, not its GPU lowering: a kernel can pass every
+interpret test and still fail on a GPU at its first trace (a block shape Triton cannot take, a dtype a Mosaic GPU
+op refuses, an index past a ref's end). jax lowers for another platform than the one it runs on, so here each
+public op is exported for "cuda" under `_backend.gpu_target` of an Ampere (8.0) and a Hopper (9.0) GPU, and the
+lowered module must hold the op's Pallas kernels: Triton (`__gpu$xla.gpu.triton`) or Mosaic GPU (`mosaic_gpu*`)
+custom calls. What it cannot show: Triton's own compile to PTX and the kernel's speed, which happen on the GPU.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+from jax import export
+
+from pallas_fused import _backend
+
+TRITON = "__gpu$xla.gpu.triton"
+MOSAIC = ("mosaic_gpu", "mosaic_gpu_v2")
+_ALLOWED = [export.DisabledSafetyCheck.custom_call(t) for t in (TRITON, *MOSAIC)]
+
+
+@pytest.fixture(params=[(8, 0), (9, 0)], ids=["sm80", "sm90"])
+def cc(request):
+    """Implementations chosen and kernels lowered for a CUDA GPU of that compute capability."""
+    with _backend.gpu_target(request.param):
+        yield request.param
+
+
+def kernels(fn, *args) -> list[str]:
+    """The custom-call targets of `jit(fn)(*args)` lowered for CUDA (one entry per call)."""
+    module = export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=_ALLOWED)(*args).mlir_module()
+    return re.findall(r"custom_call @([\w$.]+)", module)
+
+
+def rnd(seed, shape, dtype=jnp.float32):
+    return jax.random.normal(jax.random.key(seed), shape, jnp.float32).astype(dtype)
+
+
+def loss(fn):
+    """A scalar of fn's (tuple of) outputs, for jax.grad."""
+    return lambda *a: sum(jnp.sum(x.astype(jnp.float32)) for x in jax.tree.leaves(fn(*a)))
+
+
+def test_rotary(cc):
+    from pallas_fused.rotary import apply_rotary
+
+    q, k = rnd(0, (2, 48, 4, 64), jnp.bfloat16), rnd(1, (2, 48, 2, 64), jnp.bfloat16)
+    fwd = kernels(lambda q, k: apply_rotary(q, k), q, k)
+    both = kernels(jax.value_and_grad(loss(lambda q, k: apply_rotary(q, k)), (0, 1)), q, k)
+    assert fwd.count(TRITON) == 1 and both.count(TRITON) == 2
+
+
+def test_embed_and_rms_norm(cc):
+    from pallas_fused.embed import embed
+    from pallas_fused.norm import rms_norm
+
+    table, ids = rnd(0, (256, 192)), jnp.arange(300, dtype=jnp.int32).reshape(3, 100) % 256
+    assert kernels(jax.value_and_grad(loss(lambda t: embed(t, ids, dtype=jnp.bfloat16))), table).count(TRITON) >= 1
+    for width in (2048, 5504):
+        x, scale = rnd(1, (100, width), jnp.bfloat16), rnd(2, (width,))
+        fwd = kernels(lambda x, s: rms_norm(x, s), x, scale)
+        both = kernels(jax.value_and_grad(loss(lambda x, s: rms_norm(x, s)), (0, 1)), x, scale)
+        assert fwd.count(TRITON) == 1 and both.count(TRITON) == 2
+
+
+@pytest.mark.parametrize("state_bits", [None, 8])
+def test_adamw(cc, state_bits):
+    from pallas_fused.optim import adamw, adamw_step
+
+    params = {"w": rnd(0, (300, 520)), "b": rnd(1, (520,))}
+    grads = jax.tree.map(lambda p: p * 0.5, params)
+    tx = adamw(1e-3, weight_decay=0.1, state_bits=state_bits, implementation="pallas")
+    state = tx.init(params)
+    step = lambda p, g, s: adamw_step(p, g, s, learning_rate=1e-3, weight_decay=0.1, implementation="pallas")
+    assert kernels(step, params, grads, state).count(TRITON) >= 2
+
+    def update(p, g, s):
+        u, s = tx.update(g, s, p)
+        return optax.apply_updates(p, u), s
+
+    assert kernels(update, params, grads, state).count(TRITON) >= 2
+
+
+@pytest.mark.parametrize("kernel", ["auto", "fused", "hybrid", "splitk", "xla_up"])
+def test_galore(cc, kernel):
+    from pallas_fused.optim import galore_adamw, galore_adamw_inplace
+
+    params = {"w": rnd(0, (256, 384)), "v": rnd(1, (384, 200)), "b": rnd(2, (384,))}
+    grads = jax.tree.map(lambda p: p * 0.5, params)
+    for make in (galore_adamw, galore_adamw_inplace):
+        opt = make(1e-3, rank=24, weight_decay=0.01, projector="randomized", kernel=kernel)
+        state = opt.init(params)
+        if make is galore_adamw:
+            fn = lambda p, g, s, opt=opt: optax.apply_updates(p, opt.update(g, s, p)[0])
+        else:
+            fn = lambda p, g, s, opt=opt: opt.step(p, g, s)
+        assert kernels(fn, params, grads, state).count(TRITON) >= 3  # two projected leaves + the plain one
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise", "rowwise_with_gw_hp"])
+def test_fp8_dense(cc, recipe):
+    import functools
+
+    import flax.linen as nn
+
+    from pallas_fused.fp8 import Float8Config, Float8DotGeneral, quantize
+
+    layer = nn.Dense(384, dtype=jnp.bfloat16, dot_general_cls=functools.partial(
+        Float8DotGeneral, config=Float8Config.from_recipe(recipe)))
+    x = rnd(0, (256, 512), jnp.bfloat16)
+    variables = jax.eval_shape(layer.init, jax.random.key(1), x)  # init would run the kernels here
+    found = kernels(jax.value_and_grad(loss(lambda v, x: layer.apply(v, x)), (0, 1)), variables, x)
+    mosaic = sum(found.count(t) for t in MOSAIC)
+    if cc < (8, 9):  # no FP8 arithmetic before Ada: the default is XLA's (and "pallas" is refused)
+        assert not any(t in found for t in (TRITON, *MOSAIC)), found
+        with pytest.raises(_backend.ImplementationError, match="8.9"):
+            kernels(lambda x: quantize(x, implementation="pallas"), x)
+        return
+    # Hopper: our GEMM takes those of one fp8 dtype. tensorwise's e4m3 x e5m2 gradient GEMMs are XLA's (wgmma reads
+    # one element type), rowwise's three are ours, gw_hp's dW is a high-precision dot.
+    assert mosaic == {"tensorwise": 1, "rowwise": 3, "rowwise_with_gw_hp": 2}[recipe], found
+    assert found.count(TRITON) >= 2  # the quantize kernels
+
+
+@pytest.mark.parametrize("implementation", [None, "pallas:sm90", "pallas:merged", "pallas:epilogue", "pallas:gemm"])
+def test_dora(cc, implementation):
+    from pallas_fused.dora import dora_dense
+
+    if implementation == "pallas:sm90" and cc < (9, 0):
+        pytest.skip("a Hopper kernel")
+    fin, fout, rank = 512, 768, 16
+    x, w = rnd(0, (256, fin), jnp.bfloat16), rnd(1, (fin, fout), jnp.bfloat16)
+    a, b, m = rnd(2, (fin, rank), jnp.bfloat16), rnd(3, (rank, fout), jnp.bfloat16), rnd(4, (fout,), jnp.bfloat16)
+    layer = lambda x, a, b, m: dora_dense(x, w, a, b, m, scale=2.0, implementation=implementation)
+    found = kernels(jax.value_and_grad(loss(layer), (0, 1, 2, 3)), x, a, b, m)
+    assert found.count(TRITON) >= 2, found
+    if implementation == "pallas:sm90":
+        assert sum(found.count(t) for t in MOSAIC) == 1, found  # the forward's epilogue GEMM
+
+
+@pytest.mark.parametrize("quantize", ["int8", "nf4"])
+def test_qdora(cc, quantize):
+    from pallas_fused.dora import dora_dense, quantize_int8, quantize_nf4
+
+    fin, fout, rank = 512, 768, 16
+    w = (quantize_int8 if quantize == "int8" else quantize_nf4)(rnd(1, (fin, fout)))
+    x = rnd(0, (256, fin), jnp.bfloat16)
+    a, b, m = rnd(2, (fin, rank), jnp.bfloat16), rnd(3, (rank, fout), jnp.bfloat16), rnd(4, (fout,), jnp.bfloat16)
+    layer = lambda x, a, b, m: dora_dense(x, w, a, b, m, scale=2.0)
+    assert kernels(jax.value_and_grad(loss(layer), (0, 1, 2, 3)), x, a, b, m).count(TRITON) >= 2
+
+
+def test_adamw_mosaic(cc):
+    from pallas_fused.optim import adamw, adamw_step
+
+    if cc < (9, 0) or _backend.JAX_VERSION < (0, 11):
+        pytest.skip("the Mosaic GPU port needs a Hopper GPU and jax >= 0.11")
+    params = {"w": rnd(0, (512, 1024))}
+    grads = jax.tree.map(lambda p: p * 0.5, params)
+    state = adamw(1e-3).init(params)
+    step = lambda p, g, s: adamw_step(p, g, s, learning_rate=1e-3, weight_decay=0.1, implementation="pallas:mosaic")
+    assert any(t in kernels(step, params, grads, state) for t in MOSAIC)
