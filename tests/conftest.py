@@ -1,8 +1,5 @@
-"""Shared pytest setup: the `gpu` marker, the kernel implementation to test, float64 references, the XLA:CPU
-compiler flags of the CPU suite."""
-
-import importlib.metadata
-import os
+"""Shared pytest setup: the `gpu` marker, the kernel implementation to test, float64 references, the order of
+the tests."""
 
 import jax
 import pytest
@@ -11,16 +8,6 @@ from hypothesis import HealthCheck, settings
 from pallas_fused import _backend
 
 jax.config.update("jax_enable_x64", False)
-
-# Without a GPU plugin every test compiles for XLA:CPU programs that run a handful of times on tiny arrays, so
-# LLVM's optimization passes cost far more than they save (about 40% of the CPU suite's time). The flags change
-# how fast the code runs, not what it computes (no fast math), and both sides of every comparison get them.
-# Read when the CPU backend starts (the first device query, after this file is imported); subprocesses that
-# the tests start inherit them.
-CPU_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
-if not any((d.metadata["Name"] or "").lower().startswith(("jax-cuda", "jax_cuda", "jax-rocm", "jax_rocm"))
-           for d in importlib.metadata.distributions()):
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {CPU_XLA_FLAGS}".strip()
 
 # Property tests that set no settings of their own: each interpret-mode example compiles its kernels (no
 # per-example deadline, a few examples), and the same examples on every run.

@@ -14,6 +14,8 @@ import sys
 
 import pytest
 
+from tests.helpers import SUBPROCESS_XLA_FLAGS
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
@@ -22,7 +24,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 @pytest.mark.slow
 def test_mesh_matches_one_device(tmp_path):
     env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2")
+               XLA_FLAGS=f"{SUBPROCESS_XLA_FLAGS} --xla_force_host_platform_device_count=2")
     proc = subprocess.run([sys.executable, "-m", "tests.examples._mesh_worker", str(tmp_path), "none", "data=2",
                            "fsdp=2"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]

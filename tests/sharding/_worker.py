@@ -297,9 +297,11 @@ def run_in_subprocess(module: str, names) -> None:
     """Run cases `names` of worker `module` in one fresh process with 8 simulated CPU devices (the flag must be
     set before jax starts its CPU backend, hence the subprocess; one process for all cases pays for jax's
     start and the compiles the cases share once). Every case runs even after one fails; the failures are named."""
+    from tests.helpers import SUBPROCESS_XLA_FLAGS
+
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=8")
+               XLA_FLAGS=f"{SUBPROCESS_XLA_FLAGS} --xla_force_host_platform_device_count=8")
     proc = subprocess.run([sys.executable, "-m", module, *names], cwd=root, env=env, capture_output=True, text=True,
                           timeout=600)
     failed = [name for name in names if f"ok {name}" not in proc.stdout.splitlines()]
