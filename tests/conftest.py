@@ -28,7 +28,11 @@ LONGEST_FIRST = (
     "tests/sharding/test_sharding.py::test_sharded",
     "tests/galore/test_splitk_sharding.py::test_sharded_splitk",
     "tests/fp8/test_fp8.py::test_training_matches_bf16",
+    "tests/examples/test_train_llama.py::test_model_kernels_keep_the_param_tree",
+    "tests/test_docs.py::test_snippets_run",
+    "tests/examples/test_profile_step.py::test_cpu_run_writes_table_and_json",
     "tests/test_fuzz.py::test_fuzz_dora_dense",
+    "tests/test_fuzz.py::test_fuzz_galore",
     "tests/dora/test_dora.py::test_linen_bf16_and_qdora",
 )
 
