@@ -8,10 +8,15 @@ PY := $(VENV)/bin/python
 PYTHON_NEW ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12.*/bin/python) python3.12)
 VENV_NEW ?= .venv-newest
 PY_NEW := $(VENV_NEW)/bin/python
-PYTEST_ARGS ?= -q -n 2 -m "not gpu" tests
-# The newest leg leaves out `slow` (the 4-process run of the example): it repeats the 2-process check at a larger
-# scale, and the 2-process test already exercises every jax-version-dependent path of the multi-process code.
-PYTEST_NEW_ARGS ?= -q -n 2 -m "not gpu and not slow" tests
+# --dist worksteal: an idle worker takes half of the other's queue, so the long tests (started first by
+# tests/conftest.py) leave no worker idle at the end.
+PYTEST_ARGS ?= -q -n 2 --dist worksteal -m "not gpu" tests
+# The newest leg exists to catch jax-version differences (interpret-mode kernels, _backend/_sharding API moves,
+# jax.distributed) and leaves out `slow`, the tests that repeat one of its checks at a larger scale: the 4-process
+# run of the example (the 2-process test exercises every jax-version-dependent path of the multi-process code),
+# the example on 2 simulated devices (the 2-process test runs it on the same meshes, data=2 and fsdp=2) and the
+# 40-step example run (the 2-process test runs the same pipeline for a few steps).
+PYTEST_NEW_ARGS ?= -q -n 2 --dist worksteal -m "not gpu and not slow" tests
 OUT ?= $(CURDIR)/runs/gpu-check
 BENCH ?=
 

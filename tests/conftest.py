@@ -1,14 +1,45 @@
-"""Shared pytest setup: the `gpu` marker, the kernel implementation to test, float64 references."""
+"""Shared pytest setup: the `gpu` marker, the kernel implementation to test, float64 references, the order of
+the tests."""
 
 import jax
 import pytest
+from hypothesis import HealthCheck, settings
 
 from pallas_fused import _backend
 
 jax.config.update("jax_enable_x64", False)
 
+# Property tests that set no settings of their own: each interpret-mode example compiles its kernels (no
+# per-example deadline, a few examples), and the same examples on every run.
+settings.register_profile("pallas_fused", deadline=None, max_examples=10, derandomize=True,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("pallas_fused")
+
+# The longest tests of the CPU suite (most CPU seconds first), started first: under `--dist worksteal` the other
+# worker takes short tests from the end of the queue, so no worker is left running a long one alone at the end.
+# The two multi-process tests stay adjacent so that one worker starts their module's single-process reference.
+LONGEST_FIRST = (
+    "tests/examples/test_multi_process.py::test_two_processes_match_one",
+    "tests/examples/test_multi_process.py::test_four_processes_match_one",
+    "tests/examples/test_train_llama_mesh.py::test_mesh_matches_one_device",
+    "tests/sharding/test_optim_sharding.py::test_sharded_optimizer",
+    "tests/examples/test_train_llama.py::test_compare_runs_baseline",
+    "tests/examples/test_train_llama.py::test_pretrain_checkpoint_finetune_report",
+    "tests/sharding/test_sharding.py::test_sharded",
+    "tests/galore/test_splitk_sharding.py::test_sharded_splitk",
+    "tests/fp8/test_fp8.py::test_training_matches_bf16",
+    "tests/examples/test_train_llama.py::test_model_kernels_keep_the_param_tree",
+    "tests/test_docs.py::test_snippets_run",
+    "tests/examples/test_profile_step.py::test_cpu_run_writes_table_and_json",
+    "tests/test_fuzz.py::test_fuzz_dora_dense",
+    "tests/test_fuzz.py::test_fuzz_galore",
+    "tests/dora/test_dora.py::test_linen_bf16_and_qdora",
+)
+
 
 def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.partition("[")[0], len(rank)))  # stable: the rest keep order
     if _backend.gpu_device() is not None:
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

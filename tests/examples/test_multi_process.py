@@ -19,9 +19,9 @@ import sys
 
 import pytest
 
+from tests.helpers import SUBPROCESS_XLA_FLAGS
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-# Unoptimized CPU code generation: the runs are a few tiny steps, so compile time is all that matters.
-XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 TIMEOUT_S = 600
 CONFIGS = ("fsdp_galore_fp8_dora", "data_adamw8")
 
@@ -33,7 +33,7 @@ def free_port() -> int:
 
 
 def start(out: pathlib.Path, num_processes: int, process_id: int, configs, port: int = 0) -> subprocess.Popen:
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=XLA_FLAGS, PYTHONPATH=str(ROOT))
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=SUBPROCESS_XLA_FLAGS, PYTHONPATH=str(ROOT))
     return subprocess.Popen([sys.executable, "-m", "tests.examples._multiprocess_worker", str(out),
                              f"127.0.0.1:{port}", str(num_processes), str(process_id), *configs],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

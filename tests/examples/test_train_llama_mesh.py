@@ -14,11 +14,17 @@ import sys
 
 import pytest
 
+from tests.helpers import SUBPROCESS_XLA_FLAGS
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
+# Floor leg only: the newest leg runs the example on the same two meshes across two processes
+# (test_multi_process.py), which covers the jax APIs this test exercises.
+@pytest.mark.slow
 def test_mesh_matches_one_device(tmp_path):
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS=f"{SUBPROCESS_XLA_FLAGS} --xla_force_host_platform_device_count=2")
     proc = subprocess.run([sys.executable, "-m", "tests.examples._mesh_worker", str(tmp_path), "none", "data=2",
                            "fsdp=2"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]

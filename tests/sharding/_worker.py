@@ -11,6 +11,7 @@ import os
 import re
 import subprocess
 import sys
+import traceback
 
 import jax
 import jax.numpy as jnp
@@ -292,23 +293,36 @@ def embed_norm():
           what="rms_norm forward, no scale")
 
 
-def run_in_subprocess(module: str, name: str) -> None:
-    """Run case `name` of worker `module` in a fresh process with 8 simulated CPU devices (the flag must be
-    set before jax starts its CPU backend, hence the subprocess)."""
+def run_in_subprocess(module: str, names) -> None:
+    """Run cases `names` of worker `module` in one fresh process with 8 simulated CPU devices (the flag must be
+    set before jax starts its CPU backend, hence the subprocess; one process for all cases pays for jax's
+    start and the compiles the cases share once). Every case runs even after one fails; the failures are named."""
+    from tests.helpers import SUBPROCESS_XLA_FLAGS
+
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu")
-    proc = subprocess.run([sys.executable, "-m", module, name], cwd=root, env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0 and f"ok {name}" in proc.stdout, proc.stdout + proc.stderr[-4000:]
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS=f"{SUBPROCESS_XLA_FLAGS} --xla_force_host_platform_device_count=8")
+    proc = subprocess.run([sys.executable, "-m", module, *names], cwd=root, env=env, capture_output=True, text=True,
+                          timeout=600)
+    failed = [name for name in names if f"ok {name}" not in proc.stdout.splitlines()]
+    assert proc.returncode == 0 and not failed, f"failed: {failed}\n" + proc.stdout + proc.stderr[-8000:]
 
 
 def main(cases: dict) -> None:
     # Read when the CPU backend starts (first use of jax below), not at import.
     os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     assert jax.device_count() == 8, jax.devices()
+    failed = []
     for name in sys.argv[1:]:
-        cases[name]()
-        print(f"ok {name}", flush=True)
+        try:
+            cases[name]()
+        except Exception:  # reported with its traceback; the other cases still run
+            traceback.print_exc()
+            print(f"FAILED {name}", flush=True)
+            failed.append(name)
+        else:
+            print(f"ok {name}", flush=True)
+    sys.exit(1 if failed else 0)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,7 @@
-"""Sharded Pallas ops on 8 simulated CPU devices (each case runs in a subprocess: see _worker.py)."""
-
-import pytest
+"""Sharded Pallas ops on 8 simulated CPU devices (every case in one subprocess: see _worker.py)."""
 
 from tests.sharding._worker import CASES, run_in_subprocess
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_sharded(name):
-    run_in_subprocess("tests.sharding._worker", name)
+def test_sharded():
+    run_in_subprocess("tests.sharding._worker", sorted(CASES))
