@@ -13,7 +13,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pallas_fused.dora import column_scale, dora_dense, quantize_int8
+from pallas_fused.embed import embed
 from pallas_fused.fp8 import RECIPES, fp8_linear, quantize, scaled_matmul, scaled_matmul_nt
+from pallas_fused.norm import rms_norm
 from pallas_fused.optim import adamw, adamw_step, galore_adamw, galore_adamw_inplace
 from pallas_fused.rotary import RotaryScaling, apply_rotary
 from tests.helpers import rand
@@ -221,3 +223,34 @@ def test_fuzz_adamw(data):
         state = adamw(1e-2, state_bits=bits, mu_dtype=mu_dtype, **kw).init(params)
         finite_or_named_error(lambda: jax.jit(lambda p, g, s: adamw_step(p, g, s, learning_rate=1e-2, **kw))(
             params, grads[0], state), OPT_NAMES)
+
+
+@FUZZ
+@given(data=st.data())
+def test_fuzz_embed(data):
+    """Ids in [-V, V) (the others give NaN rows by nn.Embed's rule), both table-gradient paths (one-hot GEMM for
+    small vocabularies, the segment sum above), empty id arrays, mis-shaped tables and non-integer ids."""
+    draw = data.draw
+    vocab, feat = draw(st.sampled_from([1, 3, 64, 300, 1100])), draw(st.integers(0, 40))
+    table = rand(0, draw(st.sampled_from([(vocab, feat), (vocab,)])), draw(FLOATS))
+    ids_shape = draw(st.sampled_from([(0,), (5,), (2, 7), (3, 0)]))
+    ids = jax.random.randint(jax.random.key(1), ids_shape, -vocab, vocab, jnp.int32)
+    ids = ids.astype(draw(st.sampled_from([jnp.int32, jnp.uint8, jnp.float32]))) if vocab <= 64 else ids
+    dtype, impl = draw(st.sampled_from([None, jnp.bfloat16, jnp.float32])), draw(IMPLS)
+    finite_or_named_error(lambda: _with_grad(lambda t: embed(t, ids, dtype=dtype, implementation=impl), table),
+                          ["table", "ids", "dtype"])
+
+
+@FUZZ
+@given(data=st.data())
+def test_fuzz_rms_norm(data):
+    """Leading shapes with empty axes, odd widths, a scale of the wrong shape or none, epsilons, dtypes."""
+    draw = data.draw
+    width = draw(st.sampled_from([1, 7, 130, 2048]))
+    x = rand(0, draw(st.sampled_from([(0, width), (3, width), (2, 0, width), (2, 3, width), ()])), draw(FLOATS))
+    scale = draw(st.sampled_from([None, (width,), (width + 1,)]))
+    scale = None if scale is None else rand(1, scale, jnp.float32)
+    eps, impl = draw(st.sampled_from([1e-6, 1e-2, 0.0])), draw(IMPLS)
+    args = (x,) if scale is None else (x, scale)
+    finite_or_named_error(lambda: _with_grad(lambda *a: rms_norm(*a, epsilon=eps, implementation=impl), *args),
+                          ["x", "scale", "epsilon"])
