@@ -203,7 +203,7 @@ def step_cases(rec, quick):
 # p16). fp16 operands (f16: tiles cast in registers, N written in fp16 by the Adam kernel; p16: P cast to fp16 by
 # the Adam kernel too) halve the L2 traffic of the N and P slices, and wgmma takes fp16 B operands N-contiguous
 # (TF32 B must be K-major: Triton transposes fp32 P/N slices into shared memory with 4-byte cp.async).
-# H200 (up alone, r128, amortized; logs/2026-11-21_1733_h200_galore.log), 4096^2 / 4096x11008 ms:
+# H200 (up alone, r128, amortized; the tuning rows of benchmarks/results/nvidia_h200.json), 4096^2 / 4096x11008 ms:
 #   64x128x128/8 warps/2 stages w_first tm 8 f16  0.0518 / 0.1776   (170 registers: 1 CTA/SM, 256 programs)
 #   64x64x128/4/2 w_first tm 8 f16 p16            0.0573 / 0.1264   (157 registers: 3 CTAs/SM)
 #   64x128x128/4/2 tm 8 f16                       0.0533 / 0.1431
@@ -233,7 +233,7 @@ UP_CANDIDATES = [
 ]
 # Split-K down-projection per side: DownConfig(bm, bk, splits, br, warps, stages, g_regs, p_nat); programs = (kept /
 # bm) x splits at r128 (4096^2: 32 row blocks of 128; 4096x11008: 86 column blocks of 128). H200
-# (logs/2026-11-21_1733_h200_galore.log; split-K + Adam alone, amortized): right 128x32/8 splits/8 warps/3 stages
+# (the tuning rows of the results file; split-K + Adam alone, amortized): right 128x32/8 splits/8 warps/3 stages
 # 0.0400 ms, 64x32/4 splits/4 warps/3 0.0427, 128x32/4 splits 0.0445, K chunks of 64 0.057-0.058 (XLA's GEMM + Adam
 # 0.0389); left with g_regs (G through registers) 128x32/4 splits 0.1083, 64x32/4 0.1170, 128x32/8 0.1192, without
 # g_regs 0.132-0.197 (XLA + Adam 0.1096). At ~45% of HBM with 1 CTA/SM (168 registers) the loads in flight are short:

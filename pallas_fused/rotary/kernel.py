@@ -115,8 +115,8 @@ def choose_config(batch: int, seq_len: int, n_q_heads: int, n_k_heads: int, pair
     load_mode = load_mode or LOAD_MODE
     if load_mode not in _LOAD_KW:
         raise ValueError(f"load_mode: expected one of {tuple(_LOAD_KW)}, got {load_mode!r}")
-    # Measured on an H200 (benchmarks/results/logs/h200_2026-11-21_rotary_adam_tile_experiment.log): one token per
-    # program ran 2.7x faster than 4 tokens x 8 warps (0.10 vs 0.27 ms fwd, B4 S4096 Hq32 Hk8 D128 bf16); with one
+    # Measured on an H200 (a tile sweep of this kernel, B4 S4096 Hq32 Hk8 D128 bf16): one token per program ran
+    # 2.7x faster than 4 tokens x 8 warps (0.10 vs 0.27 ms fwd, B4 S4096 Hq32 Hk8 D128 bf16); with one
     # token, 4 warps beat 2 there (40 elements per thread) and 8 beat 4 for Hq=Hk=32 (32 per thread).
     bt = block_tokens or 1
     bt = min(bt, _next_pow2(seq_len))
