@@ -1,9 +1,10 @@
 """The one place that knows devices, jax versions and how kernels are launched.
 
-Everything that differs between jax 0.10 (CPU CI) and jax 0.11 (the GPU machine) lives here, as does
-the one selector of implementation that every public op takes:
+Everything that differs between the jax versions we run on (0.10 and 0.12 in CPU CI, 0.11 on the GPU machine)
+lives here, as does the one selector of implementation that every public op takes:
 
-    implementation=None                 "pallas" on a CUDA GPU of compute capability >= 8.0, else "xla"
+    implementation=None                 "pallas" on a CUDA GPU of compute capability >= 8.0 (8.9 for FP8),
+                                        else "xla"
     implementation="xla"                the plain-jnp reference, compiled by XLA (runs anywhere)
     implementation="pallas"             the op's Pallas kernels, compiled for the GPU (an error without one);
                                         where an op has several variants, its own rule picks one per call
