@@ -77,8 +77,8 @@ CONVENTIONS = ("galore", "optax")
 PROJECTORS = ("svd", "randomized")
 
 # implementation="pallas:<variant>": how a projected leaf is stepped ("interpret:<variant>" runs its kernels in the
-# Pallas interpreter). Plain "pallas" (and "interpret") takes `choose_kernel`'s measured pick per leaf, or "xla_up"
-# for an update with no weight-decay term (see `_GaLore._leaf`).
+# Pallas interpreter). Plain "pallas" (and "interpret") takes `choose_kernel`'s measured pick per leaf, or XLA's
+# graph for an update with no weight-decay term (see `_GaLore._leaf`).
 VARIANTS = {
     "pallas:hybrid": _backend.Variant("XLA's down-projection GEMM, the elementwise Pallas low-rank Adam kernel, then "
                                       "the Pallas up-projection with the update in its epilogue"),
@@ -216,8 +216,9 @@ def _skip_nonfinite(m_old, v_old, m, v, s: Scalars):
     """Skip a projected leaf's step whose low-rank gradient R is not finite: keep its moments and zero its update
     (s.ok = 0: the up-projection kernel then writes W unchanged / a zero update). A non-finite G makes R = G P^T
     non-finite, and so the new moments (m = b1 m + (1-b1) R, v = b2 v + (1-b2) R^2; an R whose square overflows
-    too): testing the small (M, r) / (r, N) moments never re-reads G."""
-    fin = jnp.all(jnp.isfinite(m)) & jnp.all(jnp.isfinite(v))
+    too): testing the small (M, r) / (r, N) moments never re-reads G. One reduction over both moments (XLA fuses
+    it with the moments' update and the selects below into two small kernels)."""
+    fin = jnp.all(jnp.isfinite(m) & jnp.isfinite(v))
     return jnp.where(fin, m, m_old), jnp.where(fin, v, v_old), s._replace(ok=jnp.where(fin, s.ok, 0.0))
 
 
@@ -433,18 +434,25 @@ class _GaLore:
             c = sign_lr * scale
         return b1, b2, jnp.asarray(self.cfg.eps, f32), alpha, beta, c
 
+    @staticmethod
+    def _leaf_xla(w, g, m, v, p, side, s: Scalars, inplace, dtype):
+        m_new, v_new, n = reference.lowrank_adam(reference.project(g, p, side), m, v, s)
+        m_new, v_new, s = _skip_nonfinite(m, v, m_new, v_new, s)
+        return reference.finish_step(w, n, p, side, s, inplace=inplace, dtype=dtype), m_new, v_new
+
     def _leaf(self, w, g, m, v, p, side, s: Scalars, inplace, dtype):
         base, variant = _backend.split_implementation(self.implementation)
         if base == "xla":
-            m_new, v_new, n = reference.lowrank_adam(reference.project(g, p, side), m, v, s)
-            m_new, v_new, s = _skip_nonfinite(m, v, m_new, v_new, s)
-            return reference.finish_step(w, n, p, side, s, inplace=inplace, dtype=dtype), m_new, v_new
+            return self._leaf_xla(w, g, m, v, p, side, s, inplace, dtype)
         if variant is None and w is None:
-            # An update with no weight-decay term (the optax path): XLA's up-projection GEMM, whose output is the
-            # update itself, so the caller's `optax.apply_updates` can add p inside that GEMM instead of writing
-            # the update and reading it back.
-            variant = "xla_up"
-        elif variant is None:
+            # An update with no weight-decay term (the optax path): XLA's graph end to end. The up-projection GEMM's
+            # output is the update itself, so the caller's `optax.apply_updates` adds p inside that GEMM (cuBLAS's
+            # beta = 1) instead of writing the update and reading it back; and the low-rank Adam step fuses with the
+            # down-projection's split-K sum and the finiteness test, where a Pallas kernel would need copies of m and
+            # v (it writes them in place, the skip needs the old ones) and launches of its own
+            # (benchmarks/results/user_path_dev/).
+            return self._leaf_xla(w, g, m, v, p, side, s, inplace, dtype)
+        if variant is None:
             variant = choose_kernel(g.shape, reference.projector_rank(p.shape, side), side)
         return leaf_step(variant, w, g, m, v, p, side, s, inplace=inplace, interpret=base == "interpret",
                          dtype=dtype)
@@ -582,7 +590,8 @@ _DOC_ARGS = """
       mu_dtype, nu_dtype: moment dtypes (default fp32).
       implementation: None | "pallas" | "xla" | "interpret" | "pallas:<variant>" | "interpret:<variant>" (see
         pallas_fused._backend): how projected leaves are stepped. "pallas" picks a variant per leaf
-        (`choose_kernel`'s measured table; with no weight-decay term on the optax path, "xla_up"); "pallas:<variant>"
+        (`choose_kernel`'s measured table; with no weight-decay term on the optax path, XLA's graph, which the
+        caller's apply_updates fuses into); "pallas:<variant>"
         forces one of `VARIANTS` (hybrid, xla_up, splitk, fused). Precision: the Pallas
         kernels fix theirs (TF32 on fp32 G, fp16 operands in the up-projection: as exact as TF32 there), while the
         XLA GEMMs follow ``jax.default_matmul_precision`` (TF32 by default on a GPU); for full fp32 projections
