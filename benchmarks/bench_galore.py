@@ -7,10 +7,10 @@ Cases (ANCHORS.md): fp32 W and G, TF32 allowed, non-refresh step, proj_type "std
   pallas:inplace_<variant>  galore_adamw_inplace's path for each of api.VARIANTS (fused, hybrid, xla_up,
                   splitk), default configurations; pallas:inplace is the best of them
   pallas:inplace_api  galore_adamw_inplace's step (count 1: the refresh lax.cond is taken but skips)
-  pallas:tx       the user's path, the row of record: jit(galore_adamw update -> optax.apply_updates), params,
-                  grads and state donated, count > 0 (the refresh lax.cond skips); with no weight decay its
-                  up-projection is XLA's GEMM, into which apply_updates' add folds
-  pallas:tx_hybrid  the same with implementation="pallas:hybrid" (the Pallas up-projection writing the update)
+  pallas:tx       (section user_path, the rows of record) the user's path: jit(galore_adamw update ->
+                  optax.apply_updates), params, grads and state donated, count > 0 (the refresh lax.cond skips),
+                  fp32 and bf16 params; with no weight decay it is XLA's graph, whose up-projection GEMM takes
+                  apply_updates' add; pallas:tx_wd with weight_decay=0.01 (the Pallas kernels)
   xla             our plain-jnp reference step (donated), default precision (TF32)
   xla:g_copied    the same with G not donated (peers_jax.py's method: XLA returns G as a 2 x M N x 4 byte copy,
                   which ANCHORS.md's XLA and optax.contrib.galore figures include)
@@ -172,31 +172,6 @@ def step_cases(rec, quick):
                     rec.add(OP, case, "pallas:inplace_api", ms, auto_choice=api.choose_kernel((M, N), r, side), **kw)
                 except Exception as e:  # noqa: BLE001
                     rec.add(OP, case, "pallas:inplace_api", None, error=error_text(e))
-            # the whole optax transforms, count > 0 (no refresh); params, grads and state all donated
-            for impl, tx_fn in [("pallas:tx", lambda r=r: api.galore_adamw(LR, rank=r, update_proj_gap=10**9,
-                                                                           scale=SCALE, eps=EPS)),
-                                # the kernel the optax path took before it handed the up-projection to XLA
-                                ("pallas:tx_hybrid", lambda r=r: api.galore_adamw(
-                                    LR, rank=r, update_proj_gap=10**9, scale=SCALE, eps=EPS,
-                                    implementation="pallas:hybrid")),
-                                ("peer:optax_contrib_galore", lambda r=r: optax.contrib.galore(
-                                    LR, rank=r, update_proj_gap=10**9, scale=SCALE))]:
-                if quick and impl.startswith("pallas:tx") and r != _r(128):
-                    continue
-                try:
-                    tx = tx_fn()
-                    params, grads = {"w": rnd(3, (M, N))}, {"w": rnd(4, (M, N))}
-                    state = tx.init(params)
-
-                    @partial(jax.jit, donate_argnums=(0, 1, 2))
-                    def step(p, g, s, tx=tx):
-                        u, s = tx.update(g, s, p)
-                        return optax.apply_updates(p, u), g, s
-
-                    ms = bench_carry(step, (params, grads, state), n=20 if quick else 30)
-                    rec.add(OP, case, impl, ms, **kw)
-                except Exception as e:  # noqa: BLE001
-                    rec.add(OP, case, impl, None, error=error_text(e))
 
 
 # Candidate launch configurations of the tuning sweep: UpConfig(bm, bn, br, warps, stages, w_first, tn, tm, f16,
@@ -422,6 +397,48 @@ def _time_once(fn, *args, reps=3):
     return float(np.median(ts))
 
 
+def user_path(rec, quick):
+    """The rows of record: what a user writes, `jit(tx.update -> optax.apply_updates)` with params, grads and
+    state donated, one (M, N) weight, count > 0 (the refresh lax.cond is taken and skips), beside
+    optax.contrib.galore and galore_adamw_inplace's step in the same harness. floor_ms: the optax path's fewest
+    bytes (read G, write the update, apply_updates reads it and p and writes p, plus the low-rank state)."""
+    cases = [(4096, 4096, 32, jnp.float32), (4096, 4096, 128, jnp.float32), (4096, 4096, 512, jnp.float32),
+             (4096, 11008, 128, jnp.float32), (4096, 4096, 128, jnp.bfloat16), (4096, 11008, 128, jnp.bfloat16)]
+    if not quick:
+        cases += [(4096, 11008, 32, jnp.float32), (4096, 11008, 512, jnp.float32), (4096, 4096, 512, jnp.bfloat16)]
+    for M, N, r, dtype in cases:
+        (M, N), r = _d(M, N), _r(r)
+        case = f"user path {M}x{N} r{r} {jnp.dtype(dtype).name}"
+        item = jnp.dtype(dtype).itemsize
+        kw = dict(nbytes=4 * M * N * item + (4 * min(M, N) * r + r * max(M, N)) * 4)
+        txs = [("pallas:tx", lambda r=r: api.galore_adamw(LR, rank=r, update_proj_gap=10**9, scale=SCALE, eps=EPS)),
+               ("pallas:tx_wd", lambda r=r: api.galore_adamw(LR, rank=r, update_proj_gap=10**9, scale=SCALE, eps=EPS,
+                                                             weight_decay=0.01)),
+               ("peer:optax_contrib_galore", lambda r=r: optax.contrib.galore(LR, rank=r, update_proj_gap=10**9,
+                                                                              scale=SCALE)),
+               ("pallas:inplace_api", lambda r=r: api.galore_adamw_inplace(LR, rank=r, update_proj_gap=10**9,
+                                                                           scale=SCALE, eps=EPS))]
+        for impl, make in txs:
+            try:
+                tx = make()
+                params, grads = {"w": rnd(3, (M, N), dtype)}, {"w": rnd(4, (M, N), dtype)}
+                state = tx.init(params)
+                if impl == "pallas:inplace_api":
+                    def step(p, g, s, tx=tx):
+                        p, s = tx.step(p, g, s)
+                        return p, g, s
+                else:
+                    def step(p, g, s, tx=tx):
+                        u, s = tx.update(g, s, p)
+                        return optax.apply_updates(p, u), g, s
+                step = jax.jit(step, donate_argnums=(0, 1, 2))
+                # the refresh step (count 0) once, outside the timed loop
+                params, grads, state = step(params, grads, state)
+                rec.add(OP, case, impl, bench_carry(step, (params, grads, state), n=20 if quick else 50), **kw)
+            except Exception as e:  # noqa: BLE001
+                rec.add(OP, case, impl, None, error=error_text(e))
+
+
 def refresh_cases(rec, quick):
     shapes = [_d(4096, 4096)] if quick else [_d(4096, 4096), _d(4096, 11008)]
     for (M, N) in shapes:
@@ -529,7 +546,7 @@ def state_memory(rec, quick):
     print(f"  state: galore r128 {nbytes(galore) / 2**20:.1f} MiB vs adamw {nbytes(adamw) / 2**20:.1f} MiB")
 
 
-SECTIONS = ("state_memory", "step_cases", "refresh_cases", "llama_layer", "tuning")
+SECTIONS = ("user_path", "state_memory", "step_cases", "refresh_cases", "llama_layer", "tuning")
 
 
 def run(rec, quick: bool):

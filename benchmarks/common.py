@@ -262,10 +262,9 @@ USER_PATH_PAIRS = [
        "peer:torch_scaled_mm")
       for case in ("8192x8192x8192 rowwise", "16384x16384x16384 rowwise", "4096x4096x4096 rowwise",
                    "16384x4096x11008 rowwise", "16384x2048x512 rowwise", "2048x16384x512 tensorwise")],
-    ("galore_adamw step 4096x4096 vs optax.contrib.galore", "galore", "4096x4096 r128", "pallas:tx",
-     "peer:optax_contrib_galore"),
-    ("galore_adamw step 4096x11008 vs optax.contrib.galore", "galore", "4096x11008 r128", "pallas:tx",
-     "peer:optax_contrib_galore"),
+    *[(f"galore_adamw step {case} vs optax.contrib.galore", "galore", f"user path {case}", "pallas:tx",
+       "peer:optax_contrib_galore")
+      for case in ("4096x4096 r128 float32", "4096x11008 r128 float32", "4096x4096 r128 bfloat16")],
     ("galore_adamw, Llama-7B layer, refresh amortized", "galore", "llama7b layer r128 gap200", "pallas:tx",
      "peer:optax_contrib_galore"),
     ("adamw (composable) 105M vs optax.adamw", "adam", "105M fp32 params, 4x(4096, 6400)", "xla:optax",
