@@ -392,7 +392,7 @@ def main(argv=None) -> dict:
                                               for name, c in checks.items()}}
     paths = report.write(args.out, results, command=command, settings=report_settings, environment=env)
     print()
-    print(report.table(results))
+    print(report.table(results, settings, env.get("device")))
     for line in report.comparison_lines(results):
         print(line)
     for name, c in checks.items():

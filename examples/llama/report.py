@@ -48,27 +48,52 @@ def plot(results: list[RunResult], path: pathlib.Path, title: str) -> None:
     plt.close(fig)
 
 
-def table(results: list[RunResult]) -> str:
-    """A markdown table: one row per run, with the speed ratio against the baseline of the same phase."""
+# Dense bf16 tensor-core peak (datasheet, TFLOP/s) by device name, for MFU; other devices get no MFU column value.
+PEAK_BF16_TFLOPS = {"H100": 989.4, "H200": 989.4, "A100": 312.0}
+
+
+def model_flops_per_token(num_params: int, n_layers: int, d_model: int, seq_len: int) -> float:
+    """Training FLOPs per token, forward and backward (PaLM's count: 6 N for the weights plus 12 L d S for
+    attention's two sequence-long products, without a causal discount)."""
+    return 6.0 * num_params + 12.0 * n_layers * d_model * seq_len
+
+
+def mfu(r: RunResult, settings: dict, device: str | None) -> float | None:
+    """Model FLOPs utilization at the median step against the device's dense bf16 peak (FP8 runs too, so that
+    they compare with bf16 on one scale), or None for a device without a known peak."""
+    peak = next((v for k, v in PEAK_BF16_TFLOPS.items() if device and k in device), None)
+    if peak is None or r.median_step_ms <= 0 or not all(k in settings for k in ("n_layers", "d_model", "seq_len")):
+        return None
+    flops = model_flops_per_token(r.num_params, settings["n_layers"], settings["d_model"], settings["seq_len"])
+    return flops * r.tokens_per_step / (r.median_step_ms * 1e-3) / (peak * 1e12)
+
+
+def table(results: list[RunResult], settings: dict | None = None, device: str | None = None) -> str:
+    """A markdown table, one row per run, led by the typical (median) step: its ms, tokens / s and MFU, then the
+    mean step (GaLore's projector refreshes included) and both speed ratios against the phase's baseline."""
     base = {r.phase: r for r in results if r.name == "baseline"}
     lines = [
-        "| phase | run | val loss start -> end | final train loss | ms / step (mean) | ms / step (median) "
-        "| tokens / s | optimizer state (MB) | speedup vs baseline |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| phase | run | val loss start -> end | final train loss | ms / step (median) | tokens / s (median) | MFU "
+        "| ms / step (mean) | speedup vs baseline (median) | speedup (mean) | optimizer state (MB) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in results:
         b = base.get(r.phase)
-        speedup = f"{b.step_ms / r.step_ms:.2f}x" if b is not None and r is not b and r.step_ms > 0 else "-"
+        vs = b is not None and r is not b and r.step_ms > 0 and r.median_step_ms > 0
+        med = f"{b.median_step_ms / r.median_step_ms:.2f}x" if vs else "-"
+        mean = f"{b.step_ms / r.step_ms:.2f}x" if vs else "-"
+        tok = r.tokens_per_step / (r.median_step_ms * 1e-3) if r.median_step_ms > 0 else 0.0
+        u = mfu(r, settings or {}, device)
         lines.append(
             f"| {r.phase} | {r.name} | {r.val_loss[0]:.4f} -> {r.val_loss[-1]:.4f} | {r.train_loss[-1]:.4f} | "
-            f"{r.step_ms:.2f} | {r.median_step_ms:.2f} | {r.tokens_per_s:,.0f} | {r.opt_state_bytes / 2**20:.1f} | "
-            f"{speedup} |"
+            f"{r.median_step_ms:.2f} | {tok:,.0f} | {'-' if u is None else f'{100 * u:.1f}%'} | {r.step_ms:.2f} | "
+            f"{med} | {mean} | {r.opt_state_bytes / 2**20:.1f} |"
         )
     return "\n".join(lines)
 
 
 def comparison_lines(results: list[RunResult]) -> list[str]:
-    """One line per phase that has a baseline: loss difference and speed ratio."""
+    """One line per phase that has a baseline: loss difference and speed ratios (median step first)."""
     lines = []
     for phase in dict.fromkeys(r.phase for r in results):
         runs = {r.name: r for r in results if r.phase == phase}
@@ -76,10 +101,12 @@ def comparison_lines(results: list[RunResult]) -> list[str]:
             continue
         ours, base = runs["pallas_fused"], runs["baseline"]
         rel = (ours.val_loss[-1] - base.val_loss[-1]) / base.val_loss[-1]
+        median = base.median_step_ms / ours.median_step_ms if ours.median_step_ms > 0 else float("nan")
         lines.append(
             f"{phase}: val loss {ours.val_loss[-1]:.4f} (pallas_fused) vs {base.val_loss[-1]:.4f} (baseline), "
-            f"{100 * rel:+.2f}%; step {ours.step_ms:.2f} ms vs {base.step_ms:.2f} ms: "
-            f"speedup {base.step_ms / ours.step_ms:.2f}x"
+            f"{100 * rel:+.2f}%; median step {ours.median_step_ms:.2f} ms vs {base.median_step_ms:.2f} ms: "
+            f"speedup {median:.2f}x (mean step {ours.step_ms:.2f} vs {base.step_ms:.2f} ms: "
+            f"{base.step_ms / ours.step_ms:.2f}x)"
         )
     return lines
 
@@ -104,14 +131,16 @@ def write(out: pathlib.Path, results: list[RunResult], *, command: str, settings
         *[f"- **{name}**: {text}" for name, text in settings.get("variants", {}).items()
           if any(r.name == name for r in results)],
         "",
-        table(results),
+        table(results, settings, environment.get("device")),
         "",
         *[f"- {line}" for line in comparison_lines(results)],
         "",
         "Loss is next-byte cross-entropy in nats per byte; validation is on held-out files of the Python standard "
         "library (see examples/llama/data.py). Step time excludes the first (compiling) step and the validation "
         "passes; the mean includes GaLore projector refreshes (every update_proj_gap steps), the median over "
-        "10-step windows shows the typical step. Speedup = baseline mean / pallas_fused mean.",
+        "10-step windows shows the typical step. Speedups: baseline / pallas_fused, median and mean. MFU: "
+        "6 x params + 12 x layers x d_model x seq_len FLOPs per token at the median step, over the device's dense "
+        "bf16 peak.",
         "",
         *(["![loss](loss.png)", ""] if "plot" in paths else []),
         "## Settings",
