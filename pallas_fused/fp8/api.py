@@ -177,13 +177,14 @@ def sm90_config(m, n, k, num_sms: int | None = None):
 
     config, small, small_max_tiles_per_sm = kernel_sm90.tiles()
     split_m = dataclasses.replace(config, wg_split="m")
-    fits = [c for c in (config, split_m) if kernel_sm90.supported(m, n, k, jnp.float8_e4m3fn, jnp.float8_e4m3fn, c)]
+    fp8 = jnp.float8_e4m3fn
+    fits = [c for c in (config, split_m) if kernel_sm90.supported(m, n, k, fp8, fp8, c)]
     # Neither fits: pad as little as possible (the first on a tie).
     padded = lambda c: (m + -m % c.cta_tile[0]) * (n + -n % c.cta_tile[1])  # noqa: E731
     chosen = fits[0] if fits else min((config, split_m), key=padded)
     tiles = -(-m // chosen.cta_tile[0]) * -(-n // chosen.cta_tile[1])
     num_sms = _backend.num_sms() if num_sms is None else num_sms
-    if tiles <= small_max_tiles_per_sm * num_sms and kernel_sm90.supported(m, n, k, jnp.float8_e4m3fn, jnp.float8_e4m3fn, small):
+    if tiles <= small_max_tiles_per_sm * num_sms and kernel_sm90.supported(m, n, k, fp8, fp8, small):
         return small
     return chosen
 
