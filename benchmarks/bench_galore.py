@@ -2,10 +2,9 @@
 (SVD vs randomized); one Llama-7B layer with the refresh amortized.
 
 Cases (ANCHORS.md): fp32 W and G, TF32 allowed, non-refresh step, proj_type "std".
-  pallas:fused    fused down-projection + low-rank Adam kernel, up-projection update kernel, then W + update
-  pallas:hybrid   XLA down-projection + elementwise low-rank Adam kernel, same up kernel, then W + update
-  pallas:inplace_<variant>  galore_adamw_inplace's path for each of api.VARIANTS (fused, hybrid, xla_up,
-                  splitk), default configurations; pallas:inplace is the best of them
+  pallas:hybrid   XLA down-projection + elementwise low-rank Adam kernel, up-projection update kernel, then W + update
+  pallas:inplace_<variant>  galore_adamw_inplace's path for each of api.VARIANTS (hybrid, xla_up, splitk),
+                  default configurations; pallas:inplace is the best of them
   pallas:inplace_api  galore_adamw_inplace's step (count 1: the refresh lax.cond is taken but skips)
   pallas:tx       (section user_path, the rows of record) the user's path: jit(galore_adamw update ->
                   optax.apply_updates), params, grads and state donated, count > 0 (the refresh lax.cond skips),
@@ -16,9 +15,10 @@ Cases (ANCHORS.md): fp32 W and G, TF32 allowed, non-refresh step, proj_type "std
                   which ANCHORS.md's XLA and optax.contrib.galore figures include)
   peer:optax_contrib_galore   optax.contrib.galore update + apply_updates (params, grads, state donated)
 Every step donates everything it carries (see `_steps`).
-The `tuning` section is the sweep that sets kernel.UP_CONFIG, kernel.DOWN_CONFIG and kernel.MEASURED_VARIANT (it
-prints the lines); run it alone with `GALORE_SECTIONS=tuning python -m benchmarks.run galore`. Its timings are
-amortized over several distinct operand sets per jit (a single call under ~0.05 ms times the host dispatch).
+The `tuning` section is the sweep behind the "galore_up", "galore_down" and "galore_variant" sections of
+pallas_fused/tuning/<device>.json (it prints them as JSON to paste there); run it alone with
+`GALORE_SECTIONS=tuning python -m benchmarks.run galore`. Its timings are amortized over several distinct operand
+sets per jit (a single call under ~0.05 ms times the host dispatch).
 nbytes = (3 M N + 2 M r + 4 r N) * 4 (read G and W, write W; moments in/out; P) as in peers_jax.py.
 Refresh energy is measured on a low-rank-plus-noise gradient (decaying spectrum): a Gaussian matrix has a
 flat spectrum on which "captured energy" says nothing about real gradients.
@@ -26,6 +26,7 @@ flat spectrum on which "captured energy" says nothing about real gradients.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from functools import partial
@@ -36,6 +37,7 @@ import numpy as np
 import optax
 
 from benchmarks.common import bench_carry, bench_carry_amortized, error_text, rnd
+from pallas_fused import _backend
 from pallas_fused.galore import api, kernel, projector, reference
 
 OP = "galore"
@@ -134,7 +136,7 @@ def step_cases(rec, quick):
             delta_ref = _delta_ref(M, N, r, side)
             n = 20 if quick else 50
             times = {}
-            for impl, fn in [("pallas:fused", make("fused", False)), ("pallas:hybrid", make("hybrid", False)),
+            for impl, fn in [("pallas:hybrid", make("hybrid", False)),
                              *[(f"pallas:inplace_{v}", make(v, True)) for v in VARIANT_NAMES], ("xla", xla)]:
                 times[impl] = _time_step(rec, case, impl, fn, M, N, r, side, delta_ref, n)
             if r == _r(128):
@@ -234,13 +236,18 @@ DOWN_CANDIDATES = {
         kernel.DownConfig(128, 32, 8, 128, 8, 4, True),
     ],
 }
-# the fused kernel's best measured launch (4096^2 r128: 0.0567 ms), kept as a comparison row
-FUSED_DOWN = (32, 128, 4, 3)
 TUNING_BUDGET_S = 115.0
 # Ops under 0.05 ms time the host dispatch (~0.03 ms a jitted call on the H200) unless amortized: the sweep runs
 # each op on K_AMORT distinct operand sets (together well past the 50 MB L2) in one jit and divides by K_AMORT.
 K_AMORT = 4
 K_AMORT_STEP = 3
+
+
+def _print_section(name, section):
+    """One section of pallas_fused/tuning/<device>.json, printed to paste there (its "note" left to write: the
+    timings above and the results file behind them)."""
+    print(f"  paste into pallas_fused/tuning/{_backend.device_slug(_backend.device_name())}.json: "
+          f"{json.dumps({name: {'note': '...', **section}})}", flush=True)
 
 
 def tuning(rec, quick):
@@ -250,10 +257,11 @@ def tuning(rec, quick):
     1. r128, 4096x4096 (side right) then 4096x11008 (side left): the up-projection kernel alone (in place, W
        donated) for each UP_CANDIDATES entry beside XLA's up-projection + update; the down halves alone: the
        split-K kernel + the low-rank Adam kernel (summing the partials) per DOWN_CANDIDATES[side] entry, XLA's GEMM +
-       the Adam kernel ("hybrid"), the fused kernel (FUSED_DOWN), XLA's GEMM alone.
+       the Adam kernel ("hybrid"), XLA's GEMM alone.
     2. ranks 128, 32, 512, 256 (the budget may cut the last ones): the whole in-place step for hybrid, splitk
        (the side's best configurations of part 1) and xla_up, and the XLA reference.
-    Prints the lines to paste into pallas_fused/galore/kernel.py: UP_CONFIG, DOWN_CONFIG, MEASURED_VARIANT."""
+    Prints the "galore_up", "galore_down" and "galore_variant" sections to paste into this device's
+    pallas_fused/tuning/<device>.json (each beside a "note" citing the timings)."""
     deadline = time.time() + (TUNING_BUDGET_S if not _CPU else 20 * TUNING_BUDGET_S)
     n = 10 if quick else 20
     k_amort = 2 if _CPU else K_AMORT
@@ -314,12 +322,7 @@ def tuning(rec, quick):
             m, v, _ = kernel.lowrank_adam(reference.project(g, p, side), m, v, sc, interpret=INTERPRET)
             return g, p, m, v, sc
 
-        def fused(g, p, m, v, sc, side=side):
-            m, v, _ = kernel.down_adam_fused(g, p, m, v, sc, side=side, interpret=INTERPRET, blocks=FUSED_DOWN)
-            return g, p, m, v, sc
-
         timed(case, "pallas:hybrid_down", hybrid, downs, nbytes=downb)
-        timed(case, "pallas:fused_down" + "_".join(map(str, FUSED_DOWN)), fused, downs, nbytes=downb)
         # XLA's GEMM alone: R returned beside the carry (as m, so the GEMM is not dead code)
         timed(case, "xla:down_gemm_only", lambda g, p, m, v, sc, side=side: (g, p, reference.project(g, p, side),
                                                                               v, sc),
@@ -329,10 +332,10 @@ def tuning(rec, quick):
     best_up = {side: min(ts, key=ts.get) for side, ts in up_times.items() if ts}
     best_down = {side: min(ts, key=ts.get) for side, ts in down_times.items() if ts}
     if best_up:
-        print(f"  paste into pallas_fused/galore/kernel.py: UP_CONFIG = {best_up!r}", flush=True)
+        _print_section("galore_up", {side: cfg._asdict() for side, cfg in best_up.items()})
         rec.add(OP, "tune up best", "info:up_config", None, up_config=repr(best_up))
     if best_down:
-        print(f"  paste into pallas_fused/galore/kernel.py: DOWN_CONFIG = {best_down!r}", flush=True)
+        _print_section("galore_down", {side: cfg._asdict() for side, cfg in best_down.items()})
         rec.add(OP, "tune down best", "info:down_config", None, down_config=repr(best_down))
 
     winners, detail = {}, {}
@@ -350,8 +353,7 @@ def tuning(rec, quick):
                 rec.add(OP, case, "reference", None, error=error_text(e))
                 continue
             up, down = best_up.get(side), best_down.get(side)
-            # ("fused" lost to "hybrid" by 1.3-2x at every measured shape, and the fp32-operand up configurations
-            # by 0.012-0.04 ms in the tuning sweep's steps: left out)
+            # (the fp32-operand up configurations lost by 0.012-0.04 ms in the tuning sweep's steps: left out)
             cands = [("hybrid", up, None), ("splitk", up, down), ("xla_up", None, None)]
             times = {}
             kw = dict(nbytes=_nbytes(M, N, r), flops=2 * 2 * M * N * r, matmul_ceiling="tf32_tflops")
@@ -381,8 +383,8 @@ def tuning(rec, quick):
                 print(f"    {case}: " + ", ".join(f"{v} {t[0]:.4f}" for v, t in sorted(times.items(),
                                                                                     key=lambda x: x[1][0])))
     if winners:
-        print(f"  paste into pallas_fused/galore/kernel.py: MEASURED_VARIANT = {winners!r}", flush=True)
-        print(f"  (the winners' (ms, up, down) configurations: {detail!r}; UP_CONFIG / DOWN_CONFIG must match)",
+        _print_section("galore_variant", {"measured": [[*key, variant] for key, variant in winners.items()]})
+        print(f"  (the winners' (ms, up, down) configurations: {detail!r}; galore_up / galore_down must match)",
               flush=True)
         rec.add(OP, "tune step winners", "info:measured_variant", None, measured_variant=repr(winners))
 

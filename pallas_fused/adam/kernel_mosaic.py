@@ -6,7 +6,9 @@ Same operands, math (`reference.adam_math`) and results as `kernel.adam_fp32`; o
 - The flat vector is seen as rows of 128 and cut into blocks of `block` elements ((block / 128, 128) tiles).
   `programs` CTAs (one warpgroup of 128 threads each) each walk `steps` consecutive blocks with
   `plgpu.emit_pipeline`, which keeps the copies of `concurrent` blocks in flight (TMA copies GMEM -> SMEM of
-  every operand, compute from SMEM into registers, bulk copies SMEM -> GMEM of the results). Triton instead
+  every operand and of the runtime scalars, compute from SMEM into registers, bulk copies SMEM -> GMEM of the
+  results). block / steps / concurrent are a `MosaicLaunch`, tuning data (the "adam_mosaic" section of
+  pallas_fused/tuning/<device>.json, which benchmarks/mosaic_pilot.py sweeps). Triton instead
   has every thread load its elements straight into registers, with no shared memory.
 - The blocks tile the tensor exactly (`launch_shape` picks the block and steps per tensor); a tensor whose size is
   not a multiple of 128 x VEC elements is stepped by the jnp reference. No tail is patched into the kernel's
@@ -14,12 +16,12 @@ Same operands, math (`reference.adam_math`) and results as `kernel.adam_fp32`; o
   ("DynamicSliceFusion: DUS target must be a fusion parameter").
 
 Needs jax >= 0.11 (`_backend.MOSAIC`, the variant's entry): `plgpu.kernel` taking refs (`jax.new_ref`) that it writes in
-place. Checked on an H200 with jax 0.11.2 against the reference (see tests/adam/test_mosaic.py); the launch
-configuration below is not tuned yet (benchmarks/mosaic_pilot.py sweeps it).
+place. Checked on an H200 with jax 0.11.2 against the reference (see tests/adam/test_mosaic.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -31,16 +33,36 @@ from pallas_fused import _backend
 from pallas_fused.adam.kernel import fp32_refs, fp32_step
 from pallas_fused.adam.reference import NUM_SCALARS, adam_leaf_reference
 
-# Launch configuration (largest values; `launch_shape` fits them to each tensor).
-BLOCK = 2048  # elements per pipeline step
-STEPS = 8  # blocks per program
-CONCURRENT = 2  # pipeline steps in flight per program
 VEC = 4  # elements per thread per register vector: fp32 and bf16 operands share one strided layout
 LANES = 128  # the flat vector is seen as rows of LANES elements (a TMA box holds at most 256 per dimension)
-# Where the kernel reads the runtime scalars: "smem" (each pipeline step copies them into shared memory with
-# the data, padded to 128 bytes: a TMA destination must be 128-byte aligned) or "gmem" (scalar global loads).
-SCALARS = "smem"
+# Each pipeline step copies the runtime scalars into shared memory with the data, padded to 32 floats: a TMA
+# destination must be 128-byte aligned (with 64-byte slots the second slot faulted on the H200).
 SCALARS_PADDED = 32
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicLaunch:
+    """The largest launch (`launch_shape` fits it to each tensor); the defaults are a GPU's without a tuning table,
+    the H200's (pallas_fused/tuning/nvidia_h200.json cites the sweep)."""
+
+    block: int = 1024  # elements per pipeline step
+    steps: int = 32  # blocks per program
+    concurrent: int = 6  # pipeline steps in flight per program
+
+    def __post_init__(self):
+        if self.block % (128 * VEC) or not 0 < self.block <= 256 * LANES:
+            raise ValueError(f"block: expected a multiple of {128 * VEC} (a warpgroup's vectors) of at most "
+                             f"{256 * LANES} elements, got {self.block}")
+        if self.steps < 1 or self.concurrent < 1:
+            raise ValueError(f"steps, concurrent: expected >= 1, got {self.steps}, {self.concurrent}")
+
+
+HEURISTIC = {"fp32": dataclasses.asdict(MosaicLaunch())}
+
+
+def default_launch() -> MosaicLaunch:
+    """This device kind's launch (pallas_fused/tuning/<device>.json, else `MosaicLaunch()`)."""
+    return MosaicLaunch(**_backend.tuned("adam_mosaic", HEURISTIC)["fp32"])
 
 
 def _kernel(*refs, has_p, inplace, block):
@@ -58,16 +80,12 @@ def _kernel(*refs, has_p, inplace, block):
         ref[...] = x.astype(ref.dtype)
 
 
-def adam_fp32(s, g, m, v, p=None, *, inplace: bool, u_dtype=None, block: int | None = None,
-              steps: int | None = None, concurrent: int | None = None):
-    """`kernel.adam_fp32` (same operands and returns: flat 1-D, one length n) on the Mosaic GPU backend.
-    block / steps / concurrent default to BLOCK / STEPS / CONCURRENT (read at call time)."""
-    block, steps, concurrent = block or BLOCK, steps or STEPS, concurrent or CONCURRENT
-    if block % (128 * VEC) or block > 256 * LANES:
-        raise ValueError(f"block: expected a multiple of {128 * VEC} (a warpgroup's vectors) of at most "
-                         f"{256 * LANES} elements, got {block}")
-    return _adam_fp32(s, g, m, v, p, inplace=inplace, u_dtype=u_dtype, block=block, steps=steps,
-                      concurrent=concurrent)
+def adam_fp32(s, g, m, v, p=None, *, inplace: bool, u_dtype=None, launch: MosaicLaunch | None = None):
+    """`kernel.adam_fp32` (same operands and returns: flat 1-D, one length n) on the Mosaic GPU backend, with
+    `launch` (default: this device kind's, `default_launch`)."""
+    launch = launch or default_launch()
+    return _adam_fp32(s, g, m, v, p, inplace=inplace, u_dtype=u_dtype, block=launch.block, steps=launch.steps,
+                      concurrent=launch.concurrent)
 
 
 def _launch(s_pad, g, p, m, v, *, inplace, u_dtype, block, steps, concurrent, programs):
@@ -91,13 +109,8 @@ def _launch(s_pad, g, p, m, v, *, inplace, u_dtype, block, steps, concurrent, pr
         first = lax.axis_index("programs") * steps
         blk = pl.BlockSpec((block // LANES, LANES), lambda j: (first + j, 0))
         kern = functools.partial(_kernel, has_p=has_p, inplace=inplace, block=block)
-        if SCALARS == "smem":
-            ins, in_specs = (s_g, *ins), [pl.BlockSpec((SCALARS_PADDED,), lambda j: (0,))] + [blk] * len(ins)
-            step = lambda _, *smem: kern(*smem)  # noqa: E731
-        else:
-            in_specs = [blk] * len(ins)
-            step = lambda _, *smem: kern(s_g, *smem)  # noqa: E731
-        plgpu.emit_pipeline(step, grid=(steps,), in_specs=in_specs, out_specs=[blk] * 3,
+        ins, in_specs = (s_g, *ins), [pl.BlockSpec((SCALARS_PADDED,), lambda j: (0,))] + [blk] * len(ins)
+        plgpu.emit_pipeline(lambda _, *smem: kern(*smem), grid=(steps,), in_specs=in_specs, out_specs=[blk] * 3,
                             max_concurrent_steps=concurrent)(*ins, *outs)
 
     if inplace:

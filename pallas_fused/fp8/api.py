@@ -168,22 +168,23 @@ def sm90_config(m, n, k, num_sms: int | None = None):
     N = 5504 projections of a 2048-wide Llama. Padding costs a copy of each padded operand and of the
     output (the slice back), ~30% of the GEMM's time at 16384x2048x5504.
 
-    A GEMM with fewer such tiles than half the GPU's SMs (`num_sms`, default this process' GPU) leaves most SMs
-    idle: the weight gradients of narrow projections (2048x16384x512: 32 tiles for 132 SMs). 128 x 128 CTA tiles
-    double the tiles in flight there: rowwise 374 -> 726 TFLOP/s at 2048x16384x512 and 420 -> 600 at
-    512x16384x2048 on an H100 (benchmarks/results/user_path_dev/); with 128 tiles or more the larger tile wins."""
+    A GEMM with at most half as many such tiles as the GPU's SMs (`num_sms`, default this process' GPU; the
+    fraction is tuning data) leaves most SMs idle: the weight gradients of narrow projections (2048x16384x512: 32
+    tiles for 132 SMs). The small tile, 128 x 128 per CTA, doubles the tiles in flight there: rowwise 374 -> 726
+    TFLOP/s at 2048x16384x512 and 420 -> 600 at 512x16384x2048 on an H100 (benchmarks/results/user_path_dev/); with
+    128 tiles or more the larger tile wins. The tiles are `kernel_sm90.tiles()` (this device kind's tuning table)."""
     from pallas_fused.fp8 import kernel_sm90
 
-    config = kernel_sm90.DEFAULT
+    config, small, small_max_tiles_per_sm = kernel_sm90.tiles()
     split_m = dataclasses.replace(config, wg_split="m")
-    fits = [c for c in (config, split_m) if kernel_sm90.supported(m, n, k, jnp.float8_e4m3fn, jnp.float8_e4m3fn, c)]
+    fp8 = jnp.float8_e4m3fn
+    fits = [c for c in (config, split_m) if kernel_sm90.supported(m, n, k, fp8, fp8, c)]
     # Neither fits: pad as little as possible (the first on a tie).
     padded = lambda c: (m + -m % c.cta_tile[0]) * (n + -n % c.cta_tile[1])  # noqa: E731
     chosen = fits[0] if fits else min((config, split_m), key=padded)
     tiles = -(-m // chosen.cta_tile[0]) * -(-n // chosen.cta_tile[1])
-    small = dataclasses.replace(config, tile_n=config.tile_n // 2)
     num_sms = _backend.num_sms() if num_sms is None else num_sms
-    if 2 * tiles <= num_sms and kernel_sm90.supported(m, n, k, jnp.float8_e4m3fn, jnp.float8_e4m3fn, small):
+    if tiles <= small_max_tiles_per_sm * num_sms and kernel_sm90.supported(m, n, k, fp8, fp8, small):
         return small
     return chosen
 

@@ -29,13 +29,26 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_fused import _sm90
+from pallas_fused import _backend, _sm90
 
-TileConfig = _sm90.TileConfig  # fp8 defaults: 128 x 128 per warpgroup, tile_k 128 (bytes), 4 stages = 192 KiB
-DEFAULT = TileConfig()
+TileConfig = _sm90.TileConfig
+
+# The tiles of a GPU without a tuning table: the H200's (pallas_fused/tuning/nvidia_h200.json cites the sweeps).
+# "large": 128 x 128 per warpgroup, tile_k 128 (bytes), 4 stages = 192 KiB of shared memory; "small": half as wide,
+# for a GEMM whose large tiles number at most "small_max_tiles_per_sm" per SM (`api.sm90_config`).
+HEURISTIC = {"large": dict(tile_m=128, tile_n=128, tile_k=128, max_concurrent_steps=4),
+             "small": dict(tile_m=128, tile_n=64, tile_k=128, max_concurrent_steps=4),
+             "small_max_tiles_per_sm": 0.5}
 
 
-def supported(m: int, n: int, k: int, a_dtype, b_dtype, config: TileConfig = DEFAULT) -> bool:
+def tiles() -> tuple[TileConfig, TileConfig, float]:
+    """(large, small, the small tile's threshold in large tiles per SM) for this device kind
+    (pallas_fused/tuning/<device>.json, else HEURISTIC)."""
+    table = _backend.tuned("fp8_sm90", HEURISTIC)
+    return TileConfig(**table["large"]), TileConfig(**table["small"]), float(table["small_max_tiles_per_sm"])
+
+
+def supported(m: int, n: int, k: int, a_dtype, b_dtype, config: TileConfig) -> bool:
     """Whether the kernel runs these operands as they are (no padding): one fp8 dtype, tile multiples."""
     return a_dtype == b_dtype and _sm90.supported(m, n, k, config)
 
@@ -45,7 +58,7 @@ def _row_col_scales(acc, rows, cols):
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "config"))
-def scaled_matmul_nt(a, bt, a_scale, b_scale, *, out_dtype, config: TileConfig = DEFAULT):
+def scaled_matmul_nt(a, bt, a_scale, b_scale, *, out_dtype, config: TileConfig):
     """(a * a_scale[:, None]) @ (bt * b_scale[:, None])^T on Hopper; shapes must be tile multiples.
 
     Under vmap the batch runs as a loop of kernel launches (the Mosaic GPU kernel has no batching rule).

@@ -86,8 +86,6 @@ VARIANTS = {
                                       "XLA's up-projection GEMM with the update as jnp (which XLA may fuse into it)"),
     "pallas:splitk": _backend.Variant("the Pallas split-K down-projection GEMM (fp32 partial sums), the low-rank Adam "
                                       "kernel adding them, then the Pallas up-projection with the update"),
-    "pallas:fused": _backend.Variant("one Pallas down-projection GEMM with the low-rank Adam in its epilogue, then "
-                                     "the Pallas up-projection with the update"),
 }
 
 _masked_node = optax.MaskedNode
@@ -120,8 +118,8 @@ class GaLoreInplace(NamedTuple):
 
 def choose_kernel(shape: tuple[int, int], rank: int, side: str) -> str:
     """The variant (a name of `VARIANTS` without "pallas:") that implementation="pallas" runs for one leaf that
-    decays or steps in place: the measured winner nearest in shape and rank (`kernel.MEASURED_VARIANT`, printed
-    by the tuning sweep of benchmarks/bench_galore.py)."""
+    decays or steps in place: the measured winner nearest in shape and rank (`kernel.choose_variant`: this GPU kind's
+    tuning table, which the tuning sweep of benchmarks/bench_galore.py prints)."""
     return kernel.choose_variant(shape, rank, side)
 
 
@@ -131,12 +129,11 @@ def choose_kernel(shape: tuple[int, int], rank: int, side: str) -> str:
 # side "right" P is (r, N) and R, m, v are (M, r); under side "left" P is (M, r) and R, m, v are (r, N).
 
 
-def _down_adam(g, p, m, v, packed, *, side, interpret, variant, n_dtype=jnp.float32, p16=False, blocks=None):
-    """The down-projection + low-rank Adam on each shard: variant "fused" (one kernel) or "splitk" (the split-K
-    kernel, then the elementwise Adam kernel adding its partial sums; with p16 that kernel also returns P cast to
-    fp16, a 4th result sharded as P). A split contraction (N on side right, M on side left): each device projects
-    its shard with XLA's GEMM, the (M, r) / (r, N) partial projections are all-reduced (never G), then the
-    elementwise low-rank Adam kernel runs."""
+def _down_adam(g, p, m, v, packed, *, side, interpret, n_dtype=jnp.float32, p16=False, blocks=None):
+    """The down-projection + low-rank Adam on each shard: the split-K kernel, then the elementwise Adam kernel adding
+    its partial sums (with p16 that kernel also returns P cast to fp16, a 4th result sharded as P). A split
+    contraction (N on side right, M on side left): each device projects its shard with XLA's GEMM, the (M, r) /
+    (r, N) partial projections are all-reduced (never G), then the elementwise low-rank Adam kernel runs."""
     contracted = "n" if side == "right" else "m"
     low = "m r" if side == "right" else "r n"
     pf = "r n" if side == "right" else "m r"
@@ -146,8 +143,6 @@ def _down_adam(g, p, m, v, packed, *, side, interpret, variant, n_dtype=jnp.floa
         return kernel.lowrank_adam(r, m, v, packed, interpret=interpret, n_dtype=n_dtype, p=p if p16 else None)
 
     def local(g, p, m, v, packed):
-        if variant == "fused":
-            return kernel.down_adam_fused(g, p, m, v, packed, side=side, interpret=interpret, blocks=blocks)
         return adam(kernel.down_splitk(g, p, side=side, interpret=interpret, blocks=blocks), m, v, packed, p)
 
     def split_contraction(axes):
@@ -315,8 +310,7 @@ def leaf_step(variant: str, w, g, m, v, p, side: str, s: Scalars, *, inplace: bo
     (out, m', v'), out being the update in `dtype` (W's, or G's when w is None: no weight-decay term) or, with
     `inplace`, the new W. A leaf whose low-rank step is not finite is skipped (`_skip_nonfinite`). `up_blocks` /
     `down_blocks` override the kernels' launch configurations (the tuning sweep of benchmarks/bench_galore.py: a
-    kernel.UpConfig, and a kernel.DownConfig for "splitk" or a (kept block, K block, warps, stages) tuple for
-    "fused")."""
+    kernel.UpConfig, and a kernel.DownConfig for "splitk")."""
     if f"pallas:{variant}" not in VARIANTS:
         raise ValueError(f"galore: variant must be one of {[k.partition(':')[2] for k in VARIANTS]}, got {variant!r}")
     m_old, v_old, packed = m, v, s.pack()
@@ -324,14 +318,11 @@ def leaf_step(variant: str, w, g, m, v, p, side: str, s: Scalars, *, inplace: bo
         m, v, n = _lowrank_adam(reference.project(g, p, side), m, v, packed, interpret=interpret)
         m, v, s = _skip_nonfinite(m_old, v_old, m, v, s)
         return reference.finish_step(w, n, p, side, s, inplace=inplace, dtype=dtype), m, v
-    # an fp16 up-projection (kernel.UP_CONFIG) takes N in fp16 from the Adam kernel, and P cast once with p16
+    # an fp16 up-projection (kernel.up_config) takes N in fp16 from the Adam kernel, and P cast once with p16
     n_dtype, p16 = kernel.up_operands(reference.projector_rank(p.shape, side), side, up_blocks)
-    if variant == "fused":  # (its N stays fp32: the up kernel casts its tiles)
-        m, v, n = _down_adam(g, p, m, v, packed, side=side, interpret=interpret, variant="fused", blocks=down_blocks)
-        cast = [p.astype(jnp.float16)] if p16 else []
-    elif variant == "splitk":  # (with p16 the Adam kernel also casts P: no separate launch)
-        m, v, n, *cast = _down_adam(g, p, m, v, packed, side=side, interpret=interpret, variant="splitk",
-                                    n_dtype=n_dtype, p16=p16, blocks=down_blocks)
+    if variant == "splitk":  # (with p16 the Adam kernel also casts P: no separate launch)
+        m, v, n, *cast = _down_adam(g, p, m, v, packed, side=side, interpret=interpret, n_dtype=n_dtype, p16=p16,
+                                    blocks=down_blocks)
     else:  # XLA's GEMM (partitioned by XLA: a sharded contraction is all-reduced), then the elementwise kernel
         m, v, n, *cast = _lowrank_adam(reference.project(g, p, side), m, v, packed, interpret=interpret,
                                        n_dtype=n_dtype, p=p if p16 else None)
@@ -591,8 +582,8 @@ _DOC_ARGS = """
       implementation: None | "pallas" | "xla" | "interpret" | "pallas:<variant>" | "interpret:<variant>" (see
         pallas_fused._backend): how projected leaves are stepped. "pallas" picks a variant per leaf
         (`choose_kernel`'s measured table; with no weight-decay term on the optax path, XLA's graph, which the
-        caller's apply_updates fuses into); "pallas:<variant>"
-        forces one of `VARIANTS` (hybrid, xla_up, splitk, fused). Precision: the Pallas
+        caller's apply_updates fuses into); "pallas:<variant>" forces one of `VARIANTS` (hybrid, xla_up,
+        splitk). Precision: the Pallas
         kernels fix theirs (TF32 on fp32 G, fp16 operands in the up-projection: as exact as TF32 there), while the
         XLA GEMMs follow ``jax.default_matmul_precision`` (TF32 by default on a GPU); for full fp32 projections
         use implementation="xla" under ``jax.default_matmul_precision("highest")``.

@@ -1,26 +1,25 @@
 """Pallas (Triton lowering) kernels of the GaLore Adam step. Knows nothing of optax.
 
-Four kernels, all launched through `_backend.triton_call` and reading the step's runtime scalars from
+Three kernels, all launched through `_backend.triton_call` and reading the step's runtime scalars from
 an (8,) fp32 operand (see `reference.Scalars`):
 
-  down_adam_fused   the down-projection GEMM R = G P^T (side "right") or P^T G (side "left"), fp32
-                    accumulate, with the low-rank Adam step in its epilogue: writes m', v' (aliased onto
-                    m, v) and the normalized update N (fp32). One program owns all r columns of its
-                    output rows, so the Adam epilogue sees finished sums (no split-K).
-  lowrank_adam      the same epilogue as an elementwise kernel, after an XLA down-projection ("hybrid") or after
-                    down_splitk (adding its partial sums); optionally writes N in fp16 and casts P to fp16.
-  down_splitk       the down-projection GEMM split along its contraction (grid: kept-dim blocks x rank blocks x
-                    splits, TF32 on fp32 G) writing fp32 partial sums ("splitk": enough programs to fill the GPU
-                    where one program per row block does not).
+  lowrank_adam      the low-rank Adam step as an elementwise kernel: writes m', v' (aliased onto m, v) and the
+                    normalized update N, after an XLA down-projection ("hybrid") or after down_splitk (adding its
+                    partial sums); optionally writes N in fp16 and casts P to fp16.
+  down_splitk       the down-projection GEMM R = G P^T (side "right") or P^T G (side "left") split along its
+                    contraction (grid: kept-dim blocks x rank blocks x splits, TF32 on fp32 G) writing fp32 partial
+                    sums ("splitk": enough programs to fill the GPU where one program per row block does not).
   up_update         the up-projection GEMM (N P or P N, K = r) with the full-rank update in its epilogue:
                     out = a W + c backproject(N), stored as the update (optax path) or added to W and
                     written over W through input_output_aliases (in-place path). One pass over W; none
                     when w is None (no weight decay on the optax path). A program may own several tiles.
                     Operands fp32 (TF32) or fp16 (UpConfig.f16: as exact as TF32, see the note there).
 
-Block sizes come from `UP_CONFIG` / `DOWN_CONFIG` / `_blocks_down` below (overridable per call with `blocks=` for
-tuning). api.py strings the kernels into the variants of its `VARIANTS` table; `choose_variant` picks one per leaf
-from `MEASURED_VARIANT`, the table the tuning sweep in benchmarks/bench_galore.py prints.
+Launch configurations and the per-leaf variant choice are tuning data: `up_config`, `down_config` and
+`choose_variant` read them from this GPU kind's table (pallas_fused/tuning/<device>.json, sections "galore_up",
+"galore_down", "galore_variant", which the tuning sweep in benchmarks/bench_galore.py prints), else from the
+heuristics below; every kernel also takes its configuration as an argument (`blocks=`). api.py strings the kernels
+into the variants of its `VARIANTS` table.
 """
 
 from __future__ import annotations
@@ -88,40 +87,42 @@ class DownConfig(NamedTuple):
     p_nat: bool = False
 
 
-# The default up-projection configuration, one for all or a dict side ("right" / "left") -> UpConfig: set it
-# from the tuning sweep (benchmarks/bench_galore.py prints the winners as a line to paste here).
-UP_CONFIG: UpConfig | dict[str, UpConfig] = {
-    # H200 (benchmarks/results/nvidia_h200.json, the tuning sweep), up-projection alone, in place, r128, amortized
-    # over 4 W: 4096^2 0.0518 ms (64% HBM; best fp32-operand config 0.0596); 4096x11008 0.1264 ms
-    # (71%; fp32 operands 0.1613).
-    "right": UpConfig(bm=64, bn=128, br=128, warps=8, stages=2, w_first=True, tn=1, tm=8, f16=True, p16=False),
-    "left": UpConfig(bm=64, bn=64, br=128, warps=4, stages=2, w_first=True, tn=1, tm=8, f16=True, p16=True),
+# The launches of a GPU without a tuning table: the H200's (pallas_fused/tuning/nvidia_h200.json holds them with
+# their measurements), per side of the projector.
+UP_HEURISTIC = {
+    "right": dict(bm=64, bn=128, br=128, warps=8, stages=2, w_first=True, tn=1, tm=8, f16=True, p16=False),
+    "left": dict(bm=64, bn=64, br=128, warps=4, stages=2, w_first=True, tn=1, tm=8, f16=True, p16=True),
 }
+DOWN_HEURISTIC = {
+    "right": dict(bm=128, bk=32, splits=8, br=128, warps=8, stages=3, g_regs=False, p_nat=False),
+    "left": dict(bm=128, bk=32, splits=4, br=128, warps=8, stages=3, g_regs=True, p_nat=False),
+}
+# The variant of a GPU without a table: the H200's winners, [M, N, rank, side, variant] (`choose_variant`).
+VARIANT_HEURISTIC = {"measured": [
+    [4096, 4096, 128, "right", "hybrid"], [4096, 11008, 128, "left", "hybrid"], [4096, 4096, 32, "right", "hybrid"],
+    [4096, 11008, 32, "left", "hybrid"], [4096, 4096, 512, "right", "xla_up"], [4096, 4096, 256, "right", "hybrid"],
+    [4096, 11008, 256, "left", "hybrid"],
+]}
 
-# The default split-K down-projection configuration per side (set from the tuning sweep's printed line).
-# H200 (the same sweep), split-K kernel + low-rank Adam alone, r128, amortized over 4 G: 4096^2 0.0400 ms (XLA's
-# GEMM + the Adam kernel, "hybrid": 0.0389); 4096x11008 0.1083 ms (hybrid 0.1096; without g_regs 0.1323).
-DOWN_CONFIG: DownConfig | dict[str, DownConfig] = {
-    "right": DownConfig(bm=128, bk=32, splits=8, br=128, warps=8, stages=3),
-    "left": DownConfig(bm=128, bk=32, splits=4, br=128, warps=8, stages=3, g_regs=True),
-}
 
-# Measured winners (H200, fp32, TF32, in-place step): (M, N, rank, side) -> variant. `choose_variant` takes
-# the nearest entry of the same side. Paste the `MEASURED_VARIANT = {...}` line the tuning sweep prints.
-MEASURED_VARIANT: dict[tuple[int, int, int, str], str] = {
-    # H200 (benchmarks/results/nvidia_h200.json, the tuning sweep), in-place step amortized over 3 leaves, with
-    # UP_CONFIG / DOWN_CONFIG above, ms:
-    (4096, 4096, 128, "right"): "hybrid",  # hybrid 0.0838, splitk 0.0892, fused 0.1098, xla_up 0.1346, xla 0.1343
-    (4096, 11008, 128, "left"): "hybrid",  # hybrid 0.2243, splitk 0.2254, xla_up 0.3406, fused 0.4481, xla 0.3440
-    (4096, 4096, 32, "right"): "hybrid",  # hybrid 0.0710, splitk 0.0710, xla_up 0.1081, xla 0.1089
-    (4096, 11008, 32, "left"): "hybrid",  # hybrid 0.1650 (fp32-operand up) / 0.1681, splitk 0.1697, xla 0.2463
-    # xla_up 0.2113, hybrid 0.2418, splitk 0.3165, xla 0.2171
-    (4096, 4096, 512, "right"): "xla_up",
-    (4096, 4096, 256, "right"): "hybrid",  # hybrid 0.1605, xla_up 0.1702, splitk 0.1824, xla 0.1686
-    (4096, 11008, 256, "left"): "hybrid",  # hybrid 0.3087, splitk 0.3583, xla_up 0.4439, xla 0.4492
-}
-# A repeat of the rank-128 and rank-32 steps came within 1-2% (4096^2 r128: hybrid 0.0844 with a 4-warp up
-# configuration; 4096x11008 r128: splitk 0.2275, hybrid 0.2276 with tm 32): the configurations above stay.
+def up_config(rank: int, side: str, blocks=None) -> UpConfig:
+    """The up-projection's launch for `side`: `blocks` (an `UpConfig` or a tuple of its fields), else this GPU
+    kind's tuned one; its K chunk no wider than the rank's block."""
+    if blocks:
+        cfg = UpConfig(*blocks)
+    else:
+        cfg = UpConfig(**_backend.tuned("galore_up", UP_HEURISTIC)[side])
+        if _backend.gpu_device() is None:
+            # Without a GPU the kernels only run in the interpreter, where fp16 operands save no memory traffic and
+            # only round: it multiplies fp32, exact as the XLA:CPU reference it is checked against.
+            cfg = cfg._replace(f16=False, p16=False)
+    return cfg._replace(br=min(cfg.br, _rank_block(rank)))
+
+
+def down_config(side: str, blocks=None) -> DownConfig:
+    """The split-K down-projection's launch for `side`: `blocks` (a `DownConfig` or a tuple of its fields), else
+    this GPU kind's tuned one."""
+    return DownConfig(*blocks) if blocks else DownConfig(**_backend.tuned("galore_down", DOWN_HEURISTIC)[side])
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -162,51 +163,7 @@ def _adam_epilogue(r, m, v, s):
     return m_new, v_new, n
 
 
-# ----------------------------------------------------------------------------------------- down + Adam
-def _down_right_kernel(g_ref, p_ref, m_ref, v_ref, s_ref, m_out, v_out, n_out, *, M, N, R, BM, BK, RB):
-    # acc[BM, RB] = G[rows, :] @ P[:, :]^T, the K loop over N.
-    i = pl.program_id(0)
-    rows = i * BM + jnp.arange(BM)
-    rmask = rows < M
-    kmask_r = jnp.arange(RB) < R
-
-    def body(k, acc):
-        cols = k * BK + jnp.arange(BK)
-        cmask = cols < N
-        g = _backend.load(g_ref.at[pl.ds(i * BM, BM), pl.ds(k * BK, BK)], mask=rmask[:, None] & cmask[None, :],
-                          other=0.0)
-        p = _backend.load(p_ref.at[pl.ds(0, RB), pl.ds(k * BK, BK)], mask=kmask_r[:, None] & cmask[None, :],
-                          other=0.0)
-        return acc + _backend.dot(g, p.astype(g.dtype), trans_b=True, allow_tf32=True)
-
-    acc = lax.fori_loop(0, _cdiv(N, BK), body, jnp.zeros((BM, RB), F32))
-    idx = (pl.ds(i * BM, BM), pl.ds(0, RB))
-    mask = rmask[:, None] & kmask_r[None, :]
-    _store_adam(acc, m_ref, v_ref, m_out, v_out, n_out, idx, mask, _scalars(s_ref))
-
-
-def _down_left_kernel(g_ref, p_ref, m_ref, v_ref, s_ref, m_out, v_out, n_out, *, M, N, R, BN, BK, RB):
-    # acc[RB, BN] = P[:, :]^T @ G[:, cols], the K loop over M.
-    j = pl.program_id(0)
-    cols = j * BN + jnp.arange(BN)
-    cmask = cols < N
-    kmask_r = jnp.arange(RB) < R
-
-    def body(k, acc):
-        rows = k * BK + jnp.arange(BK)
-        rmask = rows < M
-        p = _backend.load(p_ref.at[pl.ds(k * BK, BK), pl.ds(0, RB)], mask=rmask[:, None] & kmask_r[None, :],
-                          other=0.0)
-        g = _backend.load(g_ref.at[pl.ds(k * BK, BK), pl.ds(j * BN, BN)], mask=rmask[:, None] & cmask[None, :],
-                          other=0.0)
-        return acc + _backend.dot(p.astype(g.dtype), g, trans_a=True, allow_tf32=True)
-
-    acc = lax.fori_loop(0, _cdiv(M, BK), body, jnp.zeros((RB, BN), F32))
-    idx = (pl.ds(0, RB), pl.ds(j * BN, BN))
-    mask = kmask_r[:, None] & cmask[None, :]
-    _store_adam(acc, m_ref, v_ref, m_out, v_out, n_out, idx, mask, _scalars(s_ref))
-
-
+# ------------------------------------------------------------------------------ elementwise low-rank Adam
 def _store_adam(acc, m_ref, v_ref, m_out, v_out, n_out, idx, mask, s):
     m = _backend.load(m_ref.at[idx], mask=mask, other=0.0).astype(F32)
     v = _backend.load(v_ref.at[idx], mask=mask, other=0.0).astype(F32)
@@ -218,44 +175,6 @@ def _store_adam(acc, m_ref, v_ref, m_out, v_out, n_out, idx, mask, s):
     _backend.store(n_out.at[idx], n.astype(n_out.dtype), mask=mask)
 
 
-def _blocks_down(shape, rank, side, itemsize):
-    """(block of the kept dim, K block, warps, stages) for the fused down-projection."""
-    rb = _rank_block(rank)
-    keep = 64 if rb <= 128 else 32
-    bk = 64 if itemsize == 4 else 128
-    if rb >= 512:
-        keep, bk = 16, 32
-    return keep, bk, (4 if rb <= 64 else 8), 3
-
-
-@functools.partial(jax.jit, static_argnames=("side", "interpret", "blocks"))
-def down_adam_fused(g, p, m, v, scalars, *, side: str, interpret: bool = False, blocks=None):
-    """Fused down-projection + low-rank Adam. Returns (m', v', N); m', v' are written over m, v."""
-    M, N = g.shape
-    R = p.shape[0] if side == "right" else p.shape[1]
-    RB = _rank_block(R)
-    keep, bk, warps, stages = blocks or _blocks_down(g.shape, R, side, g.dtype.itemsize)
-    low = m.shape
-    # the rank axis of P (rows on side right, columns on side left) and of m, v (the other way round) padded to
-    # the rank block that the kernel loads and stores in one piece (see `_pad_rank`)
-    p_axis, low_axis = (0, 1) if side == "right" else (1, 0)
-    p, m, v = _pad_rank(p, p_axis, RB), _pad_rank(m, low_axis, RB), _pad_rank(v, low_axis, RB)
-    padded = m.shape
-    outs = (jax.ShapeDtypeStruct(padded, m.dtype), jax.ShapeDtypeStruct(padded, v.dtype),
-            jax.ShapeDtypeStruct(padded, F32))
-    if side == "right":
-        kern = functools.partial(_down_right_kernel, M=M, N=N, R=R, BM=keep, BK=bk, RB=RB)
-        grid = (_cdiv(M, keep),)
-    else:
-        kern = functools.partial(_down_left_kernel, M=M, N=N, R=R, BN=keep, BK=bk, RB=RB)
-        grid = (_cdiv(N, keep),)
-    call = _backend.triton_call(kern, out_shape=outs, grid=grid, name="pallas_fused_galore_down_adam",
-                                interpret=interpret, num_warps=warps, num_stages=stages,
-                                input_output_aliases={2: 0, 3: 1})
-    return tuple(x[: low[0], : low[1]] for x in call(g, p, m, v, scalars))
-
-
-# ------------------------------------------------------------------------------ elementwise low-rank Adam
 def _lowrank_adam_kernel(*refs, size, splits, size_p, BLOCK):
     # r_ref: (splits * size,) fp32 partial sums (split-K) or (size,) with splits == 1; summed in a fixed order.
     # With size_p, the same programs also cast P (flattened, size_p elements) to fp16 (p16_out).
@@ -360,16 +279,11 @@ def _splitk_left_kernel(g_ref, p_ref, o_ref, *, M, N, R, BN, BK, BR, KSTEPS, g_r
     _backend.store(o_ref.at[sp, pl.ds(q * BR, BR), pl.ds(j * BN, BN)], acc.T, mask=qmask[:, None] & cmask[None, :])
 
 
-def _blocks_splitk(side) -> DownConfig:
-    return DOWN_CONFIG[side] if isinstance(DOWN_CONFIG, dict) else DOWN_CONFIG
-
-
 def down_splitk(g, p, *, side: str, interpret: bool = False, blocks=None):
     """Split-K down-projection R = G P^T (side right) or P^T G (side left), TF32 on G's dtype upcast to fp32:
-    returns the (splits, *R.shape) fp32 partial sums, for `lowrank_adam` to add. `blocks`: a `DownConfig`
-    (or a tuple of its fields) overriding `DOWN_CONFIG` (read here, outside the jit cache)."""
-    cfg = DownConfig(*blocks) if blocks else _blocks_splitk(side)
-    return _down_splitk(g, p, side=side, interpret=interpret, cfg=cfg)
+    returns the (splits, *R.shape) fp32 partial sums, for `lowrank_adam` to add. `blocks`: its launch (see
+    `down_config`)."""
+    return _down_splitk(g, p, side=side, interpret=interpret, cfg=down_config(side, blocks))
 
 
 @functools.partial(jax.jit, static_argnames=("side", "interpret", "cfg"))
@@ -472,15 +386,10 @@ def _up_kernel(*refs, M, N, R, BM, BN, BR, TM, TN, inplace, has_w, w_first, f16)
         lax.fori_loop(0, T, tile, load_w(0) if prefetch else jnp.zeros((), F32))
 
 
-def _blocks_up(rank, side) -> UpConfig:
-    cfg = UP_CONFIG[side] if isinstance(UP_CONFIG, dict) else UP_CONFIG
-    return cfg._replace(br=min(_rank_block(rank), cfg.br))
-
-
 def up_operands(rank: int, side: str, blocks=None):
-    """(N's dtype, whether P is cast to fp16 once per step) for the up-projection configuration `blocks` (an
-    `UpConfig` or a tuple of its fields; default `UP_CONFIG`)."""
-    cfg = UpConfig(*blocks) if blocks else _blocks_up(rank, side)
+    """(N's dtype, whether P is cast to fp16 once per step) for the up-projection launch `blocks` (see
+    `up_config`)."""
+    cfg = up_config(rank, side, blocks)
     return (jnp.float16 if cfg.f16 else F32), bool(cfg.f16 and cfg.p16)
 
 
@@ -491,18 +400,13 @@ def up_update(w, n, p, scalars, *, side: str, inplace: bool = False, interpret: 
     Returns out = a W + c backproject(N) in W's dtype; with `inplace`, W + out written over W's buffer
     (input_output_aliases: donate W at the jit boundary to update it without a copy). `w=None` (no weight
     decay on the optax path) drops the a W term and never reads a W: out = c backproject(N) in `out_dtype`
-    (default P's dtype). `blocks`: an `UpConfig` (or a tuple of its fields) overriding `UP_CONFIG` (read
-    here, outside the jit cache, so changing UP_CONFIG takes effect at the next trace)."""
+    (default P's dtype). `blocks`: its launch (see `up_config`)."""
     if w is None and inplace:
         raise ValueError("up_update: inplace=True needs w (the weight to update)")
     R = n.shape[1] if side == "right" else n.shape[0]
-    if blocks:
-        cfg = UpConfig(*blocks)
-        cfg = cfg._replace(br=min(cfg.br, _rank_block(R)))
-    else:
-        cfg = _blocks_up(R, side)
     dtype = jnp.dtype(w.dtype if w is not None else (out_dtype or p.dtype))
-    return _up_update(w, n, p, scalars, side=side, inplace=inplace, interpret=interpret, cfg=cfg, dtype=dtype)
+    return _up_update(w, n, p, scalars, side=side, inplace=inplace, interpret=interpret,
+                      cfg=up_config(R, side, blocks), dtype=dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("side", "inplace", "interpret", "cfg", "dtype"))
@@ -525,17 +429,17 @@ def _up_update(w, n, p, scalars, *, side, inplace, interpret, cfg: UpConfig, dty
     return call(w, a, b, scalars) if has_w else call(a, b, scalars)
 
 
-def choose_variant(shape: tuple[int, int], rank: int, side: str) -> str:
-    """The default variant for one leaf: the `MEASURED_VARIANT` entry of the same side nearest in size and
-    rank (log scale); with no entry, the fused kernel only where its grid fills the GPU twice over."""
-    table = [(key, val) for key, val in MEASURED_VARIANT.items() if key[3] == side] or list(MEASURED_VARIANT.items())
-    if table:
-        m, n = shape
+def choose_variant(shape: tuple[int, int], rank: int, side: str, measured=None) -> str:
+    """The default variant for one leaf: the entry of `measured` ([M, N, rank, side, variant] rows; default this GPU
+    kind's tuned "galore_variant" table) of the same side nearest in size and rank (log scale); "hybrid" with
+    none."""
+    measured = _backend.tuned("galore_variant", VARIANT_HEURISTIC)["measured"] if measured is None else measured
+    table = [row for row in measured if row[3] == side] or list(measured)
+    if not table:
+        return "hybrid"
+    m, n = shape
 
-        def distance(key):
-            return abs(math.log(key[0] * key[1] / (m * n))) + abs(math.log(key[2] / rank))
+    def distance(row):
+        return abs(math.log(row[0] * row[1] / (m * n))) + abs(math.log(row[2] / rank))
 
-        return min(table, key=lambda kv: distance(kv[0]))[1]
-    kept = shape[0] if side == "right" else shape[1]
-    blocks = _cdiv(kept, _blocks_down(shape, rank, side, 4)[0])
-    return "fused" if blocks >= 2 * _backend.num_sms() else "hybrid"
+    return min(table, key=distance)[4]

@@ -61,8 +61,8 @@ def _close(out, want, dtype):
 @pytest.mark.parametrize("mode", ["inplace", "direction", "direction_no_p"])
 def test_mosaic_kernel_matches_reference(n, dtypes, mode):
     """Sizes: 300 and 6661 (not multiples of 512: the reference steps them), 12 blocks of 512 (6 programs of 2
-    steps), 15 blocks (15 programs of 1 step), and 2085 blocks of 512 with the default launch (417 programs of
-    5 steps: 2048 does not divide the size)."""
+    steps), 15 blocks (15 programs of 1 step), and 2085 blocks of 512 with the default launch (on the H200: 139
+    programs of 15 steps, 1024 does not divide the size)."""
     from pallas_fused.adam import kernel_mosaic
 
     p, g, m, v = _operands(n, *dtypes)
@@ -70,10 +70,11 @@ def test_mosaic_kernel_matches_reference(n, dtypes, mode):
     inplace = mode == "inplace"
     p_arg = None if mode == "direction_no_p" else p
     want = ref.adam_leaf_reference(g, m, v, s, p_arg, inplace=inplace)
-    blocks = {} if n > 1 << 20 else dict(block=512, steps=2)
+    launch = None if n > 1 << 20 else kernel_mosaic.MosaicLaunch(block=512, steps=2, concurrent=2)
     if n % 512 == 0:
-        assert kernel_mosaic.launch_shape(n, **(blocks or dict(block=2048, steps=8))) is not None
-    got = kernel_mosaic.adam_fp32(s, g, m, v, p_arg, inplace=inplace, **blocks)
+        used = launch or kernel_mosaic.default_launch()
+        assert kernel_mosaic.launch_shape(n, used.block, used.steps) is not None
+    got = kernel_mosaic.adam_fp32(s, g, m, v, p_arg, inplace=inplace, launch=launch)
     for name, a, b in zip(("out", "m", "v"), got, want):
         assert a.shape == b.shape and a.dtype == b.dtype, name
         assert_all_written(a, name)
@@ -124,3 +125,19 @@ def test_launch_shape_tiles_exactly():
     assert kernel_mosaic.launch_shape(2048 * 7, 2048, 8) == (2048, 7, 1)
     for n in (300, 512 * 12 + 517, 128 * 3):
         assert kernel_mosaic.launch_shape(n, 2048, 8) is None
+
+
+def test_mosaic_launch_is_tuning_data():
+    """The launch comes from the device kind's tuning table ("adam_mosaic"), else the dataclass defaults; a launch
+    the kernel cannot tile is a ValueError naming the field."""
+    from pallas_fused.adam import kernel_mosaic
+
+    if _backend.gpu_device() is None:
+        assert kernel_mosaic.default_launch() == kernel_mosaic.MosaicLaunch()
+    table = _backend.tuning_table("NVIDIA H200")["adam_mosaic"]["fp32"]
+    assert kernel_mosaic.MosaicLaunch(**table) == kernel_mosaic.MosaicLaunch()
+    with pytest.raises(ValueError, match="block"):
+        kernel_mosaic.MosaicLaunch(block=300)
+    with pytest.raises(ValueError, match="steps"):
+        kernel_mosaic.MosaicLaunch(steps=0)
+

@@ -291,14 +291,14 @@ def test_sm90_tile_avoids_padding(m, n, k):
     from pallas_fused.fp8 import api, kernel_sm90
 
     config = api.sm90_config(m, n, k, num_sms=1)  # the padding rule alone (no few-tiles rule)
-    splits = [dataclasses.replace(kernel_sm90.DEFAULT, wg_split=w) for w in ("n", "m")]
+    splits = [dataclasses.replace(kernel_sm90.tiles()[0], wg_split=w) for w in ("n", "m")]
     fits = [c for c in splits if kernel_sm90.supported(m, n, k, E4, E4, c)]
     if fits:
         assert config == fits[0]
     else:
         padded = [(m + -m % c.cta_tile[0]) * (n + -n % c.cta_tile[1]) for c in (config, *splits)]
         assert padded[0] == min(padded[1:])
-    assert config.tile_k == kernel_sm90.DEFAULT.tile_k
+    assert config.tile_k == kernel_sm90.tiles()[0].tile_k
 
 
 def test_linear_hp_gemm_writes_its_dtype():

@@ -14,6 +14,10 @@ CASES = [(sh, r, side, dt) for (sh, r) in SHAPES for side in ("right", "left") f
          if dt == jnp.float32 or sh == SHAPES[1][0]]  # bf16 on one (odd) shape: interpret mode is slow
 
 
+# A split-K launch small enough for these shapes to take several programs along each axis and 2 K chunks per split.
+DOWN = kernel.DownConfig(16, 16, 2, 16, 4, 2)
+
+
 def _inputs(shape, rank, side, dtype, seed=0):
     g = rand(seed, shape, dtype)
     w = rand(seed + 1, shape, dtype)
@@ -37,14 +41,15 @@ def _exact(g, w, p, m, v, side, s):
 
 
 @pytest.mark.parametrize("shape,rank,side,dtype", CASES)
-def test_down_adam_fused_and_hybrid(kernel_impl, shape, rank, side, dtype):
+def test_down_adam_splitk_and_hybrid(kernel_impl, shape, rank, side, dtype):
     g, w, p, m, v, s = _inputs(shape, rank, side, dtype)
     _, m_ex, v_ex, n_ex, _ = _exact(g, w, p, m, v, side, s)
     m_x, v_x, n_x = reference.lowrank_adam(reference.project(g, p, side), m, v, s)
     interpret = kernel_impl == "interpret"
-    fused = kernel.down_adam_fused(g, p, m, v, s.pack(), side=side, interpret=interpret)
+    splitk = kernel.lowrank_adam(kernel.down_splitk(g, p, side=side, interpret=interpret, blocks=DOWN), m, v,
+                                 s.pack(), interpret=interpret)
     hybrid = kernel.lowrank_adam(reference.project(g, p, side), m, v, s.pack(), interpret=interpret)
-    for name, (m_k, v_k, n_k) in [("fused", fused), ("hybrid", hybrid)]:
+    for name, (m_k, v_k, n_k) in [("splitk", splitk), ("hybrid", hybrid)]:
         assert m_k.shape == m.shape and n_k.dtype == jnp.float32
         for what, out, ex, base in [("m", m_k, m_ex, m_x), ("v", v_k, v_ex, v_x), ("N", n_k, n_ex, n_x)]:
             assert_all_written(out, what)
@@ -76,7 +81,7 @@ def test_skip_step_keeps_moments(kernel_impl):
     g = g.at[3, 4].set(jnp.nan)
     s = s._replace(ok=0.0)
     interpret = kernel_impl == "interpret"
-    m2, v2, n = kernel.down_adam_fused(g, p, m, v, s.pack(), side="right", interpret=interpret)
+    m2, v2, n = kernel.lowrank_adam(reference.project(g, p, "right"), m, v, s.pack(), interpret=interpret)
     np.testing.assert_array_equal(m2, m)
     np.testing.assert_array_equal(v2, v)
     out = kernel.up_update(w, n, p, s.pack(), side="right", interpret=interpret)
@@ -107,7 +112,7 @@ def test_large_shapes_gpu(shape, rank):
     s = reference.Scalars(0.9, 0.999, 1e-6, 1.0, 1.0, -1e-5, -2.5e-4, 1.0)
     hi = jax.lax.Precision.HIGHEST
     m_x, v_x, n_x = reference.lowrank_adam(reference.project(g, p, side, precision=hi), m, v, s)
-    for m_k, v_k, n_k in [kernel.down_adam_fused(g, p, m, v, s.pack(), side=side),
+    for m_k, v_k, n_k in [kernel.lowrank_adam(kernel.down_splitk(g, p, side=side), m, v, s.pack()),
                           kernel.lowrank_adam(reference.project(g, p, side), m, v, s.pack())]:
         assert_close(m_k, m_x, floor=5e-3, what="m (TF32)")
         assert_close(v_k, v_x, floor=5e-3, what="v (TF32)")

@@ -8,4 +8,4 @@ from tests.sharding._worker import run_in_subprocess
 
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_sharded_splitk(name):
-    run_in_subprocess("tests.galore._splitk_worker", [name])  # a process per case: a case sets kernel configs
+    run_in_subprocess("tests.galore._splitk_worker", [name])

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from pallas_fused import _backend
 from pallas_fused.galore import api, kernel, reference
 from tests.galore.test_kernels import _exact, _inputs
 from tests.helpers import assert_all_written, assert_close
@@ -62,36 +63,46 @@ def test_up_update_configs(kernel_impl, cfg):
     assert_close(out, exact, baseline=base, floor=1e-6, what=f"up {cfg}")
 
 
-def test_up_config_default_is_read_at_trace_time(monkeypatch):
-    """Changing kernel.UP_CONFIG (what the tuning sweep sets) changes the launch of the next trace."""
+def test_up_config_sets_the_launch():
+    """The launch passed as `blocks` is the one traced (the grid follows its tiles); without one, this device
+    kind's tuned launch (a CPU: the heuristic on fp32 operands, see `kernel.up_config`)."""
     w, n, p = jnp.ones((64, 64)), jnp.ones((64, 8)), jnp.ones((8, 64))
     s = reference.Scalars(0.9, 0.999, 1e-6, 1.0, 1.0, 0.0, -1.0, 1.0).pack()
 
-    def grid():
-        jaxpr = jax.make_jaxpr(lambda w, n, p, s: kernel.up_update(w, n, p, s, side="right", interpret=True))(
-            w, n, p, s)
+    def grid(blocks):
+        jaxpr = jax.make_jaxpr(lambda w, n, p, s: kernel.up_update(w, n, p, s, side="right", interpret=True,
+                                                                   blocks=blocks))(w, n, p, s)
         calls = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "pallas_call"]
         if not calls:  # nested in the jitted helper
             inner = [e for e in jaxpr.jaxpr.eqns if "jaxpr" in e.params][0].params["jaxpr"]
             calls = [e for e in inner.eqns if e.primitive.name == "pallas_call"]
         return tuple(calls[0].params["grid_mapping"].grid)
 
-    monkeypatch.setattr(kernel, "UP_CONFIG", kernel.UpConfig(32, 32, 16, 4, 2, True, 1))
-    assert grid() == (2, 2)
-    monkeypatch.setattr(kernel, "UP_CONFIG", kernel.UpConfig(16, 16, 16, 4, 2, True, 2))
-    assert grid() == (4, 2)
+    assert grid(kernel.UpConfig(32, 32, 16, 4, 2, True, 1)) == (2, 2)
+    assert grid(kernel.UpConfig(16, 16, 16, 4, 2, True, 2)) == (4, 2)
+    if _backend.gpu_device() is None:
+        for side in ("right", "left"):
+            want = kernel.UpConfig(**kernel.UP_HEURISTIC[side])._replace(br=16, f16=False, p16=False)
+            assert kernel.up_config(8, side) == want
+            assert kernel.down_config(side) == kernel.DownConfig(**kernel.DOWN_HEURISTIC[side])
+        assert kernel.up_operands(8, "left") == (jnp.float32, False)
+    assert kernel.up_config(24, "right", kernel.UpConfig(32, 16, 64, 4, 2, True, 1, 2)) == kernel.UpConfig(
+        32, 16, 32, 4, 2, True, 1, 2)  # br <= the rank's block
+    assert kernel.up_operands(24, "left", kernel.UpConfig(16, 32, 16, 8, 3, False, 2, 1, True, True)) == (
+        jnp.float16, True)
 
 
-def test_choose_variant_table(monkeypatch):
-    monkeypatch.setattr(kernel, "MEASURED_VARIANT", {(4096, 4096, 128, "right"): "fused",
-                                                     (4096, 4096, 512, "right"): "xla_up",
-                                                     (4096, 11008, 128, "left"): "hybrid"})
-    assert api.choose_kernel((4096, 4096), 128, "right") == "fused"
-    assert api.choose_kernel((4096, 4096), 400, "right") == "xla_up"  # nearest rank
-    assert api.choose_kernel((8192, 8192), 100, "right") == "fused"
-    assert api.choose_kernel((2048, 4096), 128, "left") == "hybrid"  # same side first
-    monkeypatch.setattr(kernel, "MEASURED_VARIANT", {})
-    assert api.choose_kernel((64, 64), 8, "right") == "hybrid"  # the rule without measurements: grid too small
+def test_choose_variant_table():
+    measured = [[4096, 4096, 128, "right", "splitk"], [4096, 4096, 512, "right", "xla_up"],
+                [4096, 11008, 128, "left", "hybrid"]]
+    assert kernel.choose_variant((4096, 4096), 128, "right", measured) == "splitk"
+    assert kernel.choose_variant((4096, 4096), 400, "right", measured) == "xla_up"  # nearest rank
+    assert kernel.choose_variant((8192, 8192), 100, "right", measured) == "splitk"
+    assert kernel.choose_variant((2048, 4096), 128, "left", measured) == "hybrid"  # same side first
+    assert kernel.choose_variant((64, 64), 8, "right", []) == "hybrid"  # nothing measured
+    if _backend.gpu_device() is None:  # the heuristic table
+        assert api.choose_kernel((4096, 4096), 512, "right") == "xla_up"
+        assert api.choose_kernel((4096, 4096), 128, "right") == "hybrid"
     s = reference.Scalars(*([1.0] * 8))
     with pytest.raises(ValueError, match="variant"):
         api.leaf_step("nope", None, *([jnp.ones((4, 4))] * 4), "right", s, inplace=False, interpret=True,
@@ -159,11 +170,3 @@ def test_variants_and_up_configs_gpu(shape):
     for cfg in UP_CANDIDATES:
         out = kernel.up_update(w, n, p, s.pack(), side=side, blocks=cfg)
         assert_close(out, up_exact, floor=5e-3, what=f"up {cfg} (TF32)")
-
-
-def test_up_config_per_side(monkeypatch):
-    """UP_CONFIG may be a dict side -> UpConfig (the tuning sweep prints one per side)."""
-    monkeypatch.setattr(kernel, "UP_CONFIG", {"right": kernel.UpConfig(32, 16, 64, 4, 2, True, 1, 2),
-                                              "left": kernel.UpConfig(16, 32, 16, 8, 3, False, 2, 1)})
-    assert kernel._blocks_up(24, "right") == kernel.UpConfig(32, 16, 32, 4, 2, True, 1, 2)  # br <= rank block
-    assert kernel._blocks_up(24, "left") == kernel.UpConfig(16, 32, 16, 8, 3, False, 2, 1)

@@ -191,12 +191,12 @@ def _galore_steps(projector, variant, inplace):
 
 @case
 def galore_randomized():
-    """Randomized refresh (steps 0 and 2) on sharded gradients: sketches only, never G. Fused
+    """Randomized refresh (steps 0 and 2) on sharded gradients: sketches only, never G. The split-K
     down-projection kernel, in-place step."""
     from pallas_fused.galore import state_shardings
 
-    sharded_vs_single(lambda: _galore_steps("randomized", "fused", True), state_shardings, GALORE_SHAPES, 2e-4,
-                      "galore randomized fused inplace")
+    sharded_vs_single(lambda: _galore_steps("randomized", "splitk", True), state_shardings, GALORE_SHAPES, 2e-4,
+                      "galore randomized splitk inplace")
 
 
 @case
@@ -215,7 +215,7 @@ def galore_svd():
     refreshes gathers nothing (checked with update_proj_gap beyond the run)."""
     from pallas_fused.galore import state_shardings
 
-    sharded_vs_single(lambda: _galore_steps("svd", "fused", True), state_shardings, GALORE_SHAPES, 2e-4,
+    sharded_vs_single(lambda: _galore_steps("svd", "hybrid", True), state_shardings, GALORE_SHAPES, 2e-4,
                       "galore svd", hlo=False)
 
 
