@@ -607,8 +607,9 @@ def galore_adamw(learning_rate, *, rank: int = _D.rank, update_proj_gap: int = _
                  implementation: str | None = _D.implementation) -> optax.GradientTransformationExtraArgs:
     """GaLore AdamW (reference GaLore semantics; see the module docstring): the full update, lr included.
 
-    Projected leaves go through the fused Pallas kernels (down-projection + low-rank Adam, then the
-    up-projection with the update in its epilogue); `update` requires params (for weight decay)."""
+    Projected leaves go through the Pallas kernels (XLA's down-projection GEMM, the low-rank Adam kernel, then the
+    up-projection with the decay and the update in its epilogue) or, with no weight-decay term, XLA's graph, whose
+    up-projection GEMM takes `optax.apply_updates`' add; `update` requires params when there is weight decay."""
     core = _GaLore(learning_rate, _config(locals()))
     return optax.GradientTransformationExtraArgs(core.init, core.update)
 
