@@ -3,7 +3,7 @@
 
 Cases (ANCHORS.md): fp32 W and G, TF32 allowed, non-refresh step, proj_type "std".
   pallas:hybrid   XLA down-projection + elementwise low-rank Adam kernel, up-projection update kernel, then W + update
-  pallas:inplace_<variant>  galore_adamw_inplace's path for each of api.VARIANTS (hybrid, xla_up, splitk),
+  pallas:inplace_<variant>  galore_adamw_inplace's path for each of api.VARIANTS (hybrid, xla_up),
                   default configurations; pallas:inplace is the best of them
   pallas:inplace_api  galore_adamw_inplace's step (count 1: the refresh lax.cond is taken but skips)
   pallas:tx       (section user_path, the rows of record) the user's path: jit(galore_adamw update ->
@@ -15,7 +15,7 @@ Cases (ANCHORS.md): fp32 W and G, TF32 allowed, non-refresh step, proj_type "std
                   which ANCHORS.md's XLA and optax.contrib.galore figures include)
   peer:optax_contrib_galore   optax.contrib.galore update + apply_updates (params, grads, state donated)
 Every step donates everything it carries (see `_steps`).
-The `tuning` section is the sweep behind the "galore_up", "galore_down" and "galore_variant" sections of
+The `tuning` section is the sweep behind the "galore_up" and "galore_variant" sections of
 pallas_fused/tuning/<device>.json (it prints them as JSON to paste there); run it alone with
 `GALORE_SECTIONS=tuning python -m benchmarks.run galore`. Its timings are amortized over several distinct operand
 sets per jit (a single call under ~0.05 ms times the host dispatch).
@@ -73,12 +73,11 @@ def _steps(side):
     """Jitted in-place / update steps over the carried state (w, g, m, v, p, s), all of it donated: a
     carried but undonated array comes back as an XLA copy (G: 2 x 64 MB at 4096x4096), which timed the
     copy along with the step (peers_jax.py's method does: see `xla:g_copied`)."""
-    def make(variant, inplace, up_blocks=None, down_blocks=None):
+    def make(variant, inplace, up_blocks=None):
         @partial(jax.jit, donate_argnums=(0, 1, 2, 3, 4, 5))
         def step(w, g, m, v, p, s):
             out, m, v = api.leaf_step(variant, w, g, m, v, p, side, reference.Scalars(*(s[i] for i in range(8))),
-                                      inplace=inplace, interpret=INTERPRET, dtype=w.dtype, up_blocks=up_blocks,
-                                      down_blocks=down_blocks)
+                                      inplace=inplace, interpret=INTERPRET, dtype=w.dtype, up_blocks=up_blocks)
             return (out if inplace else w + out), g, m, v, p, s
         return step
 
@@ -208,34 +207,6 @@ UP_CANDIDATES = [
     kernel.UpConfig(64, 128, 128, 4, 2, True, 1, 1, True, True),
     kernel.UpConfig(128, 128, 128, 8, 2, True, 1, 1, True, True),
 ]
-# Split-K down-projection per side: DownConfig(bm, bk, splits, br, warps, stages, g_regs, p_nat); programs = (kept /
-# bm) x splits at r128 (4096^2: 32 row blocks of 128; 4096x11008: 86 column blocks of 128). H200
-# (the tuning rows of the results file; split-K + Adam alone, amortized): right 128x32/8 splits/8 warps/3 stages
-# 0.0400 ms, 64x32/4 splits/4 warps/3 0.0427, 128x32/4 splits 0.0445, K chunks of 64 0.057-0.058 (XLA's GEMM + Adam
-# 0.0389); left with g_regs (G through registers) 128x32/4 splits 0.1083, 64x32/4 0.1170, 128x32/8 0.1192, without
-# g_regs 0.132-0.197 (XLA + Adam 0.1096). At ~45% of HBM with 1 CTA/SM (168 registers) the loads in flight are short:
-# deeper pipelines here (4-5 stages of 32-wide K chunks, 8 stages of 16-wide: 128-160 KiB of shared memory, 150-168
-# registers, no spills), and p_nat (P's tile through registers: no XLA transpose of P).
-DOWN_CANDIDATES = {
-    "right": [
-        kernel.DownConfig(128, 32, 8, 128, 8, 3),
-        kernel.DownConfig(128, 32, 8, 128, 8, 4),
-        kernel.DownConfig(128, 32, 8, 128, 8, 5),
-        kernel.DownConfig(128, 16, 8, 128, 8, 8),
-        kernel.DownConfig(128, 32, 4, 128, 8, 5),
-        kernel.DownConfig(64, 32, 8, 128, 4, 4),
-        kernel.DownConfig(64, 32, 4, 128, 4, 3),
-    ],
-    "left": [
-        kernel.DownConfig(128, 32, 4, 128, 8, 3, True),
-        kernel.DownConfig(128, 32, 4, 128, 8, 5, True),
-        kernel.DownConfig(128, 32, 4, 128, 8, 3, True, True),
-        kernel.DownConfig(128, 32, 4, 128, 8, 5, True, True),
-        kernel.DownConfig(128, 16, 4, 128, 8, 8, True),
-        kernel.DownConfig(64, 32, 4, 128, 4, 4, True),
-        kernel.DownConfig(128, 32, 8, 128, 8, 4, True),
-    ],
-}
 TUNING_BUDGET_S = 115.0
 # Ops under 0.05 ms time the host dispatch (~0.03 ms a jitted call on the H200) unless amortized: the sweep runs
 # each op on K_AMORT distinct operand sets (together well past the 50 MB L2) in one jit and divides by K_AMORT.
@@ -255,12 +226,10 @@ def tuning(rec, quick):
     failure recorded). All timings amortized over K_AMORT (K_AMORT_STEP for whole steps) distinct operand sets.
 
     1. r128, 4096x4096 (side right) then 4096x11008 (side left): the up-projection kernel alone (in place, W
-       donated) for each UP_CANDIDATES entry beside XLA's up-projection + update; the down halves alone: the
-       split-K kernel + the low-rank Adam kernel (summing the partials) per DOWN_CANDIDATES[side] entry, XLA's GEMM +
-       the Adam kernel ("hybrid"), XLA's GEMM alone.
-    2. ranks 128, 32, 512, 256 (the budget may cut the last ones): the whole in-place step for hybrid, splitk
-       (the side's best configurations of part 1) and xla_up, and the XLA reference.
-    Prints the "galore_up", "galore_down" and "galore_variant" sections to paste into this device's
+       donated) for each UP_CANDIDATES entry beside XLA's up-projection + update.
+    2. ranks 128, 32, 512, 256 (the budget may cut the last ones): the whole in-place step for hybrid (the side's
+       best up-projection of part 1) and xla_up, and the XLA reference.
+    Prints the "galore_up" and "galore_variant" sections to paste into this device's
     pallas_fused/tuning/<device>.json (each beside a "note" citing the timings)."""
     deadline = time.time() + (TUNING_BUDGET_S if not _CPU else 20 * TUNING_BUDGET_S)
     n = 10 if quick else 20
@@ -279,7 +248,7 @@ def tuning(rec, quick):
         return rec.measure(OP, case, impl, lambda: bench_carry_amortized(op, states, n), **kw).ms
 
     shapes = [_d(4096, 4096), _d(4096, 11008)]
-    up_times, down_times = {}, {}  # side -> {config: ms}
+    up_times = {}  # side -> {config: ms}
     for (M, N) in shapes:
         side = reference.projector_side((M, N), "std")
         r = _r(128)
@@ -304,39 +273,11 @@ def tuning(rec, quick):
             if ms:
                 up_times.setdefault(side, {})[cfg] = ms
         del ups
-        sts = [_state(M, N, r, side, seed=10 * i + 1) for i in range(k_amort)]
-        downs = [(g, p, m, v, sc) for (w, g, m, v, p, sc) in sts]
-        del sts
-        case = f"tune down {M}x{N} r{r} (amortized x{k_amort})"
-        downb = (M * N + 4 * r * max(M, N)) * 4
-        for cfg in DOWN_CANDIDATES[side]:
-            def op(g, p, m, v, sc, cfg=cfg, side=side):
-                parts = kernel.down_splitk(g, p, side=side, interpret=INTERPRET, blocks=cfg)
-                m, v, _ = kernel.lowrank_adam(parts, m, v, sc, interpret=INTERPRET)
-                return g, p, m, v, sc
-            ms = timed(case, "pallas:splitk_down" + "_".join(map(str, cfg)), op, downs, nbytes=downb)
-            if ms:
-                down_times.setdefault(side, {})[cfg] = ms
-
-        def hybrid(g, p, m, v, sc, side=side):
-            m, v, _ = kernel.lowrank_adam(reference.project(g, p, side), m, v, sc, interpret=INTERPRET)
-            return g, p, m, v, sc
-
-        timed(case, "pallas:hybrid_down", hybrid, downs, nbytes=downb)
-        # XLA's GEMM alone: R returned beside the carry (as m, so the GEMM is not dead code)
-        timed(case, "xla:down_gemm_only", lambda g, p, m, v, sc, side=side: (g, p, reference.project(g, p, side),
-                                                                              v, sc),
-              downs, nbytes=(M * N + r * max(M, N)) * 4)
-        del downs
 
     best_up = {side: min(ts, key=ts.get) for side, ts in up_times.items() if ts}
-    best_down = {side: min(ts, key=ts.get) for side, ts in down_times.items() if ts}
     if best_up:
         _print_section("galore_up", {side: cfg._asdict() for side, cfg in best_up.items()})
         rec.add(OP, "tune up best", "info:up_config", None, up_config=repr(best_up))
-    if best_down:
-        _print_section("galore_down", {side: cfg._asdict() for side, cfg in best_down.items()})
-        rec.add(OP, "tune down best", "info:down_config", None, down_config=repr(best_down))
 
     winners, detail = {}, {}
     # ranks in order of importance (the budget may cut the tail): 128, 32, 512 and 256 at 4096^2, 256 and 512 at
@@ -352,18 +293,16 @@ def tuning(rec, quick):
             except Exception as e:  # noqa: BLE001
                 rec.add(OP, case, "reference", None, error=error_text(e))
                 continue
-            up, down = best_up.get(side), best_down.get(side)
             # (the fp32-operand up configurations lost by 0.012-0.04 ms in the tuning sweep's steps: left out)
-            cands = [("hybrid", up, None), ("splitk", up, down), ("xla_up", None, None)]
+            cands = [("hybrid", best_up.get(side)), ("xla_up", None)]
             times = {}
             kw = dict(nbytes=_nbytes(M, N, r), flops=2 * 2 * M * N * r, matmul_ceiling="tf32_tflops")
             step_states = [_state(M, N, r, side, seed=10 * i + 2) for i in range(k_step)]
-            for variant, upc, downc in cands:
-                impl = f"pallas:inplace_{variant}" + ("+up" + "_".join(map(str, upc)) if upc else "") + (
-                    "+down" + "_".join(map(str, downc)) if downc and variant == "splitk" else "")
+            for variant, upc in cands:
+                impl = f"pallas:inplace_{variant}" + ("+up" + "_".join(map(str, upc)) if upc else "")
                 if not budget_left(case, impl):
                     continue
-                fn = make(variant, True, up_blocks=upc, down_blocks=downc)
+                fn = make(variant, True, up_blocks=upc)
                 try:  # check one step against the HIGHEST-precision update, then time k_step leaves per jit
                     st = _state(M, N, r, side)
                     w0 = jnp.copy(st[0])
@@ -372,7 +311,7 @@ def tuning(rec, quick):
                     ms = bench_carry_amortized(fn, step_states, n)
                     rec.add(OP, case, impl, ms, rel_err_update=err, **kw)
                     if ms < times.get(variant, (float("inf"),))[0]:
-                        times[variant] = (ms, upc, downc)
+                        times[variant] = (ms, upc)
                 except Exception as e:  # noqa: BLE001
                     rec.add(OP, case, impl, None, error=error_text(e))
             timed(case, "xla", xla, step_states, **kw)
@@ -384,7 +323,7 @@ def tuning(rec, quick):
                                                                                     key=lambda x: x[1][0])))
     if winners:
         _print_section("galore_variant", {"measured": [[*key, variant] for key, variant in winners.items()]})
-        print(f"  (the winners' (ms, up, down) configurations: {detail!r}; galore_up / galore_down must match)",
+        print(f"  (the winners' (ms, up) configurations: {detail!r}; galore_up must match)",
               flush=True)
         rec.add(OP, "tune step winners", "info:measured_variant", None, measured_variant=repr(winners))
 

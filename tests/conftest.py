@@ -26,7 +26,6 @@ LONGEST_FIRST = (
     "tests/examples/test_train_llama.py::test_compare_runs_baseline",
     "tests/examples/test_train_llama.py::test_pretrain_checkpoint_finetune_report",
     "tests/sharding/test_sharding.py::test_sharded",
-    "tests/galore/test_splitk_sharding.py::test_sharded_splitk",
     "tests/fp8/test_fp8.py::test_training_matches_bf16",
     "tests/examples/test_train_llama.py::test_model_kernels_keep_the_param_tree",
     "tests/test_docs.py::test_snippets_run",

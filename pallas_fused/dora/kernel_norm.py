@@ -40,7 +40,7 @@ class NormTiles:
 
     bn: int  # columns per program
     bk: int  # rows per loop step
-    rows: int  # rows per program (split-K: partial sums over row ranges; >= in features: one program per column)
+    rows: int  # rows per program (< in features: partial sums over row ranges; >= in features: one per column)
     warps: int
     stages: int
 

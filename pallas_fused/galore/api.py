@@ -84,8 +84,6 @@ VARIANTS = {
                                       "the Pallas up-projection with the update in its epilogue"),
     "pallas:xla_up": _backend.Variant("XLA's down-projection GEMM, the elementwise Pallas low-rank Adam kernel, then "
                                       "XLA's up-projection GEMM with the update as jnp (which XLA may fuse into it)"),
-    "pallas:splitk": _backend.Variant("the Pallas split-K down-projection GEMM (fp32 partial sums), the low-rank Adam "
-                                      "kernel adding them, then the Pallas up-projection with the update"),
 }
 
 _masked_node = optax.MaskedNode
@@ -127,29 +125,6 @@ def choose_kernel(shape: tuple[int, int], rank: int, side: str) -> str:
 # The kernels partitioned with pallas_fused._sharding (FSDP: W, G and the moments/projector split along
 # one axis). Factors: "m n" is the weight, "r" the rank (never split), "hp" the scalar operand. Under
 # side "right" P is (r, N) and R, m, v are (M, r); under side "left" P is (M, r) and R, m, v are (r, N).
-
-
-def _down_adam(g, p, m, v, packed, *, side, interpret, n_dtype=jnp.float32, p16=False, blocks=None):
-    """The down-projection + low-rank Adam on each shard: the split-K kernel, then the elementwise Adam kernel adding
-    its partial sums (with p16 that kernel also returns P cast to fp16, a 4th result sharded as P). A split
-    contraction (N on side right, M on side left): each device projects its shard with XLA's GEMM, the (M, r) /
-    (r, N) partial projections are all-reduced (never G), then the elementwise low-rank Adam kernel runs."""
-    contracted = "n" if side == "right" else "m"
-    low = "m r" if side == "right" else "r n"
-    pf = "r n" if side == "right" else "m r"
-    rule = f"m n, {pf}, {low}, {low}, hp -> {low}, {low}, {low}" + (f", {pf}" if p16 else "")
-
-    def adam(r, m, v, packed, p):
-        return kernel.lowrank_adam(r, m, v, packed, interpret=interpret, n_dtype=n_dtype, p=p if p16 else None)
-
-    def local(g, p, m, v, packed):
-        return adam(kernel.down_splitk(g, p, side=side, interpret=interpret, blocks=blocks), m, v, packed, p)
-
-    def split_contraction(axes):
-        return lambda g, p, m, v, packed: adam(lax.psum(reference.project(g, p, side), axes), m, v, packed, p)
-
-    return _sharding.partitioned(local, rule, replicated=("r", "hp"), reduced=(contracted,),
-                                 reduced_fn=split_contraction)(g, p, m, v, packed)
 
 
 def _lowrank_adam(r, m, v, packed, *, interpret, n_dtype=jnp.float32, p=None):
@@ -305,12 +280,11 @@ GALORE_STATIC_ARGS = tuple(f.name for f in dataclasses.fields(GaLoreConfig) if f
 
 
 def leaf_step(variant: str, w, g, m, v, p, side: str, s: Scalars, *, inplace: bool, interpret: bool, dtype,
-              up_blocks=None, down_blocks=None):
+              up_blocks=None):
     """One projected leaf through the kernels of `variant` (a name of `VARIANTS` without "pallas:"): returns
     (out, m', v'), out being the update in `dtype` (W's, or G's when w is None: no weight-decay term) or, with
-    `inplace`, the new W. A leaf whose low-rank step is not finite is skipped (`_skip_nonfinite`). `up_blocks` /
-    `down_blocks` override the kernels' launch configurations (the tuning sweep of benchmarks/bench_galore.py: a
-    kernel.UpConfig, and a kernel.DownConfig for "splitk")."""
+    `inplace`, the new W. A leaf whose low-rank step is not finite is skipped (`_skip_nonfinite`). `up_blocks` (a
+    kernel.UpConfig) overrides the up-projection's launch (the tuning sweep of benchmarks/bench_galore.py)."""
     if f"pallas:{variant}" not in VARIANTS:
         raise ValueError(f"galore: variant must be one of {[k.partition(':')[2] for k in VARIANTS]}, got {variant!r}")
     m_old, v_old, packed = m, v, s.pack()
@@ -320,12 +294,10 @@ def leaf_step(variant: str, w, g, m, v, p, side: str, s: Scalars, *, inplace: bo
         return reference.finish_step(w, n, p, side, s, inplace=inplace, dtype=dtype), m, v
     # an fp16 up-projection (kernel.up_config) takes N in fp16 from the Adam kernel, and P cast once with p16
     n_dtype, p16 = kernel.up_operands(reference.projector_rank(p.shape, side), side, up_blocks)
-    if variant == "splitk":  # (with p16 the Adam kernel also casts P: no separate launch)
-        m, v, n, *cast = _down_adam(g, p, m, v, packed, side=side, interpret=interpret, n_dtype=n_dtype, p16=p16,
-                                    blocks=down_blocks)
-    else:  # XLA's GEMM (partitioned by XLA: a sharded contraction is all-reduced), then the elementwise kernel
-        m, v, n, *cast = _lowrank_adam(reference.project(g, p, side), m, v, packed, interpret=interpret,
-                                       n_dtype=n_dtype, p=p if p16 else None)
+    # XLA's GEMM (partitioned by XLA: a sharded contraction is all-reduced), then the elementwise kernel (with p16
+    # it also casts P: no separate launch)
+    m, v, n, *cast = _lowrank_adam(reference.project(g, p, side), m, v, packed, interpret=interpret,
+                                   n_dtype=n_dtype, p=p if p16 else None)
     m, v, s = _skip_nonfinite(m_old, v_old, m, v, s)
     out = _up_update(w, n, cast[0] if p16 else p, s.pack(), side=side, inplace=inplace, interpret=interpret,
                      out_dtype=dtype, blocks=up_blocks)
@@ -439,8 +411,8 @@ class _GaLore:
             # An update with no weight-decay term (the optax path): XLA's graph end to end. The up-projection GEMM's
             # output is the update itself, so the caller's `optax.apply_updates` adds p inside that GEMM (cuBLAS's
             # beta = 1) instead of writing the update and reading it back; and the low-rank Adam step fuses with the
-            # down-projection's split-K sum and the finiteness test, where a Pallas kernel would need copies of m and
-            # v (it writes them in place, the skip needs the old ones) and launches of its own
+            # down-projection GEMM's partial-sum reduction and the finiteness test, where a Pallas kernel would need
+            # copies of m and v (it writes them in place, the skip needs the old ones) and launches of its own
             # (benchmarks/results/user_path_dev/).
             return self._leaf_xla(w, g, m, v, p, side, s, inplace, dtype)
         if variant is None:
@@ -582,11 +554,10 @@ _DOC_ARGS = """
       implementation: None | "pallas" | "xla" | "interpret" | "pallas:<variant>" | "interpret:<variant>" (see
         pallas_fused._backend): how projected leaves are stepped. "pallas" picks a variant per leaf
         (`choose_kernel`'s measured table; with no weight-decay term on the optax path, XLA's graph, which the
-        caller's apply_updates fuses into); "pallas:<variant>" forces one of `VARIANTS` (hybrid, xla_up,
-        splitk). Precision: the Pallas
-        kernels fix theirs (TF32 on fp32 G, fp16 operands in the up-projection: as exact as TF32 there), while the
-        XLA GEMMs follow ``jax.default_matmul_precision`` (TF32 by default on a GPU); for full fp32 projections
-        use implementation="xla" under ``jax.default_matmul_precision("highest")``.
+        caller's apply_updates fuses into); "pallas:<variant>" forces one of `VARIANTS` (hybrid,
+        xla_up). Precision: the Pallas up-projection fixes its own (TF32 or fp16 operands: as exact as TF32
+        there), while the XLA GEMMs follow ``jax.default_matmul_precision`` (TF32 by default on a GPU); for full
+        fp32 projections use implementation="xla" under ``jax.default_matmul_precision("highest")``.
 """
 
 
@@ -650,7 +621,7 @@ def galore_adamw_inplace(learning_rate, *, rank: int = _D.rank, update_proj_gap:
 
     Same arguments, state and numbers as `galore_adamw` (fp32: bit-identical to update + apply_updates).
     The up-projection kernel writes each projected weight over its own buffer (input_output_aliases) and
-    the down-projection kernel its moments: jit `step` with donate_argnums=(0, 2) to save the extra
+    the low-rank Adam kernel its moments: jit `step` with donate_argnums=(0, 2) to save the extra
     passes over W that `optax.apply_updates` costs."""
     core = _GaLore(learning_rate, _config(locals()))
     return GaLoreInplace(core.init, core.step)

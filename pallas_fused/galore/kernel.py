@@ -1,24 +1,21 @@
 """Pallas (Triton lowering) kernels of the GaLore Adam step. Knows nothing of optax.
 
-Three kernels, all launched through `_backend.triton_call` and reading the step's runtime scalars from
-an (8,) fp32 operand (see `reference.Scalars`):
+Two kernels, both launched through `_backend.triton_call` and reading the step's runtime scalars from
+an (8,) fp32 operand (see `reference.Scalars`); the down-projection R = G P^T (side "right") or P^T G (side
+"left") before them is XLA's GEMM:
 
   lowrank_adam      the low-rank Adam step as an elementwise kernel: writes m', v' (aliased onto m, v) and the
-                    normalized update N, after an XLA down-projection ("hybrid") or after down_splitk (adding its
-                    partial sums); optionally writes N in fp16 and casts P to fp16.
-  down_splitk       the down-projection GEMM R = G P^T (side "right") or P^T G (side "left") split along its
-                    contraction (grid: kept-dim blocks x rank blocks x splits, TF32 on fp32 G) writing fp32 partial
-                    sums ("splitk": enough programs to fill the GPU where one program per row block does not).
+                    normalized update N from R; optionally writes N in fp16 and casts P to fp16.
   up_update         the up-projection GEMM (N P or P N, K = r) with the full-rank update in its epilogue:
                     out = a W + c backproject(N), stored as the update (optax path) or added to W and
                     written over W through input_output_aliases (in-place path). One pass over W; none
                     when w is None (no weight decay on the optax path). A program may own several tiles.
                     Operands fp32 (TF32) or fp16 (UpConfig.f16: as exact as TF32, see the note there).
 
-Launch configurations and the per-leaf variant choice are tuning data: `up_config`, `down_config` and
-`choose_variant` read them from this GPU kind's table (pallas_fused/tuning/<device>.json, sections "galore_up",
-"galore_down", "galore_variant", which the tuning sweep in benchmarks/bench_galore.py prints), else from the
-heuristics below; every kernel also takes its configuration as an argument (`blocks=`). api.py strings the kernels
+The up-projection's launch and the per-leaf variant choice are tuning data: `up_config` and `choose_variant`
+read them from this GPU kind's table (pallas_fused/tuning/<device>.json, sections "galore_up" and
+"galore_variant", which the tuning sweep in benchmarks/bench_galore.py prints), else from the heuristics below;
+`up_update` also takes its launch as an argument (`blocks=`). api.py strings the kernels
 into the variants of its `VARIANTS` table.
 """
 
@@ -64,27 +61,7 @@ class UpConfig(NamedTuple):
 # (|entries| <= 1): neither overflows. Only values below fp16's
 # normal range (6.1e-5) keep fewer mantissa bits, an absolute error <= 2^-25 (3e-8) on terms that small,
 # against the relative 2^-11 TF32 rounding of every term. Accumulation stays fp32. G never goes to fp16
-# (gradients can be far below 6e-5): the down-projection is TF32 on fp32 G.
-
-
-class DownConfig(NamedTuple):
-    """Launch configuration of the split-K down-projection (`down_splitk`): programs own `bm` rows (side right)
-    or columns (side left) of the kept dimension and `br` rank columns, and one of `splits` slices of the
-    contraction, walked in chunks of `bk`. The grid is (kept / bm, rank / br, splits); each program writes its
-    fp32 partial sum, the low-rank Adam kernel adds the `splits` partials."""
-
-    bm: int = 128
-    bk: int = 32
-    splits: int = 4
-    br: int = 128
-    warps: int = 8
-    stages: int = 3
-    # side left: G's tile (K x columns, columns contiguous) is not K-major, which TF32 wgmma needs in shared
-    # memory. False: Triton transposes it on the way in (4-byte cp.async). True: a (redundant) mask select
-    # routes it through registers (16-byte cp.async, then Triton stages it transposed for wgmma's A operand).
-    g_regs: bool = False
-    # side left: P's tile straight from P through registers (True) or from P^T transposed by XLA (False)
-    p_nat: bool = False
+# (gradients can be far below 6e-5): the down-projection (XLA's GEMM) reads G as it is.
 
 
 # The launches of a GPU without a tuning table: the H200's (pallas_fused/tuning/nvidia_h200.json holds them with
@@ -92,10 +69,6 @@ class DownConfig(NamedTuple):
 UP_HEURISTIC = {
     "right": dict(bm=64, bn=128, br=128, warps=8, stages=2, w_first=True, tn=1, tm=8, f16=True, p16=False),
     "left": dict(bm=64, bn=64, br=128, warps=4, stages=2, w_first=True, tn=1, tm=8, f16=True, p16=True),
-}
-DOWN_HEURISTIC = {
-    "right": dict(bm=128, bk=32, splits=8, br=128, warps=8, stages=3, g_regs=False, p_nat=False),
-    "left": dict(bm=128, bk=32, splits=4, br=128, warps=8, stages=3, g_regs=True, p_nat=False),
 }
 # The variant of a GPU without a table: the H200's winners, [M, N, rank, side, variant] (`choose_variant`).
 VARIANT_HEURISTIC = {"measured": [
@@ -117,12 +90,6 @@ def up_config(rank: int, side: str, blocks=None) -> UpConfig:
             # only round: it multiplies fp32, exact as the XLA:CPU reference it is checked against.
             cfg = cfg._replace(f16=False, p16=False)
     return cfg._replace(br=min(cfg.br, _rank_block(rank)))
-
-
-def down_config(side: str, blocks=None) -> DownConfig:
-    """The split-K down-projection's launch for `side`: `blocks` (a `DownConfig` or a tuple of its fields), else
-    this GPU kind's tuned one."""
-    return DownConfig(*blocks) if blocks else DownConfig(**_backend.tuned("galore_down", DOWN_HEURISTIC)[side])
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -175,9 +142,9 @@ def _store_adam(acc, m_ref, v_ref, m_out, v_out, n_out, idx, mask, s):
     _backend.store(n_out.at[idx], n.astype(n_out.dtype), mask=mask)
 
 
-def _lowrank_adam_kernel(*refs, size, splits, size_p, BLOCK):
-    # r_ref: (splits * size,) fp32 partial sums (split-K) or (size,) with splits == 1; summed in a fixed order.
-    # With size_p, the same programs also cast P (flattened, size_p elements) to fp16 (p16_out).
+def _lowrank_adam_kernel(*refs, size, size_p, BLOCK):
+    # r_ref: R flattened (size elements). With size_p, the same programs also cast P (flattened, size_p elements)
+    # to fp16 (p16_out).
     if size_p:
         r_ref, m_ref, v_ref, s_ref, p_ref, m_out, v_out, n_out, p16_out = refs
     else:
@@ -187,8 +154,6 @@ def _lowrank_adam_kernel(*refs, size, splits, size_p, BLOCK):
     offs = i * BLOCK + jnp.arange(BLOCK)
     mask = offs < size
     r = _backend.load(r_ref.at[idx], mask=mask, other=0.0).astype(F32)
-    for k in range(1, splits):
-        r = r + _backend.load(r_ref.at[pl.ds(k * size + i * BLOCK, BLOCK)], mask=mask, other=0.0).astype(F32)
     _store_adam(r, m_ref, v_ref, m_out, v_out, n_out, idx, mask, _scalars(s_ref))
     if size_p:
         pmask = offs < size_p
@@ -198,17 +163,15 @@ def _lowrank_adam_kernel(*refs, size, splits, size_p, BLOCK):
 
 @functools.partial(jax.jit, static_argnames=("interpret", "n_dtype"))
 def lowrank_adam(r, m, v, scalars, *, interpret: bool = False, n_dtype=F32, p=None):
-    """Elementwise low-rank Adam on an already projected R (the "hybrid" path). Returns (m', v', N).
+    """Elementwise low-rank Adam on an already projected R (m's shape). Returns (m', v', N).
 
-    `r` is R (m's shape) or split-K partial sums of it (splits, *m.shape) that the kernel adds (fixed order).
     `n_dtype`: N's dtype (fp32, or fp16 for an fp16 up-projection: clamped to +-F16_MAX). With `p` (the
     projector) the same launch also returns P cast to fp16: (m', v', N, P16), for an up-projection on fp16
     operands (UpConfig.p16) without a separate cast."""
     shape = m.shape
     size = m.size
-    splits = 1 if r.shape == shape else r.shape[0]
-    if r.shape[-2:] != shape or r.ndim not in (2, 3):
-        raise ValueError(f"lowrank_adam: r must have m's shape {shape} or (splits, *{shape}), got {r.shape}")
+    if r.shape != shape:
+        raise ValueError(f"lowrank_adam: r must have m's shape {shape}, got {r.shape}")
     block = 1024
     size_p = 0 if p is None else p.size
     outs = (jax.ShapeDtypeStruct((size,), m.dtype), jax.ShapeDtypeStruct((size,), v.dtype),
@@ -217,96 +180,13 @@ def lowrank_adam(r, m, v, scalars, *, interpret: bool = False, n_dtype=F32, p=No
     if size_p:
         outs += (jax.ShapeDtypeStruct((size_p,), jnp.float16),)
         args += (p.reshape(-1),)
-    kern = functools.partial(_lowrank_adam_kernel, size=size, splits=splits, size_p=size_p, BLOCK=block)
+    kern = functools.partial(_lowrank_adam_kernel, size=size, size_p=size_p, BLOCK=block)
     call = _backend.triton_call(kern, out_shape=outs, grid=(_cdiv(max(size, size_p), block),),
                                 name="pallas_fused_galore_adam", interpret=interpret, num_warps=4,
                                 input_output_aliases={1: 0, 2: 1})
     m2, v2, n, *p16 = call(*args)
     out = (m2.reshape(shape), v2.reshape(shape), n.reshape(shape))
     return (*out, p16[0].reshape(p.shape)) if size_p else out
-
-
-# ------------------------------------------------------------------------------------ split-K down-projection
-def _splitk_right_kernel(g_ref, p_ref, o_ref, *, M, N, R, BM, BK, BR, KSTEPS):
-    # o[s, rows, rcols] = G[rows, K slice s] @ P[rcols, K slice s]^T: both tiles K-contiguous (TF32 wgmma's
-    # K-major operands), the K loop pipelined by Triton.
-    i, j, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    rmask = i * BM + jnp.arange(BM) < M
-    qmask = j * BR + jnp.arange(BR) < R
-    k0 = sp * (KSTEPS * BK)
-
-    def body(k, acc):
-        start = k0 + k * BK
-        cmask = start + jnp.arange(BK) < N
-        g = _backend.load(g_ref.at[pl.ds(i * BM, BM), pl.ds(start, BK)], mask=rmask[:, None] & cmask[None, :],
-                          other=0.0)
-        p = _backend.load(p_ref.at[pl.ds(j * BR, BR), pl.ds(start, BK)], mask=qmask[:, None] & cmask[None, :],
-                          other=0.0)
-        return acc + _backend.dot(g.astype(F32), p.astype(F32), trans_b=True, allow_tf32=True)
-
-    acc = lax.fori_loop(0, KSTEPS, body, jnp.zeros((BM, BR), F32))
-    _backend.store(o_ref.at[sp, pl.ds(i * BM, BM), pl.ds(j * BR, BR)], acc, mask=rmask[:, None] & qmask[None, :])
-
-
-def _splitk_left_kernel(g_ref, p_ref, o_ref, *, M, N, R, BN, BK, BR, KSTEPS, g_regs, p_nat):
-    # o[s, rrows, cols] = P^T[rrows, K slice s] @ G[K slice s, cols], computed transposed,
-    # acc[cols, rrows] = G^T @ P: G's tile (K x cols, cols contiguous) is not K-major, so it is the A operand
-    # (Triton transposes it into shared memory, or with g_regs routes it through registers). P's tile is the B
-    # operand: from P^T (r, M), transposed once by XLA, K-major as TF32 wgmma wants it; or (p_nat) from P itself
-    # (M, r), routed through registers for Triton to stage it K-major (no XLA transpose, more shared-memory work).
-    j, q, sp = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    cmask = j * BN + jnp.arange(BN) < N
-    qmask = q * BR + jnp.arange(BR) < R
-    k0 = sp * (KSTEPS * BK)
-
-    def body(k, acc):
-        start = k0 + k * BK
-        kmask = start + jnp.arange(BK) < M
-        gmask = kmask[:, None] & cmask[None, :]
-        g = _backend.load(g_ref.at[pl.ds(start, BK), pl.ds(j * BN, BN)], mask=gmask, other=0.0)
-        if g_regs:  # the same values; the select keeps Triton from copying G straight into shared memory
-            g = jnp.where(gmask, g, 0.0)
-        if p_nat:
-            pmask = kmask[:, None] & qmask[None, :]
-            p = _backend.load(p_ref.at[pl.ds(start, BK), pl.ds(q * BR, BR)], mask=pmask, other=0.0)
-            p = jnp.where(pmask, p, 0.0)  # (as g_regs)
-            return acc + _backend.dot(g.astype(F32), p.astype(F32), trans_a=True, allow_tf32=True)
-        pt = _backend.load(p_ref.at[pl.ds(q * BR, BR), pl.ds(start, BK)], mask=qmask[:, None] & kmask[None, :],
-                           other=0.0)
-        return acc + _backend.dot(g.astype(F32), pt.astype(F32), trans_a=True, trans_b=True, allow_tf32=True)
-
-    acc = lax.fori_loop(0, KSTEPS, body, jnp.zeros((BN, BR), F32))
-    _backend.store(o_ref.at[sp, pl.ds(q * BR, BR), pl.ds(j * BN, BN)], acc.T, mask=qmask[:, None] & cmask[None, :])
-
-
-def down_splitk(g, p, *, side: str, interpret: bool = False, blocks=None):
-    """Split-K down-projection R = G P^T (side right) or P^T G (side left), TF32 on G's dtype upcast to fp32:
-    returns the (splits, *R.shape) fp32 partial sums, for `lowrank_adam` to add. `blocks`: its launch (see
-    `down_config`)."""
-    return _down_splitk(g, p, side=side, interpret=interpret, cfg=down_config(side, blocks))
-
-
-@functools.partial(jax.jit, static_argnames=("side", "interpret", "cfg"))
-def _down_splitk(g, p, *, side, interpret, cfg: DownConfig):
-    M, N = g.shape
-    R = p.shape[0] if side == "right" else p.shape[1]
-    br = min(cfg.br, _rank_block(R))
-    K, keep = (N, M) if side == "right" else (M, N)
-    splits = max(1, min(cfg.splits, _cdiv(K, cfg.bk)))
-    ksteps = _cdiv(_cdiv(K, splits), cfg.bk)  # K chunks per split (the last split's tail is masked)
-    low = (M, R) if side == "right" else (R, N)
-    grid = (_cdiv(keep, cfg.bm), _cdiv(R, br), splits)
-    if side == "right":
-        kern = functools.partial(_splitk_right_kernel, M=M, N=N, R=R, BM=cfg.bm, BK=cfg.bk, BR=br, KSTEPS=ksteps)
-        operand = p
-    else:
-        kern = functools.partial(_splitk_left_kernel, M=M, N=N, R=R, BN=cfg.bm, BK=cfg.bk, BR=br, KSTEPS=ksteps,
-                                 g_regs=cfg.g_regs, p_nat=cfg.p_nat)
-        operand = p if cfg.p_nat else p.T  # P^T (r, M): 2 MB at M 4096, r 128, transposed once
-    call = _backend.triton_call(kern, out_shape=jax.ShapeDtypeStruct((splits, *low), F32), grid=grid,
-                                name="pallas_fused_galore_down_splitk", interpret=interpret,
-                                num_warps=cfg.warps, num_stages=cfg.stages)
-    return call(g, operand)
 
 
 # ------------------------------------------------------------------------------------ up + full update

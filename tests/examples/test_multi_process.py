@@ -134,7 +134,7 @@ def test_program_choices_ignore_host_state(monkeypatch):
     random.seed(12345)
     np.random.seed(54321)
     assert program_choices() == first
-    assert set(first["galore_variant"].values()) <= {"hybrid", "splitk", "xla_up"}
+    assert set(first["galore_variant"].values()) <= {"hybrid", "xla_up"}
 
 
 # Modules whose use in the library would let a process' program depend on its host: clocks (measured

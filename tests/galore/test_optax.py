@@ -51,7 +51,6 @@ def test_matches_independent_reference_xla(proj_type):
 
 
 def test_matches_independent_reference_kernels(kernel_impl):
-    _check_reference(f"{kernel_impl}:splitk", "std")
     _check_reference(f"{kernel_impl}:hybrid", "std")
 
 

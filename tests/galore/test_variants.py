@@ -84,7 +84,6 @@ def test_up_config_sets_the_launch():
         for side in ("right", "left"):
             want = kernel.UpConfig(**kernel.UP_HEURISTIC[side])._replace(br=16, f16=False, p16=False)
             assert kernel.up_config(8, side) == want
-            assert kernel.down_config(side) == kernel.DownConfig(**kernel.DOWN_HEURISTIC[side])
         assert kernel.up_operands(8, "left") == (jnp.float32, False)
     assert kernel.up_config(24, "right", kernel.UpConfig(32, 16, 64, 4, 2, True, 1, 2)) == kernel.UpConfig(
         32, 16, 32, 4, 2, True, 1, 2)  # br <= the rank's block
@@ -93,12 +92,12 @@ def test_up_config_sets_the_launch():
 
 
 def test_choose_variant_table():
-    measured = [[4096, 4096, 128, "right", "splitk"], [4096, 4096, 512, "right", "xla_up"],
-                [4096, 11008, 128, "left", "hybrid"]]
-    assert kernel.choose_variant((4096, 4096), 128, "right", measured) == "splitk"
+    measured = [[4096, 4096, 128, "right", "hybrid"], [4096, 4096, 512, "right", "xla_up"],
+                [4096, 11008, 128, "left", "xla_up"]]
+    assert kernel.choose_variant((4096, 4096), 128, "right", measured) == "hybrid"
     assert kernel.choose_variant((4096, 4096), 400, "right", measured) == "xla_up"  # nearest rank
-    assert kernel.choose_variant((8192, 8192), 100, "right", measured) == "splitk"
-    assert kernel.choose_variant((2048, 4096), 128, "left", measured) == "hybrid"  # same side first
+    assert kernel.choose_variant((8192, 8192), 100, "right", measured) == "hybrid"
+    assert kernel.choose_variant((2048, 4096), 128, "left", measured) == "xla_up"  # same side first
     assert kernel.choose_variant((64, 64), 8, "right", []) == "hybrid"  # nothing measured
     if _backend.gpu_device() is None:  # the heuristic table
         assert api.choose_kernel((4096, 4096), 512, "right") == "xla_up"
@@ -116,7 +115,7 @@ def test_implementation_names_variants():
         api.galore_adamw(1e-2, implementation="interpret:nope")
     with pytest.raises(TypeError, match="kernel"):
         api.galore_adamw(1e-2, kernel="hybrid")  # the variant is named by implementation= only
-    assert api.GaLoreConfig(implementation="interpret:splitk").resolved().implementation == "interpret:splitk"
+    assert api.GaLoreConfig(implementation="interpret:xla_up").resolved().implementation == "interpret:xla_up"
 
 
 def api_outputs(impl, params, grads):
@@ -130,13 +129,40 @@ def api_outputs(impl, params, grads):
     return u["w"], p2["w"], state.mu["w"]
 
 
-def test_optax_path_with_xla_up_variant():
-    """implementation="interpret:xla_up" through the optax transform and the in-place step: the reference's
-    numbers."""
-    params = {"w": jax.random.normal(jax.random.key(0), (24, 40))}
-    grads = {"w": jax.random.normal(jax.random.key(1), (24, 40))}
-    for a, b in zip(api_outputs("xla", params, grads), api_outputs("interpret:xla_up", params, grads)):
-        np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-6)
+@pytest.mark.parametrize("variant", VARIANT_NAMES)
+def test_api_variants(variant):
+    """implementation="interpret:<variant>" through the optax transform and the in-place step, with this device
+    kind's launches (a GPU's tuned up-projection has fp16 operands: TF32 tolerance; the explicit fp16 launches are
+    test_leaf_step_fp16_up's): the reference's numbers."""
+    params = {"w": jax.random.normal(jax.random.key(0), (24, 40)), "b": jnp.ones((40,))}
+    grads = {"w": jax.random.normal(jax.random.key(1), (24, 40)), "b": jnp.ones((40,))}
+    fp16 = variant == "hybrid" and _backend.gpu_device() is not None
+    for a, b in zip(api_outputs("xla", params, grads), api_outputs(f"interpret:{variant}", params, grads)):
+        np.testing.assert_allclose(a, b, rtol=3e-3 if fp16 else 2e-5, atol=3e-5 if fp16 else 1e-6, err_msg=variant)
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_leaf_step_fp16_up(kernel_impl, side, dtype):
+    """The hybrid variant with an fp16 up-projection (N from the Adam kernel in fp16; on side left P cast to fp16 by
+    the same launch), in place and as an update, fp32 and bf16 params, at TF32's tolerance against float64 (the
+    moments are fp32 and TF32-free: tight)."""
+    shape = (37, 53) if side == "left" else (53, 37)
+    g, w, p, m, v, s = _inputs(shape, 5, side, dtype, seed=8)
+    _, m_ex, v_ex, _, upd_ex = _exact(g, w, p, m, v, side, s)
+    up = kernel.UpConfig(16, 32, 16, 4, 2, True, 1, 2, True, side == "left")
+    w64 = np.asarray(jnp.asarray(w, jnp.float32), np.float64)
+    for inplace in (False, True):
+        what = f"inplace={inplace} {side} {jnp.dtype(dtype).name}"
+        out, m2, v2 = api.leaf_step("hybrid", w, g, m, v, p, side, s, inplace=inplace,
+                                    interpret=kernel_impl == "interpret", dtype=w.dtype, up_blocks=up)
+        assert out.dtype == dtype
+        if inplace:
+            assert_close(out, w64 + upd_ex, floor=4e-3 if dtype == jnp.bfloat16 else 3e-6, what=what)
+        else:
+            assert_close(out, upd_ex, floor=8e-3 if dtype == jnp.bfloat16 else 2e-3, what=what)
+        assert_close(m2, m_ex, floor=2e-5, what=f"m {what}")
+        assert_close(v2, v_ex, floor=2e-5, what=f"v {what}")
 
 
 def full_size_case(shape, rank=128):
@@ -157,7 +183,8 @@ def full_size_case(shape, rank=128):
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", [(4096, 4096), (4096, 11008)])
 def test_variants_and_up_configs_gpu(shape):
-    """Every variant, and the up kernel under every configuration the tuning sweep times, at full size (TF32)."""
+    """Every variant, the up kernel under every configuration the tuning sweep times, and the hybrid step with every
+    fp16 one (N and P in fp16 from the Adam kernel), at full size (TF32)."""
     from benchmarks.bench_galore import UP_CANDIDATES
 
     side, w, g, m, v, p, s, delta = full_size_case(shape)
@@ -170,3 +197,7 @@ def test_variants_and_up_configs_gpu(shape):
     for cfg in UP_CANDIDATES:
         out = kernel.up_update(w, n, p, s.pack(), side=side, blocks=cfg)
         assert_close(out, up_exact, floor=5e-3, what=f"up {cfg} (TF32)")
+    for cfg in [c for c in UP_CANDIDATES if c.f16]:
+        out, _, _ = api.leaf_step("hybrid", w, g, m, v, p, side, s, inplace=True, interpret=False, dtype=w.dtype,
+                                  up_blocks=cfg)
+        assert_close(out - w, delta, floor=5e-3, what=f"hybrid {cfg} update (TF32 / fp16 operands)")

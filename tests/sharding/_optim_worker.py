@@ -191,12 +191,58 @@ def _galore_steps(projector, variant, inplace):
 
 @case
 def galore_randomized():
-    """Randomized refresh (steps 0 and 2) on sharded gradients: sketches only, never G. The split-K
-    down-projection kernel, in-place step."""
+    """Randomized refresh (steps 0 and 2) on sharded gradients: sketches only, never G. The hybrid kernel path,
+    in-place step."""
     from pallas_fused.galore import state_shardings
 
-    sharded_vs_single(lambda: _galore_steps("randomized", "splitk", True), state_shardings, GALORE_SHAPES, 2e-4,
-                      "galore randomized splitk inplace")
+    sharded_vs_single(lambda: _galore_steps("randomized", "hybrid", True), state_shardings, GALORE_SHAPES, 2e-4,
+                      "galore randomized hybrid inplace")
+
+
+def _galore_leaf_steps(up):
+    """In-place GaLore steps of every projected leaf through `api.leaf_step("hybrid", ...)` with the up-projection
+    launch `up` (a fixed orthonormal projector; other leaves unchanged): (step, init) for `sharded_vs_single`."""
+    from pallas_fused.galore import api, reference
+
+    opt = api.galore_adamw_inplace(1e-2, rank=4, weight_decay=0.1, implementation="interpret:hybrid")
+    s = reference.Scalars(0.9, 0.999, 1e-6, 1.0, 1.0, -1e-3, -2.5e-3, 1.0)
+
+    def init(params):
+        state = opt.init(params)
+
+        def orthonormal(p):
+            if api._is_masked(p):
+                return p
+            q = jnp.linalg.qr(jax.random.normal(jax.random.key(p.size), (max(p.shape), min(p.shape))))[0]
+            return q.T if p.shape[0] < p.shape[1] else q
+
+        return state._replace(projector=jax.tree.map(orthonormal, state.projector, is_leaf=api._is_masked))
+
+    def step(params, grads, state):
+        new_p, new_m, new_v = dict(params), dict(state.mu), dict(state.nu)
+        for k, p in state.projector.items():
+            if api._is_masked(p):
+                continue
+            m = state.mu[k]
+            side = api._state_side(m.shape, p.shape)
+            new_p[k], new_m[k], new_v[k] = api.leaf_step("hybrid", params[k], grads[k], m, state.nu[k], p, side, s,
+                                                         inplace=True, interpret=True, dtype=params[k].dtype,
+                                                         up_blocks=up)
+        return new_p, state._replace(mu=new_m, nu=new_v)
+
+    return step, init
+
+
+@case
+def galore_fp16_up():
+    """The hybrid variant in place with an fp16 (p16) up-projection launch (a CPU's default launch has fp32
+    operands): N and the fp16 P come out of the low-rank Adam kernel sharded as m and P; nothing of W, G or the
+    state gathered."""
+    from pallas_fused.galore import kernel, state_shardings
+
+    up = kernel.UpConfig(16, 16, 16, 4, 2, True, 1, 2, True, True)
+    sharded_vs_single(lambda: _galore_leaf_steps(up), state_shardings, GALORE_SHAPES, 2e-4,
+                      "galore hybrid fp16 up inplace")
 
 
 @case
