@@ -15,7 +15,7 @@ for same-dtype fp8 operands with fast accumulation, else XLA's fp8 dot (cuBLAS),
 mixed e4m3 x e5m2 operands and fast_accum=False; "pallas:sm90" and "pallas:triton" force a kernel
 (the `VARIANTS` table, validated by `_backend.resolve_implementation`); "xla" is the reference (XLA fp8
 dot + fp32 rescale); "interpret" (= "interpret:triton") runs the Triton kernels in the Pallas
-interpreter (CPU tests).
+interpreter (CPU tests). A config with blockwise scaling runs on XLA only for now (see `fp8_linear`).
 """
 
 from __future__ import annotations
@@ -284,11 +284,12 @@ def scaled_matmul_nt(a_fp8, bt_fp8, a_scale, b_scale, *, out_dtype=jnp.bfloat16,
 
 
 class _Operand:
-    """One GEMM argument in K-major form: fp8 `data` with a scale vector per K-major row, or (when its
-    cast is disabled) the high-precision `data` whose K-major form is data (kmajor) or data.T."""
+    """One GEMM argument in K-major form: fp8 `data` with a scale vector per K-major row, or with 2-D per-tile
+    scales when `block` is set (blockwise), or (when its cast is disabled) the high-precision `data` whose
+    K-major form is data (kmajor) or data.T."""
 
-    def __init__(self, data, scale=None, kmajor=True):
-        self.data, self.scale, self.kmajor = data, scale, kmajor
+    def __init__(self, data, scale=None, kmajor=True, block=None):
+        self.data, self.scale, self.kmajor, self.block = data, scale, kmajor, block
 
     @property
     def fp8(self):
@@ -297,29 +298,40 @@ class _Operand:
     def hp(self, dtype):
         """The K-major high-precision value."""
         x = self.data if self.kmajor else self.data.T
+        if self.block is not None:
+            return reference.dequantize_blockwise(x, self.scale, self.block, dtype)
         if self.fp8:
             x = x.astype(jnp.float32) * self.scale[:, None]
         return x.astype(dtype)
 
 
 jax.tree_util.register_pytree_node(
-    _Operand, lambda o: ((o.data, o.scale), o.kmajor), lambda kmajor, ch: _Operand(ch[0], ch[1], kmajor))
+    _Operand, lambda o: ((o.data, o.scale), (o.kmajor, o.block)),
+    lambda aux, ch: _Operand(ch[0], ch[1], *aux))
 
 
 def _operands(x, cfg_n: CastConfig, cfg_t: CastConfig | None, pow2, impl):
     """x (R, C) cast for use as a K-major operand directly (cfg_n: contraction over C) and transposed
-    (cfg_t: x^T, contraction over R). Tensorwise casts with one dtype share a single pass."""
+    (cfg_t: x^T, contraction over R). Tensorwise casts with one dtype share a single pass, and so do blockwise
+    casts whose tiles are the same elements of x (a square block: the weight's 128 x 128)."""
     qimpl = impl if impl in ("xla", "interpret") else "pallas"  # the quantize kernels have no variants
     out: list[_Operand | None] = []
     if cfg_t is not None and cfg_n.scaling == cfg_t.scaling == "tensorwise" and cfg_n.dtype == cfg_t.dtype:
         q, qt, s = _quantize_2d(x, cfg_n.dtype, None, pow2, qimpl, emit_n=True, emit_t=True)
         s = s.reshape(())
         return _Operand(q, jnp.broadcast_to(s, (x.shape[0],))), _Operand(qt, jnp.broadcast_to(s, (x.shape[1],)))
+    if (cfg_t is not None and cfg_n.scaling == cfg_t.scaling == "blockwise" and cfg_n.dtype == cfg_t.dtype
+            and cfg_t.block == cfg_n.block[::-1]):
+        q, s = reference.quantize_blockwise_reference(x, cfg_n.dtype, cfg_n.block, pow2)
+        return _Operand(q, s, block=cfg_n.block), _Operand(q.T, s.T, block=cfg_t.block)
     for cfg, transposed in ((cfg_n, False), (cfg_t, True)):
         if cfg is None:
             out.append(None)
         elif cfg.disabled:
             out.append(_Operand(x, None, kmajor=not transposed))
+        elif cfg.scaling == "blockwise":  # each GEMM's tiles along its own contraction axis: x^T re-quantized
+            q, s = reference.quantize_blockwise_reference(x.T if transposed else x, cfg.dtype, cfg.block, pow2)
+            out.append(_Operand(q, s, block=cfg.block))
         else:
             axis = None if cfg.scaling == "tensorwise" else (0 if transposed else 1)
             q, qt, s = _quantize_2d(x, cfg.dtype, axis, pow2, qimpl, emit_n=not transposed, emit_t=transposed)
@@ -329,7 +341,10 @@ def _operands(x, cfg_n: CastConfig, cfg_t: CastConfig | None, pow2, impl):
 
 
 def _gemm(lhs: _Operand, rhs: _Operand, fast_accum, impl, out_dtype, hp_dtype):
-    """lhs_kmajor @ rhs_kmajor^T: fp8 kernel when both are fp8, else a high-precision dot."""
+    """lhs_kmajor @ rhs_kmajor^T: fp8 kernel when both are fp8, else a high-precision dot; with a blockwise
+    operand, the fp32 product of the dequantized operands (the reference of per-K-block scale promotion)."""
+    if lhs.block is not None or rhs.block is not None:
+        return reference.matmul_nt_fp32(lhs.hp(jnp.float32), rhs.hp(jnp.float32), out_dtype)
     if lhs.fp8 and rhs.fp8:
         return _mm_nt(lhs.data, rhs.data, lhs.scale, rhs.scale, out_dtype, fast_accum, impl)
     a, b = lhs.hp(hp_dtype), rhs.hp(hp_dtype)
@@ -381,6 +396,10 @@ def fp8_linear(x, w, config: Float8Config | str = "tensorwise", *, implementatio
     dx = dy W^T and dW = x^T dy, each argument cast per its cast config (axiswise scales are taken
     over that GEMM's contraction axis) and each GEMM with its fast-accumulation setting. Scales are
     dynamic (from the current amax). Output dtype = x.dtype.
+
+    A config with blockwise scaling (the "blockwise" recipe) runs on XLA: implementation=None takes "xla"
+    there on any machine, and "pallas" or "interpret" is a ValueError, as its Hopper kernel (fp8 wgmma with
+    per-K-block scale promotion) is not built yet.
     """
     op = "fp8.fp8_linear"
     config = as_config(config)
@@ -392,6 +411,13 @@ def fp8_linear(x, w, config: Float8Config | str = "tensorwise", *, implementatio
     for name, v in (("x", x), ("w", w)):
         if not jnp.issubdtype(v.dtype, jnp.floating) or jnp.dtype(v.dtype) in FP8_DTYPES:
             raise ValueError(f"{op}: {name} must be float32/bfloat16/float16, got {v.dtype}")
+    if config.blockwise:
+        if implementation is not None and implementation != "xla" and implementation in \
+                _backend.valid_implementations(VARIANTS):
+            raise ValueError(f"{op}: a config with blockwise scaling runs on implementation='xla' only (its Hopper "
+                             f"kernel with per-K-block scale promotion is not built yet), got "
+                             f"implementation={implementation!r}")
+        implementation = implementation or "xla"
     impl = _resolve(implementation, op)
     lead = x.shape[:-1]
     y = _linear(x.reshape(math.prod(lead), x.shape[-1]), w.astype(x.dtype), config, impl)

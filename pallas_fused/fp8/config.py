@@ -7,8 +7,17 @@ A linear layer y = x W (Flax layout: x (tokens, in), W (in, out)) runs three GEM
     grad_weight  dW = x^T @ dy     cast configs: input_for_grad_weight, grad_output_for_grad_weight
 
 Each argument of each GEMM is scaled "tensorwise" (one fp32 scale), "axiswise" (one scale per row or
-column: the amax is taken over that GEMM's contraction axis) or "disabled" (kept in high precision).
-This mirrors torchao's `Float8LinearConfig` (pytorch/ao PR 940).
+column: the amax is taken over that GEMM's contraction axis), "blockwise" (one scale per tile of `block`) or
+"disabled" (kept in high precision). This mirrors torchao's `Float8LinearConfig` (pytorch/ao PR 940).
+
+Blockwise scaling (DeepSeek-V3's recipe, `Float8Config.from_recipe("blockwise")`): a `block` is given in the
+argument's K-major form, (rows, cols) = (along the GEMM's free axis, along its contraction axis). Activations
+and output gradients take (1, 128), a 1 x 128 tile along the contraction axis of the GEMM they feed; weights
+take (128, 128). Each GEMM needs its own operands' blocks along *its* contraction axis, so an argument used by
+two GEMMs is quantized twice from the high-precision tensor, as torchao and DeepSeek-V3 do (re-quantizing the
+fp8 copy would round twice): x is blocked 1 x 128 along `in` for y = x W and along the tokens for
+dW = x^T dy; dy along `out` for dx = dy W^T and along the tokens for dW. A square weight block covers the
+same elements in W and W^T, so the two weight operands share one quantization (the scales transposed).
 """
 
 from __future__ import annotations
@@ -17,17 +26,24 @@ import dataclasses
 
 import jax.numpy as jnp
 
-SCALINGS = ("tensorwise", "axiswise", "disabled")
+SCALINGS = ("tensorwise", "axiswise", "blockwise", "disabled")
 FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
-RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp", "blockwise")
 
 
 @dataclasses.dataclass(frozen=True)
 class CastConfig:
-    """How one GEMM argument is cast: `scaling` in SCALINGS and the fp8 `dtype` (e4m3fn or e5m2)."""
+    """How one GEMM argument is cast: `scaling` in SCALINGS and the fp8 `dtype` (e4m3fn or e5m2).
+
+    `block` (blockwise scaling only, where it is required): the tile that shares one scale, as (rows, cols) of
+    the argument in K-major form: rows along the GEMM's free axis, cols along its contraction axis. E.g.
+    `CastConfig("blockwise", E4M3, block=(1, 128))` for activations, `block=(128, 128)` for weights. A ragged
+    last tile is a tile of its own.
+    """
 
     scaling: str = "tensorwise"
     dtype: object = jnp.float8_e4m3fn
+    block: tuple[int, int] | None = None
 
     def __post_init__(self):
         if self.scaling not in SCALINGS:
@@ -36,6 +52,17 @@ class CastConfig:
         if dtype not in FP8_DTYPES:
             raise ValueError(f"CastConfig: dtype must be float8_e4m3fn or float8_e5m2, got {dtype}")
         object.__setattr__(self, "dtype", dtype)
+        if self.scaling != "blockwise":
+            if self.block is not None:
+                raise ValueError(f"CastConfig: block is for scaling='blockwise' only, got block={self.block!r} with "
+                                 f"scaling={self.scaling!r}")
+            return
+        block = self.block
+        if not (isinstance(block, tuple | list) and len(block) == 2
+                and all(isinstance(b, int) and not isinstance(b, bool) and b >= 1 for b in block)):
+            raise ValueError(f"CastConfig: block must be a pair of positive ints (rows, cols) for "
+                             f"scaling='blockwise', got {block!r}")
+        object.__setattr__(self, "block", tuple(block))
 
     @property
     def disabled(self) -> bool:
@@ -73,6 +100,12 @@ class Float8Config:
     gemm_config_grad_weight: GemmConfig = GemmConfig(True)
     round_scales_to_power_of_2: bool = False
 
+    @property
+    def blockwise(self) -> bool:
+        """Whether any argument is scaled blockwise (the GEMMs then run on XLA: no Pallas kernel yet)."""
+        return any(getattr(self, f.name).scaling == "blockwise" for f in dataclasses.fields(self)
+                   if f.name.startswith("cast_config"))
+
     def __post_init__(self):
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
@@ -89,8 +122,13 @@ class Float8Config:
         - "rowwise": every argument axiswise, e4m3, power-of-2 scales.
         - "rowwise_with_gw_hp": output: x and W axiswise; grad_input: dy axiswise, W tensorwise;
           grad_weight in high precision (x^T and dy stay bf16). Power-of-2 scales.
+        - "blockwise": DeepSeek-V3's: e4m3 everywhere; x and dy in 1 x 128 tiles along each GEMM's
+          contraction axis, W in 128 x 128 blocks; fp32 scales (set `round_scales_to_power_of_2` for
+          power-of-2 ones). Runs on XLA (the exact fp32 product of the dequantized operands); the Hopper
+          kernel with per-K-block scale promotion is not built yet.
 
-        All GEMMs use fast accumulation (torchao's advice for speed; set `gemm_config_*` to change it).
+        The other recipes' GEMMs use fast accumulation (torchao's advice for speed; set `gemm_config_*` to
+        change it); the blockwise GEMMs on XLA accumulate in fp32 whatever it says.
         """
         if name == "tensorwise":
             return cls()
@@ -100,6 +138,9 @@ class Float8Config:
         if name == "rowwise_with_gw_hp":
             off = CastConfig("disabled", E4M3)
             return cls(axis, axis, axis, off, CastConfig("tensorwise", E4M3), off, round_scales_to_power_of_2=True)
+        if name == "blockwise":
+            act, weight = CastConfig("blockwise", E4M3, block=(1, 128)), CastConfig("blockwise", E4M3, block=(128, 128))
+            return cls(act, weight, act, act, weight, act)
         raise ValueError(f"Float8Config.from_recipe: name must be one of {RECIPES}, got {name!r}")
 
 

@@ -73,3 +73,49 @@ def scaled_matmul_reference(a, b, a_scale, b_scale, *, out_dtype=jnp.bfloat16, f
 
 def dequantize(x_fp8: jax.Array, scale: jax.Array, dtype=jnp.float32) -> jax.Array:
     return (x_fp8.astype(jnp.float32) * scale).astype(dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# blockwise: one scale per (bm, bk) tile of a 2-D operand
+
+
+def quantize_blockwise_reference(x: jax.Array, dtype=jnp.float8_e4m3fn, block=(1, 128), power_of_2: bool = False):
+    """(x_fp8, scales) with one scale per `block` = (bm, bk) tile of the 2-D x (M, K): scales has shape
+    (ceil(M / bm), ceil(K / bk)), a ragged last tile being a tile of its own. Per tile, the same rule as
+    `quantize_reference`: an all-zero tile gets the finite floor scale (and quantizes to zeros), the cast
+    saturates at +-fp8_max, inf and NaN stay out of the amax."""
+    (m, k), (bm, bk) = x.shape, block
+    mb, kb = -(-m // bm), -(-k // bk)
+    # Zero padding leaves every amax as it is (|x| >= 0), and makes the tiles a reshape.
+    a = jnp.pad(finite_abs(x), ((0, mb * bm - m), (0, kb * bk - k)))
+    amax = jnp.max(a.reshape(mb, bm, kb, bk), axis=(1, 3), initial=0.0)
+    scales = scale_from_amax(amax, dtype, power_of_2)
+    return saturating_cast(x, expand_block_scales(scales, block, x.shape), dtype), scales
+
+
+def expand_block_scales(scales: jax.Array, block, shape) -> jax.Array:
+    """Per-tile scales (ceil(M / bm), ceil(K / bk)) -> one per element, shape (M, K)."""
+    (bm, bk), (m, k) = block, shape
+    return jnp.repeat(jnp.repeat(scales, bm, axis=0), bk, axis=1)[:m, :k]
+
+
+def dequantize_blockwise(x_fp8: jax.Array, scales: jax.Array, block, dtype=jnp.float32) -> jax.Array:
+    return (x_fp8.astype(jnp.float32) * expand_block_scales(scales, block, x_fp8.shape)).astype(dtype)
+
+
+def matmul_nt_fp32(a: jax.Array, bt: jax.Array, out_dtype) -> jax.Array:
+    """a (M, K) @ bt (N, K)^T accumulated in full fp32 (no TF32 or bf16 passes), rounded once to `out_dtype`."""
+    return jax.lax.dot_general(a.astype(jnp.float32), bt.astype(jnp.float32), (((1,), (1,)), ((), ())),
+                               precision=jax.lax.Precision.HIGHEST,
+                               preferred_element_type=jnp.float32).astype(out_dtype)
+
+
+def blockwise_scaled_matmul_nt_reference(a, bt, a_scales, b_scales, a_block=(1, 128), b_block=(128, 128), *,
+                                         out_dtype=jnp.bfloat16):
+    """(a dequantized) @ (bt dequantized)^T with per-tile scales: a (M, K), bt (N, K) fp8, both K-major.
+
+    The exact product of the dequantized operands in fp32, which is what a GEMM that promotes each K-block's
+    partial sum to fp32 and applies that block's two scales there computes (DeepSeek-V3's per-128 promotion),
+    up to the order of the fp32 additions."""
+    return matmul_nt_fp32(dequantize_blockwise(a, a_scales, a_block), dequantize_blockwise(bt, b_scales, b_block),
+                          out_dtype)
