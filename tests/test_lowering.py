@@ -129,6 +129,15 @@ def test_fp8_dense(cc, recipe):
     assert found.count(TRITON) >= 2  # the quantize kernels
 
 
+def test_fp8_blockwise_lowers_to_xla(cc):
+    """The blockwise recipe has no kernel: implementation=None gives XLA's dots on every GPU, no custom call."""
+    from pallas_fused.fp8 import fp8_linear
+
+    x, w = rnd(0, (256, 512), jnp.bfloat16), rnd(1, (512, 384), jnp.bfloat16)
+    found = kernels(jax.value_and_grad(loss(lambda x, w: fp8_linear(x, w, "blockwise")), (0, 1)), x, w)
+    assert not any(t in found for t in (TRITON, *MOSAIC)), found
+
+
 @pytest.mark.parametrize("implementation", [None, "pallas:sm90", "pallas:merged", "pallas:epilogue", "pallas:gemm"])
 def test_dora(cc, implementation):
     from pallas_fused.dora import dora_dense

@@ -1,4 +1,4 @@
-"""FP8 training: dynamic tensorwise/axiswise scaled matmuls with per-GEMM-argument configuration
+"""FP8 training: dynamic tensorwise/axiswise/blockwise scaled matmuls with per-GEMM-argument configuration
 (torchao's float8 recipes), Pallas kernels, and Flax drop-ins."""
 
 from pallas_fused.fp8.api import fp8_linear, quantize, scaled_matmul, scaled_matmul_nt

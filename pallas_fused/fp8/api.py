@@ -313,7 +313,7 @@ jax.tree_util.register_pytree_node(
 def _operands(x, cfg_n: CastConfig, cfg_t: CastConfig | None, pow2, impl):
     """x (R, C) cast for use as a K-major operand directly (cfg_n: contraction over C) and transposed
     (cfg_t: x^T, contraction over R). Tensorwise casts with one dtype share a single pass, and so do blockwise
-    casts whose tiles are the same elements of x (a square block: the weight's 128 x 128)."""
+    casts whose tiles cover the same elements of x (the weight's 128 x 128 blocks for both of its GEMMs)."""
     qimpl = impl if impl in ("xla", "interpret") else "pallas"  # the quantize kernels have no variants
     out: list[_Operand | None] = []
     if cfg_t is not None and cfg_n.scaling == cfg_t.scaling == "tensorwise" and cfg_n.dtype == cfg_t.dtype:
@@ -321,7 +321,7 @@ def _operands(x, cfg_n: CastConfig, cfg_t: CastConfig | None, pow2, impl):
         s = s.reshape(())
         return _Operand(q, jnp.broadcast_to(s, (x.shape[0],))), _Operand(qt, jnp.broadcast_to(s, (x.shape[1],)))
     if (cfg_t is not None and cfg_n.scaling == cfg_t.scaling == "blockwise" and cfg_n.dtype == cfg_t.dtype
-            and cfg_t.block == cfg_n.block[::-1]):
+            and cfg_n.block is not None and cfg_t.block == cfg_n.block[::-1]):
         q, s = reference.quantize_blockwise_reference(x, cfg_n.dtype, cfg_n.block, pow2)
         return _Operand(q, s, block=cfg_n.block), _Operand(q.T, s.T, block=cfg_t.block)
     for cfg, transposed in ((cfg_n, False), (cfg_t, True)):

@@ -178,7 +178,8 @@ def test_layer_gemms_follow_the_reference(config):
         return ref.blockwise_scaled_matmul_nt_reference(a8, b8, sa, sb, a_block, b_block, out_dtype=jnp.bfloat16)
 
     act, wb = (1, 128), (128, 128)
-    want = (gemm(x, w.T, act, wb), gemm(dy, w, act, wb), gemm(x.T, dy.T, act, act))
+    want = jax.jit(lambda x, w, dy: (gemm(x, w.T, act, wb), gemm(dy, w, act, wb), gemm(x.T, dy.T, act, act)))(
+        x, w, dy)
     got = jax.jit(functools.partial(_layer, config))(x, w, dy)
     for g, v in zip(got, want):
         assert g.dtype == jnp.bfloat16
