@@ -100,7 +100,7 @@ def expand_block_scales(scales: jax.Array, block, shape) -> jax.Array:
 
 
 def dequantize_blockwise(x_fp8: jax.Array, scales: jax.Array, block, dtype=jnp.float32) -> jax.Array:
-    return (x_fp8.astype(jnp.float32) * expand_block_scales(scales, block, x_fp8.shape)).astype(dtype)
+    return dequantize(x_fp8, expand_block_scales(scales, block, x_fp8.shape), dtype)
 
 
 def matmul_nt_fp32(a: jax.Array, bt: jax.Array, out_dtype) -> jax.Array:

@@ -5,7 +5,8 @@
     updates, state = tx.update(grads, state, params)          # optax path
     params = optax.apply_updates(params, updates)
 
-    opt = galore_adamw_inplace(1e-3, rank=128, ...)           # same state, same numbers (fp32: bit-identical)
+    opt = galore_adamw_inplace(1e-3, rank=128, ...)           # same state, same numbers (fp32 with weight
+                                                              # decay, same implementation: bit-identical)
     step = jax.jit(opt.step, donate_argnums=(0, 2))           # writes params in the update kernel
     params, state = step(params, grads, state)
 
@@ -397,24 +398,18 @@ class _GaLore:
             c = sign_lr * scale
         return b1, b2, jnp.asarray(self.cfg.eps, f32), alpha, beta, c
 
-    @staticmethod
-    def _leaf_xla(w, g, m, v, p, side, s: Scalars, inplace, dtype):
-        m_new, v_new, n = reference.lowrank_adam(reference.project(g, p, side), m, v, s)
-        m_new, v_new, s = _skip_nonfinite(m, v, m_new, v_new, s)
-        return reference.finish_step(w, n, p, side, s, inplace=inplace, dtype=dtype), m_new, v_new
-
     def _leaf(self, w, g, m, v, p, side, s: Scalars, inplace, dtype):
         base, variant = _backend.split_implementation(self.implementation)
-        if base == "xla":
-            return self._leaf_xla(w, g, m, v, p, side, s, inplace, dtype)
-        if variant is None and w is None:
-            # An update with no weight-decay term (the optax path): XLA's graph end to end. The up-projection GEMM's
-            # output is the update itself, so the caller's `optax.apply_updates` adds p inside that GEMM (cuBLAS's
-            # beta = 1) instead of writing the update and reading it back; and the low-rank Adam step fuses with the
-            # down-projection GEMM's partial-sum reduction and the finiteness test, where a Pallas kernel would need
-            # copies of m and v (it writes them in place, the skip needs the old ones) and launches of its own
-            # (benchmarks/results/user_path_dev/).
-            return self._leaf_xla(w, g, m, v, p, side, s, inplace, dtype)
+        # With no weight-decay term on the optax path (w None, no variant forced), XLA's graph end to end as well: the
+        # up-projection GEMM's output is the update itself, so the caller's `optax.apply_updates` adds p inside that
+        # GEMM (cuBLAS's beta = 1) instead of writing the update and reading it back; and the low-rank Adam step fuses
+        # with the down-projection GEMM's partial-sum reduction and the finiteness test, where a Pallas kernel would
+        # need copies of m and v (it writes them in place, the skip needs the old ones) and launches of its own
+        # (benchmarks/results/user_path_dev/).
+        if base == "xla" or (variant is None and w is None):
+            m_new, v_new, n = reference.lowrank_adam(reference.project(g, p, side), m, v, s)
+            m_new, v_new, s = _skip_nonfinite(m, v, m_new, v_new, s)
+            return reference.finish_step(w, n, p, side, s, inplace=inplace, dtype=dtype), m_new, v_new
         if variant is None:
             variant = choose_kernel(g.shape, reference.projector_rank(p.shape, side), side)
         return leaf_step(variant, w, g, m, v, p, side, s, inplace=inplace, interpret=base == "interpret",
@@ -619,7 +614,8 @@ def galore_adamw_inplace(learning_rate, *, rank: int = _D.rank, update_proj_gap:
                          nu_dtype=_D.nu_dtype, implementation: str | None = _D.implementation) -> GaLoreInplace:
     """galore_adamw as one in-place step: `step(params, grads, state) -> (params, state)`.
 
-    Same arguments, state and numbers as `galore_adamw` (fp32: bit-identical to update + apply_updates).
+    Same arguments, state and numbers as `galore_adamw` (fp32 with a weight-decay term: bit-identical to update +
+    apply_updates; without one the optax path runs XLA's graph, within rounding of this step's kernels).
     The up-projection kernel writes each projected weight over its own buffer (input_output_aliases) and
     the low-rank Adam kernel its moments: jit `step` with donate_argnums=(0, 2) to save the extra
     passes over W that `optax.apply_updates` costs."""

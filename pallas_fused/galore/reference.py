@@ -92,9 +92,9 @@ def project(g: jax.Array, p: jax.Array, side: str, precision=None) -> jax.Array:
     return jnp.matmul(p.T, g, precision=precision, preferred_element_type=f32)
 
 
-def back_project(n: jax.Array, p: jax.Array, side: str, precision=None) -> jax.Array:
-    """Up-projection (fp32): N P (right) or P N (left)."""
-    n, p = n.astype(jnp.float32), p.astype(jnp.float32)
+def back_project(n: jax.Array, p: jax.Array, side: str, precision=None, dtype=jnp.float32) -> jax.Array:
+    """Up-projection: N P (right) or P N (left), both operands (and so the product) in `dtype`."""
+    n, p = n.astype(dtype), p.astype(dtype)
     return jnp.matmul(n, p, precision=precision) if side == "right" else jnp.matmul(p, n, precision=precision)
 
 
@@ -128,13 +128,10 @@ def finish_step(w, n: jax.Array, p: jax.Array, side: str, s: Scalars, *, inplace
         # is the GEMM's own output and `optax.apply_updates` (p + update) can fold into that GEMM as its addend.
         ok = jnp.asarray(s.ok, jnp.float32) > 0
         n = jnp.where(ok, n.astype(jnp.float32) * s.c, 0.0)
-        if jnp.dtype(p.dtype).itemsize < 4 and jnp.dtype(dtype or p.dtype).itemsize < 4:
-            # A 16-bit projector and update: the GEMM in P's dtype (fp32 accumulation) reads half the bytes at
-            # twice TF32's rate, and the update is rounded to 16 bits anyway (optax.contrib.galore's GEMM here).
-            n = n.astype(p.dtype)
-            return (jnp.matmul(n, p, precision=precision) if side == "right" else
-                    jnp.matmul(p, n, precision=precision)).astype(dtype)
-        return back_project(n, p, side, precision).astype(dtype)
+        # A 16-bit projector and update: the GEMM in P's dtype (fp32 accumulation) reads half the bytes at twice
+        # TF32's rate, and the update is rounded to 16 bits anyway (optax.contrib.galore's GEMM here).
+        low = jnp.dtype(p.dtype).itemsize < 4 and jnp.dtype(dtype or p.dtype).itemsize < 4
+        return back_project(n, p, side, precision, p.dtype if low else jnp.float32).astype(dtype)
     w32 = w.astype(jnp.float32)
     out = full_update(w32, n, p, side, s, precision)
     return ((w32 + out) if inplace else out).astype(dtype if w is None else w.dtype)
