@@ -15,6 +15,10 @@ GEMMs (jax) or one Python call issues k (torch), so the ~0.03 ms host dispatch o
   peer:torch_scaled_mm torch._scaled_mm, use_fast_accum=True (cuBLAS / CUTLASS rowwise)
   peer:bf16_xla        XLA bf16 matmul, same shape
 
+Blockwise quantize ("fp8_quantize_blockwise"): `kernel.quantize_blockwise` (one read of x writes q and q^T with
+their 1 x 128 scales, or a weight's shared 128 x 128 tiles) beside `reference.quantize_blockwise_reference` under
+jit, GB/s and % of the measured copy ceiling.
+
 Dense forward+backward (the user's path: `nn.Dense(dot_general_cls=Float8DotGeneral(config=recipe))`, rows
 pallas:<recipe>): 16384 tokens, n -> n, bf16 params and activations, ANCHORS.md's method:
   jax.vjp(apply, params, x)[1](g) timed under jit. Only the gradients are returned, so XLA drops
@@ -139,6 +143,36 @@ def _quantize(rec, quick):
             rec.time("fp8_quantize", case, "xla", jax.jit(ref), x, nbytes=nbytes)
 
 
+def _blockwise_quantize(rec, quick):
+    """The one-pass blockwise quantize kernel beside XLA's reference under jit, at the example's activation shape
+    and a weight: bytes = read x + write q (+ q^T) + the fp32 scales."""
+    from pallas_fused.fp8 import kernel, reference
+
+    act, weight = (1, 128), (128, 128)
+    shapes = [(16384, 2048), (16384, 8192)] + ([] if quick else [(16384, 5504), (2048, 5504)])
+    for (r, c), dtype in [(s, jnp.bfloat16) for s in shapes] + ([] if quick else [((16384, 2048), jnp.float32)]):
+        x = rnd(6, (r, c), dtype)
+        cases = [("act q+qT", act, act[::-1], r * c * 2 + 4 * (r * -(-c // 128) + c * -(-r // 128))),
+                 ("act q", act, None, r * c + 4 * r * -(-c // 128)),
+                 ("weight q+qT", weight, weight, 2 * r * c + 4 * -(-r // 128) * -(-c // 128))]
+        for name, block_n, block_t, written in cases:
+            case = f"{r}x{c} {jnp.dtype(dtype).name} {name}"
+            nbytes = r * c * jnp.dtype(dtype).itemsize + written
+            ours = jax.jit(functools.partial(kernel.quantize_blockwise, dtype=E4, block_n=block_n, block_t=block_t))
+            rec.time("fp8_quantize_blockwise", case, "pallas", ours, x, nbytes=nbytes)
+
+            def ref(x, block_n=block_n, block_t=block_t):  # the same outputs (the shared tile: one quantization)
+                q, s = reference.quantize_blockwise_reference(x, E4, block_n)
+                if block_t is None:
+                    return q, s.T
+                if block_t == block_n:
+                    return q, s.T, q.T
+                qt, st = reference.quantize_blockwise_reference(x.T, E4, block_t[::-1])
+                return q, s.T, qt, st.T
+
+            rec.time("fp8_quantize_blockwise", case, "xla", jax.jit(ref), x, nbytes=nbytes)
+
+
 def _dense(rec, quick):
     import flax.linen as nn
     from flax.linen import fp8_ops
@@ -177,4 +211,5 @@ def _dense(rec, quick):
 def run(rec, quick: bool):
     _matmul(rec, quick)
     _quantize(rec, quick)
+    _blockwise_quantize(rec, quick)
     _dense(rec, quick)

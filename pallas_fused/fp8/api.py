@@ -15,7 +15,8 @@ for same-dtype fp8 operands with fast accumulation, else XLA's fp8 dot (cuBLAS),
 mixed e4m3 x e5m2 operands and fast_accum=False; "pallas:sm90" and "pallas:triton" force a kernel
 (the `VARIANTS` table, validated by `_backend.resolve_implementation`); "xla" is the reference (XLA fp8
 dot + fp32 rescale); "interpret" (= "interpret:triton") runs the Triton kernels in the Pallas
-interpreter (CPU tests). A config with blockwise scaling runs on XLA only for now (see `fp8_linear`).
+interpreter (CPU tests). A config with blockwise scaling quantizes with its own kernel and takes no variant (see
+`fp8_linear`).
 """
 
 from __future__ import annotations
@@ -284,9 +285,10 @@ def scaled_matmul_nt(a_fp8, bt_fp8, a_scale, b_scale, *, out_dtype=jnp.bfloat16,
 
 
 class _Operand:
-    """One GEMM argument in K-major form: fp8 `data` with a scale vector per K-major row, or with 2-D per-tile
-    scales when `block` is set (blockwise), or (when its cast is disabled) the high-precision `data` whose
-    K-major form is data (kmajor) or data.T."""
+    """One GEMM argument in K-major form: fp8 `data` with a scale vector per K-major row, or with per-tile scales
+    when `block` is set (blockwise: `scale` in the GEMM's layout, one row per block along K, shape
+    (ceil(K / bk), ceil(rows / bm)), the transpose of `reference.quantize_blockwise_reference`'s), or (when its cast
+    is disabled) the high-precision `data` whose K-major form is data (kmajor) or data.T."""
 
     def __init__(self, data, scale=None, kmajor=True, block=None):
         self.data, self.scale, self.kmajor, self.block = data, scale, kmajor, block
@@ -299,7 +301,7 @@ class _Operand:
         """The K-major high-precision value."""
         x = self.data if self.kmajor else self.data.T
         if self.block is not None:
-            return reference.dequantize_blockwise(x, self.scale, self.block, dtype)
+            return reference.dequantize_blockwise(x, self.scale.T, self.block, dtype)
         if self.fp8:
             x = x.astype(jnp.float32) * self.scale[:, None]
         return x.astype(dtype)
@@ -310,28 +312,53 @@ jax.tree_util.register_pytree_node(
     lambda aux, ch: _Operand(ch[0], ch[1], *aux))
 
 
+def _quantize_blockwise(x, block_n, block_t, dtype, pow2, impl):
+    """x (R, C) -> (q, q_scales, q^T, qt_scales) as `kernel.quantize_blockwise` (blocks in x's coordinates, None: that
+    copy not asked for; scales in the GEMM's K-block-major layout): its one pass on the Pallas paths, else the
+    reference (a shared tile quantized once, its transpose the other copy)."""
+    from pallas_fused.fp8 import kernel
+
+    if impl != "xla" and kernel.blockwise_supported(block_n, block_t):
+        # Not partitioned: a sharded x is gathered for the kernel (a K-block-major scale grid per shard would not
+        # line up with the global one where a shard splits a block).
+        return kernel.quantize_blockwise(x, dtype=jnp.dtype(dtype), block_n=block_n, block_t=block_t,
+                                         power_of_2=pow2, interpret=impl == "interpret")
+    q = s = qt = st = None
+    if block_n is not None:
+        q, s = reference.quantize_blockwise_reference(x, dtype, block_n, pow2)
+        s = s.T
+    if block_t is not None and block_t == block_n:  # the same tiles of x: one quantization serves both
+        qt, st = q.T, s.T
+    elif block_t is not None:
+        qt, st = reference.quantize_blockwise_reference(x.T, dtype, block_t[::-1], pow2)
+        st = st.T
+    return q, s, qt, st
+
+
 def _operands(x, cfg_n: CastConfig, cfg_t: CastConfig | None, pow2, impl):
     """x (R, C) cast for use as a K-major operand directly (cfg_n: contraction over C) and transposed
     (cfg_t: x^T, contraction over R). Tensorwise casts with one dtype share a single pass, and so do blockwise
-    casts whose tiles cover the same elements of x (the weight's 128 x 128 blocks for both of its GEMMs)."""
+    ones (one read of x writes both copies; the weight's 128 x 128 blocks cover the same elements of W and W^T,
+    so both of its GEMMs share one quantization)."""
     qimpl = impl if impl in ("xla", "interpret") else "pallas"  # the quantize kernels have no variants
     out: list[_Operand | None] = []
     if cfg_t is not None and cfg_n.scaling == cfg_t.scaling == "tensorwise" and cfg_n.dtype == cfg_t.dtype:
         q, qt, s = _quantize_2d(x, cfg_n.dtype, None, pow2, qimpl, emit_n=True, emit_t=True)
         s = s.reshape(())
         return _Operand(q, jnp.broadcast_to(s, (x.shape[0],))), _Operand(qt, jnp.broadcast_to(s, (x.shape[1],)))
-    if (cfg_t is not None and cfg_n.scaling == cfg_t.scaling == "blockwise" and cfg_n.dtype == cfg_t.dtype
-            and cfg_n.block is not None and cfg_t.block == cfg_n.block[::-1]):
-        q, s = reference.quantize_blockwise_reference(x, cfg_n.dtype, cfg_n.block, pow2)
-        return _Operand(q, s, block=cfg_n.block), _Operand(q.T, s.T, block=cfg_t.block)
+    if cfg_t is not None and cfg_n.scaling == cfg_t.scaling == "blockwise" and cfg_n.dtype == cfg_t.dtype:
+        # cfg_t's block is given for x^T: (cols, rows) of x
+        q, s, qt, st = _quantize_blockwise(x, cfg_n.block, cfg_t.block[::-1], cfg_n.dtype, pow2, qimpl)
+        return _Operand(q, s, block=cfg_n.block), _Operand(qt, st, block=cfg_t.block)
     for cfg, transposed in ((cfg_n, False), (cfg_t, True)):
         if cfg is None:
             out.append(None)
         elif cfg.disabled:
             out.append(_Operand(x, None, kmajor=not transposed))
-        elif cfg.scaling == "blockwise":  # each GEMM's tiles along its own contraction axis: x^T re-quantized
-            q, s = reference.quantize_blockwise_reference(x.T if transposed else x, cfg.dtype, cfg.block, pow2)
-            out.append(_Operand(q, s, block=cfg.block))
+        elif cfg.scaling == "blockwise":  # each GEMM's tiles along its own contraction axis
+            q, s, qt, st = _quantize_blockwise(x, None if transposed else cfg.block,
+                                               cfg.block[::-1] if transposed else None, cfg.dtype, pow2, qimpl)
+            out.append(_Operand(qt, st, block=cfg.block) if transposed else _Operand(q, s, block=cfg.block))
         else:
             axis = None if cfg.scaling == "tensorwise" else (0 if transposed else 1)
             q, qt, s = _quantize_2d(x, cfg.dtype, axis, pow2, qimpl, emit_n=not transposed, emit_t=transposed)
@@ -397,9 +424,10 @@ def fp8_linear(x, w, config: Float8Config | str = "tensorwise", *, implementatio
     over that GEMM's contraction axis) and each GEMM with its fast-accumulation setting. Scales are
     dynamic (from the current amax). Output dtype = x.dtype.
 
-    A config with blockwise scaling (the "blockwise" recipe) runs on XLA: implementation=None takes "xla"
-    there on any machine, and "pallas" or "interpret" is a ValueError, as its Hopper kernel (fp8 wgmma with
-    per-K-block scale promotion) is not built yet.
+    A config with blockwise scaling (the "blockwise" recipe): "pallas" (the default on an fp8 GPU) and "interpret"
+    quantize with the one-pass blockwise kernel (`kernel.quantize_blockwise`: x and dy in both layouts from one read,
+    W once for both of its GEMMs); the GEMMs are the exact fp32 product of the dequantized operands (the reference
+    of per-K-block scale promotion) on every implementation.
     """
     op = "fp8.fp8_linear"
     config = as_config(config)
@@ -411,13 +439,9 @@ def fp8_linear(x, w, config: Float8Config | str = "tensorwise", *, implementatio
     for name, v in (("x", x), ("w", w)):
         if not jnp.issubdtype(v.dtype, jnp.floating) or jnp.dtype(v.dtype) in FP8_DTYPES:
             raise ValueError(f"{op}: {name} must be float32/bfloat16/float16, got {v.dtype}")
-    if config.blockwise:
-        if implementation is not None and implementation != "xla" and implementation in \
-                _backend.valid_implementations(VARIANTS):
-            raise ValueError(f"{op}: a config with blockwise scaling runs on implementation='xla' only (its Hopper "
-                             f"kernel with per-K-block scale promotion is not built yet), got "
-                             f"implementation={implementation!r}")
-        implementation = implementation or "xla"
+    if config.blockwise and isinstance(implementation, str) and implementation.partition(":")[2] in ("sm90", "triton"):
+        raise ValueError(f"{op}: a config with blockwise scaling takes implementation None, 'xla', 'pallas' or "
+                         f"'interpret' (its GEMM has no variants), got implementation={implementation!r}")
     impl = _resolve(implementation, op)
     lead = x.shape[:-1]
     y = _linear(x.reshape(math.prod(lead), x.shape[-1]), w.astype(x.dtype), config, impl)

@@ -1,5 +1,6 @@
 """FP8 blockwise scaling (DeepSeek-V3's recipe): the config, per-tile quantization, the exact fp32 product of the
-dequantized operands, and the recipe through fp8_linear and the Flax drop-ins on XLA (its only path for now)."""
+dequantized operands, and the recipe through fp8_linear and the Flax drop-ins on XLA (the quantize kernel:
+test_blockwise_kernel.py)."""
 
 import dataclasses
 import functools
@@ -73,10 +74,10 @@ def test_bad_cast_config(kwargs, match):
         CastConfig(**kwargs)
 
 
-@pytest.mark.parametrize("implementation", ["pallas", "interpret", "pallas:sm90", "interpret:triton"])
-def test_kernel_implementations_refused(implementation):
+@pytest.mark.parametrize("implementation", ["pallas:sm90", "pallas:triton"])
+def test_gemm_variants_refused(implementation):
     x, w = rand(0, (4, 8)), rand(1, (8, 3))
-    msg = "blockwise scaling runs on implementation='xla' only .*not built yet"
+    msg = "blockwise scaling takes implementation None, 'xla', 'pallas' or 'interpret'"
     with pytest.raises(ValueError, match=msg):
         fp8_linear(x, w, "blockwise", implementation=implementation)
     with pytest.raises(ValueError, match=msg):
@@ -265,8 +266,8 @@ def test_flax_nnx_linear_vs_bf16():
 
 @pytest.mark.gpu
 def test_gpu_dense_forward_backward():
-    """On the GPU, implementation=None takes the XLA path: a Dense forward + backward at a training shape, against
-    the bf16 layer and against the same recipe forced to "xla"."""
+    """On the GPU, implementation=None quantizes with the blockwise kernel: a Dense forward + backward at a training
+    shape, against the bf16 layer and bit-equal to the same recipe forced to "xla"."""
     x, w, dy = rand(30, (2048, 1024), jnp.bfloat16), rand(31, (1024, 768), jnp.bfloat16), rand(32, (2048, 768),
                                                                                               jnp.bfloat16)
     got = jax.jit(functools.partial(_layer, "blockwise"))(x, w, dy)
