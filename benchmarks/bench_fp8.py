@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -208,8 +209,13 @@ def _dense(rec, quick):
                          flops=flops * 3 // 2, **n_rep)
 
 
+SECTIONS = {"matmul": "_matmul", "quantize": "_quantize", "blockwise_quantize": "_blockwise_quantize",
+            "dense": "_dense"}
+
+
 def run(rec, quick: bool):
-    _matmul(rec, quick)
-    _quantize(rec, quick)
-    _blockwise_quantize(rec, quick)
-    _dense(rec, quick)
+    """All sections, or those named (comma-separated) in $FP8_SECTIONS."""
+    for name in os.environ.get("FP8_SECTIONS", ",".join(SECTIONS)).split(","):
+        if name not in SECTIONS:
+            raise ValueError(f"FP8_SECTIONS: unknown section {name!r}; known: {list(SECTIONS)}")
+        globals()[SECTIONS[name]](rec, quick)
