@@ -129,13 +129,41 @@ def test_fp8_dense(cc, recipe):
     assert found.count(TRITON) >= 2  # the quantize kernels
 
 
-def test_fp8_blockwise_lowers_to_xla(cc):
-    """The blockwise recipe has no kernel: implementation=None gives XLA's dots on every GPU, no custom call."""
-    from pallas_fused.fp8 import fp8_linear
+@pytest.mark.parametrize("pow2", [False, True], ids=["fp32_scales", "pow2_scales"])
+def test_fp8_blockwise(cc, pow2):
+    """The blockwise recipe on Hopper: each of the layer's three GEMMs (y = x W, dx = dy W^T, dW = x^T dy) is one
+    launch of the blockwise Mosaic GPU kernel, at tile-multiple and at ragged shapes (padded by the api), through
+    fp8_linear and the linen drop-in; before Hopper, XLA's dots and no custom call (and "pallas" is refused)."""
+    import dataclasses
+    import functools
 
-    x, w = rnd(0, (256, 512), jnp.bfloat16), rnd(1, (512, 384), jnp.bfloat16)
-    found = kernels(jax.value_and_grad(loss(lambda x, w: fp8_linear(x, w, "blockwise")), (0, 1)), x, w)
-    assert not any(t in found for t in (TRITON, *MOSAIC)), found
+    import flax.linen as nn
+
+    from pallas_fused.fp8 import Float8Config, Float8DotGeneral, fp8_linear
+
+    config = dataclasses.replace(Float8Config.from_recipe("blockwise"), round_scales_to_power_of_2=pow2)
+    name = "pallas_fused_fp8_blockwise_matmul_sm90"
+    for tokens, din, dout in ((256, 512, 384), (130, 300, 200)):
+        x, w = rnd(0, (tokens, din), jnp.bfloat16), rnd(1, (din, dout), jnp.bfloat16)
+        layer = loss(lambda x, w: fp8_linear(x, w, config))
+        module = export.export(jax.jit(jax.value_and_grad(layer, (0, 1))), platforms=["cuda"],
+                               disabled_checks=_ALLOWED)(x, w).mlir_module()
+        found = re.findall(r"custom_call @([\w$.]+)", module)
+        backward = kernels(jax.grad(layer, 1), x, w)  # dW only: the forward GEMM is dead, dx's too
+        if cc < (9, 0):
+            assert not any(t in found for t in (TRITON, *MOSAIC)), found
+            with pytest.raises(ValueError, match="Hopper"):
+                kernels(lambda x, w: fp8_linear(x, w, config, implementation="pallas"), x, w)
+            continue
+        assert sum(found.count(t) for t in MOSAIC) == 3 and TRITON not in found, found  # quantized on XLA
+        assert name in module and "pallas_fused_fp8_scaled_matmul_sm90" not in module
+        assert sum(backward.count(t) for t in MOSAIC) == 1, backward
+        forced = kernels(lambda x, w: fp8_linear(x, w, config, implementation="pallas:sm90"), x, w)
+        assert sum(forced.count(t) for t in MOSAIC) == 1, forced
+        dense = nn.Dense(dout, dtype=jnp.bfloat16, dot_general_cls=functools.partial(Float8DotGeneral, config=config))
+        variables = jax.eval_shape(dense.init, jax.random.key(1), x)
+        both = kernels(jax.value_and_grad(loss(lambda v, x: dense.apply(v, x)), (0, 1)), variables, x)
+        assert sum(both.count(t) for t in MOSAIC) == 3, both
 
 
 @pytest.mark.parametrize("implementation", [None, "pallas:sm90", "pallas:merged", "pallas:epilogue", "pallas:gemm"])

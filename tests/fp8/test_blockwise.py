@@ -1,5 +1,6 @@
 """FP8 blockwise scaling (DeepSeek-V3's recipe): the config, per-tile quantization, the exact fp32 product of the
-dequantized operands, and the recipe through fp8_linear and the Flax drop-ins on XLA (its only path for now)."""
+dequantized operands, the recipe through fp8_linear and the Flax drop-ins on XLA (its path off Hopper), and on a
+Hopper GPU the Mosaic GPU kernel with per-K-block scale promotion (the `gpu` tests)."""
 
 import dataclasses
 import functools
@@ -76,7 +77,7 @@ def test_bad_cast_config(kwargs, match):
 @pytest.mark.parametrize("implementation", ["pallas", "interpret", "pallas:sm90", "interpret:triton"])
 def test_kernel_implementations_refused(implementation):
     x, w = rand(0, (4, 8)), rand(1, (8, 3))
-    msg = "blockwise scaling runs on implementation='xla' only .*not built yet"
+    msg = "blockwise scaling runs on implementation='xla', or on a Hopper GPU's Mosaic GPU kernel"
     with pytest.raises(ValueError, match=msg):
         fp8_linear(x, w, "blockwise", implementation=implementation)
     with pytest.raises(ValueError, match=msg):
