@@ -162,7 +162,7 @@ def test_fp8_blockwise(cc, pow2):
         assert sum(forced.count(t) for t in MOSAIC) == 1, forced
         dense = nn.Dense(dout, dtype=jnp.bfloat16, dot_general_cls=functools.partial(Float8DotGeneral, config=config))
         variables = jax.eval_shape(dense.init, jax.random.key(1), x)
-        both = kernels(jax.value_and_grad(loss(lambda v, x: dense.apply(v, x)), (0, 1)), variables, x)
+        both = kernels(jax.value_and_grad(loss(dense.apply), (0, 1)), variables, x)
         assert sum(both.count(t) for t in MOSAIC) == 3, both
 
 
