@@ -11,6 +11,9 @@ column scales, cast once to the output dtype.
 
 Accumulation: the wgmma fp8 accumulator is the tensor cores' "fast accumulation"; callers that ask
 for fast_accum=False are routed elsewhere by the api.
+
+`blockwise_matmul_nt` (blockwise scaling, DeepSeek-V3's recipe) is the same skeleton with its per-K-step
+promotion: each 128-wide K block's product is scaled by that block's row and column scales and summed in fp32.
 Shapes must be multiples of the CTA tile and tile_k; the api pads otherwise.
 
 Measured on an H200 (jax 0.11.2), e4m3 -> bf16, 8192^3: 1431 TFLOP/s rowwise, 1383 tensorwise
