@@ -1,7 +1,10 @@
 """FP8 benchmarks: scaled matmul, the quantize passes, and Dense forward+backward per recipe.
 
 scaled_matmul (e4m3 x e4m3 -> bf16, fast accumulation), rowwise and tensorwise scales, TFLOP/s with
-flops = 2 M N K, % of the datasheet dense fp8 peak (1979 TFLOP/s on H100/H200, `peak_tflops`):
+flops = 2 M N K, % of the datasheet dense fp8 peak (1979 TFLOP/s on H100/H200, `peak_tflops`). Every row is the
+time of one GEMM amortized over k (`_sets`; the row's "k") distinct operand sets per timed call: one jit runs the k
+GEMMs (jax) or one Python call issues k (torch), so the ~0.03 ms host dispatch of a jitted call does not hide a
+0.03 ms GEMM, and together the sets pass the L2, so no row reads a cached operand. The large GEMMs take k = 1.
   user:scaled_matmul_nt  the row of record, what a user writes: jit(scaled_matmul_nt) on the outputs of the
                        public `quantize` (x (M, K) and w_t (N, K), axis=-1 or None: (M, 1) / (N, 1) or scalar
                        scales), default implementation
@@ -11,6 +14,10 @@ flops = 2 M N K, % of the datasheet dense fp8 peak (1979 TFLOP/s on H100/H200, `
   xla                  our reference: XLA's fp8 dot (fp32 out) + fp32 rescale, b (K, N)
   peer:torch_scaled_mm torch._scaled_mm, use_fast_accum=True (cuBLAS / CUTLASS rowwise)
   peer:bf16_xla        XLA bf16 matmul, same shape
+
+Blockwise quantize ("fp8_quantize_blockwise"): `kernel.quantize_blockwise` (one read of x writes q and q^T with
+their 1 x 128 scales, or a weight's shared 128 x 128 tiles) beside `reference.quantize_blockwise_reference` under
+jit, GB/s and % of the measured copy ceiling.
 
 blockwise (DeepSeek-V3's recipe: a in 1 x 128 tiles, b in 128 x 128 blocks, e4m3 -> bf16), at 8192^3 and the
 example's shapes, TFLOP/s as above:
@@ -23,7 +30,6 @@ example's shapes, TFLOP/s as above:
   peer:torch_scaled_mm_blockwise  torch._scaled_mm with 1 x 128 / 128 x 128 scales (cuBLAS >= 12.9), or its error
   fp8_dense_blockwise: the Dense forward+backward of the recipe (all three GEMMs, quantize on XLA) on the default
                        path and forced to "xla".
-Sections: FP8_SECTIONS=matmul,quantize,dense,blockwise (default: all).
 
 Dense forward+backward (the user's path: `nn.Dense(dot_general_cls=Float8DotGeneral(config=recipe))`, rows
 pallas:<recipe>): 16384 tokens, n -> n, bf16 params and activations, ANCHORS.md's method:
@@ -35,6 +41,7 @@ pallas:<recipe>): 16384 tokens, n -> n, bf16 params and activations, ANCHORS.md'
 from __future__ import annotations
 
 import functools
+import math
 import os
 
 import jax
@@ -43,6 +50,7 @@ import jax.numpy as jnp
 from benchmarks.common import bench_torch, error_text, rnd
 
 FP8_PEAK = 1979.0  # datasheet dense fp8 TFLOP/s (H100 SXM / H200)
+L2_PASS_BYTES = 100e6  # operand sets of one timed call pass the 50 MB L2 together (see `_sets`)
 E4 = jnp.float8_e4m3fn
 # (M, K, N): the issue's shapes, then the example's (examples/train_llama.py's GPU preset: 16 x 1024 tokens,
 # d_model 2048, 4 kv heads of 128, SwiGLU 5504): forward x W, dx = dy W^T, dW = x^T dy of each projection.
@@ -52,65 +60,77 @@ SHAPES = [(4096, 4096, 4096), (8192, 8192, 8192), (16384, 16384, 16384), (16384,
           (2048, 16384, 2048), (2048, 16384, 512), (2048, 16384, 5504), (5504, 16384, 2048)]
 
 
+def _sets(m, k, n):
+    """How many distinct operand sets one timed call cycles through: enough that they pass the 50 MB L2 together
+    (k calls of a small GEMM then read HBM, as a training step's do), at most 8; 1 for the large GEMMs."""
+    return min(8, max(1, math.ceil(L2_PASS_BYTES / (m * k + n * k + 2 * m * n))))
+
+
 def _matmul(rec, quick):
     from pallas_fused.fp8 import api, kernel, quantize, scaled_matmul_nt
 
-    user = jax.jit(scaled_matmul_nt)
     for m, k, n in SHAPES if quick else SHAPES + [(16384, 4096, 4096)]:
-        a, wt = rnd(1, (m, k), jnp.bfloat16), rnd(2, (n, k), jnp.bfloat16)
+        count = _sets(m, k, n)
+        hp = [(rnd(10 * i + 1, (m, k), jnp.bfloat16), rnd(10 * i + 2, (n, k), jnp.bfloat16)) for i in range(count)]
         flops = 2 * m * n * k
         # ~10 ms of GPU work per timed batch (at ~1300 TFLOP/s), so the small GEMMs (0.03-0.1 ms) are not noise.
-        calls = min(200, max(10 if quick else 50, int(10e-3 * 1300e12 / flops)))
+        calls = max(3 if quick else 10, min(200, int(10e-3 * 1300e12 / flops)) // count)
         n_rep = dict(n=calls, reps=3 if quick else 5)
         for gran in ("rowwise", "tensorwise"):
             axis = -1 if gran == "rowwise" else None
-            a8, sa = quantize(a, E4, axis)  # sa: (M, 1) or ()
-            bt8, sb = quantize(wt, E4, axis)  # sb: (N, 1) or ()
-            sav = jnp.broadcast_to(sa.reshape(-1), (m,))
-            sbv = jnp.broadcast_to(sb.reshape(-1), (n,))
+            user_sets, vec_sets = [], []
+            for a, wt in hp:
+                a8, sa = quantize(a, E4, axis)  # sa: (M, 1) or ()
+                bt8, sb = quantize(wt, E4, axis)  # sb: (N, 1) or ()
+                user_sets.append((a8, bt8, sa, sb))
+                vec_sets.append((a8, bt8, jnp.broadcast_to(sa.reshape(-1), (m,)),
+                                 jnp.broadcast_to(sb.reshape(-1), (n,))))
             case = f"{m}x{k}x{n} {gran}"
             kw = dict(flops=flops, matmul_ceiling="fp8_peak", peak_tflops=FP8_PEAK, **n_rep)
-            rec.time("fp8_mm", case, "user:scaled_matmul_nt", user, a8, bt8, sa, sb,
-                     tile=str(api.sm90_config(m, n, k)), **kw)
-            sm90 = jax.jit(lambda a, bt, sa, sb: api._mm_nt(a, bt, sa, sb, jnp.bfloat16, True, "pallas:sm90"))
-            rec.time("fp8_mm", case, "pallas:sm90", sm90, a8, bt8, sav, sbv, layout="a (M,K), bt (N,K)", **kw)
+            rec.time_amortized("fp8_mm", case, "user:scaled_matmul_nt", scaled_matmul_nt, user_sets,
+                               tile=str(api.sm90_config(m, n, k)), **kw)
+            sm90 = functools.partial(api._mm_nt, out_dtype=jnp.bfloat16, fast_accum=True, impl="pallas:sm90")
+            rec.time_amortized("fp8_mm", case, "pallas:sm90", sm90, vec_sets, layout="a (M,K), bt (N,K)", **kw)
             if m == 8192 or (not quick and m * n * k <= 8192**3):  # the portable fallback: ~3.5x slower
-                tri = jax.jit(functools.partial(kernel.scaled_matmul_nt, out_dtype=jnp.bfloat16))
-                rec.time("fp8_mm", case, "pallas:triton", tri, a8, bt8, sav, sbv, **kw)
-            if m == 8192 or not quick:  # the reference: XLA's fp8 dot + an fp32 rescale pass
-                xla = jax.jit(functools.partial(api.scaled_matmul, implementation="xla"))  # b (K, N): natural layout
-                rec.time("fp8_mm", case, "xla", xla, a8, bt8.T.copy(), sa, sb.reshape(1, -1) if sb.ndim else sb, **kw)
-            _torch_scaled_mm(rec, case, a8, bt8, sa, sb, gran, kw)
+                tri = functools.partial(kernel.scaled_matmul_nt, out_dtype=jnp.bfloat16)
+                rec.time_amortized("fp8_mm", case, "pallas:triton", tri, vec_sets, **kw)
+            # the reference: XLA's fp8 dot (cuBLASLt) to fp32, then an fp32 rescale pass
+            xla = functools.partial(api._mm_nt, out_dtype=jnp.bfloat16, fast_accum=True, impl="xla")
+            rec.time_amortized("fp8_mm", case, "xla", xla, vec_sets, **kw)
+            _torch_scaled_mm(rec, case, user_sets, gran, kw)
             if gran == "rowwise" and not quick:
-                rec.time("fp8_mm", case, "peer:bf16_xla", jax.jit(jnp.matmul), a, wt.T, flops=flops, **n_rep)
+                rec.time_amortized("fp8_mm", case, "peer:bf16_xla", lambda a, wt: a @ wt.T, hp, flops=flops, **n_rep)
 
 
-def _torch_scaled_mm(rec, case, a8, bt8, sa, sb, gran, kw):
+def _torch_scaled_mm(rec, case, sets, gran, kw):
+    """torch._scaled_mm over the same operand sets (one call each per timed call, as ours), use_fast_accum=True."""
     try:
         import numpy as np
         import torch
 
         dev = "cuda"
+
         def to_torch(x8):  # the fp8 bytes, moved as uint8 and reinterpreted (no float round trip)
             raw = np.asarray(jax.lax.bitcast_convert_type(x8, jnp.uint8))
             return torch.from_numpy(raw).to(dev).view(torch.float8_e4m3fn)
 
-        ta, tbt = to_torch(a8), to_torch(bt8)
-        tb = tbt.t()  # column-major (K, N), what _scaled_mm wants for b
-        if gran == "rowwise":
-            tsa = torch.from_numpy(np.asarray(sa)).to(dev).reshape(-1, 1).contiguous()
-            tsb = torch.from_numpy(np.asarray(sb)).to(dev).reshape(1, -1).contiguous()
-        else:
-            tsa = torch.tensor(float(sa), device=dev)
-            tsb = torch.tensor(float(sb), device=dev)
+        def scales(sa, sb):
+            if gran == "rowwise":
+                return (torch.from_numpy(np.asarray(sa)).to(dev).reshape(-1, 1).contiguous(),
+                        torch.from_numpy(np.asarray(sb)).to(dev).reshape(1, -1).contiguous())
+            return torch.tensor(float(sa), device=dev), torch.tensor(float(sb), device=dev)
+
+        # b column-major (K, N) (bt.t()), what _scaled_mm wants
+        tsets = [(to_torch(a8), to_torch(bt8).t(), *scales(sa, sb)) for a8, bt8, sa, sb in sets]
 
         def fn():
-            return torch._scaled_mm(ta, tb, scale_a=tsa, scale_b=tsb, out_dtype=torch.bfloat16, use_fast_accum=True)
+            return [torch._scaled_mm(ta, tb, scale_a=tsa, scale_b=tsb, out_dtype=torch.bfloat16, use_fast_accum=True)
+                    for ta, tb, tsa, tsb in tsets]
 
         n_rep = {k: kw[k] for k in ("n", "reps") if k in kw}
-        ms = bench_torch(fn, **n_rep)
+        ms = bench_torch(fn, **n_rep) / len(tsets)
         extra = {k: v for k, v in kw.items() if k not in ("n", "reps")}
-        rec.add("fp8_mm", case, "peer:torch_scaled_mm", ms, **extra)
+        rec.add("fp8_mm", case, "peer:torch_scaled_mm", ms, k=len(tsets), **extra)
     except Exception as e:  # noqa: BLE001 - a missing peer is a recorded result
         rec.add("fp8_mm", case, "peer:torch_scaled_mm", None, error=error_text(e))
 
@@ -134,6 +154,36 @@ def _quantize(rec, quick):
                 return (q, q.T, s) if emit_t else (q, s)
 
             rec.time("fp8_quantize", case, "xla", jax.jit(ref), x, nbytes=nbytes)
+
+
+def _blockwise_quantize(rec, quick):
+    """The one-pass blockwise quantize kernel beside XLA's reference under jit, at the example's activation shape
+    and a weight: bytes = read x + write q (+ q^T) + the fp32 scales."""
+    from pallas_fused.fp8 import kernel, reference
+
+    act, weight = (1, 128), (128, 128)
+    shapes = [(16384, 2048), (16384, 8192)] + ([] if quick else [(16384, 5504), (2048, 5504)])
+    for (r, c), dtype in [(s, jnp.bfloat16) for s in shapes] + ([] if quick else [((16384, 2048), jnp.float32)]):
+        x = rnd(6, (r, c), dtype)
+        cases = [("act q+qT", act, act[::-1], r * c * 2 + 4 * (r * -(-c // 128) + c * -(-r // 128))),
+                 ("act q", act, None, r * c + 4 * r * -(-c // 128)),
+                 ("weight q+qT", weight, weight, 2 * r * c + 4 * -(-r // 128) * -(-c // 128))]
+        for name, block_n, block_t, written in cases:
+            case = f"{r}x{c} {jnp.dtype(dtype).name} {name}"
+            nbytes = r * c * jnp.dtype(dtype).itemsize + written
+            ours = jax.jit(functools.partial(kernel.quantize_blockwise, dtype=E4, block_n=block_n, block_t=block_t))
+            rec.time("fp8_quantize_blockwise", case, "pallas", ours, x, nbytes=nbytes)
+
+            def ref(x, block_n=block_n, block_t=block_t):  # the same outputs (the shared tile: one quantization)
+                q, s = reference.quantize_blockwise_reference(x, E4, block_n)
+                if block_t is None:
+                    return q, s.T
+                if block_t == block_n:
+                    return q, s.T, q.T
+                qt, st = reference.quantize_blockwise_reference(x.T, E4, block_t[::-1])
+                return q, s.T, qt, st.T
+
+            rec.time("fp8_quantize_blockwise", case, "xla", jax.jit(ref), x, nbytes=nbytes)
 
 
 def _dense(rec, quick):
@@ -186,35 +236,35 @@ def _blockwise(rec, quick):
 
     act, wblock = (1, 128), (128, 128)
     for m, k, n in BLOCKWISE_SHAPES:
-        a, bt = rnd(6, (m, k), jnp.bfloat16), rnd(7, (n, k), jnp.bfloat16)
-        exact = jax.jit(ref.matmul_nt_fp32, static_argnums=2)(a, bt, jnp.float32)
+        count = _sets(m, k, n)
+        hp = [(rnd(10 * i + 6, (m, k), jnp.bfloat16), rnd(10 * i + 7, (n, k), jnp.bfloat16)) for i in range(count)]
+        exact = jax.jit(ref.matmul_nt_fp32, static_argnums=2)(*hp[0], jnp.float32)
         flops = 2 * m * n * k
-        calls = min(200, max(10 if quick else 50, int(10e-3 * 1300e12 / flops)))
+        calls = max(3 if quick else 10, min(200, int(10e-3 * 1300e12 / flops)) // count)
         kw = dict(flops=flops, matmul_ceiling="fp8_peak", peak_tflops=FP8_PEAK, n=calls, reps=3 if quick else 5)
         case = f"{m}x{k}x{n} blockwise"
-        a8, sa = ref.quantize_blockwise_reference(a, E4, act)
-        b8, sb = ref.quantize_blockwise_reference(bt, E4, wblock)
-        sa_t = api._step_scales(api._Operand(a8, sa, block=act), k)
-        sb_t = api._step_scales(api._Operand(b8, sb, block=wblock), k)
-        ours = jax.jit(functools.partial(api._mm_nt_blockwise, out_dtype=jnp.bfloat16))
-        try:
-            quality = dict(sqnr_vs_bf16=_sqnr(ours(a8, b8, sa_t, sb_t), exact))
-        except Exception as e:  # noqa: BLE001 - recorded by the timing below
-            quality = dict(sqnr_error=error_text(e))
-        rec.time("fp8_mm", case, "pallas:sm90_blockwise", ours, a8, b8, sa_t, sb_t,
-                 tile=str(api.sm90_config(m, n, k)), **quality, **kw)
-        ar8, sar = ref.quantize_reference(a, E4, 1, True)
-        br8, sbr = ref.quantize_reference(bt, E4, 1, True)
-        rowwise = jax.jit(lambda a, bt, sa, sb: api._mm_nt(a, bt, sa, sb, jnp.bfloat16, True, "pallas:sm90"))
-        sar, sbr = sar.reshape(-1), sbr.reshape(-1)
-        try:
-            quality = dict(sqnr_vs_bf16=_sqnr(rowwise(ar8, br8, sar, sbr), exact))
-        except Exception as e:  # noqa: BLE001
-            quality = dict(sqnr_error=error_text(e))
-        rec.time("fp8_mm", case, "pallas:sm90_rowwise", rowwise, ar8, br8, sar, sbr, **quality, **kw)
-        xla = jax.jit(functools.partial(ref.blockwise_scaled_matmul_nt_reference, a_block=act, b_block=wblock))
-        rec.time("fp8_mm", case, "xla:blockwise", xla, a8, b8, sa, sb, **{**kw, "n": 3})
-        _torch_blockwise(rec, case, a8, b8, sa, sb, exact, kw)
+        ref_sets, kernel_sets, row_sets = [], [], []
+        for a, bt in hp:
+            a8, sa = ref.quantize_blockwise_reference(a, E4, act)
+            b8, sb = ref.quantize_blockwise_reference(bt, E4, wblock)
+            ref_sets.append((a8, b8, sa, sb))
+            kernel_sets.append((a8, b8, api._step_scales(api._Operand(a8, sa.T, block=act), k),
+                                api._step_scales(api._Operand(b8, sb.T, block=wblock), k)))
+            ar8, sar = ref.quantize_reference(a, E4, 1, True)
+            br8, sbr = ref.quantize_reference(bt, E4, 1, True)
+            row_sets.append((ar8, br8, sar.reshape(-1), sbr.reshape(-1)))
+        ours = functools.partial(api._mm_nt_blockwise, out_dtype=jnp.bfloat16)
+        rowwise = functools.partial(api._mm_nt, out_dtype=jnp.bfloat16, fast_accum=True, impl="pallas:sm90")
+        for impl, fn, sets, extra in (("pallas:sm90_blockwise", ours, kernel_sets, dict(tile=str(api.sm90_config(
+                m, n, k)))), ("pallas:sm90_rowwise", rowwise, row_sets, {})):
+            try:
+                extra = dict(extra, sqnr_vs_bf16=_sqnr(jax.jit(fn)(*sets[0]), exact))
+            except Exception as e:  # noqa: BLE001 - the timing below records the failure
+                extra = dict(extra, sqnr_error=error_text(e))
+            rec.time_amortized("fp8_mm", case, impl, fn, sets, **extra, **kw)
+        xla = functools.partial(ref.blockwise_scaled_matmul_nt_reference, a_block=act, b_block=wblock)
+        rec.time_amortized("fp8_mm", case, "xla:blockwise", xla, ref_sets[:1], **{**kw, "n": 3})
+        _torch_blockwise(rec, case, *ref_sets[0], exact, kw)
     for tokens, width in ((16384, 2048),) if quick else ((16384, 2048), (16384, 8192)):
         x, w, g = rnd(8, (tokens, width), jnp.bfloat16), rnd(9, (width, width), jnp.bfloat16), rnd(
             10, (tokens, width), jnp.bfloat16)
@@ -267,13 +317,14 @@ def _torch_blockwise(rec, case, a8, b8, sa, sb, exact, kw):
         rec.add("fp8_mm", case, "peer:torch_scaled_mm_blockwise", None, error=error_text(e), **extra)
 
 
-SECTIONS = {"matmul": _matmul, "quantize": _quantize, "dense": _dense, "blockwise": _blockwise}
+SECTIONS = {"matmul": "_matmul", "quantize": "_quantize", "blockwise_quantize": "_blockwise_quantize",
+            "blockwise": "_blockwise",
+            "dense": "_dense"}
 
 
 def run(rec, quick: bool):
-    wanted = [s for s in os.environ.get("FP8_SECTIONS", ",".join(SECTIONS)).split(",") if s]
-    unknown = sorted(set(wanted) - set(SECTIONS))
-    if unknown:
-        raise ValueError(f"FP8_SECTIONS: unknown section(s) {unknown}; available: {list(SECTIONS)}")
-    for name in wanted:
-        SECTIONS[name](rec, quick)
+    """All sections, or those named (comma-separated) in $FP8_SECTIONS."""
+    for name in os.environ.get("FP8_SECTIONS", ",".join(SECTIONS)).split(","):
+        if name not in SECTIONS:
+            raise ValueError(f"FP8_SECTIONS: unknown section {name!r}; known: {list(SECTIONS)}")
+        globals()[SECTIONS[name]](rec, quick)

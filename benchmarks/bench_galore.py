@@ -9,7 +9,9 @@ Cases (ANCHORS.md): fp32 W and G, TF32 allowed, non-refresh step, proj_type "std
   pallas:tx       (section user_path, the rows of record) the user's path: jit(galore_adamw update ->
                   optax.apply_updates), params, grads and state donated, count > 0 (the refresh lax.cond skips),
                   fp32 and bf16 params; with no weight decay it is XLA's graph, whose up-projection GEMM takes
-                  apply_updates' add; pallas:tx_wd with weight_decay=0.01 (the Pallas kernels)
+                  apply_updates' add; pallas:tx_wd with weight_decay=0.01 (the Pallas kernels);
+                  pallas:tx_optax_convention with convention="optax": the peer's algorithm (it projects the larger
+                  side: smaller moments, a larger projector), i.e. the same work as the peer's row
   xla             our plain-jnp reference step (donated), default precision (TF32)
   xla:g_copied    the same with G not donated (peers_jax.py's method: XLA returns G as a 2 x M N x 4 byte copy,
                   which ANCHORS.md's XLA and optax.contrib.galore figures include)
@@ -355,6 +357,9 @@ def user_path(rec, quick):
         txs = [("pallas:tx", lambda r=r: api.galore_adamw(LR, rank=r, update_proj_gap=10**9, scale=SCALE, eps=EPS)),
                ("pallas:tx_wd", lambda r=r: api.galore_adamw(LR, rank=r, update_proj_gap=10**9, scale=SCALE, eps=EPS,
                                                              weight_decay=0.01)),
+               # the peer's own algorithm (its side, eps and scale convention): the same work as the peer's row
+               ("pallas:tx_optax_convention", lambda r=r: api.galore_adamw(LR, rank=r, update_proj_gap=10**9,
+                                                                           scale=SCALE, convention="optax")),
                ("peer:optax_contrib_galore", lambda r=r: optax.contrib.galore(LR, rank=r, update_proj_gap=10**9,
                                                                               scale=SCALE)),
                ("pallas:inplace_api", lambda r=r: api.galore_adamw_inplace(LR, rank=r, update_proj_gap=10**9,

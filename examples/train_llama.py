@@ -94,7 +94,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--implementation", choices=["pallas", "xla", "interpret"], default=None,
                    help="for every pallas_fused op (default: pallas on a GPU, the XLA reference on CPU)")
-    p.add_argument("--fp8", choices=["tensorwise", "rowwise", "rowwise_with_gw_hp"], default=None,
+    p.add_argument("--fp8", choices=["tensorwise", "rowwise", "rowwise_with_gw_hp", "blockwise"], default=None,
                    help="FP8 recipe for the block projections while pretraining")
     p.add_argument("--dora-rank", type=int, help="rank of the DoRA adapters for the fine-tune")
     p.add_argument("--compare", action="store_true", help="also run the plain jnp/flax/optax baseline")

@@ -33,7 +33,8 @@ What each public op can be sharded along (everything else in an operand is gathe
 - `fp8.quantize` (Pallas path; 2-D views of x): any axis. Along kept axes each device runs the kernel
   on its shard; when the reduced axis (every axis, tensorwise) is sharded, the amax is all-reduced
   (`pmax` of per-shard amaxes: a scalar or a vector, never x) and the cast runs as an XLA fusion on
-  each shard (the kernel takes no external scale).
+  each shard (the kernel takes no external scale). The blockwise quantize kernel (`fp8_linear` with a
+  blockwise config) is not partitioned (gathered): a shard may split a 128-row block of the transposed copy.
 - `fp8.scaled_matmul` / `scaled_matmul_nt`: M data parallel, N tensor parallel, K (the contraction)
   split too: float32 partial products are all-reduced, then rounded once. `fp8_linear` inherits both
   per GEMM: with tokens on a data axis, dW = x^T dy is a K-split GEMM (all-reduce of dW, as XLA's own dot).

@@ -15,8 +15,9 @@ for same-dtype fp8 operands with fast accumulation, else XLA's fp8 dot (cuBLAS),
 mixed e4m3 x e5m2 operands and fast_accum=False; "pallas:sm90" and "pallas:triton" force a kernel
 (the `VARIANTS` table, validated by `_backend.resolve_implementation`); "xla" is the reference (XLA fp8
 dot + fp32 rescale); "interpret" (= "interpret:triton") runs the Triton kernels in the Pallas
-interpreter (CPU tests). A config with blockwise scaling runs its GEMMs on the Mosaic GPU blockwise kernel
-(per-K-block scale promotion) on Hopper and on XLA elsewhere (see `fp8_linear`).
+interpreter (CPU tests). A config with blockwise scaling quantizes with its own kernel and takes no variant; its
+GEMMs run on the Mosaic GPU blockwise kernel (per-K-block scale promotion) with "pallas" on Hopper, else on XLA
+(see `fp8_linear`).
 """
 
 from __future__ import annotations
@@ -37,8 +38,7 @@ from pallas_fused.fp8.config import FP8_DTYPES, CastConfig, Float8Config, as_con
 FP8_COMPUTE_CAPABILITY = (8, 9)
 VARIANTS = {
     "pallas:sm90": _backend.Variant("the Mosaic GPU scaled matmul (one fp8 dtype for both operands, fast "
-                                    "accumulation; with blockwise scaling, per-K-block promotion to fp32)",
-                                    needs=(9, 0), interpretable=False),
+                                    "accumulation)", needs=(9, 0), interpretable=False),
     "pallas:triton": _backend.Variant("the portable Triton scaled matmul (any fp8 pair, either accumulation)",
                                       needs=FP8_COMPUTE_CAPABILITY),
 }
@@ -307,9 +307,10 @@ def scaled_matmul_nt(a_fp8, bt_fp8, a_scale, b_scale, *, out_dtype=jnp.bfloat16,
 
 
 class _Operand:
-    """One GEMM argument in K-major form: fp8 `data` with a scale vector per K-major row, or with 2-D per-tile
-    scales when `block` is set (blockwise), or (when its cast is disabled) the high-precision `data` whose
-    K-major form is data (kmajor) or data.T."""
+    """One GEMM argument in K-major form: fp8 `data` with a scale vector per K-major row, or with per-tile scales
+    when `block` is set (blockwise: `scale` in the GEMM's layout, one row per block along K, shape
+    (ceil(K / bk), ceil(rows / bm)), the transpose of `reference.quantize_blockwise_reference`'s), or (when its cast
+    is disabled) the high-precision `data` whose K-major form is data (kmajor) or data.T."""
 
     def __init__(self, data, scale=None, kmajor=True, block=None):
         self.data, self.scale, self.kmajor, self.block = data, scale, kmajor, block
@@ -322,7 +323,7 @@ class _Operand:
         """The K-major high-precision value."""
         x = self.data if self.kmajor else self.data.T
         if self.block is not None:
-            return reference.dequantize_blockwise(x, self.scale, self.block, dtype)
+            return reference.dequantize_blockwise(x, self.scale.T, self.block, dtype)
         if self.fp8:
             x = x.astype(jnp.float32) * self.scale[:, None]
         return x.astype(dtype)
@@ -333,28 +334,53 @@ jax.tree_util.register_pytree_node(
     lambda aux, ch: _Operand(ch[0], ch[1], *aux))
 
 
+def _quantize_blockwise(x, block_n, block_t, dtype, pow2, impl):
+    """x (R, C) -> (q, q_scales, q^T, qt_scales) as `kernel.quantize_blockwise` (blocks in x's coordinates, None: that
+    copy not asked for; scales in the GEMM's K-block-major layout): its one pass on the Pallas paths, else the
+    reference (a shared tile quantized once, its transpose the other copy)."""
+    from pallas_fused.fp8 import kernel
+
+    if impl != "xla" and kernel.blockwise_supported(block_n, block_t):
+        # Not partitioned: a sharded x is gathered for the kernel (a K-block-major scale grid per shard would not
+        # line up with the global one where a shard splits a block).
+        return kernel.quantize_blockwise(x, dtype=jnp.dtype(dtype), block_n=block_n, block_t=block_t,
+                                         power_of_2=pow2, interpret=impl == "interpret")
+    q = s = qt = st = None
+    if block_n is not None:
+        q, s = reference.quantize_blockwise_reference(x, dtype, block_n, pow2)
+        s = s.T
+    if block_t is not None and block_t == block_n:  # the same tiles of x: one quantization serves both
+        qt, st = q.T, s.T
+    elif block_t is not None:
+        qt, st = reference.quantize_blockwise_reference(x.T, dtype, block_t[::-1], pow2)
+        st = st.T
+    return q, s, qt, st
+
+
 def _operands(x, cfg_n: CastConfig, cfg_t: CastConfig | None, pow2, impl):
     """x (R, C) cast for use as a K-major operand directly (cfg_n: contraction over C) and transposed
     (cfg_t: x^T, contraction over R). Tensorwise casts with one dtype share a single pass, and so do blockwise
-    casts whose tiles cover the same elements of x (the weight's 128 x 128 blocks for both of its GEMMs)."""
+    ones (one read of x writes both copies; the weight's 128 x 128 blocks cover the same elements of W and W^T,
+    so both of its GEMMs share one quantization)."""
     qimpl = impl if impl in ("xla", "interpret") else "pallas"  # the quantize kernels have no variants
     out: list[_Operand | None] = []
     if cfg_t is not None and cfg_n.scaling == cfg_t.scaling == "tensorwise" and cfg_n.dtype == cfg_t.dtype:
         q, qt, s = _quantize_2d(x, cfg_n.dtype, None, pow2, qimpl, emit_n=True, emit_t=True)
         s = s.reshape(())
         return _Operand(q, jnp.broadcast_to(s, (x.shape[0],))), _Operand(qt, jnp.broadcast_to(s, (x.shape[1],)))
-    if (cfg_t is not None and cfg_n.scaling == cfg_t.scaling == "blockwise" and cfg_n.dtype == cfg_t.dtype
-            and cfg_n.block is not None and cfg_t.block == cfg_n.block[::-1]):
-        q, s = reference.quantize_blockwise_reference(x, cfg_n.dtype, cfg_n.block, pow2)
-        return _Operand(q, s, block=cfg_n.block), _Operand(q.T, s.T, block=cfg_t.block)
+    if cfg_t is not None and cfg_n.scaling == cfg_t.scaling == "blockwise" and cfg_n.dtype == cfg_t.dtype:
+        # cfg_t's block is given for x^T: (cols, rows) of x
+        q, s, qt, st = _quantize_blockwise(x, cfg_n.block, cfg_t.block[::-1], cfg_n.dtype, pow2, qimpl)
+        return _Operand(q, s, block=cfg_n.block), _Operand(qt, st, block=cfg_t.block)
     for cfg, transposed in ((cfg_n, False), (cfg_t, True)):
         if cfg is None:
             out.append(None)
         elif cfg.disabled:
             out.append(_Operand(x, None, kmajor=not transposed))
-        elif cfg.scaling == "blockwise":  # each GEMM's tiles along its own contraction axis: x^T re-quantized
-            q, s = reference.quantize_blockwise_reference(x.T if transposed else x, cfg.dtype, cfg.block, pow2)
-            out.append(_Operand(q, s, block=cfg.block))
+        elif cfg.scaling == "blockwise":  # each GEMM's tiles along its own contraction axis
+            q, s, qt, st = _quantize_blockwise(x, None if transposed else cfg.block,
+                                               cfg.block[::-1] if transposed else None, cfg.dtype, pow2, qimpl)
+            out.append(_Operand(qt, st, block=cfg.block) if transposed else _Operand(q, s, block=cfg.block))
         else:
             axis = None if cfg.scaling == "tensorwise" else (0 if transposed else 1)
             q, qt, s = _quantize_2d(x, cfg.dtype, axis, pow2, qimpl, emit_n=not transposed, emit_t=transposed)
@@ -365,29 +391,24 @@ def _operands(x, cfg_n: CastConfig, cfg_t: CastConfig | None, pow2, impl):
 
 def _step_scales(o: _Operand, k):
     """An fp8 operand's scales as the blockwise kernel's step rows, (ceil(K / 128), rows): a (bm, 128) tile's
-    scale repeated over its bm rows, a per-row scale over every K block."""
+    scale repeated over its bm rows (its K-block-major scales already hold one row per K block), a per-row
+    scale over every K block."""
     from pallas_fused.fp8.kernel_sm90 import BLOCK_K
 
     rows, kb = o.data.shape[0], -(-k // BLOCK_K)
     if o.block is None:
         return jnp.broadcast_to(o.scale[None, :], (kb, rows))
-    return jnp.repeat(o.scale, o.block[0], axis=0)[:rows].T
+    return jnp.repeat(o.scale, o.block[0], axis=1)[:, :rows]
 
 
 def _blockwise_on_sm90(lhs: _Operand, rhs: _Operand, impl) -> bool:
-    """Whether a GEMM with a blockwise operand runs on the Hopper kernel: both fp8 of one dtype, every block
-    BLOCK_K wide along K. "pallas:sm90" refuses the others; "pallas" gives them to XLA."""
-    if impl not in ("pallas", "pallas:sm90") or not _backend.is_hopper():
+    """Whether a GEMM with a blockwise operand runs on the Hopper kernel: "pallas" on Hopper, both operands fp8 of
+    one dtype, every block BLOCK_K wide along K."""
+    if impl != "pallas" or not _backend.is_hopper() or not (lhs.fp8 and rhs.fp8 and lhs.data.dtype == rhs.data.dtype):
         return False
     from pallas_fused.fp8.kernel_sm90 import BLOCK_K
 
-    ok = (lhs.fp8 and rhs.fp8 and lhs.data.dtype == rhs.data.dtype
-          and all(o.block is None or o.block[1] == BLOCK_K for o in (lhs, rhs)))
-    if not ok and impl == "pallas:sm90":
-        raise ValueError(f"fp8_linear: implementation='pallas:sm90' runs a blockwise GEMM with both arguments fp8 "
-                         f"of one dtype and blocks {BLOCK_K} wide along the contraction, got "
-                         f"{lhs.data.dtype} {lhs.block} and {rhs.data.dtype} {rhs.block}")
-    return ok
+    return all(o.block is None or o.block[1] == BLOCK_K for o in (lhs, rhs))
 
 
 def _gemm(lhs: _Operand, rhs: _Operand, fast_accum, impl, out_dtype, hp_dtype):
@@ -451,11 +472,12 @@ def fp8_linear(x, w, config: Float8Config | str = "tensorwise", *, implementatio
     over that GEMM's contraction axis) and each GEMM with its fast-accumulation setting. Scales are
     dynamic (from the current amax). Output dtype = x.dtype.
 
-    A config with blockwise scaling (the "blockwise" recipe): on a Hopper GPU, implementation None, "pallas"
-    or "pallas:sm90" runs its GEMMs on the Mosaic GPU kernel with per-K-block scale promotion (each 128-wide
-    K block's fp8 wgmma product scaled and added in fp32, DeepSeek-V3's); elsewhere None takes "xla" (the exact
-    fp32 product of the dequantized operands), and a kernel implementation is a ValueError (there is no Triton
-    kernel, and Mosaic GPU has no interpreter). Its quantization runs on XLA.
+    A config with blockwise scaling (the "blockwise" recipe): "pallas" (the default on an fp8 GPU) and "interpret"
+    quantize with the one-pass blockwise kernel (`kernel.quantize_blockwise`: x and dy in both layouts from one read,
+    W once for both of its GEMMs). Its GEMMs: with "pallas" on a Hopper GPU, the Mosaic GPU kernel with per-K-block
+    scale promotion (each 128-wide K block's fp8 wgmma product scaled by that block's scales and added in fp32,
+    DeepSeek-V3's); elsewhere (and for fp8 operands of two dtypes or blocks not 128 wide along K) the exact fp32
+    product of the dequantized operands. It takes no variant ("pallas:sm90", "pallas:triton").
     """
     op = "fp8.fp8_linear"
     config = as_config(config)
@@ -467,15 +489,9 @@ def fp8_linear(x, w, config: Float8Config | str = "tensorwise", *, implementatio
     for name, v in (("x", x), ("w", w)):
         if not jnp.issubdtype(v.dtype, jnp.floating) or jnp.dtype(v.dtype) in FP8_DTYPES:
             raise ValueError(f"{op}: {name} must be float32/bfloat16/float16, got {v.dtype}")
-    if config.blockwise:
-        hopper = _backend.is_hopper()
-        if implementation not in (None, "xla") and implementation in _backend.valid_implementations(VARIANTS) and \
-                (implementation not in ("pallas", "pallas:sm90") or not hopper):
-            raise ValueError(f"{op}: a config with blockwise scaling runs on implementation='xla', or on a Hopper "
-                             f"GPU's Mosaic GPU kernel ('pallas' / 'pallas:sm90'; it has no Triton kernel and no "
-                             f"interpreter), got implementation={implementation!r}")
-        if implementation is None and not hopper:
-            implementation = "xla"
+    if config.blockwise and isinstance(implementation, str) and implementation.partition(":")[2] in ("sm90", "triton"):
+        raise ValueError(f"{op}: a config with blockwise scaling takes implementation None, 'xla', 'pallas' or "
+                         f"'interpret' (its GEMM has no variants), got implementation={implementation!r}")
     impl = _resolve(implementation, op)
     lead = x.shape[:-1]
     y = _linear(x.reshape(math.prod(lead), x.shape[-1]), w.astype(x.dtype), config, impl)

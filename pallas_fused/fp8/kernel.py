@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_fused import _backend
-from pallas_fused.fp8.reference import AMAX_FLOOR, finite_amax, fp8_max, round_up_pow2
+from pallas_fused.fp8.reference import AMAX_FLOOR, finite_amax, fp8_max, round_up_pow2, saturate
 
 
 def _scale(amax, dtype, power_of_2):
@@ -168,3 +168,159 @@ def scaled_matmul_nt(a, bt, a_scale, b_scale, *, out_dtype, interpret=False, blo
         num_warps=8 if not interpret else 4,
         num_stages=3 if not interpret else None,
     )(a, bt, a_scale, b_scale)
+
+
+# ----------------------------------------------------------------------------------------------
+# blockwise quantize: one scale per tile, the amax and the cast in one pass
+
+
+def _finite_abs(x):
+    """As reference.finite_abs, on an fp32 tile."""
+    a = jnp.abs(x)
+    return jnp.where(a <= jnp.finfo(jnp.float32).max, a, 0.0)
+
+
+def _block_scale(amax, dtype, power_of_2, interpret):
+    """(scale, 1 / scale) as reference.block_scale_from_amax and its cast: products, and the reciprocal correctly
+    rounded (PTX rcp.rn; Triton's own fp32 division is div.full, approximate)."""
+    scale = jnp.maximum(amax, AMAX_FLOOR) * jnp.float32(1.0 / fp8_max(dtype))
+    if power_of_2:
+        scale = round_up_pow2(scale)
+    if interpret:
+        return scale, 1.0 / scale
+    from jax.experimental.pallas import triton as pl_triton
+
+    (inv,) = pl_triton.elementwise_inline_asm("rcp.rn.f32 $0, $1;", args=[scale], constraints="=r,r", pack=1,
+                                              result_shape_dtypes=[jax.ShapeDtypeStruct(scale.shape, jnp.float32)])
+    return scale, inv
+
+
+def _blockwise_kernel(x_ref, *refs, shape, tile, dtype, power_of_2, square, emit_n, emit_t, interpret):
+    """One program: one `tile` = (rows, cols) of x, read once.
+
+    square=False: q's scales are per row of the tile (a 1 x cols block along x's columns), q^T's per column (a
+    rows x 1 block of x, i.e. 1 x rows along the rows of x^T). square=True: one scale for the whole tile, shared
+    by q and q^T. Scales are stored into flat outputs at their GEMM-layout positions (see `quantize_blockwise`)."""
+    refs = list(refs)
+    if square:  # refs: q, q^T (each if asked), then the tile scales
+        o_ref = refs.pop(0) if emit_n else None
+        ot_ref = refs.pop(0) if emit_t else None
+        s_ref = refs.pop(0)
+    else:  # refs: q and its scales, q^T and its scales (each pair if asked)
+        o_ref, so_ref = (refs.pop(0), refs.pop(0)) if emit_n else (None, None)
+        ot_ref, sot_ref = (refs.pop(0), refs.pop(0)) if emit_t else (None, None)
+    i, j = pl.program_id(0), pl.program_id(1)
+    r0, c0 = i * tile[0], j * tile[1]
+    rows, cols = r0 + jnp.arange(tile[0]), c0 + jnp.arange(tile[1])
+    row_mask, col_mask = rows < shape[0], cols < shape[1]
+    mask = row_mask[:, None] & col_mask[None, :]
+    idx = (pl.ds(r0, tile[0]), pl.ds(c0, tile[1]))
+    # Outside x the tile reads 0, which leaves every amax as it is: a ragged tile is a block of its own.
+    x = _backend.load(x_ref.at[idx], mask=mask, other=0.0).astype(jnp.float32)
+    a = _finite_abs(x)
+    if square:
+        scale, inv = _block_scale(jnp.max(jnp.max(a, axis=1), axis=0, keepdims=True), dtype, power_of_2,
+                                  interpret)  # (1,)
+        q = saturate(x * inv[:, None], dtype)
+        if emit_n:
+            _backend.store(o_ref.at[idx], q, mask=mask)
+        if emit_t:
+            _backend.store(ot_ref.at[idx[1], idx[0]], q.T, mask=mask.T)
+        # The (row-tile, column-tile) grid of scales, row-major: the reference's layout.
+        _backend.store(s_ref.at[pl.ds(i * pl.num_programs(1) + j, 1)], scale)
+        return
+    if emit_n:  # per row of the tile, along x's columns: row r of K block j is element (j, r) of (K blocks, M)
+        scale, inv = _block_scale(jnp.max(a, axis=1), dtype, power_of_2, interpret)
+        _backend.store(o_ref.at[idx], saturate(x * inv[:, None], dtype), mask=mask)
+        _backend.store(so_ref.at[pl.ds(j * shape[0] + r0, tile[0])], scale, mask=row_mask)
+    if emit_t:  # per column of the tile, along x's rows (the contraction of x^T's GEMM)
+        scale, inv = _block_scale(jnp.max(a, axis=0), dtype, power_of_2, interpret)
+        _backend.store(ot_ref.at[idx[1], idx[0]], saturate(x * inv[None, :], dtype).T, mask=mask.T)
+        _backend.store(sot_ref.at[pl.ds(i * shape[1] + c0, tile[1])], scale, mask=col_mask)
+
+
+# Warps per program of the blockwise pass, for a GPU without a tuning table.
+BLOCKWISE_HEURISTIC = {"num_warps": 8}
+
+
+def blockwise_supported(block_n, block_t) -> bool:
+    """Whether `quantize_blockwise` takes these blocks (in x's coordinates; None: that copy is not asked for):
+    1 x b along the columns for q and/or b x 1 along the rows for q^T, or one b0 x b1 tile (both > 1) shared by
+    both; every b a power of two (a Triton block shape)."""
+    pow2 = lambda b: b >= 1 and b & (b - 1) == 0  # noqa: E731
+    if block_n is None and block_t is None:
+        return False
+    tiles = [b for b in (block_n, block_t) if b is not None]
+    if all(b[0] > 1 and b[1] > 1 for b in tiles):  # one shared tile
+        return all(b == tiles[0] for b in tiles) and all(map(pow2, tiles[0]))
+    return ((block_n is None or (block_n[0] == 1 and pow2(block_n[1])))
+            and (block_t is None or (block_t[1] == 1 and pow2(block_t[0]))))
+
+
+@functools.partial(jax.jit, static_argnames=("dtype", "block_n", "block_t", "power_of_2", "interpret", "num_warps"))
+def quantize_blockwise(x, *, dtype, block_n=None, block_t=None, power_of_2=False, interpret=False, num_warps=None):
+    """Blockwise quantize of a 2-D x (R, C) in one pass: returns (q, q_scales, q^T, qt_scales), None where not asked.
+
+    Blocks are given in x's coordinates (`blockwise_supported` says which): `block_n` for q (R, C), `block_t` for the
+    transposed copy q^T (C, R). Every tile of x is read once and both copies (and their scales) are written from it:
+      - activations and gradients: block_n = (1, bk), block_t = (bm, 1). q is x in 1 x bk blocks along C (the
+        contraction of y = x W), q^T is x^T in 1 x bm blocks along R (the tokens: the contraction of dW = x^T dy).
+        The program's tile is bm x bk (either alone: 128 rows or columns).
+      - weights: block_n = block_t = (bm, bk) (or one of them): one scale per tile, the same for q and q^T.
+
+    Scales (fp32) come out in the GEMM's layout, one row per block along the operand's contraction axis ("K-block
+    major"), the transpose of `reference.quantize_blockwise_reference`'s (see `reference_layout`):
+      q_scales  (ceil(C / bk), R) for 1 x bk blocks, (ceil(C / bk), ceil(R / bm)) for bm x bk tiles;
+      qt_scales (ceil(R / bm), C) for bm x 1 blocks, (ceil(R / bm), ceil(C / bk)) for tiles.
+    (for a square tile these two are transposes of each other: one scale per tile, returned in both layouts.)
+    A K step of the blockwise GEMM thereby reads one contiguous row of scales.
+
+    Numbers: exactly the reference's, per block: amax of the finite |x| (a ragged edge block is a block of its
+    own; 0 gives the floor scale), scale = max(amax, 1e-12) / fp8_max (rounded up to a power of 2 if asked), the
+    cast saturating with NaN kept.
+    """
+    dtype = jnp.dtype(dtype)
+    if not blockwise_supported(block_n, block_t):
+        raise ValueError(f"quantize_blockwise: blocks (block_n={block_n}, block_t={block_t}) must be 1 x 2^a and/or "
+                         f"2^b x 1, or one 2^a x 2^b tile")
+    (r, c), emit_n, emit_t = x.shape, block_n is not None, block_t is not None
+    square = all(b[0] > 1 and b[1] > 1 for b in (block_n, block_t) if b is not None)
+    if square:
+        tile = block_n or block_t
+    else:  # the other side of a lone block: 128 (a 128 x 128 bf16 tile is 32 KiB, as the cast pass' best)
+        tile = (block_t[0] if emit_t else 128, block_n[1] if emit_n else 128)
+    grid = (pl.cdiv(r, tile[0]), pl.cdiv(c, tile[1]))
+    f32 = jnp.float32
+    outs = []
+    if emit_n:
+        outs.append(jax.ShapeDtypeStruct((r, c), dtype))
+        if not square:
+            outs.append(jax.ShapeDtypeStruct((grid[1] * r,), f32))
+    if emit_t:
+        outs.append(jax.ShapeDtypeStruct((c, r), dtype))
+        if not square:
+            outs.append(jax.ShapeDtypeStruct((grid[0] * c,), f32))
+    if square:
+        outs.append(jax.ShapeDtypeStruct((grid[0] * grid[1],), f32))
+    if x.size == 0:  # no program to run (and every scale array is empty too)
+        res = [jnp.zeros(o.shape, o.dtype) for o in outs]
+    else:
+        res = list(_backend.triton_call(
+            functools.partial(_blockwise_kernel, shape=(r, c), tile=tile, dtype=dtype, power_of_2=power_of_2,
+                              square=square, emit_n=emit_n, emit_t=emit_t, interpret=interpret),
+            out_shape=outs, grid=grid, name="pallas_fused_fp8_quantize_blockwise", interpret=interpret,
+            num_warps=num_warps or _backend.tuned("fp8_blockwise", BLOCKWISE_HEURISTIC)["num_warps"],
+        )(x))
+    if square:
+        q = res.pop(0) if emit_n else None
+        qt = res.pop(0) if emit_t else None
+        s = res[0].reshape(grid)  # the reference's layout
+        return q, (s.T if emit_n else None), qt, (s if emit_t else None)
+    q, sq = (res.pop(0), res.pop(0).reshape(grid[1], r)) if emit_n else (None, None)
+    qt, sqt = (res.pop(0), res.pop(0).reshape(grid[0], c)) if emit_t else (None, None)
+    return q, sq, qt, sqt
+
+
+def reference_layout(scales):
+    """`quantize_blockwise`'s scales (K-block major) -> `reference.quantize_blockwise_reference`'s layout."""
+    return scales.T

@@ -46,12 +46,16 @@ def scale_from_amax(amax: jax.Array, dtype, power_of_2: bool) -> jax.Array:
     return round_up_pow2(scale) if power_of_2 else scale
 
 
+def saturate(v: jax.Array, dtype) -> jax.Array:
+    """An fp32 v clamped to the fp8 range, then cast: +-inf saturates, NaN stays NaN."""
+    limit = fp8_max(dtype)
+    return jnp.where(v == v, jnp.clip(v, -limit, limit), v).astype(dtype)
+
+
 def saturating_cast(x: jax.Array, scale: jax.Array, dtype) -> jax.Array:
     """x / scale clamped to the fp8 range, then cast: never inf or NaN from an overflow, +-inf saturates, NaN
     stays NaN."""
-    limit = fp8_max(dtype)
-    v = x.astype(jnp.float32) / scale
-    return jnp.where(v == v, jnp.clip(v, -limit, limit), v).astype(dtype)
+    return saturate(x.astype(jnp.float32) / scale, dtype)
 
 
 def quantize_reference(x: jax.Array, dtype=jnp.float8_e4m3fn, axis: int | None = None, power_of_2: bool = False):
@@ -89,8 +93,19 @@ def quantize_blockwise_reference(x: jax.Array, dtype=jnp.float8_e4m3fn, block=(1
     # Zero padding leaves every amax as it is (|x| >= 0), and makes the tiles a reshape.
     a = jnp.pad(finite_abs(x), ((0, mb * bm - m), (0, kb * bk - k)))
     amax = jnp.max(a.reshape(mb, bm, kb, bk), axis=(1, 3), initial=0.0)
-    scales = scale_from_amax(amax, dtype, power_of_2)
-    return saturating_cast(x, expand_block_scales(scales, block, x.shape), dtype), scales
+    scales = block_scale_from_amax(amax, dtype, power_of_2)
+    return saturate(x.astype(jnp.float32) * expand_block_scales(1.0 / scales, block, x.shape), dtype), scales
+
+
+def block_scale_from_amax(amax: jax.Array, dtype, power_of_2: bool) -> jax.Array:
+    """`scale_from_amax` with the division by fp8_max written as the product by its fp32 reciprocal.
+
+    Blockwise numbers are defined by products and one reciprocal per block (the cast is x * (1 / scale)) so that
+    every backend computes them bit for bit alike: XLA's simplifier turns a division by a constant, and at some
+    shapes one by a broadcast scale, into such a product, and Triton's fp32 division is approximate (div.full);
+    products and a correctly rounded reciprocal leave no compiler a choice."""
+    scale = jnp.maximum(amax.astype(jnp.float32), AMAX_FLOOR) * jnp.float32(1.0 / fp8_max(dtype))
+    return round_up_pow2(scale) if power_of_2 else scale
 
 
 def expand_block_scales(scales: jax.Array, block, shape) -> jax.Array:

@@ -137,3 +137,30 @@ def test_model_kernels_keep_the_param_tree(train_llama):
     np.testing.assert_allclose(float(l_ours), float(l_ref), rtol=1e-5)
     for a, b in zip(jax.tree.leaves(g_ours), jax.tree.leaves(g_ref)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-3, atol=1e-6)
+
+
+def test_fp8_blockwise_flag(train_llama, tmp_path):
+    """`--fp8 blockwise` reaches the model's projections: DeepSeek-V3's recipe, the same param tree as the bf16
+    model, and a loss and gradients close to it (a few training steps would add ~13 s to CI)."""
+    import jax
+    import jax.numpy as jnp
+    from llama.model import Llama
+
+    args = train_llama.parse_args(TINY + ["--fp8", "blockwise", "--out", str(tmp_path)])
+    assert args.fp8 == "blockwise"
+    s = dict(train_llama.PRESETS["cpu"], d_model=32, n_layers=1, d_ff=64)
+    tokens = jax.random.randint(jax.random.key(0), (2, 17), 0, 256)
+    models = {fp8: Llama(train_llama.model_config(s, implementation="xla", fp8=fp8)) for fp8 in (None, args.fp8)}
+    params = models[None].init(jax.random.key(1), tokens)["params"]
+    shapes = jax.eval_shape(models["blockwise"].init, jax.random.key(1), tokens)["params"]
+    assert jax.tree.structure(shapes) == jax.tree.structure(params)
+
+    def loss(p, fp8):
+        return jnp.mean(models[fp8].apply({"params": p}, tokens).astype(jnp.float32) ** 2)
+
+    (l_ref, g_ref), (l_fp8, g_fp8) = (jax.jit(jax.value_and_grad(loss), static_argnums=1)(params, fp8)
+                                      for fp8 in (None, "blockwise"))
+    assert float(l_fp8) != float(l_ref) and abs(float(l_fp8) - float(l_ref)) <= 0.05 * abs(float(l_ref))
+    for a, b in zip(jax.tree.leaves(g_fp8), jax.tree.leaves(g_ref)):  # e4m3's 3 mantissa bits, through the layer
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        assert np.linalg.norm(a - b) <= 0.3 * np.linalg.norm(b) + 1e-6

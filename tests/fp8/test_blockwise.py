@@ -1,6 +1,6 @@
 """FP8 blockwise scaling (DeepSeek-V3's recipe): the config, per-tile quantization, the exact fp32 product of the
-dequantized operands, the recipe through fp8_linear and the Flax drop-ins on XLA (its path off Hopper), and on a
-Hopper GPU the Mosaic GPU kernel with per-K-block scale promotion (the `gpu` tests)."""
+dequantized operands, the recipe through fp8_linear and the Flax drop-ins on XLA (the quantize kernel:
+test_blockwise_kernel.py), and on a Hopper GPU the GEMM kernel with per-K-block scale promotion (the `gpu` tests)."""
 
 import dataclasses
 import functools
@@ -74,10 +74,10 @@ def test_bad_cast_config(kwargs, match):
         CastConfig(**kwargs)
 
 
-@pytest.mark.parametrize("implementation", ["pallas", "interpret", "pallas:sm90", "interpret:triton"])
-def test_kernel_implementations_refused(implementation):
+@pytest.mark.parametrize("implementation", ["pallas:sm90", "pallas:triton"])
+def test_gemm_variants_refused(implementation):
     x, w = rand(0, (4, 8)), rand(1, (8, 3))
-    msg = "blockwise scaling runs on implementation='xla', or on a Hopper GPU's Mosaic GPU kernel"
+    msg = "blockwise scaling takes implementation None, 'xla', 'pallas' or 'interpret'"
     with pytest.raises(ValueError, match=msg):
         fp8_linear(x, w, "blockwise", implementation=implementation)
     with pytest.raises(ValueError, match=msg):
@@ -309,8 +309,8 @@ def test_gpu_kernel_vs_reference(m, k, n, b_block):
 
     a8, sa, b8, sb = _blockwise_operands(40, m, n, k, b_block)
     want = ref.blockwise_scaled_matmul_nt_reference(a8, b8, sa, sb, (1, 128), b_block, out_dtype=jnp.float32)
-    sa_t = api._step_scales(api._Operand(a8, sa, block=(1, 128)), k)
-    sb_t = api._step_scales(api._Operand(b8, sb, block=b_block), k)
+    sa_t = api._step_scales(api._Operand(a8, sa.T, block=(1, 128)), k)
+    sb_t = api._step_scales(api._Operand(b8, sb.T, block=b_block), k)
     assert sa_t.shape == (k // 128, m) and sb_t.shape == (k // 128, n)
     # What a kernel that ignored the per-K-block scales (one scale per row and column, the mean) would give.
     ignored = ref.matmul_nt_fp32(a8.astype(jnp.float32) * jnp.mean(sa_t, 0)[:, None],
@@ -337,8 +337,8 @@ def test_gpu_kernel_exact_on_small_ints():
     m, k, n = 256, 640, 384
     a8, sa, b8, sb = _blockwise_operands(41, m, n, k, (128, 128), ints=True)
     want = ref.blockwise_scaled_matmul_nt_reference(a8, b8, sa, sb, (1, 128), (128, 128), out_dtype=jnp.float32)
-    sa_t = api._step_scales(api._Operand(a8, sa, block=(1, 128)), k)
-    sb_t = api._step_scales(api._Operand(b8, sb, block=(128, 128)), k)
+    sa_t = api._step_scales(api._Operand(a8, sa.T, block=(1, 128)), k)
+    sb_t = api._step_scales(api._Operand(b8, sb.T, block=(128, 128)), k)
     got = jax.jit(functools.partial(api._mm_nt_blockwise, out_dtype=jnp.float32))(a8, b8, sa_t, sb_t)
     # The blocks' exact products differ in exponent by up to ~2^20: their fp32 sum rounds (in any order).
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6 * float(jnp.max(jnp.abs(want))))
@@ -354,8 +354,8 @@ def test_gpu_kernel_ragged_through_the_api(m, k, n):
     for b_block in ((128, 128), (1, 128)):
         a8, sa, b8, sb = _blockwise_operands(42, m, n, k, b_block)
         want = ref.blockwise_scaled_matmul_nt_reference(a8, b8, sa, sb, (1, 128), b_block, out_dtype=jnp.float32)
-        sa_t = api._step_scales(api._Operand(a8, sa, block=(1, 128)), k)
-        sb_t = api._step_scales(api._Operand(b8, sb, block=b_block), k)
+        sa_t = api._step_scales(api._Operand(a8, sa.T, block=(1, 128)), k)
+        sb_t = api._step_scales(api._Operand(b8, sb.T, block=b_block), k)
         got = jax.jit(functools.partial(api._mm_nt_blockwise, out_dtype=jnp.bfloat16))(a8, b8, sa_t, sb_t)
         assert got.shape == (m, n) and got.dtype == jnp.bfloat16
         assert sqnr(got, want) >= 38
@@ -365,8 +365,9 @@ def test_gpu_kernel_ragged_through_the_api(m, k, n):
 @pytest.mark.parametrize("shape", [(2048, 1024, 768), (130, 300, 200)], ids=["training", "ragged"])
 def test_gpu_dense_forward_backward(shape):
     """A Dense forward + backward: on Hopper the three GEMMs run on the blockwise kernel (implementation None and
-    "pallas:sm90" alike), within fp8 tolerance of the same recipe forced to "xla" (the exact fp32 product of the
-    same quantized operands) and of the bf16 layer; off Hopper None is the XLA path itself."""
+    "pallas" alike), within fp8 tolerance of the same recipe forced to "xla" (the exact fp32 product of the same
+    quantized operands: the quantize kernel matches the reference bit for bit) and of the bf16 layer; elsewhere
+    the GEMMs are XLA's, bit-equal to "xla"."""
     from pallas_fused import _backend
 
     t, din, dout = shape
@@ -375,7 +376,7 @@ def test_gpu_dense_forward_backward(shape):
     got = jax.jit(functools.partial(_layer, "blockwise"))(x, w, dy)
     forced = jax.jit(functools.partial(_layer, "blockwise", implementation="xla"))(x, w, dy)
     y0, vjp0 = jax.vjp(lambda x, w: x @ w, x, w)
-    impls = ["pallas:sm90"] if _backend.is_hopper() else []
+    impls = ["pallas"] if _backend.is_hopper() else []
     for other in [got] + [jax.jit(functools.partial(_layer, "blockwise", implementation=i))(x, w, dy) for i in impls]:
         for g, f, want in zip(other, forced, (y0, *vjp0(dy))):
             assert g.dtype == jnp.bfloat16 and g.shape == f.shape

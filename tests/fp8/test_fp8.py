@@ -48,11 +48,13 @@ def impl(request, kernel_impl):
 
 
 def skip_blockwise_kernel(impl, recipe):
+    """Blockwise recipes run here only on the Hopper GEMM kernel; their other paths are test_blockwise.py's and
+    test_blockwise_kernel.py's."""
     from pallas_fused import _backend
 
-    on_kernel = impl in ("pallas", "pallas:sm90") and _backend.is_hopper()
+    on_kernel = impl == "pallas" and _backend.is_hopper()
     if impl != "xla" and Float8Config.from_recipe(recipe).blockwise and not on_kernel:
-        pytest.skip("blockwise scaling has a Hopper kernel only (test_blockwise.py checks that the others are refused)")
+        pytest.skip("blockwise: test_blockwise.py and test_blockwise_kernel.py cover this path")
 
 
 # ---------------------------------------------------------------------------------------------- config

@@ -41,8 +41,8 @@ def operands(m, k, n, b_block=(128, 128)):
     b8, sb = ref.quantize_blockwise_reference(bt, E4, b_block)
     want = jax.jit(functools.partial(ref.blockwise_scaled_matmul_nt_reference, a_block=(1, 128), b_block=b_block,
                                      out_dtype=jnp.float32))(a8, b8, sa, sb)
-    sa_t = api._step_scales(api._Operand(a8, sa, block=(1, 128)), k)
-    sb_t = api._step_scales(api._Operand(b8, sb, block=b_block), k)
+    sa_t = api._step_scales(api._Operand(a8, sa.T, block=(1, 128)), k)
+    sb_t = api._step_scales(api._Operand(b8, sb.T, block=b_block), k)
     return (a8, b8, sa_t, sb_t), want, (a, bt)
 
 
