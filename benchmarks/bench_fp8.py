@@ -19,6 +19,18 @@ Blockwise quantize ("fp8_quantize_blockwise"): `kernel.quantize_blockwise` (one 
 their 1 x 128 scales, or a weight's shared 128 x 128 tiles) beside `reference.quantize_blockwise_reference` under
 jit, GB/s and % of the measured copy ceiling.
 
+blockwise (DeepSeek-V3's recipe: a in 1 x 128 tiles, b in 128 x 128 blocks, e4m3 -> bf16), at 8192^3 and the
+example's shapes, TFLOP/s as above:
+  pallas:sm90_blockwise  our Mosaic GPU kernel with per-K-block promotion, through the private `_mm_nt_blockwise`
+                       (operands K-major, scales as its per-K-step rows); sqnr_vs_bf16 = SQNR in dB of the output
+                       against the fp32 product of the bf16 inputs
+  pallas:sm90_rowwise    our rowwise kernel on the same inputs (its sqnr_vs_bf16 beside it)
+  xla:blockwise        our reference: the exact fp32 product of the dequantized operands (what the recipe runs
+                       off Hopper)
+  peer:torch_scaled_mm_blockwise  torch._scaled_mm with 1 x 128 / 128 x 128 scales (cuBLAS >= 12.9), or its error
+  fp8_dense_blockwise: the Dense forward+backward of the recipe (all three GEMMs, quantize on XLA) on the default
+                       path and forced to "xla".
+
 Dense forward+backward (the user's path: `nn.Dense(dot_general_cls=Float8DotGeneral(config=recipe))`, rows
 pallas:<recipe>): 16384 tokens, n -> n, bf16 params and activations, ANCHORS.md's method:
   jax.vjp(apply, params, x)[1](g) timed under jit. Only the gradients are returned, so XLA drops
@@ -209,7 +221,104 @@ def _dense(rec, quick):
                          flops=flops * 3 // 2, **n_rep)
 
 
+BLOCKWISE_SHAPES = [(8192, 8192, 8192), (16384, 2048, 2048), (16384, 2048, 512), (16384, 2048, 5504),
+                    (16384, 5504, 2048)]
+
+
+def _sqnr(out, exact) -> float:
+    out, exact = out.astype(jnp.float32), exact.astype(jnp.float32)
+    return float(10 * jnp.log10(jnp.sum(exact ** 2) / jnp.sum((out - exact) ** 2)))
+
+
+def _blockwise(rec, quick):
+    from pallas_fused.fp8 import api, fp8_linear
+    from pallas_fused.fp8 import reference as ref
+
+    act, wblock = (1, 128), (128, 128)
+    for m, k, n in BLOCKWISE_SHAPES:
+        count = _sets(m, k, n)
+        hp = [(rnd(10 * i + 6, (m, k), jnp.bfloat16), rnd(10 * i + 7, (n, k), jnp.bfloat16)) for i in range(count)]
+        exact = jax.jit(ref.matmul_nt_fp32, static_argnums=2)(*hp[0], jnp.float32)
+        flops = 2 * m * n * k
+        calls = max(3 if quick else 10, min(200, int(10e-3 * 1300e12 / flops)) // count)
+        kw = dict(flops=flops, matmul_ceiling="fp8_peak", peak_tflops=FP8_PEAK, n=calls, reps=3 if quick else 5)
+        case = f"{m}x{k}x{n} blockwise"
+        ref_sets, kernel_sets, row_sets = [], [], []
+        for a, bt in hp:
+            a8, sa = ref.quantize_blockwise_reference(a, E4, act)
+            b8, sb = ref.quantize_blockwise_reference(bt, E4, wblock)
+            ref_sets.append((a8, b8, sa, sb))
+            kernel_sets.append((a8, b8, api._step_scales(api._Operand(a8, sa.T, block=act), k),
+                                api._step_scales(api._Operand(b8, sb.T, block=wblock), k)))
+            ar8, sar = ref.quantize_reference(a, E4, 1, True)
+            br8, sbr = ref.quantize_reference(bt, E4, 1, True)
+            row_sets.append((ar8, br8, sar.reshape(-1), sbr.reshape(-1)))
+        ours = functools.partial(api._mm_nt_blockwise, out_dtype=jnp.bfloat16)
+        rowwise = functools.partial(api._mm_nt, out_dtype=jnp.bfloat16, fast_accum=True, impl="pallas:sm90")
+        for impl, fn, sets, extra in (("pallas:sm90_blockwise", ours, kernel_sets, dict(tile=str(api.sm90_config(
+                m, n, k)))), ("pallas:sm90_rowwise", rowwise, row_sets, {})):
+            try:
+                extra = dict(extra, sqnr_vs_bf16=_sqnr(jax.jit(fn)(*sets[0]), exact))
+            except Exception as e:  # noqa: BLE001 - the timing below records the failure
+                extra = dict(extra, sqnr_error=error_text(e))
+            rec.time_amortized("fp8_mm", case, impl, fn, sets, **extra, **kw)
+        xla = functools.partial(ref.blockwise_scaled_matmul_nt_reference, a_block=act, b_block=wblock)
+        rec.time_amortized("fp8_mm", case, "xla:blockwise", xla, ref_sets[:1], **{**kw, "n": 3})
+        _torch_blockwise(rec, case, *ref_sets[0], exact, kw)
+    for tokens, width in ((16384, 2048),) if quick else ((16384, 2048), (16384, 8192)):
+        x, w, g = rnd(8, (tokens, width), jnp.bfloat16), rnd(9, (width, width), jnp.bfloat16), rnd(
+            10, (tokens, width), jnp.bfloat16)
+        for name, impl in (("pallas:blockwise", None), ("xla:blockwise", "xla")):
+            def fby(x, w, impl=impl, g=g):
+                y, vjp = jax.vjp(lambda x, w: fp8_linear(x, w, "blockwise", implementation=impl), x, w)
+                return y, vjp(g)
+
+            rec.time("fp8_dense_blockwise", f"{tokens}x{width}->{width} fwd+bwd +y", name, jax.jit(fby), x, w,
+                     flops=3 * 2 * tokens * width * width, n=10 if quick else 20, reps=3 if quick else 5)
+
+
+def _torch_blockwise(rec, case, a8, b8, sa, sb, exact, kw):
+    """torch._scaled_mm with 1 x 128 scales for a ((M, K / 128), outer-dim-major) and 128 x 128 ones for b, as
+    pytorch's test_scaled_matmul_cuda.py passes them; a refusal is recorded with its error text."""
+    extra = {k: v for k, v in kw.items() if k not in ("n", "reps")}
+    try:
+        import numpy as np
+        import torch
+
+        dev = "cuda"
+
+        def to_torch(x8):
+            raw = np.asarray(jax.lax.bitcast_convert_type(x8, jnp.uint8))
+            return torch.from_numpy(raw).to(dev).view(torch.float8_e4m3fn)
+
+        ta, tb = to_torch(a8), to_torch(b8).t()  # b column-major (K, N)
+        tsa = torch.from_numpy(np.asarray(sa)).to(dev).t().contiguous().t()  # (M, K / 128), stride (1, M)
+        tsb = torch.from_numpy(np.asarray(sb)).to(dev)  # (N / 128, K / 128)
+        kb = tsb.shape[1]
+        padded = torch.nn.functional.pad(tsb, (0, -kb % 4))[:, :kb]  # cuBLAS: the K-block count padded to 4
+        errors = []
+        for fast_accum in (False, True):
+            for scale_b in (tsb.t(), padded.t()):
+                def fn(scale_b=scale_b, fast_accum=fast_accum):
+                    return torch._scaled_mm(ta, tb, scale_a=tsa, scale_b=scale_b, out_dtype=torch.bfloat16,
+                                            use_fast_accum=fast_accum)
+                try:
+                    out = fn()
+                except Exception as e:  # noqa: BLE001 - try the next layout
+                    errors.append(error_text(e))
+                    continue
+                got = jnp.asarray(out.float().cpu().numpy())
+                ms = bench_torch(fn, n=kw["n"], reps=kw["reps"])
+                rec.add("fp8_mm", case, "peer:torch_scaled_mm_blockwise", ms, sqnr_vs_bf16=_sqnr(got, exact),
+                        use_fast_accum=fast_accum, **extra)
+                return
+        rec.add("fp8_mm", case, "peer:torch_scaled_mm_blockwise", None, error=" | ".join(errors), **extra)
+    except Exception as e:  # noqa: BLE001 - a missing peer is a recorded result
+        rec.add("fp8_mm", case, "peer:torch_scaled_mm_blockwise", None, error=error_text(e), **extra)
+
+
 SECTIONS = {"matmul": "_matmul", "quantize": "_quantize", "blockwise_quantize": "_blockwise_quantize",
+            "blockwise": "_blockwise",
             "dense": "_dense"}
 
 

@@ -38,6 +38,8 @@ What each public op can be sharded along (everything else in an operand is gathe
 - `fp8.scaled_matmul` / `scaled_matmul_nt`: M data parallel, N tensor parallel, K (the contraction)
   split too: float32 partial products are all-reduced, then rounded once. `fp8_linear` inherits both
   per GEMM: with tokens on a data axis, dW = x^T dy is a K-split GEMM (all-reduce of dW, as XLA's own dot).
+  The blockwise GEMMs (Hopper kernel): M and N split, K gathered (a split K would have to cut the per-K-block
+  scale rows at the same 128-column boundaries, which the rule cannot promise).
 - `dora_dense` / `column_scale` (dense and Int8 kernels): tokens (M) data parallel everywhere. Column
   norm: output features (N) split, input features (K) split too (per-shard sums of squares, all-reduced
   (N,) vector). Forward GEMM: M and N split, K gathered. Backward dx kernel: M and K split, N (its

@@ -5,6 +5,12 @@ out = epilogue(a @ b, row vectors, column vectors), cast to out_dtype. a is (M, 
 accumulator tile of one warpgroup and the slices of the row vectors ((M,) each) and column vectors ((N,) each)
 that cover it, as float32 in the WGMMA row / column layouts, and returns the fp32 tile to store.
 
+Per-K-step promotion (optional: `promote` with step row vectors ((K / tile_k, M) each) and step column vectors
+((K / tile_k, N) each)): each K step's wgmma product goes into a zeroed step accumulator instead, and
+promote(step product, that step's row slices, its column slices) is added into a separate fp32 accumulator, which
+the epilogue then gets. Blockwise FP8 scaling uses it (DeepSeek-V3's per-128 promotion: the tensor cores' fast
+fp8 accumulation never runs longer than one K step, and each step's scales apply in fp32).
+
 Structure (adapted from jax's hopper_matmul_mgpu.py example): a persistent grid of one CTA per SM walks the
 output tiles in a planar snake; in each CTA a memory warpgroup streams (cta_tile_m, tile_k) tiles of a and the
 matching tiles of b through a `max_concurrent_steps`-deep SMEM ring, and two compute warpgroups each own a
@@ -48,11 +54,15 @@ class TileConfig:
 
 
 Epilogue = Callable[[jax.Array, Sequence[jax.Array], Sequence[jax.Array]], jax.Array]
+# promote(step product, step row slices, step column slices) -> the fp32 tile added to the running accumulator.
+Promote = Epilogue
 
 
-def _kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: int, epilogue: Epilogue):
+def _kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: int, n_vecs: int, n_step_rows: int,
+            epilogue: Epilogue, promote: Promote | None):
     plgpu = _backend.mosaic_gpu()
     *vec_gmems, out_gmem = refs
+    vec_gmems, step_gmems = vec_gmems[:n_vecs], vec_gmems[n_vecs:]
     row_gmems, col_gmems = vec_gmems[:n_rows], vec_gmems[n_rows:]
     m, k = a_gmem.shape
     n = out_gmem.shape[1]
@@ -73,6 +83,11 @@ def _kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: in
         b_spec = plgpu.BlockSpec((cta_n, tile_k), lambda kk: (0, kk), transforms=transforms, memory_space=plgpu.SMEM)
     else:
         b_spec = plgpu.BlockSpec((tile_k, cta_n), lambda kk: (kk, 0), transforms=transforms, memory_space=plgpu.SMEM)
+    # The step vectors ride the pipeline beside a and b (one (1, cta) row of each per K step, in the same SMEM
+    # ring stage and under the same barrier), so a step's scales are in SMEM exactly when its tiles are; a
+    # separate per-step TMA would need its own barrier ring.
+    step_specs = [plgpu.BlockSpec((1, cta_m if i < n_step_rows else cta_n), lambda kk: (kk, 0),
+                                  memory_space=plgpu.SMEM) for i in range(len(step_gmems))]
 
     def get_pipeline(body, compute_context):
         return plgpu.emit_pipeline_warp_specialized(
@@ -82,6 +97,7 @@ def _kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: in
             in_specs=[
                 plgpu.BlockSpec((cta_m, tile_k), lambda kk: (0, kk), transforms=transforms, memory_space=plgpu.SMEM),
                 b_spec,
+                *step_specs,
             ],
             wg_axis="wg",
             num_compute_wgs=2,
@@ -95,7 +111,7 @@ def _kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: in
 
     @functools.partial(
         pl.run_scoped,
-        pipeline_allocs=get_pipeline(ignore, ignore).get_allocations(a_gmem, b_gmem),
+        pipeline_allocs=get_pipeline(ignore, ignore).get_allocations(a_gmem, b_gmem, *step_gmems),
         out_smem=plgpu.SMEM((2, 2, epi, epi), out_dtype, transforms=out_transforms),
         vec_smem=vec_smem,
         vec_barrier=plgpu.Barrier(num_barriers=2 * len(vec_gmems)) if vec_gmems else None,
@@ -123,9 +139,13 @@ def _kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: in
                     window = pl.ds(row0, tile_m) if i < n_rows else pl.ds(col0, tile_n)
                     plgpu.copy_gmem_to_smem(v.at[window], vec_smem[i].at[wg], vec_barrier.at[2 * i + wg])
 
-                @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tile_m, tile_n), jnp.float32))
-                def _acc_scope(acc_ref):
-                    eval_pipeline(acc_ref)
+                accs = dict(acc_ref=plgpu.ACC((tile_m, tile_n), jnp.float32))
+                if promote is not None:
+                    accs["step_ref"] = plgpu.ACC((tile_m, tile_n), jnp.float32)
+
+                @functools.partial(pl.run_scoped, **accs)
+                def _acc_scope(acc_ref, step_ref=None):
+                    eval_pipeline(acc_ref if promote is None else (step_ref, acc_ref))
                     vecs = []
                     for i in range(len(vec_gmems)):
                         plgpu.barrier_wait(vec_barrier.at[2 * i + wg])
@@ -146,17 +166,33 @@ def _kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: in
                                 .at[pl.ds(ei * epi, epi), pl.ds(ej * epi, epi)],
                             )
 
-            def mma_body(_, a_smem, b_smem, acc_ref):
+            def mma_body(_, a_smem, b_smem, *step_smems_and_carry):
+                *step_smems, carry = step_smems_and_carry
                 if b_layout == "nk":
                     b_tile = plgpu.transpose_ref(b_smem.at[wg_n], (1, 0))
                 else:
                     b_tile = b_smem.at[:, wg_n]
-                plgpu.wgmma(acc_ref, a_smem.at[wg_m], b_tile)
-                plgpu.wgmma_wait(0)
-                return acc_ref
+                if promote is None:
+                    plgpu.wgmma(carry, a_smem.at[wg_m], b_tile)
+                    plgpu.wgmma_wait(0)
+                    return carry
+                step_ref, acc_ref = carry
+                step_ref[...] = jnp.zeros((tile_m, tile_n), jnp.float32)
+                plgpu.wgmma(step_ref, a_smem.at[wg_m], b_tile)
+                vecs = []
+                for i, v in enumerate(step_smems):  # loaded while the wgmma runs
+                    row = i < n_step_rows
+                    layout = plgpu.Layout.WGMMA.reduce(1 if row else 0)
+                    vecs.append(_backend.mosaic_load(v.at[0, wg_m if row else wg_n], layout=layout)
+                                .astype(jnp.float32))
+                step = step_ref[...]  # waits for the wgmma
+                acc_ref[...] = acc_ref[...] + promote(step, vecs[:n_step_rows], vecs[n_step_rows:])
+                return carry
 
             b_view = b_gmem.at[cta_n_slice, :] if b_layout == "nk" else b_gmem.at[:, cta_n_slice]
-            get_pipeline(mma_body, compute_context)(a_gmem.at[cta_m_slice, :], b_view, allocations=pipeline_allocs)
+            step_views = [v.at[:, cta_m_slice if i < n_step_rows else cta_n_slice] for i, v in enumerate(step_gmems)]
+            get_pipeline(mma_body, compute_context)(a_gmem.at[cta_m_slice, :], b_view, *step_views,
+                                                    allocations=pipeline_allocs)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -168,9 +204,13 @@ def supported(m: int, n: int, k: int, config: TileConfig) -> bool:
 
 
 def matmul(a, b, *, b_layout: str, row_vecs: Sequence[jax.Array] = (), col_vecs: Sequence[jax.Array] = (),
-           epilogue: Epilogue, out_dtype, config: TileConfig, name: str):
+           epilogue: Epilogue, out_dtype, config: TileConfig, name: str, step_row_vecs: Sequence[jax.Array] = (),
+           step_col_vecs: Sequence[jax.Array] = (), promote: Promote | None = None):
     """epilogue(a @ b, row_vecs, col_vecs) on Hopper; a (M, K), b (K, N) or (N, K) per `b_layout` ("kn" | "nk").
 
+    With `promote`, a @ b is replaced by the sum over K steps s of promote(a_s @ b_s, [v[s] for v in
+    step_row_vecs], [v[s] for v in step_col_vecs]), each step's product and the sum in fp32 (module docstring);
+    step row vectors are (K / tile_k, M), step column vectors (K / tile_k, N).
     `name` names the kernel in profiles. Under vmap the batch runs as a loop of launches (no batching rule).
     """
     plgpu = _backend.mosaic_gpu()
@@ -183,8 +223,17 @@ def matmul(a, b, *, b_layout: str, row_vecs: Sequence[jax.Array] = (), col_vecs:
     if not supported(m, n, k, config):
         raise ValueError(f"{name}: shapes {a.shape} x {b.shape} ({b_layout}) must be multiples of the tile "
                          f"{config.cta_tile + (config.tile_k,)}")
+    if (step_row_vecs or step_col_vecs) and promote is None:
+        raise ValueError(f"{name}: step_row_vecs / step_col_vecs need a promote function")
+    for kind, vecs, want in (("step_row_vecs", step_row_vecs, m), ("step_col_vecs", step_col_vecs, n)):
+        for v in vecs:
+            if v.shape != (k // config.tile_k, want):
+                raise ValueError(f"{name}: each of {kind} must have shape (K / tile_k, {'M' if want == m else 'N'}) = "
+                                 f"{(k // config.tile_k, want)}, got {v.shape}")
+
     def body(*refs):
-        _kernel(*refs, config=config, b_layout=b_layout, n_rows=len(row_vecs), epilogue=epilogue)
+        _kernel(*refs, config=config, b_layout=b_layout, n_rows=len(row_vecs), n_vecs=len(row_vecs) + len(col_vecs),
+                n_step_rows=len(step_row_vecs), epilogue=epilogue, promote=promote)
 
     body.__name__ = body.__qualname__ = name  # the kernel's name in profiles
     kernel = plgpu.kernel(
@@ -196,4 +245,4 @@ def matmul(a, b, *, b_layout: str, row_vecs: Sequence[jax.Array] = (), col_vecs:
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
     )
-    return jax.custom_batching.sequential_vmap(kernel)(a, b, *row_vecs, *col_vecs)
+    return jax.custom_batching.sequential_vmap(kernel)(a, b, *row_vecs, *col_vecs, *step_row_vecs, *step_col_vecs)

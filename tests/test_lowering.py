@@ -129,15 +129,42 @@ def test_fp8_dense(cc, recipe):
     assert found.count(TRITON) >= 2  # the quantize kernels
 
 
-def test_fp8_blockwise(cc):
-    """The blockwise recipe: on an fp8 GPU (8.9+) implementation=None quantizes with the one-pass blockwise kernel
-    (x and dy in both layouts, W once: three Triton calls) and its GEMMs are XLA's; before Ada all of it is XLA's."""
-    from pallas_fused.fp8 import fp8_linear
+@pytest.mark.parametrize("pow2", [False, True], ids=["fp32_scales", "pow2_scales"])
+def test_fp8_blockwise(cc, pow2):
+    """The blockwise recipe on Hopper: the one-pass quantize kernel (x and dy in both layouts, W once: three Triton
+    calls) and each of the layer's three GEMMs (y = x W, dx = dy W^T, dW = x^T dy) one launch of the blockwise
+    Mosaic GPU kernel, at tile-multiple and at ragged shapes (padded by the api), through fp8_linear and the linen
+    drop-in. Before Ada (no fp8) all of it is XLA's and "pallas" is refused."""
+    import dataclasses
+    import functools
 
-    x, w = rnd(0, (256, 512), jnp.bfloat16), rnd(1, (512, 384), jnp.bfloat16)
-    found = kernels(jax.value_and_grad(loss(lambda x, w: fp8_linear(x, w, "blockwise")), (0, 1)), x, w)
-    assert not any(t in found for t in MOSAIC), found
-    assert found.count(TRITON) == (3 if cc >= (8, 9) else 0), found
+    import flax.linen as nn
+
+    from pallas_fused.fp8 import Float8Config, Float8DotGeneral, fp8_linear
+
+    config = dataclasses.replace(Float8Config.from_recipe("blockwise"), round_scales_to_power_of_2=pow2)
+    name = "pallas_fused_fp8_blockwise_matmul_sm90"
+    for tokens, din, dout in ((256, 512, 384), (130, 300, 200)):
+        x, w = rnd(0, (tokens, din), jnp.bfloat16), rnd(1, (din, dout), jnp.bfloat16)
+        layer = loss(lambda x, w: fp8_linear(x, w, config))
+        module = export.export(jax.jit(jax.value_and_grad(layer, (0, 1))), platforms=["cuda"],
+                               disabled_checks=_ALLOWED)(x, w).mlir_module()
+        found = re.findall(r"custom_call @([\w$.]+)", module)
+        if cc < (8, 9):
+            assert not any(t in found for t in (TRITON, *MOSAIC)), found
+            with pytest.raises(_backend.ImplementationError, match="8.9"):
+                kernels(lambda x, w: fp8_linear(x, w, config, implementation="pallas"), x, w)
+            continue
+        assert sum(found.count(t) for t in MOSAIC) == 3 and found.count(TRITON) == 3, found
+        assert name in module and "pallas_fused_fp8_scaled_matmul_sm90" not in module
+        backward = kernels(jax.grad(layer, 1), x, w)  # dW only: the forward GEMM is dead, dx's too
+        assert sum(backward.count(t) for t in MOSAIC) == 1, backward
+        interpret = kernels(lambda x, w: fp8_linear(x, w, config, implementation="interpret"), x, w)
+        assert not any(t in interpret for t in MOSAIC), interpret  # Mosaic GPU has no interpreter: XLA's GEMMs
+        dense = nn.Dense(dout, dtype=jnp.bfloat16, dot_general_cls=functools.partial(Float8DotGeneral, config=config))
+        variables = jax.eval_shape(dense.init, jax.random.key(1), x)
+        both = kernels(jax.value_and_grad(loss(dense.apply), (0, 1)), variables, x)
+        assert sum(both.count(t) for t in MOSAIC) == 3, both
 
 
 @pytest.mark.parametrize("implementation", [None, "pallas:sm90", "pallas:merged", "pallas:epilogue", "pallas:gemm"])

@@ -15,8 +15,9 @@ for same-dtype fp8 operands with fast accumulation, else XLA's fp8 dot (cuBLAS),
 mixed e4m3 x e5m2 operands and fast_accum=False; "pallas:sm90" and "pallas:triton" force a kernel
 (the `VARIANTS` table, validated by `_backend.resolve_implementation`); "xla" is the reference (XLA fp8
 dot + fp32 rescale); "interpret" (= "interpret:triton") runs the Triton kernels in the Pallas
-interpreter (CPU tests). A config with blockwise scaling quantizes with its own kernel and takes no variant (see
-`fp8_linear`).
+interpreter (CPU tests). A config with blockwise scaling quantizes with its own kernel and takes no variant; its
+GEMMs run on the Mosaic GPU blockwise kernel (per-K-block scale promotion) with "pallas" on Hopper, else on XLA
+(see `fp8_linear`).
 """
 
 from __future__ import annotations
@@ -230,6 +231,27 @@ def _mm_nt(a, bt, sa, sb, out_dtype, fast_accum, impl):
                                  partial_fn=lambda *args: launch(*args, jnp.float32))(a, bt, sa, sb)
 
 
+def _mm_nt_blockwise(a, bt, sa_t, sb_t, out_dtype):
+    """out[i, j] = sum_kb (a_kb @ bt_kb^T)[i, j] sa_t[kb, i] sb_t[kb, j] on the Hopper kernel, kb over K blocks of
+    128; a (M, K), bt (N, K) fp8 of one dtype; sa_t (ceil(K / 128), M), sb_t (ceil(K / 128), N) fp32."""
+    if 0 in (*a.shape, bt.shape[0]):
+        return jnp.zeros((a.shape[0], bt.shape[0]), out_dtype)
+    from pallas_fused.fp8 import kernel_sm90
+
+    def launch(a, bt, sa_t, sb_t):
+        m, n = a.shape[0], bt.shape[0]
+        config = kernel_sm90.blockwise_config(sm90_config(m, n, a.shape[1]), out_dtype)
+        cm, cn = config.cta_tile
+        bk = kernel_sm90.BLOCK_K  # zero columns past K: the last block's padding adds nothing
+        out = kernel_sm90.blockwise_matmul_nt(_pad_to(a, cm, bk), _pad_to(bt, cn, bk), _pad_to(sa_t, 1, cm),
+                                              _pad_to(sb_t, 1, cn), out_dtype=jnp.dtype(out_dtype), config=config)
+        return out[:m, :n]
+
+    # Sharded: M and N split; K (and its blocks with it) gathered: a split K would have to split the scale rows
+    # at the same 128-column boundaries, which the sharding rule cannot promise.
+    return _sharding.partitioned(launch, "m k, n k, kb m, kb n -> m n", replicated=("k", "kb"))(a, bt, sa_t, sb_t)
+
+
 def _check_out_dtype(out_dtype, op):
     if jnp.dtype(out_dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float32), jnp.dtype(jnp.float16)):
         raise ValueError(f"{op}: out_dtype must be bfloat16, float16 or float32, got {out_dtype}")
@@ -367,10 +389,36 @@ def _operands(x, cfg_n: CastConfig, cfg_t: CastConfig | None, pow2, impl):
     return tuple(out)
 
 
+def _step_scales(o: _Operand, k):
+    """An fp8 operand's scales as the blockwise kernel's step rows, (ceil(K / 128), rows): a (bm, 128) tile's
+    scale repeated over its bm rows (its K-block-major scales already hold one row per K block), a per-row
+    scale over every K block."""
+    from pallas_fused.fp8.kernel_sm90 import BLOCK_K
+
+    rows, kb = o.data.shape[0], -(-k // BLOCK_K)
+    if o.block is None:
+        return jnp.broadcast_to(o.scale[None, :], (kb, rows))
+    return jnp.repeat(o.scale, o.block[0], axis=1)[:, :rows]
+
+
+def _blockwise_on_sm90(lhs: _Operand, rhs: _Operand, impl) -> bool:
+    """Whether a GEMM with a blockwise operand runs on the Hopper kernel: "pallas" on Hopper, both operands fp8 of
+    one dtype, every block BLOCK_K wide along K."""
+    if impl != "pallas" or not _backend.is_hopper() or not (lhs.fp8 and rhs.fp8 and lhs.data.dtype == rhs.data.dtype):
+        return False
+    from pallas_fused.fp8.kernel_sm90 import BLOCK_K
+
+    return all(o.block is None or o.block[1] == BLOCK_K for o in (lhs, rhs))
+
+
 def _gemm(lhs: _Operand, rhs: _Operand, fast_accum, impl, out_dtype, hp_dtype):
-    """lhs_kmajor @ rhs_kmajor^T: fp8 kernel when both are fp8, else a high-precision dot; with a blockwise
-    operand, the fp32 product of the dequantized operands (the reference of per-K-block scale promotion)."""
+    """lhs_kmajor @ rhs_kmajor^T: fp8 kernel when both are fp8, else a high-precision dot. With a blockwise
+    operand: on Hopper the kernel with per-K-block promotion, else the fp32 product of the dequantized operands
+    (its reference). fast_accum does not apply there: the kernel's fast accumulation never runs past one block."""
     if lhs.block is not None or rhs.block is not None:
+        if _blockwise_on_sm90(lhs, rhs, impl):
+            k = lhs.data.shape[1]
+            return _mm_nt_blockwise(lhs.data, rhs.data, _step_scales(lhs, k), _step_scales(rhs, k), out_dtype)
         return reference.matmul_nt_fp32(lhs.hp(jnp.float32), rhs.hp(jnp.float32), out_dtype)
     if lhs.fp8 and rhs.fp8:
         return _mm_nt(lhs.data, rhs.data, lhs.scale, rhs.scale, out_dtype, fast_accum, impl)
@@ -426,8 +474,10 @@ def fp8_linear(x, w, config: Float8Config | str = "tensorwise", *, implementatio
 
     A config with blockwise scaling (the "blockwise" recipe): "pallas" (the default on an fp8 GPU) and "interpret"
     quantize with the one-pass blockwise kernel (`kernel.quantize_blockwise`: x and dy in both layouts from one read,
-    W once for both of its GEMMs); the GEMMs are the exact fp32 product of the dequantized operands (the reference
-    of per-K-block scale promotion) on every implementation.
+    W once for both of its GEMMs). Its GEMMs: with "pallas" on a Hopper GPU, the Mosaic GPU kernel with per-K-block
+    scale promotion (each 128-wide K block's fp8 wgmma product scaled by that block's scales and added in fp32,
+    DeepSeek-V3's); elsewhere (and for fp8 operands of two dtypes or blocks not 128 wide along K) the exact fp32
+    product of the dequantized operands. It takes no variant ("pallas:sm90", "pallas:triton").
     """
     op = "fp8.fp8_linear"
     config = as_config(config)

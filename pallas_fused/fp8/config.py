@@ -102,8 +102,9 @@ class Float8Config:
 
     @property
     def blockwise(self) -> bool:
-        """Whether any argument is scaled blockwise (the GEMMs then are the fp32 product of the dequantized
-        operands; the quantize passes are the blockwise kernel's on the Pallas paths)."""
+        """Whether any argument is scaled blockwise (the quantize passes are then the blockwise kernel's on the
+        Pallas paths; the GEMMs run on the Hopper blockwise kernel or as the fp32 product of the dequantized
+        operands)."""
         return any(getattr(self, f.name).scaling == "blockwise" for f in dataclasses.fields(self)
                    if f.name.startswith("cast_config"))
 
@@ -125,12 +126,13 @@ class Float8Config:
           grad_weight in high precision (x^T and dy stay bf16). Power-of-2 scales.
         - "blockwise": DeepSeek-V3's: e4m3 everywhere; x and dy in 1 x 128 tiles along each GEMM's
           contraction axis, W in 128 x 128 blocks; fp32 scales (set `round_scales_to_power_of_2` for
-          power-of-2 ones). Quantized by the one-pass blockwise kernel on the Pallas paths; the GEMMs are the
-          exact fp32 product of the dequantized operands (the Hopper kernel with per-K-block scale promotion
-          is not built yet).
+          power-of-2 ones). Quantized by the one-pass blockwise kernel on the Pallas paths; the GEMMs run on
+          Hopper's Mosaic GPU kernel with per-K-block scale promotion ("pallas"), elsewhere as the exact fp32
+          product of the dequantized operands.
 
         The other recipes' GEMMs use fast accumulation (torchao's advice for speed; set `gemm_config_*` to
-        change it); the blockwise GEMMs accumulate in fp32 whatever it says.
+        change it); the blockwise GEMMs ignore it: the kernel's fast accumulation never runs past one 128-wide
+        K block before its fp32 promotion, and the XLA path accumulates in fp32.
         """
         if name == "tensorwise":
             return cls()

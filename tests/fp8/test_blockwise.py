@@ -1,6 +1,6 @@
 """FP8 blockwise scaling (DeepSeek-V3's recipe): the config, per-tile quantization, the exact fp32 product of the
-dequantized operands, and the recipe through fp8_linear and the Flax drop-ins on XLA (the quantize kernel:
-test_blockwise_kernel.py)."""
+dequantized operands, the recipe through fp8_linear and the Flax drop-ins on XLA (the quantize kernel:
+test_blockwise_kernel.py), and on a Hopper GPU the GEMM kernel with per-K-block scale promotion (the `gpu` tests)."""
 
 import dataclasses
 import functools
@@ -264,20 +264,128 @@ def test_flax_nnx_linear_vs_bf16():
 # ---------------------------------------------------------------------------------------------- GPU
 
 
+def _hopper():
+    from pallas_fused import _backend
+
+    if not _backend.is_hopper():
+        pytest.skip("the blockwise kernel needs a Hopper GPU")
+
+
+def _block_magnitudes(seed, shape, block):
+    """A power of two per `block` tile of `shape`, 2^-5 .. 2^5: per-K-block magnitudes varying by 2^10, so that a
+    kernel applying one K block's scales to another's product (or none) is far off."""
+    (m, k), (bm, bk) = shape, block
+    e = jax.random.randint(jax.random.key(seed), (-(-m // bm), -(-k // bk)), -5, 6).astype(jnp.float32)
+    return ref.expand_block_scales(jnp.exp2(e), block, shape)
+
+
+def _blockwise_operands(seed, m, n, k, b_block, ints=False):
+    """a (M, K) in 1 x 128 tiles, bt (N, K) in `b_block` tiles, quantized; random normal (or small integers) times
+    per-tile powers of two."""
+    draw = (lambda s, shape: _ints(s, shape, -3, 4)) if ints else (lambda s, shape: rand(s, shape, jnp.float32))
+    a = draw(seed, (m, k)) * _block_magnitudes(seed + 1, (m, k), (1, 128))
+    bt = draw(seed + 2, (n, k)) * _block_magnitudes(seed + 3, (n, k), b_block)
+    a8, sa = ref.quantize_blockwise_reference(a, E4, (1, 128), power_of_2=ints)
+    b8, sb = ref.quantize_blockwise_reference(bt, E4, b_block, power_of_2=ints)
+    return a8, sa, b8, sb
+
+
+def _kernel_configs(m, n, k):
+    from pallas_fused.fp8 import api, kernel_sm90
+
+    large, small, _ = kernel_sm90.tiles()
+    configs = [api.sm90_config(m, n, k), large, dataclasses.replace(large, wg_split="m"), small]
+    return [c for c in dict.fromkeys(configs) if kernel_sm90.supported(m, n, k, E4, E4, c)]
+
+
 @pytest.mark.gpu
-def test_gpu_dense_forward_backward():
-    """On the GPU, implementation=None quantizes with the blockwise kernel: a Dense forward + backward at a training
-    shape, against the bf16 layer and bit-equal to the same recipe forced to "xla"."""
-    x, w, dy = rand(30, (2048, 1024), jnp.bfloat16), rand(31, (1024, 768), jnp.bfloat16), rand(32, (2048, 768),
-                                                                                              jnp.bfloat16)
+@pytest.mark.parametrize("m,k,n", [(256, 512, 384), (1024, 2048, 1024)])
+@pytest.mark.parametrize("b_block", [(128, 128), (1, 128)], ids=["weight_blocks", "token_tiles"])
+def test_gpu_kernel_vs_reference(m, k, n, b_block):
+    """kernel_sm90.blockwise_matmul_nt against the exact fp32 product of the dequantized operands, with every tile
+    config that takes the shape: 128 x 128-block b (the forward and dx GEMMs) and 1 x 128-tile b (dW)."""
+    _hopper()
+    from pallas_fused.fp8 import api, kernel_sm90
+
+    a8, sa, b8, sb = _blockwise_operands(40, m, n, k, b_block)
+    want = ref.blockwise_scaled_matmul_nt_reference(a8, b8, sa, sb, (1, 128), b_block, out_dtype=jnp.float32)
+    sa_t = api._step_scales(api._Operand(a8, sa.T, block=(1, 128)), k)
+    sb_t = api._step_scales(api._Operand(b8, sb.T, block=b_block), k)
+    assert sa_t.shape == (k // 128, m) and sb_t.shape == (k // 128, n)
+    # What a kernel that ignored the per-K-block scales (one scale per row and column, the mean) would give.
+    ignored = ref.matmul_nt_fp32(a8.astype(jnp.float32) * jnp.mean(sa_t, 0)[:, None],
+                                 b8.astype(jnp.float32) * jnp.mean(sb_t, 0)[:, None], jnp.float32)
+    assert sqnr(ignored, want) < 10
+    configs = _kernel_configs(m, n, k)
+    assert configs
+    for config in configs:
+        for out_dtype, floor in ((jnp.float32, 40), (jnp.bfloat16, 38)):
+            cfg = kernel_sm90.blockwise_config(config, out_dtype)
+            got = jax.jit(functools.partial(kernel_sm90.blockwise_matmul_nt, out_dtype=out_dtype, config=cfg))(
+                a8, b8, sa_t, sb_t)
+            assert got.dtype == out_dtype and got.shape == (m, n)
+            assert sqnr(got, want) >= floor, (cfg, out_dtype, sqnr(got, want))
+
+
+@pytest.mark.gpu
+def test_gpu_kernel_exact_on_small_ints():
+    """Small integers times power-of-2 per-tile scales: each K block's wgmma product is exact, so the kernel's
+    result equals the exact one up to the rounding of the fp32 sum over blocks."""
+    _hopper()
+    from pallas_fused.fp8 import api
+
+    m, k, n = 256, 640, 384
+    a8, sa, b8, sb = _blockwise_operands(41, m, n, k, (128, 128), ints=True)
+    want = ref.blockwise_scaled_matmul_nt_reference(a8, b8, sa, sb, (1, 128), (128, 128), out_dtype=jnp.float32)
+    sa_t = api._step_scales(api._Operand(a8, sa.T, block=(1, 128)), k)
+    sb_t = api._step_scales(api._Operand(b8, sb.T, block=(128, 128)), k)
+    got = jax.jit(functools.partial(api._mm_nt_blockwise, out_dtype=jnp.float32))(a8, b8, sa_t, sb_t)
+    # The blocks' exact products differ in exponent by up to ~2^20: their fp32 sum rounds (in any order).
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6, atol=1e-6 * float(jnp.max(jnp.abs(want))))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,k,n", [(300, 520, 200), (130, 128, 72), (1, 260, 5)])
+def test_gpu_kernel_ragged_through_the_api(m, k, n):
+    """Shapes that are no tile multiple, through the api (which pads a, bt and the scale rows and slices)."""
+    _hopper()
+    from pallas_fused.fp8 import api
+
+    for b_block in ((128, 128), (1, 128)):
+        a8, sa, b8, sb = _blockwise_operands(42, m, n, k, b_block)
+        want = ref.blockwise_scaled_matmul_nt_reference(a8, b8, sa, sb, (1, 128), b_block, out_dtype=jnp.float32)
+        sa_t = api._step_scales(api._Operand(a8, sa.T, block=(1, 128)), k)
+        sb_t = api._step_scales(api._Operand(b8, sb.T, block=b_block), k)
+        got = jax.jit(functools.partial(api._mm_nt_blockwise, out_dtype=jnp.bfloat16))(a8, b8, sa_t, sb_t)
+        assert got.shape == (m, n) and got.dtype == jnp.bfloat16
+        assert sqnr(got, want) >= 38
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(2048, 1024, 768), (130, 300, 200)], ids=["training", "ragged"])
+def test_gpu_dense_forward_backward(shape):
+    """A Dense forward + backward: on Hopper the three GEMMs run on the blockwise kernel (implementation None and
+    "pallas" alike), within fp8 tolerance of the same recipe forced to "xla" (the exact fp32 product of the same
+    quantized operands: the quantize kernel matches the reference bit for bit) and of the bf16 layer; elsewhere
+    the GEMMs are XLA's, bit-equal to "xla"."""
+    from pallas_fused import _backend
+
+    t, din, dout = shape
+    x, w, dy = rand(30, (t, din), jnp.bfloat16), rand(31, (din, dout), jnp.bfloat16), rand(32, (t, dout),
+                                                                                       jnp.bfloat16)
     got = jax.jit(functools.partial(_layer, "blockwise"))(x, w, dy)
     forced = jax.jit(functools.partial(_layer, "blockwise", implementation="xla"))(x, w, dy)
     y0, vjp0 = jax.vjp(lambda x, w: x @ w, x, w)
-    for g, f, want in zip(got, forced, (y0, *vjp0(dy))):
-        assert g.dtype == jnp.bfloat16
-        assert sqnr(g, want) >= 25
-        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(f, np.float32))
-    dense = Float8Dense(768, config="blockwise", dtype=jnp.bfloat16)
+    impls = ["pallas"] if _backend.is_hopper() else []
+    for other in [got] + [jax.jit(functools.partial(_layer, "blockwise", implementation=i))(x, w, dy) for i in impls]:
+        for g, f, want in zip(other, forced, (y0, *vjp0(dy))):
+            assert g.dtype == jnp.bfloat16 and g.shape == f.shape
+            assert sqnr(g, want) >= 25
+            if _backend.is_hopper():
+                assert sqnr(g, f) >= 35, sqnr(g, f)  # fast accumulation within each 128-block, then bf16
+            else:
+                np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(f, np.float32))
+    dense = Float8Dense(dout, config="blockwise", dtype=jnp.bfloat16)
     params = dense.init(jax.random.key(0), x)
     grads = jax.jit(jax.grad(lambda p: jnp.sum(dense.apply(p, x).astype(jnp.float32) ** 2)))(params)
     assert all(np.all(np.isfinite(np.asarray(leaf, np.float32))) for leaf in jax.tree.leaves(grads))
