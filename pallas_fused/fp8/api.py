@@ -369,7 +369,8 @@ def _operands(x, cfg_n: CastConfig, cfg_t: CastConfig | None, pow2, impl):
         s = s.reshape(())
         return _Operand(q, jnp.broadcast_to(s, (x.shape[0],))), _Operand(qt, jnp.broadcast_to(s, (x.shape[1],)))
     if cfg_t is not None and cfg_n.scaling == cfg_t.scaling == "blockwise" and cfg_n.dtype == cfg_t.dtype:
-        # cfg_t's block is given for x^T: (cols, rows) of x
+        # cfg_t's block is given for x^T: (cols, rows) of x (CastConfig gives every blockwise config a block)
+        assert cfg_n.block is not None and cfg_t.block is not None
         q, s, qt, st = _quantize_blockwise(x, cfg_n.block, cfg_t.block[::-1], cfg_n.dtype, pow2, qimpl)
         return _Operand(q, s, block=cfg_n.block), _Operand(qt, st, block=cfg_t.block)
     for cfg, transposed in ((cfg_n, False), (cfg_t, True)):
@@ -378,6 +379,7 @@ def _operands(x, cfg_n: CastConfig, cfg_t: CastConfig | None, pow2, impl):
         elif cfg.disabled:
             out.append(_Operand(x, None, kmajor=not transposed))
         elif cfg.scaling == "blockwise":  # each GEMM's tiles along its own contraction axis
+            assert cfg.block is not None
             q, s, qt, st = _quantize_blockwise(x, None if transposed else cfg.block,
                                                cfg.block[::-1] if transposed else None, cfg.dtype, pow2, qimpl)
             out.append(_Operand(qt, st, block=cfg.block) if transposed else _Operand(q, s, block=cfg.block))
