@@ -36,6 +36,8 @@ pallas:<recipe>): 16384 tokens, n -> n, bf16 params and activations, ANCHORS.md'
   jax.vjp(apply, params, x)[1](g) timed under jit. Only the gradients are returned, so XLA drops
   the forward GEMM (y is unused): what is timed is the two backward GEMMs plus every quantize pass,
   for ours and the peers alike. The "+y" cases also return y (all three GEMMs).
+
+Sections (FP8_SECTIONS, comma-separated; default all): matmul, quantize, blockwise_quantize, blockwise, dense.
 """
 
 from __future__ import annotations
@@ -318,8 +320,7 @@ def _torch_blockwise(rec, case, a8, b8, sa, sb, exact, kw):
 
 
 SECTIONS = {"matmul": "_matmul", "quantize": "_quantize", "blockwise_quantize": "_blockwise_quantize",
-            "blockwise": "_blockwise",
-            "dense": "_dense"}
+            "blockwise": "_blockwise", "dense": "_dense"}
 
 
 def run(rec, quick: bool):
