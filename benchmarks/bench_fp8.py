@@ -62,6 +62,16 @@ SHAPES = [(4096, 4096, 4096), (8192, 8192, 8192), (16384, 16384, 16384), (16384,
           (2048, 16384, 2048), (2048, 16384, 512), (2048, 16384, 5504), (5504, 16384, 2048)]
 
 
+def _to_torch(x8):
+    """An fp8 jax array on the CUDA device as torch.float8_e4m3fn: its bytes moved as uint8 and reinterpreted (no
+    float round trip)."""
+    import numpy as np
+    import torch
+
+    raw = np.asarray(jax.lax.bitcast_convert_type(x8, jnp.uint8))
+    return torch.from_numpy(raw).to("cuda").view(torch.float8_e4m3fn)
+
+
 def _sets(m, k, n):
     """How many distinct operand sets one timed call cycles through: enough that they pass the 50 MB L2 together
     (k calls of a small GEMM then read HBM, as a training step's do), at most 8; 1 for the large GEMMs."""
@@ -112,10 +122,6 @@ def _torch_scaled_mm(rec, case, sets, gran, kw):
 
         dev = "cuda"
 
-        def to_torch(x8):  # the fp8 bytes, moved as uint8 and reinterpreted (no float round trip)
-            raw = np.asarray(jax.lax.bitcast_convert_type(x8, jnp.uint8))
-            return torch.from_numpy(raw).to(dev).view(torch.float8_e4m3fn)
-
         def scales(sa, sb):
             if gran == "rowwise":
                 return (torch.from_numpy(np.asarray(sa)).to(dev).reshape(-1, 1).contiguous(),
@@ -123,7 +129,7 @@ def _torch_scaled_mm(rec, case, sets, gran, kw):
             return torch.tensor(float(sa), device=dev), torch.tensor(float(sb), device=dev)
 
         # b column-major (K, N) (bt.t()), what _scaled_mm wants
-        tsets = [(to_torch(a8), to_torch(bt8).t(), *scales(sa, sb)) for a8, bt8, sa, sb in sets]
+        tsets = [(_to_torch(a8), _to_torch(bt8).t(), *scales(sa, sb)) for a8, bt8, sa, sb in sets]
 
         def fn():
             return [torch._scaled_mm(ta, tb, scale_a=tsa, scale_b=tsb, out_dtype=torch.bfloat16, use_fast_accum=True)
@@ -288,12 +294,7 @@ def _torch_blockwise(rec, case, a8, b8, sa, sb, exact, kw):
         import torch
 
         dev = "cuda"
-
-        def to_torch(x8):
-            raw = np.asarray(jax.lax.bitcast_convert_type(x8, jnp.uint8))
-            return torch.from_numpy(raw).to(dev).view(torch.float8_e4m3fn)
-
-        ta, tb = to_torch(a8), to_torch(b8).t()  # b column-major (K, N)
+        ta, tb = _to_torch(a8), _to_torch(b8).t()  # b column-major (K, N)
         tsa = torch.from_numpy(np.asarray(sa)).to(dev).t().contiguous().t()  # (M, K / 128), stride (1, M)
         tsb = torch.from_numpy(np.asarray(sb)).to(dev)  # (N / 128, K / 128)
         kb = tsb.shape[1]

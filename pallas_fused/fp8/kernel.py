@@ -19,7 +19,15 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_fused import _backend
-from pallas_fused.fp8.reference import AMAX_FLOOR, finite_amax, fp8_max, round_up_pow2, saturate
+from pallas_fused.fp8.reference import (
+    AMAX_FLOOR,
+    block_scale_from_amax,
+    finite_abs,
+    finite_amax,
+    fp8_max,
+    round_up_pow2,
+    saturate,
+)
 
 
 def _scale(amax, dtype, power_of_2):
@@ -174,18 +182,10 @@ def scaled_matmul_nt(a, bt, a_scale, b_scale, *, out_dtype, interpret=False, blo
 # blockwise quantize: one scale per tile, the amax and the cast in one pass
 
 
-def _finite_abs(x):
-    """As reference.finite_abs, on an fp32 tile."""
-    a = jnp.abs(x)
-    return jnp.where(a <= jnp.finfo(jnp.float32).max, a, 0.0)
-
-
 def _block_scale(amax, dtype, power_of_2, interpret):
-    """(scale, 1 / scale) as reference.block_scale_from_amax and its cast: products, and the reciprocal correctly
-    rounded (PTX rcp.rn; Triton's own fp32 division is div.full, approximate)."""
-    scale = jnp.maximum(amax, AMAX_FLOOR) * jnp.float32(1.0 / fp8_max(dtype))
-    if power_of_2:
-        scale = round_up_pow2(scale)
+    """(scale, 1 / scale): reference.block_scale_from_amax and its cast's reciprocal, correctly rounded (PTX rcp.rn;
+    Triton's own fp32 division is div.full, approximate)."""
+    scale = block_scale_from_amax(amax, dtype, power_of_2)
     if interpret:
         return scale, 1.0 / scale
     from jax.experimental.pallas import triton as pl_triton
@@ -217,7 +217,7 @@ def _blockwise_kernel(x_ref, *refs, shape, tile, dtype, power_of_2, square, emit
     idx = (pl.ds(r0, tile[0]), pl.ds(c0, tile[1]))
     # Outside x the tile reads 0, which leaves every amax as it is: a ragged tile is a block of its own.
     x = _backend.load(x_ref.at[idx], mask=mask, other=0.0).astype(jnp.float32)
-    a = _finite_abs(x)
+    a = finite_abs(x)
     if square:
         scale, inv = _block_scale(jnp.max(jnp.max(a, axis=1), axis=0, keepdims=True), dtype, power_of_2,
                                   interpret)  # (1,)
