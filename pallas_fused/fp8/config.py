@@ -96,8 +96,8 @@ class Float8Config:
     cast_config_weight_for_grad_input: CastConfig = CastConfig("tensorwise", E4M3)
     cast_config_grad_output_for_grad_weight: CastConfig = CastConfig("tensorwise", E5M2)
     gemm_config_output: GemmConfig = GemmConfig(True)
-    gemm_config_grad_input: GemmConfig = GemmConfig(True)
-    gemm_config_grad_weight: GemmConfig = GemmConfig(True)
+    gemm_config_grad_input: GemmConfig = GemmConfig(False)
+    gemm_config_grad_weight: GemmConfig = GemmConfig(False)
     round_scales_to_power_of_2: bool = False
 
     @property
@@ -130,18 +130,21 @@ class Float8Config:
           Hopper's Mosaic GPU kernel with per-K-block scale promotion ("pallas"), elsewhere as the exact fp32
           product of the dequantized operands.
 
-        The other recipes' GEMMs use fast accumulation (torchao's advice for speed; set `gemm_config_*` to
-        change it); the blockwise GEMMs ignore it: the kernel's fast accumulation never runs past one 128-wide
-        K block before its fp32 promotion, and the XLA path accumulates in fp32.
+        Accumulation as torchao's recipes: "tensorwise" (the class defaults) uses the tensor cores' fast
+        accumulation for the output GEMM only; its two gradient GEMMs, whose contraction runs over all tokens
+        for the weight gradient, accumulate in fp32. The axiswise recipes use fast accumulation in all three.
+        Set `gemm_config_*` to change it. The blockwise GEMMs ignore it: the kernel's fast accumulation never
+        runs past one 128-wide K block before its fp32 promotion, and the XLA path accumulates in fp32.
         """
         if name == "tensorwise":
             return cls()
-        axis = CastConfig("axiswise", E4M3)
+        axis, fast = CastConfig("axiswise", E4M3), GemmConfig(True)
         if name == "rowwise":
-            return cls(axis, axis, axis, axis, axis, axis, round_scales_to_power_of_2=True)
+            return cls(axis, axis, axis, axis, axis, axis, fast, fast, fast, round_scales_to_power_of_2=True)
         if name == "rowwise_with_gw_hp":
             off = CastConfig("disabled", E4M3)
-            return cls(axis, axis, axis, off, CastConfig("tensorwise", E4M3), off, round_scales_to_power_of_2=True)
+            return cls(axis, axis, axis, off, CastConfig("tensorwise", E4M3), off, fast, fast, fast,
+                       round_scales_to_power_of_2=True)
         if name == "blockwise":
             act, weight = CastConfig("blockwise", E4M3, block=(1, 128)), CastConfig("blockwise", E4M3, block=(128, 128))
             return cls(act, weight, act, act, weight, act)

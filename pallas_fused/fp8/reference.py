@@ -76,7 +76,9 @@ def scaled_matmul_reference(a, b, a_scale, b_scale, *, out_dtype=jnp.bfloat16, f
 
 
 def dequantize(x_fp8: jax.Array, scale: jax.Array, dtype=jnp.float32) -> jax.Array:
-    return (x_fp8.astype(jnp.float32) * scale).astype(dtype)
+    # The barrier keeps the fp8 rounding: under jit XLA may otherwise fold a cast to fp8 and this cast back into
+    # nothing (GPUs allow excess precision by default) and compute with the unrounded values.
+    return (jax.lax.optimization_barrier(x_fp8).astype(jnp.float32) * scale).astype(dtype)
 
 
 # ----------------------------------------------------------------------------------------------

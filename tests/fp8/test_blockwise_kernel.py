@@ -40,8 +40,9 @@ def _check(x, block_n, block_t, pow2, interpret=True):
 
     Compiled for the GPU, XLA rewrites the reference's x * (1 / scale) into a correctly rounded x / scale, which
     differs from the kernel's product with the correctly rounded reciprocal by one fp32 ulp now and then; where
-    that lands on a rounding boundary of the fp8 grid, the two codes are neighbours (2 of 8.4 million elements
-    measured on an H200). There the codes may differ by one step at a rate of at most 1e-5; the scales must not."""
+    that lands on a rounding boundary of the fp8 grid, the two codes are neighbours (2 to 86 of 8.4 million
+    elements measured on an H200, as XLA's fusion of the reference varies). There the codes may differ by one step
+    at a rate of at most 1e-4; the scales must not."""
     q, s, qt, st = _run(x, block_n, block_t, pow2, interpret)
     assert (q is None) == (block_n is None) and (qt is None) == (block_t is None)
     for got_q, got_s, operand, block in ((q, s, x, block_n), (qt, st, x.T, block_t and block_t[::-1])):
@@ -56,7 +57,7 @@ def _check(x, block_n, block_t, pow2, interpret=True):
         else:
             got_f, want_f = np.asarray(got_q, np.float32), np.asarray(want_q, np.float32)
             differ = (got_f != want_f) & ~(np.isnan(got_f) & np.isnan(want_f))
-            assert differ.mean() <= 1e-5, f"{differ.sum()} of {differ.size} codes differ"
+            assert differ.mean() <= 1e-4, f"{differ.sum()} of {differ.size} codes differ"
             steps = np.abs(_bits(got_q)[differ].astype(int) - _bits(want_q)[differ].astype(int))
             assert (steps <= 1).all(), f"codes differ by up to {steps.max()} steps"
     return q, s, qt, st

@@ -65,7 +65,11 @@ def test_recipes():
     assert tw.cast_config_input == CastConfig("tensorwise", E4)
     assert tw.cast_config_grad_output.dtype == jnp.dtype(E5)
     assert not tw.round_scales_to_power_of_2
+    # torchao's accumulation: tensorwise accumulates its gradient GEMMs in fp32, the axiswise recipes do not
+    fast = lambda c: tuple(getattr(c, f"gemm_config_{g}").fast_accum for g in ("output", "grad_input", "grad_weight"))  # noqa: E731
+    assert fast(tw) == (True, False, False)
     rw = Float8Config.from_recipe("rowwise")
+    assert fast(rw) == fast(Float8Config.from_recipe("rowwise_with_gw_hp")) == (True, True, True)
     assert all(getattr(rw, f).scaling == "axiswise" and getattr(rw, f).dtype == jnp.dtype(E4)
                for f in rw.__dataclass_fields__ if f.startswith("cast_config"))
     assert rw.round_scales_to_power_of_2

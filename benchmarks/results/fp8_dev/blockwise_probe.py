@@ -93,14 +93,17 @@ if "sweep" in WHAT:
     m = k = n = 8192
     args, want, _ = operands(m, k, n)
     large, small, _ = kernel_sm90.tiles()
-    for base in (large, dataclasses.replace(large, wg_split="m"), small):
-        for stages in (2, 3, 4):
+    # (rows, columns) per compute warpgroup and the split: 64-row warpgroups halve both fp32 accumulators
+    # (DeepGEMM's shape: 64 x BLOCK_N per math warpgroup)
+    bases = [dataclasses.replace(large, tile_m=tm, tile_n=tn, wg_split=split)
+             for tm, tn, split in ((128, 128, "n"), (128, 128, "m"), (128, 64, "n"), (64, 128, "m"), (64, 128, "n"),
+                                   (64, 256, "m"), (64, 64, "n"))]
+    for base in bases:
+        for stages in (3, 4, 6):
             cfg = dataclasses.replace(base, max_concurrent_steps=stages)
             if kernel_sm90.blockwise_config(cfg, jnp.bfloat16).max_concurrent_steps != stages:
                 continue  # does not fit in shared memory
-            for minor in ("n", "m"):
-                c = dataclasses.replace(cfg, grid_minor_dim=minor)
-                case(f"sweep {m}^3 {c}", direct(c), args, want, 2 * m * n * k, n=30)
+            case(f"sweep {m}^3 {cfg}", direct(cfg), args, want, 2 * m * n * k, n=30)
 if "dense" in WHAT:
     for tokens, width in ((16384, 2048), (2048, 1024)):
         x, w, g = (rnd(5, (tokens, width), jnp.bfloat16), rnd(6, (width, width), jnp.bfloat16),
