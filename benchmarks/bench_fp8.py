@@ -239,7 +239,7 @@ def _sqnr(out, exact) -> float:
 
 
 def _blockwise(rec, quick):
-    from pallas_fused.fp8 import api, fp8_linear
+    from pallas_fused.fp8 import api, fp8_linear, kernel_sm90
     from pallas_fused.fp8 import reference as ref
 
     act, wblock = (1, 128), (128, 128)
@@ -263,8 +263,9 @@ def _blockwise(rec, quick):
             row_sets.append((ar8, br8, sar.reshape(-1), sbr.reshape(-1)))
         ours = functools.partial(api._mm_nt_blockwise, out_dtype=jnp.bfloat16)
         rowwise = functools.partial(api._mm_nt, out_dtype=jnp.bfloat16, fast_accum=True, impl="pallas:sm90")
-        for impl, fn, sets, extra in (("pallas:sm90_blockwise", ours, kernel_sets, dict(tile=str(api.sm90_config(
-                m, n, k)))), ("pallas:sm90_rowwise", rowwise, row_sets, {})):
+        tile = str(kernel_sm90.blockwise_tile(m, n, jnp.bfloat16))
+        for impl, fn, sets, extra in (("pallas:sm90_blockwise", ours, kernel_sets, dict(tile=tile)),
+                                      ("pallas:sm90_rowwise", rowwise, row_sets, {})):
             try:
                 extra = dict(extra, sqnr_vs_bf16=_sqnr(jax.jit(fn)(*sets[0]), exact))
             except Exception as e:  # noqa: BLE001 - the timing below records the failure

@@ -240,7 +240,7 @@ def _mm_nt_blockwise(a, bt, sa_t, sb_t, out_dtype):
 
     def launch(a, bt, sa_t, sb_t):
         m, n = a.shape[0], bt.shape[0]
-        config = kernel_sm90.blockwise_config(sm90_config(m, n, a.shape[1]), out_dtype)
+        config = kernel_sm90.blockwise_tile(m, n, out_dtype)
         cm, cn = config.cta_tile
         bk = kernel_sm90.BLOCK_K  # zero columns past K: the last block's padding adds nothing
         out = kernel_sm90.blockwise_matmul_nt(_pad_to(a, cm, bk), _pad_to(bt, cn, bk), _pad_to(sa_t, 1, cm),

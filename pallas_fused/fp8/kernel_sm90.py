@@ -81,6 +81,20 @@ def scaled_matmul_nt(a, bt, a_scale, b_scale, *, out_dtype, config: TileConfig):
 
 BLOCK_K = 128  # the K extent of one scale block, = tile_k: one scale row per pipeline step
 SMEM_BYTES = 227 * 1024  # an sm90 CTA's shared memory limit
+# The blockwise tile of a GPU without a tuning table: the H200's (pallas_fused/tuning/nvidia_h200.json cites the
+# sweep). Each compute warpgroup holds two fp32 accumulators (the K step's product and the running sum), so
+# its tile is half the scaled GEMM's: 128 x 64 (64 registers per thread each). At 128 x 128 ptxas spills.
+BLOCKWISE_HEURISTIC = {"tile": dict(tile_m=128, tile_n=64, tile_k=BLOCK_K, max_concurrent_steps=3)}
+
+
+def blockwise_tile(m: int, n: int, out_dtype) -> TileConfig:
+    """The blockwise GEMM's tile for an (M, K) x (N, K) product on this device kind (its tuning table's
+    "fp8_sm90_blockwise", else BLOCKWISE_HEURISTIC): the two warpgroups split the CTA tile along N unless only
+    the split along M fits the shape without padding; stages as `blockwise_config` fits them."""
+    base = TileConfig(**_backend.tuned("fp8_sm90_blockwise", BLOCKWISE_HEURISTIC)["tile"])
+    split_m = dataclasses.replace(base, wg_split="m")
+    fits = lambda c: m % c.cta_tile[0] == 0 and n % c.cta_tile[1] == 0  # noqa: E731
+    return blockwise_config(split_m if fits(split_m) and not fits(base) else base, out_dtype)
 
 
 def blockwise_config(config: TileConfig, out_dtype) -> TileConfig:
@@ -111,7 +125,7 @@ def blockwise_matmul_nt(a, bt, a_scales_t, b_scales_t, *, out_dtype, config: Til
     a (M, K), bt (N, K): one fp8 dtype, both K-major. a_scales_t (K / 128, M): the transposed (M, K / 128) scales
     of a's 1 x 128 tiles, so a K step's scales are one contiguous row; b_scales_t (K / 128, N): one scale per
     row of bt per K block (a 128 x 128-block weight passes its block scales repeated 128 times along N). Shapes
-    must be tile multiples with config.tile_k == 128 (the api pads; `blockwise_config` fits the stages).
+    must be tile multiples with config.tile_k == 128 (the api pads; `blockwise_tile` picks the tile).
     """
     op = "kernel_sm90.blockwise_matmul_nt"
     (m, k), n = a.shape, bt.shape[0]

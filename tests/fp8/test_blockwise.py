@@ -86,6 +86,20 @@ def test_gemm_variants_refused(implementation):
         fp8_linear(x, w, "blockwise", implementation="pallas:cublas")
 
 
+def test_blockwise_tile():
+    """The blockwise GEMM's tile: each warpgroup's accumulators (the K step's product and the running sum) fit
+    the registers (at most 128 x 64 fp32 each), the split along M only where it alone avoids padding, K = one
+    scale block, and the SMEM stages fit beside the scale rows."""
+    from pallas_fused.fp8 import kernel_sm90
+
+    for (m, n), split in (((16384, 5504), "n"), ((512, 192), "m"), ((300, 200), "n")):
+        for out_dtype in (jnp.bfloat16, jnp.float32):
+            tile = kernel_sm90.blockwise_tile(m, n, out_dtype)
+            assert tile.tile_m * tile.tile_n <= 128 * 64 and tile.tile_k == kernel_sm90.BLOCK_K
+            assert tile.wg_split == split, (m, n, tile)
+            assert kernel_sm90.blockwise_config(tile, out_dtype) == tile
+
+
 # ---------------------------------------------------------------------------------------------- quantize
 
 

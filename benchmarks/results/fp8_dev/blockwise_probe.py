@@ -79,7 +79,7 @@ if "small" in WHAT:
 if "large" in WHAT:
     m = k = n = 8192
     args, want, bf16 = operands(m, k, n)
-    cfg = kernel_sm90.blockwise_config(api.sm90_config(m, n, k), jnp.bfloat16)
+    cfg = kernel_sm90.blockwise_tile(m, n, jnp.bfloat16)
     case(f"large {m}^3 {cfg}", direct(cfg), args, want, 2 * m * n * k, bf16, n=50)
 if "shapes" in WHAT:
     for m, k, n in [(16384, 2048, 2048), (16384, 2048, 512), (16384, 2048, 5504), (16384, 5504, 2048),
@@ -87,7 +87,8 @@ if "shapes" in WHAT:
         for b_block in ((128, 128), (1, 128)):
             args, want, bf16 = operands(m, k, n, b_block)
             fn = jax.jit(functools.partial(api._mm_nt_blockwise, out_dtype=jnp.bfloat16))
-            case(f"api {m}x{k}x{n} b {b_block} {api.sm90_config(m, n, k).cta_tile}", fn, args, want, 2 * m * n * k,
+            cta = kernel_sm90.blockwise_tile(m, n, jnp.bfloat16).cta_tile
+            case(f"api {m}x{k}x{n} b {b_block} {cta}", fn, args, want, 2 * m * n * k,
                  bf16, n=50)
 if "sweep" in WHAT:
     m = k = n = 8192
