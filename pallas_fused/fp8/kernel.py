@@ -239,8 +239,9 @@ def _blockwise_kernel(x_ref, *refs, shape, tile, dtype, power_of_2, square, emit
         _backend.store(sot_ref.at[pl.ds(i * shape[1] + c0, tile[1])], scale, mask=col_mask)
 
 
-# Warps per program of the blockwise pass, for a GPU without a tuning table.
-BLOCKWISE_HEURISTIC = {"num_warps": 8}
+# Warps per program of the blockwise pass, for a GPU without a tuning table (the H200's): by what a program
+# writes, both activation copies (q in 1 x bk blocks and q^T in bm x 1), one copy, or a square tile's two.
+BLOCKWISE_HEURISTIC = {"num_warps": {"both": 4, "one": 8, "square": 8}}
 
 
 def blockwise_supported(block_n, block_t) -> bool:
@@ -309,7 +310,8 @@ def quantize_blockwise(x, *, dtype, block_n=None, block_t=None, power_of_2=False
             functools.partial(_blockwise_kernel, shape=(r, c), tile=tile, dtype=dtype, power_of_2=power_of_2,
                               square=square, emit_n=emit_n, emit_t=emit_t, interpret=interpret),
             out_shape=outs, grid=grid, name="pallas_fused_fp8_quantize_blockwise", interpret=interpret,
-            num_warps=num_warps or _backend.tuned("fp8_blockwise", BLOCKWISE_HEURISTIC)["num_warps"],
+            num_warps=num_warps or _backend.tuned("fp8_blockwise", BLOCKWISE_HEURISTIC)["num_warps"][
+                "square" if square else "both" if emit_n and emit_t else "one"],
         )(x))
     if square:
         q = res.pop(0) if emit_n else None
