@@ -311,11 +311,11 @@ def run_variant(name: str, args, s: dict, init_params, batches: dict) -> tuple[l
     state_bits = 32 if baseline else args.state_bits
 
     results: list[RunResult] = []
-    restored = init_params  # the fine-tune's starting point when pretraining is skipped
+    # The same initial params for both variants, a fresh device copy for each: the train step donates them.
+    params = jax.tree.map(jnp.copy, init_params)
     if s["steps"] > 0:
         cfg = model_config(s, implementation=implementation, fp8=fp8, attention=args.attention)
         model = Llama(cfg)
-        params = jax.tree.map(jnp.copy, init_params)  # the same initial params for both variants
         tx = pretrain_optimizer(s, params, baseline=baseline, implementation=implementation, projector=args.projector,
                                 inplace=not args.optax_path, optimizer=args.optimizer, state_bits=state_bits)
         params, opt_state, pre = train(name=name, phase="pretrain", model=model, params=params, tx=tx,
@@ -335,6 +335,9 @@ def run_variant(name: str, args, s: dict, init_params, batches: dict) -> tuple[l
         checks["checkpoint_fingerprint"] = tree_fingerprint(restored_state)
         restored = restored_state["params"]
         del params, opt_state, state, restored_state
+    else:  # no pretraining: the fine-tune starts from the initial params
+        restored = params
+        del params
 
     if s["finetune_steps"] > 0 and s["dora_rank"]:
         ft_cfg = model_config(s, implementation=implementation, dora_rank=s["dora_rank"], quantize=args.quantize,
@@ -342,7 +345,7 @@ def run_variant(name: str, args, s: dict, init_params, batches: dict) -> tuple[l
         ft_model = Llama(ft_cfg)
         convert = jax.jit(lambda p, key: dora_params(p, s["dora_rank"], s["dora_alpha"], key, args.quantize))
         ft_params = convert(restored, jax.random.PRNGKey(args.seed + 1))
-        del restored  # the full-precision pretrained params: with --quantize only the quantized base stays in memory
+        del restored  # the full-precision params: with --quantize only the quantized base stays on the device
         checks["finetune_base_kernels"] = base_kernel_formats(ft_params)
         tx = finetune_optimizer(s, baseline=baseline, implementation=implementation, state_bits=state_bits)
         before = fingerprints(ft_params)
@@ -405,7 +408,10 @@ def main(argv=None) -> dict:
 
     cfg = model_config(s, implementation="xla")
     init = jax.jit(lambda key, tokens: Llama(cfg).init(key, tokens)["params"])  # one compile, not one per op
-    init_params = init(jax.random.PRNGKey(args.seed), jnp.asarray(batches["pretrain_val"][0][:1, :-1]))
+    # Kept on the host: device memory then holds only what a phase trains, so the peak a phase reports is its own
+    # (a fine-tune on a quantized base, say, shares the device with no full-precision copy of the model).
+    init_params = jax.device_get(init(jax.random.PRNGKey(args.seed),
+                                      jnp.asarray(batches["pretrain_val"][0][:1, :-1])))
     echo(f"model: {count_params(init_params) / 1e6:.1f}M params, {s['n_layers']} layers, d_model {s['d_model']}, "
           f"seq {s['seq_len']}, batch {s['batch_size']}, {s['dtype']}; fp8={args.fp8}, dora rank {s['dora_rank']}"
           + (f", {args.quantize} base" if args.quantize else ""))

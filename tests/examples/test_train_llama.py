@@ -193,6 +193,24 @@ def test_gpu_pallas_compare_fp8(train_llama, tmp_path):
         assert checks["checkpoint_restored_identical"] and checks["finetune_only_adapters_changed"]
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("quantize", ["int8", "nf4"])
+def test_gpu_qdora_finetune_compare(train_llama, tmp_path, quantize):
+    """QDoRA on the GPU at a small size: the Pallas DoRA kernels on a quantized base against the XLA reference on
+    the same base (--compare), fine-tune only (--steps 0), bf16; the peak memory is reported."""
+    out = train_llama.main(["--preset", "gpu", "--d-model", "256", "--n-layers", "2", "--seq-len", "256",
+                            "--batch-size", "8", "--steps", "0", "--finetune-steps", "20", "--eval-every", "20",
+                            "--implementation", "pallas", "--quantize", quantize, "--compare", "--no-progress",
+                            "--out", str(tmp_path)])
+    runs = {r.name: r for r in out["results"]}
+    ours, base = runs["pallas_fused"], runs["baseline"]
+    assert ours.val_loss[-1] < ours.val_loss[0]
+    assert abs(ours.val_loss[-1] - base.val_loss[-1]) / base.val_loss[-1] < 0.02, (ours.val_loss, base.val_loss)
+    assert ours.peak_bytes is not None and base.peak_bytes >= ours.peak_bytes  # a process-wide high-water mark
+    for checks in out["checks"].values():
+        assert checks["finetune_base_kernels"] == [quantize] and checks["finetune_only_adapters_changed"]
+
+
 def test_model_kernels_keep_the_param_tree(train_llama):
     """The embedding and RMSNorm drop-ins: the same param tree under every implementation, flax's own layers
     under "xla" (the baseline's numbers), and the kernels' loss and gradients close to them."""
