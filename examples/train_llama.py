@@ -3,6 +3,7 @@
     python examples/train_llama.py                        # --preset cpu without a GPU: ~3 minutes on 2 cores
     python examples/train_llama.py --preset gpu --compare # ~300M params, seq 1024, bf16, against the baseline
     python examples/train_llama.py --mesh data=2          # data parallel on 2 devices (--mesh fsdp=2: FSDP)
+    python examples/train_llama.py --preset gpu --quantize int8 --compare   # QDoRA: an int8 (or nf4) frozen base
     srun --ntasks-per-node=8 python examples/train_llama.py --mesh fsdp=16     # one process per GPU, 2 hosts
     python examples/train_llama.py --coordinator host0:1234 --num-processes 2 --process-id 0 ...  # by hand
 
@@ -12,7 +13,8 @@ What it does:
      rest), rotary from `pallas_fused.rotary`, optionally FP8 block projections (`--fp8 <recipe>`);
   2. an orbax checkpoint of the pretrained params, restored (and checked bit-identical) for
   3. a DoRA fine-tune (`--dora-rank`) on a different slice of the corpus (the stdlib's test suites):
-     the base weights frozen, only lora_a / lora_b / magnitude trained, with the fused AdamW;
+     the base weights frozen, only lora_a / lora_b / magnitude trained, with the fused AdamW; with
+     `--quantize int8|nf4` the frozen block projection kernels are stored quantized (QDoRA);
   4. a loss plot (train + held-out validation), report.md and report.json under `--out`.
 
 `--mesh data=N` trains data parallel on N devices (batch split, params replicated); `--mesh fsdp=N` splits
@@ -27,7 +29,12 @@ from every process, and process 0 alone prints and writes the report.
 
 `--compare` repeats the same run (same seed, same initial params, same batches in the same order) with the
 plain jnp / flax / optax baseline: implementation="xla" for every op, optax.contrib.galore and optax.adamw,
-nn.Dense without FP8. It prints both losses and the speed ratio, and plots both curves together.
+nn.Dense without FP8. It prints both losses and the speed ratio, and plots both curves together. With
+`--quantize`, the baseline's fine-tune quantizes its base the same way, so the two differ in implementation only.
+
+`--steps 0` skips pretraining (and its checkpoint): the fine-tune starts from the initial params, the cheap way
+to measure the fine-tune alone (its step time, and its own peak memory: the report's peak is a process-wide
+high-water mark, which pretraining would otherwise set).
 """
 
 from __future__ import annotations
@@ -89,7 +96,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--preset", choices=sorted(PRESETS), default=None,
                    help="model/data size (default: gpu if a GPU is visible, else cpu)")
-    p.add_argument("--steps", type=int, help="pretraining steps")
+    p.add_argument("--steps", type=int, help="pretraining steps (0 skips pretraining: fine-tune the initial params)")
     p.add_argument("--finetune-steps", type=int, help="DoRA fine-tuning steps (0 skips the fine-tune)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--implementation", choices=["pallas", "xla", "interpret"], default=None,
@@ -97,6 +104,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--fp8", choices=["tensorwise", "rowwise", "rowwise_with_gw_hp", "blockwise"], default=None,
                    help="FP8 recipe for the block projections while pretraining")
     p.add_argument("--dora-rank", type=int, help="rank of the DoRA adapters for the fine-tune")
+    p.add_argument("--quantize", choices=["int8", "nf4"], default=None,
+                   help="QDoRA: the fine-tune's frozen block projection kernels quantized to int8 (per-column "
+                        "scales) or NF4 (default: kept as they are)")
     p.add_argument("--compare", action="store_true", help="also run the plain jnp/flax/optax baseline")
     p.add_argument("--optimizer", choices=["galore_adamw", "adamw"], default="galore_adamw",
                    help="pretraining optimizer of pallas_fused (adamw: the fused AdamW on every param)")
@@ -140,6 +150,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     overrides.update({k: getattr(args, k) for k in ("batch_size", "seq_len", "lr", "galore_rank", "update_proj_gap",
                                                    "eval_every", "n_layers", "d_model", "max_bytes")})
     settings.update({k: v for k, v in overrides.items() if v is not None})
+    finetune = settings["finetune_steps"] > 0 and bool(settings["dora_rank"])
+    if args.quantize and not finetune:
+        p.error(f"--quantize {args.quantize} quantizes the DoRA fine-tune's base weights: it needs a fine-tune "
+                f"(--finetune-steps > 0 and --dora-rank > 0; got {settings['finetune_steps']} and "
+                f"{settings['dora_rank']})")
+    if settings["steps"] < 0 or settings["finetune_steps"] < 0:
+        p.error(f"--steps and --finetune-steps must be >= 0, got {settings['steps']} and {settings['finetune_steps']}")
+    if settings["steps"] == 0 and not finetune:
+        p.error("--steps 0 skips pretraining: it needs a fine-tune (--finetune-steps > 0 and --dora-rank > 0)")
     args.settings = settings
     if args.out is None:  # process 0's clock names it, so every process writes its checkpoint shards there
         stamp = dist.broadcast_int(int(datetime.datetime.now().strftime("%Y%m%d%H%M%S")))
@@ -148,11 +167,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def model_config(s: dict, *, implementation, fp8=None, dora_rank=None, attention=None) -> ModelConfig:
+def model_config(s: dict, *, implementation, fp8=None, dora_rank=None, quantize=None, attention=None) -> ModelConfig:
     return ModelConfig(
         d_model=s["d_model"], n_layers=s["n_layers"], n_heads=s["n_heads"], n_kv_heads=s["n_kv_heads"],
         d_ff=s["d_ff"], dtype=jnp.dtype(s["dtype"]), implementation=implementation, fp8=fp8,
-        dora_rank=dora_rank, dora_alpha=s["dora_alpha"], attention=attention,
+        dora_rank=dora_rank, dora_alpha=s["dora_alpha"], dora_quantize=quantize, attention=attention,
     )
 
 
@@ -221,16 +240,18 @@ def trees_equal(a, b) -> bool:
     return jax.tree.structure(a) == jax.tree.structure(b) and all(jax.tree.leaves(same))
 
 
-def dora_params(pretrained, rank: int, alpha: float, key):
+def dora_params(pretrained, rank: int, alpha: float, key, quantize: str | None = None):
     """Pretrained params -> DoRA fine-tune params: every block projection {kernel} becomes
     {kernel, lora_a, lora_b = 0, magnitude = ||W||} (pallas_fused.dora.dense_to_dora_params), so the
-    DoRA model starts out computing exactly what the pretrained one did."""
+    DoRA model starts out computing exactly what the pretrained one did. With `quantize` ("int8" / "nf4") the
+    kernel is stored quantized and the magnitude is the quantized kernel's column norms (the library's QDoRA
+    convention), so the model starts out computing what the pretrained one does on quantized weights."""
     from pallas_fused.dora.flax import dense_to_dora_params
 
     def convert(tree, path=()):
         if isinstance(tree, dict) and "kernel" in tree and path and path[0].startswith("block_"):
             return dense_to_dora_params(tree, rank, key=jax.random.fold_in(key, zlib.crc32("/".join(path).encode())),
-                                        alpha=alpha)
+                                        alpha=alpha, quantize=quantize)
         if isinstance(tree, dict):
             return {k: convert(v, path + (k,)) for k, v in tree.items()}
         return tree
@@ -239,12 +260,26 @@ def dora_params(pretrained, rank: int, alpha: float, key):
 
 
 def fingerprints(params):
-    """Cheap per-leaf fingerprints (sum and sum of squares in fp32) to see which leaves a run changed."""
+    """Cheap per-param fingerprints (sum and sum of squares in fp32 of each of its arrays: a quantized kernel
+    has several) to see which params a run changed."""
     from flax import traverse_util
 
-    flat = traverse_util.flatten_dict(params)
-    return {k: jnp.stack([jnp.sum(v.astype(jnp.float32)), jnp.sum(jnp.square(v.astype(jnp.float32)))])
-            for k, v in flat.items()}
+    def one(v):
+        return jnp.stack([s for x in jax.tree.leaves(v) for s in (jnp.sum(x.astype(jnp.float32)),
+                                                                  jnp.sum(jnp.square(x.astype(jnp.float32))))])
+
+    return {k: one(v) for k, v in traverse_util.flatten_dict(params).items()}
+
+
+def base_kernel_formats(params) -> list[str]:
+    """How the block projection kernels are stored: "int8" / "nf4" (QDoRA) or their dtype name."""
+    from flax import traverse_util
+
+    from pallas_fused.dora.quant import Int8Kernel, NF4Kernel
+
+    names = {Int8Kernel: "int8", NF4Kernel: "nf4"}
+    return sorted({names.get(type(v)) or str(v.dtype) for k, v in traverse_util.flatten_dict(params).items()
+                   if k[0].startswith("block_") and k[-1] == "kernel"})
 
 
 def tree_fingerprint(tree) -> dict[str, list[float]]:
@@ -265,7 +300,8 @@ def changed_leaves(before, after) -> list[str]:
 
 
 def run_variant(name: str, args, s: dict, init_params, batches: dict) -> tuple[list[RunResult], dict]:
-    """Pretrain, checkpoint, restore, DoRA fine-tune: one variant ("pallas_fused" or "baseline")."""
+    """Pretrain, checkpoint, restore, DoRA fine-tune: one variant ("pallas_fused" or "baseline"). With
+    s["steps"] 0 the fine-tune starts from `init_params` (no pretraining, no checkpoint)."""
     baseline = name == "baseline"
     implementation = "xla" if baseline else args.implementation
     fp8 = None if baseline else args.fp8
@@ -274,34 +310,43 @@ def run_variant(name: str, args, s: dict, init_params, batches: dict) -> tuple[l
     layout = args.layout
     state_bits = 32 if baseline else args.state_bits
 
-    cfg = model_config(s, implementation=implementation, fp8=fp8, attention=args.attention)
-    model = Llama(cfg)
-    params = jax.tree.map(jnp.copy, init_params)  # the same initial params for both variants
-    tx = pretrain_optimizer(s, params, baseline=baseline, implementation=implementation, projector=args.projector,
-                            inplace=not args.optax_path, optimizer=args.optimizer, state_bits=state_bits)
-    params, opt_state, pre = train(name=name, phase="pretrain", model=model, params=params, tx=tx,
-                                   is_trainable=lambda k: True, batches=batches["pretrain"],
-                                   val_batches=batches["pretrain_val"], eval_every=s["eval_every"],
-                                   progress=progress, layout=layout, batch_size=s["batch_size"])
-    results = [pre]
+    results: list[RunResult] = []
+    # The same initial params for both variants, a fresh device copy for each: the train step donates them.
+    params = jax.tree.map(jnp.copy, init_params)
+    if s["steps"] > 0:
+        cfg = model_config(s, implementation=implementation, fp8=fp8, attention=args.attention)
+        model = Llama(cfg)
+        tx = pretrain_optimizer(s, params, baseline=baseline, implementation=implementation, projector=args.projector,
+                                inplace=not args.optax_path, optimizer=args.optimizer, state_bits=state_bits)
+        params, opt_state, pre = train(name=name, phase="pretrain", model=model, params=params, tx=tx,
+                                       is_trainable=lambda k: True, batches=batches["pretrain"],
+                                       val_batches=batches["pretrain_val"], eval_every=s["eval_every"],
+                                       progress=progress, layout=layout, batch_size=s["batch_size"])
+        results.append(pre)
 
-    # The whole training state: params and optimizer state (GaLore projectors and moments, 8-bit moments).
-    ckpt = (args.ckpt_dir or args.out / "checkpoints") / name / "pretrain"
-    # (Zero-size placeholder leaves, as in optax.contrib.galore's state, hold nothing and orbax refuses them.)
-    state = jax.tree.map(lambda x: x if x.size else None, {"params": params, "opt_state": opt_state})
-    save_checkpoint(ckpt, state)
-    restored_state = restore_checkpoint(ckpt, state)
-    checks["checkpoint"] = str(ckpt)
-    checks["checkpoint_restored_identical"] = trees_equal(state, restored_state)
-    checks["checkpoint_fingerprint"] = tree_fingerprint(restored_state)
-    restored = restored_state["params"]
-    del params, opt_state, state, restored_state
+        # The whole training state: params and optimizer state (GaLore projectors and moments, 8-bit moments).
+        ckpt = (args.ckpt_dir or args.out / "checkpoints") / name / "pretrain"
+        # (Zero-size placeholder leaves, as in optax.contrib.galore's state, hold nothing and orbax refuses them.)
+        state = jax.tree.map(lambda x: x if x.size else None, {"params": params, "opt_state": opt_state})
+        save_checkpoint(ckpt, state)
+        restored_state = restore_checkpoint(ckpt, state)
+        checks["checkpoint"] = str(ckpt)
+        checks["checkpoint_restored_identical"] = trees_equal(state, restored_state)
+        checks["checkpoint_fingerprint"] = tree_fingerprint(restored_state)
+        restored = restored_state["params"]
+        del params, opt_state, state, restored_state
+    else:  # no pretraining: the fine-tune starts from the initial params
+        restored = params
+        del params
 
     if s["finetune_steps"] > 0 and s["dora_rank"]:
-        ft_cfg = model_config(s, implementation=implementation, dora_rank=s["dora_rank"], attention=args.attention)
+        ft_cfg = model_config(s, implementation=implementation, dora_rank=s["dora_rank"], quantize=args.quantize,
+                              attention=args.attention)
         ft_model = Llama(ft_cfg)
-        convert = jax.jit(lambda p, key: dora_params(p, s["dora_rank"], s["dora_alpha"], key))
+        convert = jax.jit(lambda p, key: dora_params(p, s["dora_rank"], s["dora_alpha"], key, args.quantize))
         ft_params = convert(restored, jax.random.PRNGKey(args.seed + 1))
+        del restored  # the full-precision params: with --quantize only the quantized base stays on the device
+        checks["finetune_base_kernels"] = base_kernel_formats(ft_params)
         tx = finetune_optimizer(s, baseline=baseline, implementation=implementation, state_bits=state_bits)
         before = fingerprints(ft_params)
         ft_params, _, ft = train(name=name, phase="dora finetune", model=ft_model, params=ft_params, tx=tx,
@@ -324,7 +369,7 @@ def make_batches(s: dict, seed: int, rows: slice = slice(None)) -> dict:
     pre = data.Batches(streams["pretrain"], b, sl, seed, rows)
     ft = data.Batches(streams["finetune"], b, sl, seed + 1, rows)
     return {
-        "pretrain": np.stack([next(pre) for _ in range(s["steps"])]),
+        "pretrain": np.stack([next(pre) for _ in range(s["steps"])]) if s["steps"] else None,
         "finetune": np.stack([next(ft) for _ in range(s["finetune_steps"])]) if s["finetune_steps"] else None,
         "pretrain_val": data.eval_batches(streams["pretrain_val"], batch_size=b, seq_len=sl,
                                           num_batches=s["val_batches"], rows=rows),
@@ -363,27 +408,34 @@ def main(argv=None) -> dict:
 
     cfg = model_config(s, implementation="xla")
     init = jax.jit(lambda key, tokens: Llama(cfg).init(key, tokens)["params"])  # one compile, not one per op
-    init_params = init(jax.random.PRNGKey(args.seed), jnp.asarray(batches["pretrain"][0][:1, :-1]))
+    # Kept on the host: device memory then holds only what a phase trains, so the peak a phase reports is its own
+    # (a fine-tune on a quantized base, say, shares the device with no full-precision copy of the model).
+    init_params = jax.device_get(init(jax.random.PRNGKey(args.seed),
+                                      jnp.asarray(batches["pretrain_val"][0][:1, :-1])))
     echo(f"model: {count_params(init_params) / 1e6:.1f}M params, {s['n_layers']} layers, d_model {s['d_model']}, "
-          f"seq {s['seq_len']}, batch {s['batch_size']}, {s['dtype']}; fp8={args.fp8}, dora rank {s['dora_rank']}")
+          f"seq {s['seq_len']}, batch {s['batch_size']}, {s['dtype']}; fp8={args.fp8}, dora rank {s['dora_rank']}"
+          + (f", {args.quantize} base" if args.quantize else ""))
 
     results, checks = [], {}
     for name in ["pallas_fused"] + (["baseline"] if args.compare else []):
         runs, checks[name] = run_variant(name, args, s, init_params, batches)
         results += runs
 
+    quantized = f" on an {args.quantize} base (QDoRA)" if args.quantize else ""
     variants = {
         "pallas_fused": f"pallas_fused kernels (implementation={args.implementation or 'auto'}): rotary, embedding "
                         "(one-hot GEMM gradient), RMSNorm, "
                         f"galore_adamw ({'optax path' if args.optax_path else 'in-place step'}, {args.projector} "
-                        f"projector), fused AdamW, DoRADense" + (f", FP8 {args.fp8} block projections" if args.fp8
-                                                                 else ", bf16/fp32 nn.Dense block projections"),
-        "baseline": "plain jnp/flax/optax: implementation='xla' for rotary and DoRA, nn.Embed, nn.RMSNorm, "
-                    "optax.contrib.galore (SVD projector), optax.adamw, nn.Dense",
+                        f"projector), fused AdamW, DoRADense{quantized}" + (
+                            f", FP8 {args.fp8} block projections" if args.fp8
+                            else ", bf16/fp32 nn.Dense block projections"),
+        "baseline": "plain jnp/flax/optax: implementation='xla' for rotary and DoRA" + quantized + ", nn.Embed, "
+                    "nn.RMSNorm, optax.contrib.galore (SVD projector), optax.adamw, nn.Dense",
     }
     settings = {**s, "preset": args.preset, "variants": variants, "seed": args.seed,
                 "implementation": args.implementation, "fp8": args.fp8, "optax_path": args.optax_path,
                 "projector": args.projector, "attention": args.attention, "compare": args.compare,
+                "quantize": args.quantize,
                 "mesh": args.mesh_axes or None, "optimizer": args.optimizer, "state_bits": args.state_bits,
                 "corpus_bytes": batches["bytes"], "num_params": count_params(init_params), "checks": checks}
     if not dist.is_main():
@@ -396,8 +448,9 @@ def main(argv=None) -> dict:
     for line in report.comparison_lines(results):
         print(line)
     for name, c in checks.items():
-        print(f"{name}: checkpoint restored identical: {c['checkpoint_restored_identical']}; "
-              f"fine-tune changed only adapters: {c.get('finetune_only_adapters_changed')}")
+        print(f"{name}: checkpoint restored identical: {c.get('checkpoint_restored_identical')}; "
+              f"fine-tune changed only adapters: {c.get('finetune_only_adapters_changed')}; "
+              f"base kernels: {c.get('finetune_base_kernels')}")
     print("wrote " + ", ".join(str(p) for p in paths.values()))
     return {"results": results, "checks": checks, "paths": paths, "settings": settings}
 

@@ -9,6 +9,7 @@ flag decides what a linear layer is without touching the model:
     plain           nn.Dense
     fp8=<recipe>    nn.Dense with pallas_fused.fp8.Float8DotGeneral ("tensorwise", "rowwise", ...)
     dora_rank=r     pallas_fused.dora.DoRADense (same `kernel` name: pretrained params load unchanged)
+    + dora_quantize  its frozen `kernel` an Int8Kernel / NF4Kernel ("int8" / "nf4": QDoRA)
 
 `implementation` is handed to every pallas_fused op ("xla" is the plain-jnp reference: the baseline).
 The embedding (`pallas_fused.embed.Embed`: nn.Embed's params, a one-hot GEMM for its gradient instead of a
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any
 
 import flax.linen as nn
@@ -43,6 +45,7 @@ class ModelConfig:
     fp8: str | None = None  # an FP8 recipe name for the block projections
     dora_rank: int | None = None  # DoRA adapters on the block projections
     dora_alpha: float = 16.0
+    dora_quantize: str | None = None  # "int8" / "nf4": the DoRA layers' frozen kernels quantized (QDoRA)
     attention: str | None = None  # jax.nn.dot_product_attention's implementation (None: XLA)
 
     def __post_init__(self):
@@ -52,6 +55,9 @@ class ModelConfig:
             raise ValueError(f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}")
         if self.fp8 is not None and self.dora_rank is not None:
             raise ValueError("fp8 and dora_rank: pick one (the DoRA fine-tune runs in high precision)")
+        if self.dora_quantize is not None and self.dora_rank is None:
+            raise ValueError(f"dora_quantize={self.dora_quantize!r} needs dora_rank (it quantizes the DoRA layers' "
+                             "frozen kernels)")
 
     @property
     def head_dim(self) -> int:
@@ -73,6 +79,7 @@ class ModelConfig:
                 alpha=self.dora_alpha,
                 use_bias=False,
                 dtype=self.dtype,
+                quantize=self.dora_quantize,
                 implementation=self.implementation,
                 name=name,
             )
@@ -148,7 +155,12 @@ class Llama(nn.Module):
 
 
 def count_params(params) -> int:
-    return sum(int(x.size) for x in jax.tree.leaves(params))
+    """Weights in a params tree; a quantized kernel (QDoRA) counts as its (in, out) weight, not its packed codes
+    and scales, so the count (and the MFU from it) is the model's whatever the storage."""
+    from pallas_fused.dora.quant import is_quantized
+
+    return sum(math.prod(x.shape) if is_quantized(x) else int(x.size)
+               for x in jax.tree.leaves(params, is_leaf=is_quantized))
 
 
 def block_kernel_mask(params, rank: int):

@@ -70,12 +70,14 @@ def mfu(r: RunResult, settings: dict, device: str | None) -> float | None:
 
 def table(results: list[RunResult], settings: dict | None = None, device: str | None = None) -> str:
     """A markdown table, one row per run, led by the typical (median) step: its ms, tokens / s and MFU, then the
-    mean step (GaLore's projector refreshes included) and both speed ratios against the phase's baseline."""
+    mean step (GaLore's projector refreshes included), both speed ratios against the phase's baseline, the
+    optimizer state and the process' peak device memory after the run."""
     base = {r.phase: r for r in results if r.name == "baseline"}
     lines = [
         "| phase | run | val loss start -> end | final train loss | ms / step (median) | tokens / s (median) | MFU "
-        "| ms / step (mean) | speedup vs baseline (median) | speedup (mean) | optimizer state (MB) |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| ms / step (mean) | speedup vs baseline (median) | speedup (mean) | optimizer state (MB) "
+        "| peak memory (GB) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in results:
         b = base.get(r.phase)
@@ -87,7 +89,8 @@ def table(results: list[RunResult], settings: dict | None = None, device: str | 
         lines.append(
             f"| {r.phase} | {r.name} | {r.val_loss[0]:.4f} -> {r.val_loss[-1]:.4f} | {r.train_loss[-1]:.4f} | "
             f"{r.median_step_ms:.2f} | {tok:,.0f} | {'-' if u is None else f'{100 * u:.1f}%'} | {r.step_ms:.2f} | "
-            f"{med} | {mean} | {r.opt_state_bytes / 2**20:.1f} |"
+            f"{med} | {mean} | {r.opt_state_bytes / 2**20:.1f} | "
+            f"{'-' if r.peak_bytes is None else f'{r.peak_bytes / 2**30:.2f}'} |"
         )
     return "\n".join(lines)
 
@@ -140,7 +143,11 @@ def write(out: pathlib.Path, results: list[RunResult], *, command: str, settings
         "passes; the mean includes GaLore projector refreshes (every update_proj_gap steps), the median over "
         "10-step windows shows the typical step. Speedups: baseline / pallas_fused, median and mean. MFU: "
         "6 x params + 12 x layers x d_model x seq_len FLOPs per token at the median step, over the device's dense "
-        "bf16 peak.",
+        "bf16 peak. Peak memory: device 0's peak_bytes_in_use read at the end of each phase, a high-water mark of "
+        "the whole process, so each phase's number includes every phase run before it in this process "
+        "(pretraining, then the fine-tune; with --compare, pallas_fused's phases before the baseline's): only the "
+        "first phase run shows its own peak (--steps 0 makes that the fine-tune); '-' where the backend keeps no "
+        "memory statistics.",
         "",
         *(["![loss](loss.png)", ""] if "plot" in paths else []),
         "## Settings",

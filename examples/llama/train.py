@@ -25,6 +25,7 @@ from flax import traverse_util
 from jax.sharding import NamedSharding, PartitionSpec
 
 from .distributed import put_global
+from .model import count_params
 
 
 @flax.struct.dataclass
@@ -141,6 +142,7 @@ class RunResult:
     num_params: int = 0
     num_trainable: int = 0
     opt_state_bytes: int = 0
+    peak_bytes: int | None = None  # device 0's peak_bytes_in_use after the run (None where jax does not report it)
 
     @property
     def step_ms(self) -> float:
@@ -171,6 +173,7 @@ class RunResult:
             "num_params": self.num_params,
             "num_trainable": self.num_trainable,
             "opt_state_bytes": self.opt_state_bytes,
+            "peak_bytes": self.peak_bytes,
         }
 
     def to_json(self) -> dict:
@@ -182,6 +185,13 @@ class RunResult:
 
 def tree_bytes(tree) -> int:
     return sum(int(x.size) * x.dtype.itemsize for x in jax.tree.leaves(tree) if hasattr(x, "dtype"))
+
+
+def peak_bytes_in_use() -> int | None:
+    """Device 0's high-water mark of allocated bytes since the process started (jax has no reset), or None where
+    the backend keeps no memory stats (CPU)."""
+    stats = jax.local_devices()[0].memory_stats()
+    return stats.get("peak_bytes_in_use") if stats else None
 
 
 class _NoProgress:
@@ -255,8 +265,8 @@ def train(
     evaluate = make_evaluate(model)
     val_batches = put(val_batches, leading=1)
     result = RunResult(name=name, phase=phase, tokens_per_step=int(batch_size * (batches.shape[2] - 1)),
-                       num_params=sum(x.size for x in jax.tree.leaves((state.trainable, state.frozen))),
-                       num_trainable=sum(x.size for x in jax.tree.leaves(state.trainable)),
+                       num_params=count_params((state.trainable, state.frozen)),
+                       num_trainable=count_params(state.trainable),
                        opt_state_bytes=tree_bytes(state.opt_state))
 
     def validate(step):
@@ -299,4 +309,5 @@ def train(
             bar.update(done - bar.n)
             window_start, window_steps = time.perf_counter(), 0
     bar.close()
+    result.peak_bytes = peak_bytes_in_use()
     return merge_params(state.trainable, state.frozen), state.opt_state, result

@@ -79,6 +79,84 @@ def test_compare_runs_baseline(train_llama, tmp_path):
     assert "| pretrain | baseline |" in text and "- pretrain: val loss" in text
 
 
+def test_qdora_finetune_int8(train_llama, tmp_path):
+    """`--quantize int8`: both fine-tunes (pallas_fused and the --compare baseline) train adapters on the same int8
+    base; `--steps 0` skips pretraining, so the run is the fine-tune alone."""
+    out = train_llama.main(TINY + ["--n-layers", "1", "--steps", "0", "--finetune-steps", "3", "--eval-every", "3",
+                                   "--quantize", "int8", "--compare", "--out", str(tmp_path)])
+    runs = {(r.phase, r.name): r for r in out["results"]}
+    assert set(runs) == {("dora finetune", "pallas_fused"), ("dora finetune", "baseline")}
+    for name, checks in out["checks"].items():
+        assert checks["finetune_base_kernels"] == ["int8"], name
+        assert checks["finetune_only_adapters_changed"] is True, name
+        assert "checkpoint" not in checks  # nothing pretrained, nothing checkpointed
+    ours, base = runs[("dora finetune", "pallas_fused")], runs[("dora finetune", "baseline")]
+    assert all(np.isfinite(ours.train_loss)) and ours.val_loss[-1] < ours.val_loss[0]
+    assert ours.val_loss[0] == pytest.approx(base.val_loss[0], rel=1e-5)  # the same quantized weights
+    # The model's weight count, not the int8 codes and scales: what the MFU column divides by.
+    assert ours.num_params == out["settings"]["num_params"] + ours.num_trainable
+    record = json.loads(out["paths"]["json"].read_text())
+    assert record["settings"]["quantize"] == "int8"
+    assert all("peak_bytes" in r for r in record["runs"])
+    text = out["paths"]["markdown"].read_text()
+    assert "on an int8 base (QDoRA)" in text and "| peak memory (GB) |" in text
+    if ours.peak_bytes is None:  # CPU: no memory statistics, the column says so
+        rows = [line for line in text.splitlines() if line.startswith("| dora finetune |")]
+        assert len(rows) == 2 and all(row.endswith("| - |") for row in rows)
+
+
+def test_qdora_nf4_params_model_and_checkpoint(train_llama, tmp_path):
+    """`--quantize nf4` without a training run: the converted params hold NF4 kernels, the QDoRA model starts out
+    computing the plain model on the dequantized kernels (magnitude = their column norms, B = 0), and the
+    example's orbax helpers round-trip the quantized tree."""
+    import jax
+    from flax import traverse_util
+    from llama.model import Llama, ModelConfig
+
+    from pallas_fused.dora.quant import NF4Kernel, dequantize
+
+    s = dict(train_llama.PRESETS["cpu"], d_model=32, n_layers=1, d_ff=64)
+    tokens = jax.random.randint(jax.random.key(0), (2, 17), 0, 256)
+    plain = Llama(train_llama.model_config(s, implementation="xla"))
+    params = jax.jit(plain.init)(jax.random.key(1), tokens)["params"]
+    ft = jax.jit(lambda p: train_llama.dora_params(p, 4, s["dora_alpha"], jax.random.key(2), "nf4"))(params)
+    assert train_llama.base_kernel_formats(ft) == ["nf4"]
+    flat, flat_ft = traverse_util.flatten_dict(params), traverse_util.flatten_dict(ft)
+    adapters = sum(v.size for k, v in flat_ft.items() if k[-1] in train_llama.ADAPTER_NAMES)
+    assert train_llama.count_params(ft) == train_llama.count_params(params) + adapters  # weights, not packed codes
+
+    def on_dequantized(flat_ft):  # the plain model with every block kernel replaced by its dequantized NF4 copy
+        deq = {k: dequantize(flat_ft[k]) if k[0].startswith("block_") and k[-1] == "kernel" else v
+               for k, v in flat.items()}
+        return plain.apply({"params": traverse_util.unflatten_dict(deq)}, tokens), deq[k_up]
+
+    k_up = ("block_0", "mlp", "up", "kernel")
+    want, up = jax.jit(on_dequantized)(flat_ft)
+    assert not np.array_equal(up, flat[k_up])  # NF4 rounds: the check below is not of the dense model
+    qdora = Llama(train_llama.model_config(s, implementation="xla", dora_rank=4, quantize="nf4"))
+    got = jax.jit(lambda p: qdora.apply({"params": p}, tokens))(ft)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-4)
+
+    train_llama.save_checkpoint(tmp_path / "ft", ft)
+    back = train_llama.restore_checkpoint(tmp_path / "ft", ft)
+    assert isinstance(back["block_0"]["mlp"]["up"]["kernel"], NF4Kernel)
+    assert jax.tree.structure(back) == jax.tree.structure(ft)
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(ft), jax.tree.leaves(back)))
+    with pytest.raises(ValueError, match="dora_quantize"):
+        ModelConfig(dora_quantize="nf4")
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--quantize", "int8", "--finetune-steps", "0"], "--quantize int8 quantizes the DoRA fine-tune"),
+    (["--quantize", "nf4", "--dora-rank", "0"], "needs a fine-tune"),
+    (["--steps", "0", "--finetune-steps", "0"], "--steps 0 skips pretraining"),
+])
+def test_quantize_needs_a_finetune(train_llama, tmp_path, capsys, extra, message):
+    with pytest.raises(SystemExit):
+        train_llama.parse_args(TINY + extra + ["--out", str(tmp_path)])
+    assert message in capsys.readouterr().err
+
+
 def test_corpus_splits_are_disjoint_and_deterministic(train_llama):
     data = train_llama.data
     files = data.list_files()
@@ -113,6 +191,24 @@ def test_gpu_pallas_compare_fp8(train_llama, tmp_path):
     assert ft.val_loss[-1] < ft.val_loss[0]
     for checks in out["checks"].values():
         assert checks["checkpoint_restored_identical"] and checks["finetune_only_adapters_changed"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("quantize", ["int8", "nf4"])
+def test_gpu_qdora_finetune_compare(train_llama, tmp_path, quantize):
+    """QDoRA on the GPU at a small size: the Pallas DoRA kernels on a quantized base against the XLA reference on
+    the same base (--compare), fine-tune only (--steps 0), bf16; the peak memory is reported."""
+    out = train_llama.main(["--preset", "gpu", "--d-model", "256", "--n-layers", "2", "--seq-len", "256",
+                            "--batch-size", "8", "--steps", "0", "--finetune-steps", "20", "--eval-every", "20",
+                            "--implementation", "pallas", "--quantize", quantize, "--compare", "--no-progress",
+                            "--out", str(tmp_path)])
+    runs = {r.name: r for r in out["results"]}
+    ours, base = runs["pallas_fused"], runs["baseline"]
+    assert ours.val_loss[-1] < ours.val_loss[0]
+    assert abs(ours.val_loss[-1] - base.val_loss[-1]) / base.val_loss[-1] < 0.02, (ours.val_loss, base.val_loss)
+    assert ours.peak_bytes is not None and base.peak_bytes >= ours.peak_bytes  # a process-wide high-water mark
+    for checks in out["checks"].values():
+        assert checks["finetune_base_kernels"] == [quantize] and checks["finetune_only_adapters_changed"]
 
 
 def test_model_kernels_keep_the_param_tree(train_llama):
