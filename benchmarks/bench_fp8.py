@@ -167,7 +167,7 @@ def _quantize(rec, quick):
 def _blockwise_quantize(rec, quick):
     """The one-pass blockwise quantize kernel beside XLA's reference under jit, at the example's activation shape
     and a weight: bytes = read x + write q (+ q^T) + the fp32 scales."""
-    from pallas_fused.fp8 import kernel, reference
+    from pallas_fused.fp8 import api, kernel
 
     act, weight = (1, 128), (128, 128)
     shapes = [(16384, 2048), (16384, 8192)] + ([] if quick else [(16384, 5504), (2048, 5504)])
@@ -182,15 +182,9 @@ def _blockwise_quantize(rec, quick):
             ours = jax.jit(functools.partial(kernel.quantize_blockwise, dtype=E4, block_n=block_n, block_t=block_t))
             rec.time("fp8_quantize_blockwise", case, "pallas", ours, x, nbytes=nbytes)
 
-            def ref(x, block_n=block_n, block_t=block_t):  # the same outputs (the shared tile: one quantization)
-                q, s = reference.quantize_blockwise_reference(x, E4, block_n)
-                if block_t is None:
-                    return q, s.T
-                if block_t == block_n:
-                    return q, s.T, q.T
-                qt, st = reference.quantize_blockwise_reference(x.T, E4, block_t[::-1])
-                return q, s.T, qt, st.T
-
+            # the same outputs from the reference (the api's "xla" path: a shared tile quantized once)
+            ref = functools.partial(api._quantize_blockwise, block_n=block_n, block_t=block_t, dtype=E4, pow2=False,
+                                    impl="xla")
             rec.time("fp8_quantize_blockwise", case, "xla", jax.jit(ref), x, nbytes=nbytes)
 
 

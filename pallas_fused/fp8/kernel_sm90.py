@@ -93,14 +93,13 @@ def blockwise_tile(m: int, n: int, out_dtype) -> TileConfig:
     the split along M fits the shape without padding; stages as `blockwise_config` fits them."""
     base = TileConfig(**_backend.tuned("fp8_sm90_blockwise", BLOCKWISE_HEURISTIC)["tile"])
     split_m = dataclasses.replace(base, wg_split="m")
-    fits = lambda c: m % c.cta_tile[0] == 0 and n % c.cta_tile[1] == 0  # noqa: E731
+    fits = lambda c: _sm90.supported(m, n, BLOCK_K, c)  # noqa: E731 - K is padded to BLOCK_K in any case
     return blockwise_config(split_m if fits(split_m) and not fits(base) else base, out_dtype)
 
 
 def blockwise_config(config: TileConfig, out_dtype) -> TileConfig:
     """`config` with tile_k = BLOCK_K and as many SMEM stages (at most config's) as fit beside the output
-    staging: each stage also holds the step's two scale rows, so the 4-stage 128 x 256 tile (224 KiB with
-    bf16 staging) drops to 3 stages."""
+    staging, each stage holding the step's fp8 tiles and its two scale rows."""
     cta_m, cta_n = config.cta_tile
     stage = (cta_m + cta_n) * BLOCK_K + 4 * (cta_m + cta_n)  # fp8 tiles of a and b, fp32 scale rows
     fixed = 4 * config.epi_tile ** 2 * jnp.dtype(out_dtype).itemsize + 1024  # out staging, barriers
