@@ -12,7 +12,8 @@ lives here, as does the one selector of implementation that every public op take
     implementation="interpret"          the Pallas kernels in interpret mode (runs anywhere, slowly; CI uses it),
                                         the variant picked by the same rule as "pallas"
     implementation="interpret:<variant>" that variant's Pallas kernels in interpret mode: how CI tests each
-                                        variant on the CPU (Mosaic GPU variants cannot be interpreted)
+                                        variant on the CPU (Mosaic GPU variants: with jax >= 0.12, whose
+                                        Mosaic GPU interpret mode simulates warpgroups, TMA and barriers)
 
 Each op with variants lists them in one table in its own package, `VARIANTS = {"pallas:<name>": Variant(...)}`
 (the model is tokamax's IMPLEMENTATIONS), and passes it to `resolve_implementation`, which validates the name
@@ -155,7 +156,9 @@ class Variant:
     doc: str  # one line: what the variant does differently
     needs: tuple[int, int] = MIN_COMPUTE_CAPABILITY  # the GPU's compute capability
     min_jax: tuple[int, ...] = (0,)  # the jax version (Mosaic GPU kernels need the 0.11 API)
-    interpretable: bool = True  # "interpret:<name>" runs its kernels in interpret mode (Triton lowering only)
+    interpretable: bool = True  # "interpret:<name>" runs its kernels in interpret mode
+    # Mosaic GPU kernels interpret only where jax has Mosaic GPU's interpret mode (`mosaic_interpret`).
+    mosaic: bool = False
 
 
 def valid_implementations(variants: Mapping[str, Variant] | None = None) -> tuple:
@@ -204,6 +207,8 @@ def resolve_implementation(implementation: str | None, *, op: str, needs: tuple[
         if entry is not None and base == "interpret":
             hint = f" ({implementation!r}: a Mosaic GPU kernel, which the Pallas interpreter does not run)"
         raise ValueError(f"{op}: implementation must be None or one of {names}, got {implementation!r}{hint}")
+    if base == "interpret" and entry is not None and entry.mosaic:
+        mosaic_interpret(f"{op}: implementation={implementation!r}")
     if base == "pallas":
         if entry is not None and JAX_VERSION < entry.min_jax:
             raise ImplementationError(
@@ -253,6 +258,17 @@ def mosaic_gpu():
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     return plgpu
+
+
+def mosaic_interpret(what: str):
+    """Mosaic GPU's interpret mode (`plgpu.kernel(interpret=...)`: the kernel's warpgroups, TMA copies and
+    barriers simulated on the CPU), as the parameters to pass; jax >= 0.12 has it. `what` names the caller in the
+    error raised where this jax lacks it."""
+    params = getattr(mosaic_gpu(), "InterpretGPUParams", None)
+    if params is None:
+        raise ImplementationError(f"{what} runs a Mosaic GPU kernel in interpret mode, which needs jax >= 0.12 "
+                                  f"(this is jax {jax.__version__}); on a Hopper GPU use 'pallas'.")
+    return params()
 
 
 def mosaic_load(ref, *, layout):

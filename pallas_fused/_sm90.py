@@ -205,13 +205,14 @@ def supported(m: int, n: int, k: int, config: TileConfig) -> bool:
 
 def matmul(a, b, *, b_layout: str, row_vecs: Sequence[jax.Array] = (), col_vecs: Sequence[jax.Array] = (),
            epilogue: Epilogue, out_dtype, config: TileConfig, name: str, step_row_vecs: Sequence[jax.Array] = (),
-           step_col_vecs: Sequence[jax.Array] = (), promote: Promote | None = None):
+           step_col_vecs: Sequence[jax.Array] = (), promote: Promote | None = None, interpret: bool = False):
     """epilogue(a @ b, row_vecs, col_vecs) on Hopper; a (M, K), b (K, N) or (N, K) per `b_layout` ("kn" | "nk").
 
     With `promote`, a @ b is replaced by the sum over K steps s of promote(a_s @ b_s, [v[s] for v in
     step_row_vecs], [v[s] for v in step_col_vecs]), each step's product and the sum in fp32 (module docstring);
     step row vectors are (K / tile_k, M), step column vectors (K / tile_k, N).
     `name` names the kernel in profiles. Under vmap the batch runs as a loop of launches (no batching rule).
+    interpret=True runs the kernel in Mosaic GPU's interpret mode on the CPU (jax >= 0.12; slow, for tests).
     """
     plgpu = _backend.mosaic_gpu()
     if b_layout not in ("kn", "nk"):
@@ -244,5 +245,6 @@ def matmul(a, b, *, b_layout: str, row_vecs: Sequence[jax.Array] = (), col_vecs:
         num_threads=3,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        **(dict(interpret=_backend.mosaic_interpret(name)) if interpret else {}),
     )
     return jax.custom_batching.sequential_vmap(kernel)(a, b, *row_vecs, *col_vecs, *step_row_vecs, *step_col_vecs)

@@ -1,0 +1,52 @@
+"""The shared Hopper GEMM skeleton (pallas_fused/_sm90.py) in Mosaic GPU's interpret mode (jax >= 0.12): its
+16-bit "kn" and 8-bit "nk" paths with epilogue vectors against plain jnp, on the CPU. The GPU tests of its users
+run the compiled kernel."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_fused import _backend, _sm90
+from pallas_fused.dora import kernel_sm90 as dora_sm90
+from pallas_fused.fp8 import kernel_sm90 as fp8_sm90
+from tests.helpers import rand, to64
+
+needs_interpret = pytest.mark.skipif(getattr(_backend.mosaic_gpu(), "InterpretGPUParams", None) is None,
+                                     reason="Mosaic GPU interpret mode needs jax >= 0.12")
+SMALL = _sm90.TileConfig(tile_m=64, tile_n=64, tile_k=64, max_concurrent_steps=2)
+
+
+@needs_interpret
+@pytest.mark.parametrize("wg_split", ["n", "m"])
+def test_kn_column_epilogue(wg_split):
+    """(x v) g + bias, the DoRA epilogue: 3 K steps through a 2-deep ring, several output tiles per CTA."""
+    config = _sm90.TileConfig(tile_m=64, tile_n=64, tile_k=64, max_concurrent_steps=2, wg_split=wg_split)
+    x, v = rand(0, (256, 192), jnp.bfloat16), rand(1, (192, 256), jnp.bfloat16)
+    g, bias = rand(2, (256,), offset=1.0), rand(3, (256,), jnp.bfloat16)
+    out = _sm90.matmul(x, v, b_layout="kn", col_vecs=(g, bias), epilogue=dora_sm90._scale_bias,
+                       out_dtype=jnp.bfloat16, config=config, name="test_kn", interpret=True)
+    ref = (to64(x) @ to64(v)) * to64(g)[None] + to64(bias)[None]
+    np.testing.assert_allclose(to64(out), ref, rtol=2e-2, atol=2e-2 * np.abs(ref).max())
+
+
+@needs_interpret
+def test_nk_fp8_row_column_scales():
+    a = rand(4, (128, 256), scale=4.0).astype(jnp.float8_e4m3fn)
+    bt = rand(5, (128, 256), scale=4.0).astype(jnp.float8_e4m3fn)
+    sa, sb = rand(6, (128,), offset=2.0), rand(7, (128,), offset=2.0)
+    out = _sm90.matmul(a, bt, b_layout="nk", row_vecs=(sa,), col_vecs=(sb,), epilogue=fp8_sm90._row_col_scales,
+                       out_dtype=jnp.float32, config=SMALL, name="test_nk", interpret=True)
+    ref = (to64(a) * to64(sa)[:, None]) @ (to64(bt) * to64(sb)[:, None]).T
+    np.testing.assert_allclose(to64(out), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+
+
+def test_interpret_needs_new_jax():
+    """Where jax has no Mosaic GPU interpret mode, asking for it names the version that has it."""
+    if getattr(_backend.mosaic_gpu(), "InterpretGPUParams", None) is not None:
+        pytest.skip("this jax has Mosaic GPU interpret mode")
+    x = rand(0, (128, 64), jnp.bfloat16)
+    with pytest.raises(_backend.ImplementationError, match="jax >= 0.12"):
+        _sm90.matmul(x, x.T, b_layout="kn", epilogue=dora_sm90._scale_bias, col_vecs=(jnp.ones(128),),
+                     out_dtype=jnp.bfloat16, config=SMALL, name="t", interpret=True)
