@@ -39,10 +39,11 @@ TileConfig = _sm90.TileConfig
 
 # The tiles of a GPU without a tuning table: the H200's (pallas_fused/tuning/nvidia_h200.json cites the sweeps).
 # "large": 128 x 128 per warpgroup, tile_k 128 (bytes), 4 stages = 192 KiB of shared memory; "small": half as wide,
-# for a GEMM whose large tiles number at most "small_max_tiles_per_sm" per SM (`api.sm90_config`).
+# for a GEMM whose large tiles number at most "small_max_tiles_per_sm" per SM (`api.sm90_config`); "xla_*": where
+# plain "pallas" calls XLA's fp8 dot instead (`api.cublas_wins`).
 HEURISTIC = {"large": dict(tile_m=128, tile_n=128, tile_k=128, max_concurrent_steps=4),
              "small": dict(tile_m=128, tile_n=64, tile_k=128, max_concurrent_steps=4),
-             "small_max_tiles_per_sm": 0.5}
+             "small_max_tiles_per_sm": 0.5, "xla_max_tiles_per_sm": 0.5, "xla_min_k": 8192}
 
 
 def tiles() -> tuple[TileConfig, TileConfig, float]:

@@ -499,6 +499,17 @@ def test_sm90_tile_few_output_tiles(m, n, k, small):
     assert api.sm90_config(m, n, k, num_sms=1).cta_tile != (128, 128)
 
 
+@pytest.mark.parametrize("m,n,k,xla", [(2048, 512, 16384, True), (512, 2048, 16384, True), (2048, 512, 4096, False),
+                                       (2048, 2048, 16384, False), (16384, 512, 2048, False)])
+def test_cublas_wins_few_tiles_long_k(m, n, k, xla):
+    """Plain "pallas" hands a GEMM to XLA's fp8 dot only where the small tiles still leave most of 132 SMs idle
+    and K is long (cuBLAS splits K; the sm90 kernel does not)."""
+    from pallas_fused.fp8 import api
+
+    assert api.cublas_wins(m, n, k, num_sms=132) is xla
+    assert not api.cublas_wins(m, n, k, num_sms=1)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("granularity", ["tensorwise", "rowwise"])
 @pytest.mark.parametrize("m,k,n,cta_tile", [(6144, 256, 384, (256, 128)), (256, 1024, 384, (128, 128))])
