@@ -38,6 +38,7 @@ pallas:<recipe>): 16384 tokens, n -> n, bf16 params and activations, ANCHORS.md'
   for ours and the peers alike. The "+y" cases also return y (all three GEMMs).
 
 Sections (FP8_SECTIONS, comma-separated; default all): matmul, quantize, blockwise_quantize, blockwise, dense.
+FP8_SHAPES (comma-separated M x K x N, e.g. 2048x16384x512) runs the matmul section at those shapes only.
 """
 
 from __future__ import annotations
@@ -81,7 +82,11 @@ def _sets(m, k, n):
 def _matmul(rec, quick):
     from pallas_fused.fp8 import api, kernel, quantize, scaled_matmul_nt
 
-    for m, k, n in SHAPES if quick else SHAPES + [(16384, 4096, 4096)]:
+    shapes = SHAPES if quick else SHAPES + [(16384, 4096, 4096)]
+    only = os.environ.get("FP8_SHAPES")  # e.g. "2048x16384x512,8192x8192x8192" (M x K x N): a subset
+    if only:
+        shapes = [tuple(int(d) for d in name.split("x")) for name in only.split(",")]
+    for m, k, n in shapes:
         count = _sets(m, k, n)
         hp = [(rnd(10 * i + 1, (m, k), jnp.bfloat16), rnd(10 * i + 2, (n, k), jnp.bfloat16)) for i in range(count)]
         flops = 2 * m * n * k
