@@ -70,7 +70,7 @@ Promote = Epilogue
 
 
 def _kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: int, n_vecs: int, n_step_rows: int,
-            epilogue: Epilogue, promote: Promote | None):
+            epilogue: Epilogue, promote: Promote | None, uniform_steps: tuple[bool, bool]):
     plgpu = _backend.mosaic_gpu()
     *vec_gmems, out_gmem = refs
     vec_gmems, step_gmems = vec_gmems[:n_vecs], vec_gmems[n_vecs:]
@@ -191,8 +191,9 @@ def _kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: in
                     # hi_ref: the second half's step accumulator, whose wgmma is still running when a step ends.
                     @functools.partial(pl.run_scoped, hi_ref=plgpu.ACC((part_m, tile_n), jnp.float32))
                     def _acc_scope(hi_ref):
-                        no_scales = ([jnp.zeros((part_m,), jnp.float32)] * n_step_rows,
-                                     [jnp.zeros((tile_n,), jnp.float32)] * (len(step_gmems) - n_step_rows))
+                        no_scales = ([jnp.zeros(() if uniform_steps[0] else (part_m,), jnp.float32)] * n_step_rows,
+                                     [jnp.zeros(() if uniform_steps[1] else (tile_n,), jnp.float32)]
+                                     * (len(step_gmems) - n_step_rows))
                         _, (lo, hi), last_scales = eval_pipeline((hi_ref, (zeros, zeros), no_scales))
                         store([lo, hi + promote(hi_ref[...], *last_scales)])
                 else:
@@ -200,9 +201,11 @@ def _kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: in
 
             def step_scales(part, step_smems):
                 """The K step's row scales of row block `part` and its column scales, fp32 in WGMMA layouts."""
-                rows = [_backend.mosaic_load(v.at[0, pl.ds(wg_row + part * part_m, part_m)],
+                rows = [v[0, wg_row] if uniform_steps[0] else
+                        _backend.mosaic_load(v.at[0, pl.ds(wg_row + part * part_m, part_m)],
                                              layout=plgpu.Layout.WGMMA.reduce(1)) for v in step_smems[:n_step_rows]]
-                cols = [_backend.mosaic_load(v.at[0, wg_n], layout=plgpu.Layout.WGMMA.reduce(0))
+                cols = [v[0, wg_col] if uniform_steps[1] else
+                        _backend.mosaic_load(v.at[0, wg_n], layout=plgpu.Layout.WGMMA.reduce(0))
                         for v in step_smems[n_step_rows:]]
                 return [r.astype(jnp.float32) for r in rows], [c.astype(jnp.float32) for c in cols]
 
@@ -281,12 +284,16 @@ def supported(m: int, n: int, k: int, config: TileConfig) -> bool:
 
 def matmul(a, b, *, b_layout: str, row_vecs: Sequence[jax.Array] = (), col_vecs: Sequence[jax.Array] = (),
            epilogue: Epilogue, out_dtype, config: TileConfig, name: str, step_row_vecs: Sequence[jax.Array] = (),
-           step_col_vecs: Sequence[jax.Array] = (), promote: Promote | None = None, interpret: bool = False):
+           step_col_vecs: Sequence[jax.Array] = (), promote: Promote | None = None,
+           uniform_steps: tuple[bool, bool] = (False, False), interpret: bool = False):
     """epilogue(a @ b, row_vecs, col_vecs) on Hopper; a (M, K), b (K, N) or (N, K) per `b_layout` ("kn" | "nk").
 
     With `promote`, a @ b is replaced by the sum over K steps s of promote(a_s @ b_s, [v[s] for v in
     step_row_vecs], [v[s] for v in step_col_vecs]), each step's product and the sum in fp32 (module docstring);
-    step row vectors are (K / tile_k, M), step column vectors (K / tile_k, N).
+    step row vectors are (K / tile_k, M), step column vectors (K / tile_k, N). uniform_steps = (rows, columns):
+    the caller's promise that each step row (column) vector is constant over every warpgroup's tile_m rows
+    (tile_n columns), as block scales are: the kernel then reads one scalar of it per step and promote gets
+    that fp32 scalar instead of a vector (the scale product is then one multiply per row, not per element).
     `name` names the kernel in profiles. Under vmap the batch runs as a loop of launches (no batching rule).
     interpret=True runs the kernel in Mosaic GPU's interpret mode on the CPU (jax >= 0.12; slow, for tests).
     """
@@ -317,7 +324,7 @@ def matmul(a, b, *, b_layout: str, row_vecs: Sequence[jax.Array] = (), col_vecs:
 
     def body(*refs):
         _kernel(*refs, config=config, b_layout=b_layout, n_rows=len(row_vecs), n_vecs=len(row_vecs) + len(col_vecs),
-                n_step_rows=len(step_row_vecs), epilogue=epilogue, promote=promote)
+                n_step_rows=len(step_row_vecs), epilogue=epilogue, promote=promote, uniform_steps=uniform_steps)
 
     body.__name__ = body.__qualname__ = name  # the kernel's name in profiles
     kernel = plgpu.kernel(
