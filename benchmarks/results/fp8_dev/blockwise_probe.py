@@ -1,27 +1,36 @@
 """Blockwise FP8 GEMM on Hopper (dev probe): compile, check against the exact reference, time.
 
-python -m benchmarks.results.fp8_dev.blockwise_probe [small|large|shapes|sweep|dense ...]   (default: all)
+python -m benchmarks.results.fp8_dev.blockwise_probe [small|large|shapes|sweep|dense|schedules ...]
+(default: all but schedules)
 
 small: 256x512x384 with every tile config that takes it; large: 8192^3 with the api's tile; shapes: the example's
 GEMMs through the api (padding included); sweep: tile / stage variants at 8192^3; dense: the blockwise Dense
-forward+backward (implementation None vs "xla"). Each case prints its SQNR against the exact fp32 product of the
+forward+backward (implementation None vs "xla"); schedules: the promotion schedules (_sm90.TileConfig.schedule,
+early_release) and the block-height scalar scale read (scale_rows) at 8192^3, then the fastest of them and the
+tuned tile at the example's GEMMs 16384x2048x{2048,5504,512}, beside torch._scaled_mm's blockwise mode. With
+MOSAIC_GPU_DUMP_PTXAS=1 each kernel's ptxas report (registers, spills, wgmma serialization) precedes its line on
+stderr ("compiling <label>" marks where each begins). Each case prints its SQNR against the exact fp32 product of the
 dequantized operands (and against the bf16 inputs' product), its time and TFLOP/s, or the full traceback of its
 failure, and the probe goes on to the next case.
 """
 import dataclasses
 import functools
+import itertools
 import sys
 import traceback
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from benchmarks.common import bench, rnd
+from benchmarks import bench_fp8
+from benchmarks.common import bench, bench_torch, rnd
 from pallas_fused.fp8 import api, fp8_linear, kernel_sm90
 from pallas_fused.fp8 import reference as ref
 
 E4 = jnp.float8_e4m3fn
 WHAT = sys.argv[1:] or ["small", "large", "shapes", "sweep", "dense"]
+LINE = 100
 
 
 def sqnr(out, exact):
@@ -47,21 +56,56 @@ def operands(m, k, n, b_block=(128, 128)):
 
 
 def case(label, fn, args, want, flops, bf16=None, n=20):
+    """Prints the case's line; returns its ms, or None when it failed."""
     try:
+        print(f"compiling {label}", file=sys.stderr, flush=True)
         out = jax.block_until_ready(fn(*args))
         msg = f"sqnr vs exact {sqnr(out, want):6.1f} dB"
         if bf16 is not None:
             msg += f", vs bf16 {sqnr(out, ref.matmul_nt_fp32(*bf16, jnp.float32)):5.1f} dB"
         ms = bench(fn, *args, n=n, reps=3)
-        print(f"{label:60s} {msg}  {ms:8.4f} ms {flops / ms / 1e9:7.1f} TFLOP/s", flush=True)
+        print(f"{label:{LINE}s} {msg}  {ms:8.4f} ms {flops / ms / 1e9:7.1f} TFLOP/s", flush=True)
+        return ms
     except Exception:  # noqa: BLE001 - the traceback is the result
-        print(f"{label:60s} FAILED", flush=True)
+        print(f"{label:{LINE}s} FAILED", flush=True)
         traceback.print_exc()
         sys.stdout.flush()
+        return None
 
 
-def direct(config, out_dtype=jnp.bfloat16):
-    return jax.jit(functools.partial(kernel_sm90.blockwise_matmul_nt, out_dtype=out_dtype, config=config))
+def direct(config, out_dtype=jnp.bfloat16, scale_rows=(1, 1)):
+    return jax.jit(functools.partial(kernel_sm90.blockwise_matmul_nt, out_dtype=out_dtype, config=config,
+                                     scale_rows=scale_rows))
+
+
+def torch_blockwise(label, args, want, flops, n):
+    """torch._scaled_mm's blockwise mode on the same operands (1 x 128 scales for a, 128 x 128 for b, the layouts
+    bench_fp8 passes), with and without fast accumulation; its lines, or its refusal."""
+    import torch
+
+    a8, b8, sa_t, sb_t = args
+    ta, tb = bench_fp8._to_torch(a8), bench_fp8._to_torch(b8).t()  # b column-major (K, N)
+    tsa = torch.from_numpy(np.asarray(sa_t)).cuda().contiguous().t()  # (M, K / 128), stride (1, M)
+    tsb = torch.from_numpy(np.asarray(sb_t[:, ::128].T)).cuda()  # (N / 128, K / 128): the weight's block scales
+    kb = tsb.shape[1]
+    padded = torch.nn.functional.pad(tsb, (0, -kb % 4))[:, :kb]  # cuBLAS: the K-block count padded to 4
+    for fast in (False, True):
+        errors = []
+        for scale_b in (tsb.t(), padded.t()):
+            def fn(scale_b=scale_b, fast=fast):
+                return torch._scaled_mm(ta, tb, scale_a=tsa, scale_b=scale_b, out_dtype=torch.bfloat16,
+                                        use_fast_accum=fast)
+            try:
+                got = jnp.asarray(fn().float().cpu().numpy())
+            except Exception as e:  # noqa: BLE001 - try the next layout
+                errors.append(str(e)[:200])
+                continue
+            ms = bench_torch(fn, n=n, reps=3)
+            print(f"{label + f' torch._scaled_mm blockwise fast_accum={fast}':{LINE}s} sqnr vs exact "
+                  f"{sqnr(got, want):6.1f} dB  {ms:8.4f} ms {flops / ms / 1e9:7.1f} TFLOP/s", flush=True)
+            break
+        else:
+            print(f"{label} torch._scaled_mm blockwise fast_accum={fast} FAILED: {' | '.join(errors)}", flush=True)
 
 
 print(jax.devices(), flush=True)
@@ -126,3 +170,45 @@ if "dense" in WHAT:
             except Exception:  # noqa: BLE001
                 print(f"dense {tokens}x{width} impl={impl} FAILED", flush=True)
                 traceback.print_exc()
+if "schedules" in WHAT:
+    # One compile + a ~0.1 s timing per candidate: 27 at 8192^3, then 5 at each of the example's three GEMMs.
+    tuned = kernel_sm90.blockwise_tile(8192, 8192, jnp.bfloat16)
+    candidates = []
+    schedules = (("serial", False), ("serial", True), ("halves", False), ("halves", True), ("lagged", False))
+    # (tile, split, schedules, stages, the b scale read as a vector and / or a scalar); a 64-row warpgroup tile
+    # has no two 64-row halves
+    grid = [((128, 64), "n", schedules, (3, 4), ((1, 1), (1, 128))),
+            ((128, 64), "m", schedules, (3,), ((1, 128),)),
+            ((64, 128), "m", schedules[:2], (3,), ((1, 128),))]
+    for (tm, tn), split, scheds, stage_counts, reads in grid:
+        for (schedule, early), stages, rows in itertools.product(scheds, stage_counts, reads):
+            cfg = kernel_sm90.blockwise_config(dataclasses.replace(
+                tuned, tile_m=tm, tile_n=tn, wg_split=split, schedule=schedule, early_release=early,
+                max_concurrent_steps=stages), jnp.bfloat16)
+            if cfg.max_concurrent_steps == stages:
+                candidates.append((cfg, rows))
+    m = k = n = 8192
+    args, want, _ = operands(m, k, n)
+    timed = []
+    for cfg, rows in candidates:
+        label = (f"sched {m}^3 {cfg.tile_m}x{cfg.tile_n}/{cfg.wg_split} st{cfg.max_concurrent_steps} "
+                 f"{cfg.schedule}{' early' if cfg.early_release else ''} {'scalar' if rows[1] > 1 else 'vector'} b")
+        ms = case(label, direct(cfg, scale_rows=rows), args, want, 2 * m * n * k, n=20)
+        if ms is not None:
+            timed.append((ms, cfg, rows))
+    torch_blockwise(f"sched {m}^3", args, want, 2 * m * n * k, n=20)
+    best = [(c, r) for _, c, r in sorted(timed, key=lambda t: t[0])[:4]]
+    print("fastest at 8192^3:", *(f"{c} scale_rows={r}" for c, r in best), sep="\n  ", flush=True)
+    for m, k, n in ((16384, 2048, 2048), (16384, 2048, 5504), (16384, 2048, 512)):
+        args, want, _ = operands(m, k, n)
+        here = kernel_sm90.blockwise_tile(m, n, jnp.bfloat16)
+        for cfg, rows in dict.fromkeys([(here, (1, 1)), *best]):
+            cfg = dataclasses.replace(cfg, wg_split=here.wg_split) if not kernel_sm90.supported(
+                m, n, k, E4, E4, cfg) else cfg
+            if not kernel_sm90.supported(m, n, k, E4, E4, cfg):
+                continue
+            label = (f"sched {m}x{k}x{n} {cfg.tile_m}x{cfg.tile_n}/{cfg.wg_split} st{cfg.max_concurrent_steps} "
+                     f"{cfg.schedule}{' early' if cfg.early_release else ''} {'scalar' if rows[1] > 1 else 'vector'} b"
+                     f"{' (tuned)' if cfg == here and rows == (1, 1) else ''}")
+            case(label, direct(cfg, scale_rows=rows), args, want, 2 * m * n * k, n=30)
+        torch_blockwise(f"sched {m}x{k}x{n}", args, want, 2 * m * n * k, n=30)
