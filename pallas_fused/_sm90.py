@@ -55,6 +55,10 @@ class TileConfig:
     # "serial" / "halves": release the step's SMEM stage as soon as its wgmmas are done, before the promotion
     # (the memory warpgroup refills it meanwhile), instead of after the step's body.
     early_release: bool = False
+    # The two compute warpgroups take turns issuing their K steps' wgmmas (a barrier pair: each waits for its turn,
+    # issues, hands the turn over), so one warpgroup's step runs on the tensor cores while the other promotes;
+    # issued together, their wgmmas interleave, finish together and leave the tensor cores idle while both promote.
+    ordered_issue: bool = False
 
     @property
     def cta_tile(self) -> tuple[int, int]:
@@ -95,6 +99,7 @@ def _kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: in
         schedule = "halves"  # a single K step has no next step to promote in
     lagged = schedule == "lagged"
     early = config.early_release and schedule in ("serial", "halves")
+    ordered = config.ordered_issue and promote is not None
     parts = 2 if schedule in ("halves", "lagged") else 1  # row blocks of a warpgroup's accumulators
     part_m = tile_m // parts
     # All inputs of the pipeline share one delay_release; "lagged" reads a stage's tiles in the next step too.
@@ -132,10 +137,23 @@ def _kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: in
         out_smem=plgpu.SMEM((2, 2, epi, epi), out_dtype, transforms=out_transforms),
         vec_smem=vec_smem,
         vec_barrier=plgpu.Barrier(num_barriers=2 * len(vec_gmems)) if vec_gmems else None,
+        turn=plgpu.Barrier(num_barriers=2) if ordered else None,  # turn[w]: warpgroup w may issue
         collective_axes="wg",
     )
-    def _scope(pipeline_allocs, out_smem, vec_smem, vec_barrier):
+    def _scope(pipeline_allocs, out_smem, vec_smem, vec_barrier, turn):
         wg = lax.axis_index("wg")
+        if ordered:
+            @pl.when(wg == 0)
+            def _first_turn():
+                plgpu.barrier_arrive(turn.at[0])
+
+        def my_turn():
+            if ordered:
+                plgpu.barrier_wait(turn.at[wg])
+
+        def hand_over():  # after this warpgroup's wgmmas of the step are issued
+            if ordered:
+                plgpu.barrier_arrive(turn.at[1 - wg])
 
         @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
         def _tiles(loop_info):
@@ -231,7 +249,9 @@ def _kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: in
                     (total,) = carry
 
                     def serial(step_ref):
+                        my_turn()
                         plgpu.wgmma(step_ref, a_part(0), b_tile)
+                        hand_over()
                         scales = step_scales(0, step_smems)  # loaded while the wgmma runs
                         step = step_ref[...]  # waits for it
                         release()
@@ -242,8 +262,10 @@ def _kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: in
                     lo_total, hi_total = carry
 
                     def halves(lo_ref, hi_ref):
+                        my_turn()
                         plgpu.wgmma(lo_ref, a_part(0), b_tile)
                         plgpu.wgmma(hi_ref, a_part(1), b_tile)
+                        hand_over()
                         lo_scales, hi_scales = step_scales(0, step_smems), step_scales(1, step_smems)
                         lo = plgpu.wgmma_accumulator_load(lo_ref, wait_n=1)  # the second half's wgmma still runs
                         lo_total_ = lo_total + promote(lo, *lo_scales)
@@ -256,11 +278,13 @@ def _kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: in
                 hi_ref, (lo_total, hi_total), prev_scales = carry
 
                 def lagged_step(lo_ref):
+                    my_turn()
                     plgpu.wgmma(lo_ref, a_part(0), b_tile)
                     hi = plgpu.wgmma_accumulator_load(hi_ref, wait_n=1)  # the previous step's second half is done
                     hi_total_ = hi_total + promote(hi, *prev_scales)
                     hi_ref[...] = zeros
                     plgpu.wgmma(hi_ref, a_part(1), b_tile)
+                    hand_over()
                     lo_scales, hi_scales = step_scales(0, step_smems), step_scales(1, step_smems)
                     lo = plgpu.wgmma_accumulator_load(lo_ref, wait_n=1)
                     return (lo_total + promote(lo, *lo_scales), hi_total_), hi_scales

@@ -59,14 +59,15 @@ def _blockwise_operands(m, k, n):
 
 
 @needs_interpret
-@pytest.mark.parametrize("schedule,split,uniform,early", [
-    ("serial", "n", (False, False), False), ("serial", "m", (False, True), True),
-    ("halves", "n", (True, True), True), ("halves", "m", (True, False), False)])
-def test_promote_blockwise(schedule, split, uniform, early):
+@pytest.mark.parametrize("schedule,split,uniform,early,ordered", [
+    ("serial", "n", (False, False), False, False), ("serial", "m", (False, True), True, True),
+    ("halves", "n", (True, True), True, False), ("halves", "m", (True, False), False, True)])
+def test_promote_blockwise(schedule, split, uniform, early, ordered):
     """The blockwise FP8 GEMM's per-K-step promotion (3 K steps through a 2-deep ring, two output tiles per CTA):
     each step's product times that step's row and column scales, summed in fp32."""
     config = _sm90.TileConfig(tile_m=64 if schedule == "serial" else 128, tile_n=64, tile_k=128,
-                              max_concurrent_steps=2, wg_split=split, schedule=schedule, early_release=early)
+                              max_concurrent_steps=2, wg_split=split, schedule=schedule, early_release=early,
+                              ordered_issue=ordered)
     (a, bt, sa, sb), want = _blockwise_operands(512, 384, 256)
     out = _sm90.matmul(a, bt, b_layout="nk", step_row_vecs=(sa,), step_col_vecs=(sb,), uniform_steps=uniform,
                        promote=fp8_sm90._promote_blocks, epilogue=fp8_sm90._identity, out_dtype=jnp.float32,
@@ -80,9 +81,10 @@ def test_promote_schedules_lower_for_sm90(monkeypatch):
     monkeypatch.setattr(_backend, "num_sms", lambda: 132)
     a, bt = (jax.ShapeDtypeStruct((1024, 512), jnp.float8_e4m3fn),) * 2
     scales = (jax.ShapeDtypeStruct((4, 1024), jnp.float32),) * 2
-    for schedule, early, rows in itertools.product(_sm90.SCHEDULES, (False, True), ((1, 1), (1, 128), (128, 128))):
+    for schedule, early, ordered, rows in itertools.product(_sm90.SCHEDULES, (False, True), (False, True),
+                                                            ((1, 1), (1, 128), (128, 128))):
         config = _sm90.TileConfig(tile_m=128, tile_n=64, max_concurrent_steps=3, schedule=schedule,
-                                  early_release=early)
+                                  early_release=early, ordered_issue=ordered)
         fn = jax.jit(lambda *args, c=config, r=rows: fp8_sm90.blockwise_matmul_nt(*args, out_dtype=jnp.bfloat16,
                                                                                   config=c, scale_rows=r))
         assert "mosaic_gpu" in fn.trace(a, bt, *scales).lower(lowering_platforms=("cuda",)).as_text()

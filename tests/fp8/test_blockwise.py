@@ -344,8 +344,9 @@ def test_gpu_kernel_vs_reference(m, k, n, b_block):
 @pytest.mark.gpu
 @pytest.mark.parametrize("b_block", [(128, 128), (1, 128)], ids=["weight_blocks", "token_tiles"])
 def test_gpu_kernel_schedules(b_block):
-    """Every promotion schedule (_sm90.TileConfig.schedule, early stage release) with the block heights passed
-    (a 128 x 128-block b's scale read once per warpgroup tile) and not, against the exact product."""
+    """Every promotion schedule (_sm90.TileConfig.schedule, early stage release, ordered issue) with the block
+    heights passed (a 128 x 128-block b's scale read once per warpgroup tile) and not, against the exact
+    product."""
     _hopper()
     from pallas_fused import _sm90
     from pallas_fused.fp8 import api, kernel_sm90
@@ -359,8 +360,9 @@ def test_gpu_kernel_schedules(b_block):
                                         jnp.bfloat16)
     for schedule, early in (("serial", False), ("serial", True), ("halves", False), ("halves", True),
                             ("lagged", False)):
-        for split in ("n", "m"):
-            cfg = dataclasses.replace(base, schedule=schedule, early_release=early, wg_split=split)
+        for split, ordered in (("n", False), ("m", True)):
+            cfg = dataclasses.replace(base, schedule=schedule, early_release=early, wg_split=split,
+                                      ordered_issue=ordered)
             for rows in ((1, 1), (1, b_block[0])):
                 got = jax.jit(functools.partial(kernel_sm90.blockwise_matmul_nt, out_dtype=jnp.bfloat16, config=cfg,
                                                 scale_rows=rows))(a8, b8, sa_t, sb_t)

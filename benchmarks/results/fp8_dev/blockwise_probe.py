@@ -5,9 +5,10 @@ python -m benchmarks.results.fp8_dev.blockwise_probe [small|large|shapes|sweep|d
 
 small: 256x512x384 with every tile config that takes it; large: 8192^3 with the api's tile; shapes: the example's
 GEMMs through the api (padding included); sweep: tile / stage variants at 8192^3; dense: the blockwise Dense
-forward+backward (implementation None vs "xla"); schedules: the promotion schedules (_sm90.TileConfig.schedule,
-early_release) and the block-height scalar scale read (scale_rows) at 8192^3, then the fastest of them and the
-tuned tile at the example's GEMMs 16384x2048x{2048,5504,512}, beside torch._scaled_mm's blockwise mode. With
+forward+backward (implementation None vs "xla"); schedules: the promotion schedules (_sm90.TileConfig's
+schedule, early_release, ordered_issue) and the scalar read of b's block scales (scale_rows) at 8192^3, beside
+the rowwise kernel at the same tiles (the ceiling without promotion); then the fastest four and the tuned tile
+at the example's GEMMs 16384x2048x{2048,5504,512}; torch._scaled_mm's blockwise mode at each shape. With
 MOSAIC_GPU_DUMP_PTXAS=1 each kernel's ptxas report (registers, spills, wgmma serialization) precedes its line on
 stderr ("compiling <label>" marks where each begins). Each case prints its SQNR against the exact fp32 product of the
 dequantized operands (and against the bf16 inputs' product), its time and TFLOP/s, or the full traceback of its
@@ -16,7 +17,9 @@ failure, and the probe goes on to the next case.
 import dataclasses
 import functools
 import itertools
+import os
 import sys
+import time
 import traceback
 
 import jax
@@ -171,29 +174,51 @@ if "dense" in WHAT:
                 print(f"dense {tokens}x{width} impl={impl} FAILED", flush=True)
                 traceback.print_exc()
 if "schedules" in WHAT:
-    # One compile + a ~0.1 s timing per candidate: 27 at 8192^3, then 5 at each of the example's three GEMMs.
+    # One compile + a ~0.1 s timing per candidate: 39 at 8192^3, then 5 at each of the example's three GEMMs;
+    # past BUDGET_S seconds the rest are skipped (the probe must end within a device call's limit).
+    start, budget = time.time(), float(os.environ.get("BUDGET_S", 250))
     tuned = kernel_sm90.blockwise_tile(8192, 8192, jnp.bfloat16)
-    candidates = []
     schedules = (("serial", False), ("serial", True), ("halves", False), ("halves", True), ("lagged", False))
-    # (tile, split, schedules, stages, the b scale read as a vector and / or a scalar); a 64-row warpgroup tile
-    # has no two 64-row halves
-    grid = [((128, 64), "n", schedules, (3, 4), ((1, 1), (1, 128))),
-            ((128, 64), "m", schedules, (3,), ((1, 128),)),
-            ((64, 128), "m", schedules[:2], (3,), ((1, 128),))]
-    for (tm, tn), split, scheds, stage_counts, reads in grid:
-        for (schedule, early), stages, rows in itertools.product(scheds, stage_counts, reads):
+    # (tile, split, (schedule, early release) pairs, stage counts, ordered issue); b's scale read as a scalar
+    # (scale_rows 128) but in the first, the tuned kernel as it was (a vector); a 64-row warpgroup tile has no two
+    # 64-row halves
+    grid = [((128, 64), "n", schedules, (3, 4), (False, True)),
+            ((128, 64), "m", schedules, (3,), (False, True)),
+            ((64, 128), "m", schedules[:2], (3, 4), (False, True))]
+    candidates = [(kernel_sm90.blockwise_config(tuned, jnp.bfloat16), (1, 1))]
+    for (tm, tn), split, scheds, stage_counts, orders in grid:
+        for (schedule, early), stages, ordered in itertools.product(scheds, stage_counts, orders):
             cfg = kernel_sm90.blockwise_config(dataclasses.replace(
                 tuned, tile_m=tm, tile_n=tn, wg_split=split, schedule=schedule, early_release=early,
-                max_concurrent_steps=stages), jnp.bfloat16)
+                ordered_issue=ordered, max_concurrent_steps=stages), jnp.bfloat16)
             if cfg.max_concurrent_steps == stages:
-                candidates.append((cfg, rows))
+                candidates.append((cfg, (1, 128)))
+
+    def label(shape, cfg, rows):
+        return (f"sched {shape} {cfg.tile_m}x{cfg.tile_n}/{cfg.wg_split} st{cfg.max_concurrent_steps} {cfg.schedule}"
+                f"{' early' if cfg.early_release else ''}{' ordered' if cfg.ordered_issue else ''} "
+                f"{'scalar' if rows[1] > 1 else 'vector'} b")
+
     m = k = n = 8192
     args, want, _ = operands(m, k, n)
+    # The ceiling without promotion: the rowwise kernel (one fp32 accumulator) at the blockwise tiles' wgmma shapes.
+    for cfg in (dataclasses.replace(tuned, tile_m=128, tile_n=64, wg_split="n", max_concurrent_steps=4),
+                dataclasses.replace(tuned, tile_m=64, tile_n=128, wg_split="m", max_concurrent_steps=4)):
+        fn = jax.jit(functools.partial(kernel_sm90.scaled_matmul_nt, out_dtype=jnp.bfloat16, config=cfg))
+        rw = (args[0], args[1], args[2][0], args[3][0])
+        try:
+            print(f"compiling rowwise {cfg}", file=sys.stderr, flush=True)
+            ms = bench(fn, *rw, n=20, reps=3)
+            print(f"{f'rowwise (no promotion) {m}^3 {cfg.tile_m}x{cfg.tile_n}/{cfg.wg_split} st4':{LINE}s} "
+                  f"{ms:8.4f} ms {2 * m * n * k / ms / 1e9:7.1f} TFLOP/s", flush=True)
+        except Exception:  # noqa: BLE001 - the traceback is the result
+            traceback.print_exc()
     timed = []
     for cfg, rows in candidates:
-        label = (f"sched {m}^3 {cfg.tile_m}x{cfg.tile_n}/{cfg.wg_split} st{cfg.max_concurrent_steps} "
-                 f"{cfg.schedule}{' early' if cfg.early_release else ''} {'scalar' if rows[1] > 1 else 'vector'} b")
-        ms = case(label, direct(cfg, scale_rows=rows), args, want, 2 * m * n * k, n=20)
+        if time.time() - start > budget:
+            print(f"{label(f'{m}^3', cfg, rows):{LINE}s} skipped (time)", flush=True)
+            continue
+        ms = case(label(f"{m}^3", cfg, rows), direct(cfg, scale_rows=rows), args, want, 2 * m * n * k, n=20)
         if ms is not None:
             timed.append((ms, cfg, rows))
     torch_blockwise(f"sched {m}^3", args, want, 2 * m * n * k, n=20)
@@ -203,12 +228,11 @@ if "schedules" in WHAT:
         args, want, _ = operands(m, k, n)
         here = kernel_sm90.blockwise_tile(m, n, jnp.bfloat16)
         for cfg, rows in dict.fromkeys([(here, (1, 1)), *best]):
-            cfg = dataclasses.replace(cfg, wg_split=here.wg_split) if not kernel_sm90.supported(
-                m, n, k, E4, E4, cfg) else cfg
             if not kernel_sm90.supported(m, n, k, E4, E4, cfg):
+                cfg = dataclasses.replace(cfg, wg_split=here.wg_split)
+            if not kernel_sm90.supported(m, n, k, E4, E4, cfg) or time.time() - start > budget + 30:
                 continue
-            label = (f"sched {m}x{k}x{n} {cfg.tile_m}x{cfg.tile_n}/{cfg.wg_split} st{cfg.max_concurrent_steps} "
-                     f"{cfg.schedule}{' early' if cfg.early_release else ''} {'scalar' if rows[1] > 1 else 'vector'} b"
-                     f"{' (tuned)' if cfg == here and rows == (1, 1) else ''}")
-            case(label, direct(cfg, scale_rows=rows), args, want, 2 * m * n * k, n=30)
+            case(label(f"{m}x{k}x{n}", cfg, rows) + (" (tuned)" if (cfg, rows) == (here, (1, 1)) else ""),
+                 direct(cfg, scale_rows=rows), args, want, 2 * m * n * k, n=30)
         torch_blockwise(f"sched {m}x{k}x{n}", args, want, 2 * m * n * k, n=30)
+    print(f"schedules: {time.time() - start:.0f} s", flush=True)
