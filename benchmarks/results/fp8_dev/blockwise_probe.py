@@ -1,7 +1,7 @@
 """Blockwise FP8 GEMM on Hopper (dev probe): compile, check against the exact reference, time.
 
-python -m benchmarks.results.fp8_dev.blockwise_probe [small|large|shapes|sweep|dense|schedules ...]
-(default: all but schedules)
+python -m benchmarks.results.fp8_dev.blockwise_probe [small|large|shapes|sweep|dense|schedules|quantize ...]
+(default: all but schedules and quantize)
 
 small: 256x512x384 with every tile config that takes it; large: 8192^3 with the api's tile; shapes: the example's
 GEMMs through the api (padding included); sweep: tile / stage variants at 8192^3; dense: the blockwise Dense
@@ -10,9 +10,12 @@ schedule, early_release, ordered_issue) and the scalar read of b's block scales 
 the rowwise kernel at the same tiles (the ceiling without promotion); then the fastest four and the tuned tile
 at the example's GEMMs 16384x2048x{2048,5504,512}; torch._scaled_mm's blockwise mode at each shape. With
 MOSAIC_GPU_DUMP_PTXAS=1 each kernel's ptxas report (registers, spills, wgmma serialization) precedes its line on
-stderr ("compiling <label>" marks where each begins). Each case prints its SQNR against the exact fp32 product of the
-dequantized operands (and against the bf16 inputs' product), its time and TFLOP/s, or the full traceback of its
-failure, and the probe goes on to the next case.
+stderr ("compiling <label>" marks where each begins). quantize: the one-pass quantize kernel writing both copies
+at 16384x8192 bf16, q^T transposed as 8-bit codes or computed from the transposed input tile (tuning data's
+transpose_input), by warps per program, in GB/s of HBM traffic (4.8 TB/s peak); it runs before schedules, and
+both stop starting cases some BUDGET_S seconds (default 170) after the probe starts. Each case prints its SQNR
+against the exact fp32 product of the dequantized operands (and against the bf16 inputs' product), its time and
+TFLOP/s, or the full traceback of its failure, and the probe goes on to the next case.
 """
 import dataclasses
 import functools
@@ -33,6 +36,7 @@ from pallas_fused.fp8 import reference as ref
 
 E4 = jnp.float8_e4m3fn
 WHAT = sys.argv[1:] or ["small", "large", "shapes", "sweep", "dense"]
+START, BUDGET_S = time.time(), float(os.environ.get("BUDGET_S", 170))
 LINE = 100
 
 
@@ -173,10 +177,39 @@ if "dense" in WHAT:
             except Exception:  # noqa: BLE001
                 print(f"dense {tokens}x{width} impl={impl} FAILED", flush=True)
                 traceback.print_exc()
+if "quantize" in WHAT:
+    from pallas_fused.fp8 import kernel
+
+    r, c = 16384, 8192
+    x = rnd(6, (r, c), jnp.bfloat16)
+    for name, block_n, block_t, written in (
+            ("act q+qT", (1, 128), (128, 1), r * c * 2 + 4 * (r * -(-c // 128) + c * -(-r // 128))),
+            ("weight q+qT", (128, 128), (128, 128), 2 * r * c + 4 * -(-r // 128) * -(-c // 128))):
+        nbytes = r * c * 2 + written
+        want = kernel.quantize_blockwise(x, dtype=E4, block_n=block_n, block_t=block_t, transpose_input=False,
+                                         num_warps=4)
+        for transposed, warps in itertools.product((False, True), (4, 8, 16)):
+            if time.time() - START > BUDGET_S:
+                print(f"quantize {r}x{c} {name} skipped (time)", flush=True)
+                continue
+            fn = jax.jit(functools.partial(kernel.quantize_blockwise, dtype=E4, block_n=block_n, block_t=block_t,
+                                           num_warps=warps, transpose_input=transposed))
+            try:
+                got = fn(x)
+                same = all(bool(jnp.array_equal(g.view(jnp.uint8) if g.dtype == E4 else g,
+                                                w.view(jnp.uint8) if w.dtype == E4 else w))
+                           for g, w in zip(got, want) if g is not None)
+                ms = bench(fn, x, n=30, reps=3)
+                print(f"quantize {r}x{c} {name:12s} transpose_input={transposed!s:5s} num_warps={warps:2d} "
+                      f"{ms:.4f} ms {nbytes / ms / 1e6:7.0f} GB/s, equal to transpose_input=False/4 warps: {same}",
+                      flush=True)
+            except Exception:  # noqa: BLE001 - the traceback is the result
+                print(f"quantize {name} transpose_input={transposed} num_warps={warps} FAILED", flush=True)
+                traceback.print_exc()
 if "schedules" in WHAT:
     # One compile + a ~0.1 s timing per candidate: 39 at 8192^3, then 5 at each of the example's three GEMMs;
-    # past BUDGET_S seconds the rest are skipped (the probe must end within a device call's limit).
-    start, budget = time.time(), float(os.environ.get("BUDGET_S", 250))
+    # past the budget the rest are skipped (the probe must end within a device call's limit).
+    start, budget = START, BUDGET_S
     tuned = kernel_sm90.blockwise_tile(8192, 8192, jnp.bfloat16)
     schedules = (("serial", False), ("serial", True), ("halves", False), ("halves", True), ("lagged", False))
     # (tile, split, (schedule, early release) pairs, stage counts, ordered issue); b's scale read as a scalar
