@@ -1,11 +1,9 @@
 """The shared Hopper GEMM skeleton (pallas_fused/_sm90.py) in Mosaic GPU's interpret mode (jax >= 0.12): its
-16-bit "kn" and 8-bit "nk" paths with epilogue vectors and its per-K-step promotion against plain jnp, on the CPU;
-and every promotion schedule lowered for an sm90 GPU (layout inference included) without one. The GPU tests of
-its users run the compiled kernel."""
+16-bit "kn" and 8-bit "nk" paths with epilogue vectors and its per-K-step promotion against plain jnp, on the CPU
+(tests/test_lowering.py lowers every promotion schedule for an sm90 GPU). The GPU tests of its users run the
+compiled kernel."""
 
 from __future__ import annotations
-
-import itertools
 
 import jax
 import jax.numpy as jnp
@@ -73,21 +71,6 @@ def test_promote_blockwise(schedule, split, uniform, early, ordered):
                        promote=fp8_sm90._promote_blocks, epilogue=fp8_sm90._identity, out_dtype=jnp.float32,
                        config=config, name="test_promote", interpret=True)
     np.testing.assert_allclose(to64(out), want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
-
-
-def test_promote_schedules_lower_for_sm90(monkeypatch):
-    """Each schedule's kernel lowers for an sm90 GPU on any machine (Mosaic GPU's layout inference and dialect
-    lowering run in Python): "lagged" re-zeroes a step accumulator by a store, which interpret mode cannot run."""
-    monkeypatch.setattr(_backend, "num_sms", lambda: 132)
-    a, bt = (jax.ShapeDtypeStruct((1024, 512), jnp.float8_e4m3fn),) * 2
-    scales = (jax.ShapeDtypeStruct((4, 1024), jnp.float32),) * 2
-    for schedule, early, ordered, rows in itertools.product(_sm90.SCHEDULES, (False, True), (False, True),
-                                                            ((1, 1), (1, 128), (128, 128))):
-        config = _sm90.TileConfig(tile_m=128, tile_n=64, max_concurrent_steps=3, schedule=schedule,
-                                  early_release=early, ordered_issue=ordered)
-        fn = jax.jit(lambda *args, c=config, r=rows: fp8_sm90.blockwise_matmul_nt(*args, out_dtype=jnp.bfloat16,
-                                                                                  config=c, scale_rows=r))
-        assert "mosaic_gpu" in fn.trace(a, bt, *scales).lower(lowering_platforms=("cuda",)).as_text()
 
 
 def test_schedule_checked():
