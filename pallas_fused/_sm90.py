@@ -227,7 +227,7 @@ def _kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: in
                         for v in step_smems[n_step_rows:]]
                 return [r.astype(jnp.float32) for r in rows], [c.astype(jnp.float32) for c in cols]
 
-            def mma_body(_, a_smem, b_smem, *rest):
+            def mma_body(idx, a_smem, b_smem, *rest):
                 step_smems, consumed, carry = rest[:len(step_gmems)], rest[len(step_gmems):-1], rest[-1]
                 if b_layout == "nk":
                     b_tile = plgpu.transpose_ref(b_smem.at[wg_n], (1, 0))
@@ -287,6 +287,14 @@ def _kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: in
                     hand_over()
                     lo_scales, hi_scales = step_scales(0, step_smems), step_scales(1, step_smems)
                     lo = plgpu.wgmma_accumulator_load(lo_ref, wait_n=1)
+
+                    # The pipeline never releases the last step's stage, and its memory warpgroup goes on to the next
+                    # output tile's first loads once the step before is released (at this body's end): the second
+                    # half's wgmma must not still be reading the stage then.
+                    @pl.when(idx[0] == k_iters - 1)
+                    def _last_step():
+                        plgpu.wgmma_wait(0)
+
                     return (lo_total + promote(lo, *lo_scales), hi_total_), hi_scales
 
                 totals, hi_scales = pl.run_scoped(lagged_step, step_acc)
