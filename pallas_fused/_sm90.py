@@ -346,6 +346,9 @@ def matmul(a, b, *, b_layout: str, row_vecs: Sequence[jax.Array] = (), col_vecs:
         raise ValueError(f"{name}: config.schedule {config.schedule!r} splits a warpgroup's rows in two 64-row "
                          f"multiples of epi_tile: tile_m must be a multiple of 128 and of 2 * epi_tile, "
                          f"got {config.tile_m}")
+    if promote is not None and config.schedule == "lagged" and config.max_concurrent_steps < 2:
+        raise ValueError(f"{name}: config.schedule 'lagged' reads a stage one step late: max_concurrent_steps must be "
+                         f">= 2, got {config.max_concurrent_steps}")
     if (step_row_vecs or step_col_vecs) and promote is None:
         raise ValueError(f"{name}: step_row_vecs / step_col_vecs need a promote function")
     for kind, vecs, want in (("step_row_vecs", step_row_vecs, m), ("step_col_vecs", step_col_vecs, n)):

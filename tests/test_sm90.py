@@ -77,7 +77,8 @@ def test_schedule_checked():
     x = jnp.zeros((256, 256), jnp.float8_e4m3fn)
     s = jnp.ones((2, 256))
     for config, match in ((_sm90.TileConfig(schedule="interleaved"), "schedule must be one of"),
-                          (_sm90.TileConfig(tile_m=64, schedule="halves"), "tile_m must be a multiple of 128")):
+                          (_sm90.TileConfig(tile_m=64, schedule="halves"), "tile_m must be a multiple of 128"),
+                          (_sm90.TileConfig(schedule="lagged", max_concurrent_steps=1), "max_concurrent_steps must")):
         with pytest.raises(ValueError, match=match):
             _sm90.matmul(x, x, b_layout="nk", step_row_vecs=(s,), step_col_vecs=(s,), promote=fp8_sm90._promote_blocks,
                          epilogue=fp8_sm90._identity, out_dtype=jnp.float32, config=config, name="t")
