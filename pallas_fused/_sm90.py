@@ -9,7 +9,10 @@ Per-K-step promotion (optional: `promote` with step row vectors ((K / tile_k, M)
 ((K / tile_k, N) each)): each K step's wgmma product goes into a zeroed step accumulator instead, and
 promote(step product, that step's row slices, its column slices) is added into a separate fp32 accumulator, which
 the epilogue then gets. Blockwise FP8 scaling uses it (DeepSeek-V3's per-128 promotion: the tensor cores' fast
-fp8 accumulation never runs longer than one K step, and each step's scales apply in fp32).
+fp8 accumulation never runs longer than one K step, and each step's scales apply in fp32). How a step's promotion
+overlaps the tensor cores' work is tuning data (TileConfig.schedule, early_release, ordered_issue). A step
+accumulator is a fresh ACC allocation (zeroed, as wgmma accumulates onto it) and the sum a loop carry, so the path
+runs in Mosaic GPU's interpret mode too; "lagged" alone re-zeroes an accumulator by a store, which it cannot run.
 
 Structure (adapted from jax's hopper_matmul_mgpu.py example): a persistent grid of one CTA per SM walks the
 output tiles in a planar snake; in each CTA a memory warpgroup streams (cta_tile_m, tile_k) tiles of a and the
