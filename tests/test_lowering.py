@@ -10,6 +10,8 @@ custom calls. What it cannot show: Triton's own compile to PTX and the kernel's 
 
 from __future__ import annotations
 
+import functools
+import itertools
 import re
 
 import jax
@@ -165,6 +167,28 @@ def test_fp8_blockwise(cc, pow2):
         variables = jax.eval_shape(dense.init, jax.random.key(1), x)
         both = kernels(jax.value_and_grad(loss(dense.apply), (0, 1)), variables, x)
         assert sum(both.count(t) for t in MOSAIC) == 3, both
+
+
+def test_blockwise_gemm_promotion_schedules():
+    """The blockwise GEMM with each promotion schedule of the sm90 skeleton (_sm90.TileConfig: schedule,
+    early_release, ordered_issue) and each scale read (vector, or one scalar per warpgroup tile); Mosaic GPU's
+    layout inference and dialect lowering run here. Interpret mode cannot run "lagged" (it re-zeroes a step
+    accumulator by a store), so this is its only CPU check."""
+    from pallas_fused import _sm90
+    from pallas_fused.fp8 import kernel_sm90
+
+    a = jax.ShapeDtypeStruct((1024, 512), jnp.float8_e4m3fn)
+    scales = jax.ShapeDtypeStruct((4, 1024), jnp.float32)
+    with _backend.gpu_target((9, 0)):
+        cases = list(itertools.product(_sm90.SCHEDULES, ((False, False), (True, True)), ((1, 1), (1, 128))))
+        cases.append(("halves", (True, False), (128, 128)))
+        for schedule, (early, ordered), rows in cases:
+            config = _sm90.TileConfig(tile_m=128, tile_n=64, max_concurrent_steps=3, schedule=schedule,
+                                      early_release=early, ordered_issue=ordered)
+            fn = functools.partial(kernel_sm90.blockwise_matmul_nt, out_dtype=jnp.bfloat16, config=config,
+                                   scale_rows=rows)
+            found = kernels(fn, a, a, scales, scales)
+            assert sum(found.count(t) for t in MOSAIC) == 1, (config, rows, found)
 
 
 @pytest.mark.parametrize("implementation", [None, "pallas:sm90", "pallas:merged", "pallas:epilogue", "pallas:gemm"])

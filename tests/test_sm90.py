@@ -1,9 +1,11 @@
 """The shared Hopper GEMM skeleton (pallas_fused/_sm90.py) in Mosaic GPU's interpret mode (jax >= 0.12): its
-16-bit "kn" and 8-bit "nk" paths with epilogue vectors against plain jnp, on the CPU. The GPU tests of its users
-run the compiled kernel."""
+16-bit "kn" and 8-bit "nk" paths with epilogue vectors and its per-K-step promotion against plain jnp, on the CPU
+(tests/test_lowering.py lowers every promotion schedule for an sm90 GPU). The GPU tests of its users run the
+compiled kernel."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -40,6 +42,46 @@ def test_nk_fp8_row_column_scales():
                        out_dtype=jnp.float32, config=SMALL, name="test_nk", interpret=True)
     ref = (to64(a) * to64(sa)[:, None]) @ (to64(bt) * to64(sb)[:, None]).T
     np.testing.assert_allclose(to64(out), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+
+
+def _blockwise_operands(m, k, n):
+    """fp8 a (M, K), bt (N, K) and per-step scales: powers of 2 in 2^-4 .. 2^4 per 128 rows (block scales, so the
+    same arrays serve the vector and the uniform_steps reads)."""
+    a = rand(8, (m, k), scale=4.0).astype(jnp.float8_e4m3fn)
+    bt = rand(9, (n, k), scale=4.0).astype(jnp.float8_e4m3fn)
+    scales = [jnp.repeat(jnp.exp2(jax.random.randint(jax.random.key(10 + i), (k // 128, rows // 128), -4, 5)
+                                  .astype(jnp.float32)), 128, axis=1) for i, rows in enumerate((m, n))]
+    want = np.einsum("mkc,nkc,km,kn->mn", to64(a).reshape(m, k // 128, 128), to64(bt).reshape(n, k // 128, 128),
+                     *map(to64, scales))
+    return (a, bt, *scales), want
+
+
+@needs_interpret
+@pytest.mark.parametrize("schedule,split,uniform,early,ordered", [
+    ("serial", "n", (False, False), False, False), ("serial", "m", (False, True), True, True),
+    ("halves", "n", (True, True), True, False), ("halves", "m", (True, False), False, True)])
+def test_promote_blockwise(schedule, split, uniform, early, ordered):
+    """The blockwise FP8 GEMM's per-K-step promotion (3 K steps through a 2-deep ring, two output tiles per CTA):
+    each step's product times that step's row and column scales, summed in fp32."""
+    config = _sm90.TileConfig(tile_m=64 if schedule == "serial" else 128, tile_n=64, tile_k=128,
+                              max_concurrent_steps=2, wg_split=split, schedule=schedule, early_release=early,
+                              ordered_issue=ordered)
+    (a, bt, sa, sb), want = _blockwise_operands(512, 384, 256)
+    out = _sm90.matmul(a, bt, b_layout="nk", step_row_vecs=(sa,), step_col_vecs=(sb,), uniform_steps=uniform,
+                       promote=fp8_sm90._promote_blocks, epilogue=fp8_sm90._identity, out_dtype=jnp.float32,
+                       config=config, name="test_promote", interpret=True)
+    np.testing.assert_allclose(to64(out), want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
+
+
+def test_schedule_checked():
+    x = jnp.zeros((256, 256), jnp.float8_e4m3fn)
+    s = jnp.ones((2, 256))
+    for config, match in ((_sm90.TileConfig(schedule="interleaved"), "schedule must be one of"),
+                          (_sm90.TileConfig(tile_m=64, schedule="halves"), "tile_m must be a multiple of 128"),
+                          (_sm90.TileConfig(schedule="lagged", max_concurrent_steps=1), "max_concurrent_steps must")):
+        with pytest.raises(ValueError, match=match):
+            _sm90.matmul(x, x, b_layout="nk", step_row_vecs=(s,), step_col_vecs=(s,), promote=fp8_sm90._promote_blocks,
+                         epilogue=fp8_sm90._identity, out_dtype=jnp.float32, config=config, name="t")
 
 
 def test_interpret_needs_new_jax():

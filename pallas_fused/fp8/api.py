@@ -249,9 +249,10 @@ def _mm_nt(a, bt, sa, sb, out_dtype, fast_accum, impl):
                                  partial_fn=lambda *args: launch(*args, jnp.float32))(a, bt, sa, sb)
 
 
-def _mm_nt_blockwise(a, bt, sa_t, sb_t, out_dtype):
+def _mm_nt_blockwise(a, bt, sa_t, sb_t, out_dtype, scale_rows=(1, 1)):
     """out[i, j] = sum_kb (a_kb @ bt_kb^T)[i, j] sa_t[kb, i] sb_t[kb, j] on the Hopper kernel, kb over K blocks of
-    128; a (M, K), bt (N, K) fp8 of one dtype; sa_t (ceil(K / 128), M), sb_t (ceil(K / 128), N) fp32."""
+    128; a (M, K), bt (N, K) fp8 of one dtype; sa_t (ceil(K / 128), M), sb_t (ceil(K / 128), N) fp32, repeating
+    each scale over scale_rows[0] rows of a and scale_rows[1] rows of bt (their blocks' heights)."""
     if 0 in (*a.shape, bt.shape[0]):
         return jnp.zeros((a.shape[0], bt.shape[0]), out_dtype)
     from pallas_fused.fp8 import kernel_sm90
@@ -260,9 +261,13 @@ def _mm_nt_blockwise(a, bt, sa_t, sb_t, out_dtype):
         m, n = a.shape[0], bt.shape[0]
         config = kernel_sm90.blockwise_tile(m, n, out_dtype)
         cm, cn = config.cta_tile
+        # A shard starts at a block boundary where the shards' extents are block multiples; else the kernel is
+        # not told that a scale covers whole tiles.
+        rows = tuple(r if size % r == 0 else 1 for r, size in zip(scale_rows, (m, n)))
         bk = kernel_sm90.BLOCK_K  # zero columns past K: the last block's padding adds nothing
         out = kernel_sm90.blockwise_matmul_nt(_pad_to(a, cm, bk), _pad_to(bt, cn, bk), _pad_to(sa_t, 1, cm),
-                                              _pad_to(sb_t, 1, cn), out_dtype=jnp.dtype(out_dtype), config=config)
+                                              _pad_to(sb_t, 1, cn), out_dtype=jnp.dtype(out_dtype), config=config,
+                                              scale_rows=rows)
         return out[:m, :n]
 
     # Sharded: M and N split; K (and its blocks with it) gathered: a split K would have to split the scale rows
@@ -438,7 +443,8 @@ def _gemm(lhs: _Operand, rhs: _Operand, fast_accum, impl, out_dtype, hp_dtype):
     if lhs.block is not None or rhs.block is not None:
         if _blockwise_on_sm90(lhs, rhs, impl):
             k = lhs.data.shape[1]
-            return _mm_nt_blockwise(lhs.data, rhs.data, _step_scales(lhs, k), _step_scales(rhs, k), out_dtype)
+            return _mm_nt_blockwise(lhs.data, rhs.data, _step_scales(lhs, k), _step_scales(rhs, k), out_dtype,
+                                    tuple(1 if o.block is None else o.block[0] for o in (lhs, rhs)))
         return reference.matmul_nt_fp32(lhs.hp(jnp.float32), rhs.hp(jnp.float32), out_dtype)
     if lhs.fp8 and rhs.fp8:
         return _mm_nt(lhs.data, rhs.data, lhs.scale, rhs.scale, out_dtype, fast_accum, impl)

@@ -109,15 +109,23 @@ def blockwise_config(config: TileConfig, out_dtype) -> TileConfig:
 
 
 def _promote_blocks(step, rows, cols):
-    return step * (lax.broadcast_in_dim(rows[0], step.shape, [0]) * lax.broadcast_in_dim(cols[0], step.shape, [1]))
+    r, c = rows[0], cols[0]  # a scalar where one scale covers the warpgroup's tile (_sm90.matmul's uniform_steps)
+    if r.ndim and c.ndim:
+        return step * (lax.broadcast_in_dim(r, step.shape, [0]) * lax.broadcast_in_dim(c, step.shape, [1]))
+    if r.ndim:
+        return step * lax.broadcast_in_dim(r * c, step.shape, [0])
+    if c.ndim:
+        return step * lax.broadcast_in_dim(c * r, step.shape, [1])
+    return step * (r * c)
 
 
 def _identity(acc, rows, cols):
     return acc
 
 
-@functools.partial(jax.jit, static_argnames=("out_dtype", "config"))
-def blockwise_matmul_nt(a, bt, a_scales_t, b_scales_t, *, out_dtype, config: TileConfig):
+@functools.partial(jax.jit, static_argnames=("out_dtype", "config", "scale_rows"))
+def blockwise_matmul_nt(a, bt, a_scales_t, b_scales_t, *, out_dtype, config: TileConfig,
+                        scale_rows: tuple[int, int] = (1, 1)):
     """out[i, j] = sum_kb (a_kb @ bt_kb^T)[i, j] * a_scales_t[kb, i] * b_scales_t[kb, j] on Hopper, kb running over
     the K blocks of 128: each block's wgmma product (the tensor cores' fast fp8 accumulation over 128 products) is
     scaled and added into a separate fp32 accumulator (DeepSeek-V3's per-128 promotion).
@@ -126,6 +134,9 @@ def blockwise_matmul_nt(a, bt, a_scales_t, b_scales_t, *, out_dtype, config: Til
     of a's 1 x 128 tiles, so a K step's scales are one contiguous row; b_scales_t (K / 128, N): one scale per
     row of bt per K block (a 128 x 128-block weight passes its block scales repeated 128 times along N). Shapes
     must be tile multiples with config.tile_k == 128 (the api pads; `blockwise_tile` picks the tile).
+    scale_rows: over how many consecutive rows of a (of bt) a_scales_t (b_scales_t) repeats one scale (the block
+    height: 128 for a 128 x 128-block weight); where a warpgroup's tile lies inside one block, the kernel reads one
+    scale per step for it instead of a vector.
     """
     op = "kernel_sm90.blockwise_matmul_nt"
     (m, k), n = a.shape, bt.shape[0]
@@ -140,4 +151,5 @@ def blockwise_matmul_nt(a, bt, a_scales_t, b_scales_t, *, out_dtype, config: Til
                              f"{want}, got {s.shape}")
     return _sm90.matmul(a, bt, b_layout="nk", step_row_vecs=(a_scales_t.astype(jnp.float32),),
                         step_col_vecs=(b_scales_t.astype(jnp.float32),), promote=_promote_blocks, epilogue=_identity,
+                        uniform_steps=(scale_rows[0] % config.tile_m == 0, scale_rows[1] % config.tile_n == 0),
                         out_dtype=out_dtype, config=config, name="pallas_fused_fp8_blockwise_matmul_sm90")

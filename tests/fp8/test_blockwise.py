@@ -342,6 +342,34 @@ def test_gpu_kernel_vs_reference(m, k, n, b_block):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("b_block", [(128, 128), (1, 128)], ids=["weight_blocks", "token_tiles"])
+def test_gpu_kernel_schedules(b_block):
+    """Every promotion schedule (_sm90.TileConfig.schedule, early stage release, ordered issue) with the block
+    heights passed (a 128 x 128-block b's scale read once per warpgroup tile) and not, against the exact
+    product."""
+    _hopper()
+    from pallas_fused import _sm90
+    from pallas_fused.fp8 import api, kernel_sm90
+
+    m, k, n = 512, 768, 512
+    a8, sa, b8, sb = _blockwise_operands(43, m, n, k, b_block)
+    want = ref.blockwise_scaled_matmul_nt_reference(a8, b8, sa, sb, (1, 128), b_block, out_dtype=jnp.float32)
+    sa_t = api._step_scales(api._Operand(a8, sa.T, block=(1, 128)), k)
+    sb_t = api._step_scales(api._Operand(b8, sb.T, block=b_block), k)
+    base = kernel_sm90.blockwise_config(_sm90.TileConfig(tile_m=128, tile_n=64, max_concurrent_steps=3),
+                                        jnp.bfloat16)
+    for schedule, early in (("serial", False), ("serial", True), ("halves", False), ("halves", True),
+                            ("lagged", False)):
+        for split, ordered in (("n", False), ("m", True)):
+            cfg = dataclasses.replace(base, schedule=schedule, early_release=early, wg_split=split,
+                                      ordered_issue=ordered)
+            for rows in ((1, 1), (1, b_block[0])):
+                got = jax.jit(functools.partial(kernel_sm90.blockwise_matmul_nt, out_dtype=jnp.bfloat16, config=cfg,
+                                                scale_rows=rows))(a8, b8, sa_t, sb_t)
+                assert sqnr(got, want) >= 38, (cfg, rows, sqnr(got, want))
+
+
+@pytest.mark.gpu
 def test_gpu_kernel_exact_on_small_ints():
     """Small integers times power-of-2 per-tile scales: each K block's wgmma product is exact, so the kernel's
     result equals the exact one up to the rounding of the fp32 sum over blocks."""

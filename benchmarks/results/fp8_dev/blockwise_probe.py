@@ -1,27 +1,43 @@
 """Blockwise FP8 GEMM on Hopper (dev probe): compile, check against the exact reference, time.
 
-python -m benchmarks.results.fp8_dev.blockwise_probe [small|large|shapes|sweep|dense ...]   (default: all)
+python -m benchmarks.results.fp8_dev.blockwise_probe [small|large|shapes|sweep|dense|schedules|quantize ...]
+(default: all but schedules and quantize)
 
 small: 256x512x384 with every tile config that takes it; large: 8192^3 with the api's tile; shapes: the example's
 GEMMs through the api (padding included); sweep: tile / stage variants at 8192^3; dense: the blockwise Dense
-forward+backward (implementation None vs "xla"). Each case prints its SQNR against the exact fp32 product of the
-dequantized operands (and against the bf16 inputs' product), its time and TFLOP/s, or the full traceback of its
-failure, and the probe goes on to the next case.
+forward+backward (implementation None vs "xla"); schedules: the promotion schedules (_sm90.TileConfig's
+schedule, early_release, ordered_issue) and the scalar read of b's block scales (scale_rows) at 8192^3, beside
+the rowwise kernel at the same tiles (the ceiling without promotion); then the fastest four and the tuned tile
+at the example's GEMMs 16384x2048x{2048,5504,512}; torch._scaled_mm's blockwise mode at each shape. With
+MOSAIC_GPU_DUMP_PTXAS=1 each kernel's ptxas report (registers, spills, wgmma serialization) precedes its line on
+stderr ("compiling <label>" marks where each begins). quantize: the one-pass quantize kernel writing both copies
+at 16384x8192 bf16, q^T transposed as 8-bit codes or computed from the transposed input tile (tuning data's
+transpose_input), by warps per program, in GB/s of HBM traffic (4.8 TB/s peak); it runs before schedules, and
+both stop starting cases some BUDGET_S seconds (default 170) after the probe starts. Each case prints its SQNR
+against the exact fp32 product of the dequantized operands (and against the bf16 inputs' product), its time and
+TFLOP/s, or the full traceback of its failure, and the probe goes on to the next case.
 """
 import dataclasses
 import functools
+import itertools
+import os
 import sys
+import time
 import traceback
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from benchmarks.common import bench, rnd
+from benchmarks import bench_fp8
+from benchmarks.common import bench, bench_torch, rnd
 from pallas_fused.fp8 import api, fp8_linear, kernel_sm90
 from pallas_fused.fp8 import reference as ref
 
 E4 = jnp.float8_e4m3fn
 WHAT = sys.argv[1:] or ["small", "large", "shapes", "sweep", "dense"]
+START, BUDGET_S = time.time(), float(os.environ.get("BUDGET_S", 170))
+LINE = 100
 
 
 def sqnr(out, exact):
@@ -47,21 +63,56 @@ def operands(m, k, n, b_block=(128, 128)):
 
 
 def case(label, fn, args, want, flops, bf16=None, n=20):
+    """Prints the case's line; returns its ms, or None when it failed."""
     try:
+        print(f"compiling {label}", file=sys.stderr, flush=True)
         out = jax.block_until_ready(fn(*args))
         msg = f"sqnr vs exact {sqnr(out, want):6.1f} dB"
         if bf16 is not None:
             msg += f", vs bf16 {sqnr(out, ref.matmul_nt_fp32(*bf16, jnp.float32)):5.1f} dB"
         ms = bench(fn, *args, n=n, reps=3)
-        print(f"{label:60s} {msg}  {ms:8.4f} ms {flops / ms / 1e9:7.1f} TFLOP/s", flush=True)
+        print(f"{label:{LINE}s} {msg}  {ms:8.4f} ms {flops / ms / 1e9:7.1f} TFLOP/s", flush=True)
+        return ms
     except Exception:  # noqa: BLE001 - the traceback is the result
-        print(f"{label:60s} FAILED", flush=True)
+        print(f"{label:{LINE}s} FAILED", flush=True)
         traceback.print_exc()
         sys.stdout.flush()
+        return None
 
 
-def direct(config, out_dtype=jnp.bfloat16):
-    return jax.jit(functools.partial(kernel_sm90.blockwise_matmul_nt, out_dtype=out_dtype, config=config))
+def direct(config, out_dtype=jnp.bfloat16, scale_rows=(1, 1)):
+    return jax.jit(functools.partial(kernel_sm90.blockwise_matmul_nt, out_dtype=out_dtype, config=config,
+                                     scale_rows=scale_rows))
+
+
+def torch_blockwise(label, args, want, flops, n):
+    """torch._scaled_mm's blockwise mode on the same operands (1 x 128 scales for a, 128 x 128 for b, the layouts
+    bench_fp8 passes), with and without fast accumulation; its lines, or its refusal."""
+    import torch
+
+    a8, b8, sa_t, sb_t = args
+    ta, tb = bench_fp8._to_torch(a8), bench_fp8._to_torch(b8).t()  # b column-major (K, N)
+    tsa = torch.from_numpy(np.asarray(sa_t)).cuda().contiguous().t()  # (M, K / 128), stride (1, M)
+    tsb = torch.from_numpy(np.asarray(sb_t[:, ::128].T)).cuda()  # (N / 128, K / 128): the weight's block scales
+    kb = tsb.shape[1]
+    padded = torch.nn.functional.pad(tsb, (0, -kb % 4))[:, :kb]  # cuBLAS: the K-block count padded to 4
+    for fast in (False, True):
+        errors = []
+        for scale_b in (tsb.t(), padded.t()):
+            def fn(scale_b=scale_b, fast=fast):
+                return torch._scaled_mm(ta, tb, scale_a=tsa, scale_b=scale_b, out_dtype=torch.bfloat16,
+                                        use_fast_accum=fast)
+            try:
+                got = jnp.asarray(fn().float().cpu().numpy())
+            except Exception as e:  # noqa: BLE001 - try the next layout
+                errors.append(str(e)[:200])
+                continue
+            ms = bench_torch(fn, n=n, reps=3)
+            print(f"{label + f' torch._scaled_mm blockwise fast_accum={fast}':{LINE}s} sqnr vs exact "
+                  f"{sqnr(got, want):6.1f} dB  {ms:8.4f} ms {flops / ms / 1e9:7.1f} TFLOP/s", flush=True)
+            break
+        else:
+            print(f"{label} torch._scaled_mm blockwise fast_accum={fast} FAILED: {' | '.join(errors)}", flush=True)
 
 
 print(jax.devices(), flush=True)
@@ -126,3 +177,95 @@ if "dense" in WHAT:
             except Exception:  # noqa: BLE001
                 print(f"dense {tokens}x{width} impl={impl} FAILED", flush=True)
                 traceback.print_exc()
+if "quantize" in WHAT:
+    from pallas_fused.fp8 import kernel
+
+    r, c = 16384, 8192
+    x = rnd(6, (r, c), jnp.bfloat16)
+    for name, block_n, block_t, written in (
+            ("act q+qT", (1, 128), (128, 1), r * c * 2 + 4 * (r * -(-c // 128) + c * -(-r // 128))),
+            ("weight q+qT", (128, 128), (128, 128), 2 * r * c + 4 * -(-r // 128) * -(-c // 128))):
+        nbytes = r * c * 2 + written
+        want = kernel.quantize_blockwise(x, dtype=E4, block_n=block_n, block_t=block_t, transpose_input=False,
+                                         num_warps=4)
+        for transposed, warps in itertools.product((False, True), (4, 8, 16)):
+            if time.time() - START > BUDGET_S:
+                print(f"quantize {r}x{c} {name} skipped (time)", flush=True)
+                continue
+            fn = jax.jit(functools.partial(kernel.quantize_blockwise, dtype=E4, block_n=block_n, block_t=block_t,
+                                           num_warps=warps, transpose_input=transposed))
+            try:
+                got = fn(x)
+                same = all(bool(jnp.array_equal(g.view(jnp.uint8) if g.dtype == E4 else g,
+                                                w.view(jnp.uint8) if w.dtype == E4 else w))
+                           for g, w in zip(got, want) if g is not None)
+                ms = bench(fn, x, n=30, reps=3)
+                print(f"quantize {r}x{c} {name:12s} transpose_input={transposed!s:5s} num_warps={warps:2d} "
+                      f"{ms:.4f} ms {nbytes / ms / 1e6:7.0f} GB/s, equal to transpose_input=False/4 warps: {same}",
+                      flush=True)
+            except Exception:  # noqa: BLE001 - the traceback is the result
+                print(f"quantize {name} transpose_input={transposed} num_warps={warps} FAILED", flush=True)
+                traceback.print_exc()
+if "schedules" in WHAT:
+    # One compile + a ~0.1 s timing per candidate: 39 at 8192^3, then 5 at each of the example's three GEMMs;
+    # past the budget the rest are skipped (the probe must end within a device call's limit).
+    start, budget = START, BUDGET_S
+    tuned = kernel_sm90.blockwise_tile(8192, 8192, jnp.bfloat16)
+    schedules = (("serial", False), ("serial", True), ("halves", False), ("halves", True), ("lagged", False))
+    # (tile, split, (schedule, early release) pairs, stage counts, ordered issue); b's scale read as a scalar
+    # (scale_rows 128) but in the first, the tuned kernel as it was (a vector); a 64-row warpgroup tile has no two
+    # 64-row halves
+    grid = [((128, 64), "n", schedules, (3, 4), (False, True)),
+            ((128, 64), "m", schedules, (3,), (False, True)),
+            ((64, 128), "m", schedules[:2], (3, 4), (False, True))]
+    candidates = [(kernel_sm90.blockwise_config(tuned, jnp.bfloat16), (1, 1))]
+    for (tm, tn), split, scheds, stage_counts, orders in grid:
+        for (schedule, early), stages, ordered in itertools.product(scheds, stage_counts, orders):
+            cfg = kernel_sm90.blockwise_config(dataclasses.replace(
+                tuned, tile_m=tm, tile_n=tn, wg_split=split, schedule=schedule, early_release=early,
+                ordered_issue=ordered, max_concurrent_steps=stages), jnp.bfloat16)
+            if cfg.max_concurrent_steps == stages:
+                candidates.append((cfg, (1, 128)))
+
+    def label(shape, cfg, rows):
+        return (f"sched {shape} {cfg.tile_m}x{cfg.tile_n}/{cfg.wg_split} st{cfg.max_concurrent_steps} {cfg.schedule}"
+                f"{' early' if cfg.early_release else ''}{' ordered' if cfg.ordered_issue else ''} "
+                f"{'scalar' if rows[1] > 1 else 'vector'} b")
+
+    m = k = n = 8192
+    args, want, _ = operands(m, k, n)
+    # The ceiling without promotion: the rowwise kernel (one fp32 accumulator) at the blockwise tiles' wgmma shapes.
+    for cfg in (dataclasses.replace(tuned, tile_m=128, tile_n=64, wg_split="n", max_concurrent_steps=4),
+                dataclasses.replace(tuned, tile_m=64, tile_n=128, wg_split="m", max_concurrent_steps=4)):
+        fn = jax.jit(functools.partial(kernel_sm90.scaled_matmul_nt, out_dtype=jnp.bfloat16, config=cfg))
+        rw = (args[0], args[1], args[2][0], args[3][0])
+        try:
+            print(f"compiling rowwise {cfg}", file=sys.stderr, flush=True)
+            ms = bench(fn, *rw, n=20, reps=3)
+            print(f"{f'rowwise (no promotion) {m}^3 {cfg.tile_m}x{cfg.tile_n}/{cfg.wg_split} st4':{LINE}s} "
+                  f"{ms:8.4f} ms {2 * m * n * k / ms / 1e9:7.1f} TFLOP/s", flush=True)
+        except Exception:  # noqa: BLE001 - the traceback is the result
+            traceback.print_exc()
+    timed = []
+    for cfg, rows in candidates:
+        if time.time() - start > budget:
+            print(f"{label(f'{m}^3', cfg, rows):{LINE}s} skipped (time)", flush=True)
+            continue
+        ms = case(label(f"{m}^3", cfg, rows), direct(cfg, scale_rows=rows), args, want, 2 * m * n * k, n=20)
+        if ms is not None:
+            timed.append((ms, cfg, rows))
+    torch_blockwise(f"sched {m}^3", args, want, 2 * m * n * k, n=20)
+    best = [(c, r) for _, c, r in sorted(timed, key=lambda t: t[0])[:4]]
+    print("fastest at 8192^3:", *(f"{c} scale_rows={r}" for c, r in best), sep="\n  ", flush=True)
+    for m, k, n in ((16384, 2048, 2048), (16384, 2048, 5504), (16384, 2048, 512)):
+        args, want, _ = operands(m, k, n)
+        here = kernel_sm90.blockwise_tile(m, n, jnp.bfloat16)
+        for cfg, rows in dict.fromkeys([(here, (1, 1)), *best]):
+            if not kernel_sm90.supported(m, n, k, E4, E4, cfg):
+                cfg = dataclasses.replace(cfg, wg_split=here.wg_split)
+            if not kernel_sm90.supported(m, n, k, E4, E4, cfg) or time.time() - start > budget + 30:
+                continue
+            case(label(f"{m}x{k}x{n}", cfg, rows) + (" (tuned)" if (cfg, rows) == (here, (1, 1)) else ""),
+                 direct(cfg, scale_rows=rows), args, want, 2 * m * n * k, n=30)
+        torch_blockwise(f"sched {m}x{k}x{n}", args, want, 2 * m * n * k, n=30)
+    print(f"schedules: {time.time() - start:.0f} s", flush=True)
