@@ -184,13 +184,15 @@ def _check_grads(updates, state: GaLoreAdamState):
 
 
 def _skip_nonfinite(m_old, v_old, m, v, s: Scalars):
-    """Skip a projected leaf's step whose low-rank gradient R is not finite: keep its moments and zero its update
-    (s.ok = 0: the up-projection kernel then writes W unchanged / a zero update). A non-finite G makes R = G P^T
-    non-finite, and so the new moments (m = b1 m + (1-b1) R, v = b2 v + (1-b2) R^2; an R whose square overflows
-    too): testing the small (M, r) / (r, N) moments never re-reads G. One reduction over both moments (XLA fuses
-    it with the moments' update and the selects below into two small kernels)."""
-    fin = jnp.all(jnp.isfinite(m) & jnp.isfinite(v))
-    return jnp.where(fin, m, m_old), jnp.where(fin, v, v_old), s._replace(ok=jnp.where(fin, s.ok, 0.0))
+    """Skip a projected leaf's step whose low-rank gradient R is not finite, or whose refresh failed (s.ok = 0): keep
+    its moments and zero its update (the returned s.ok is 0: the up-projection then writes W unchanged / a zero
+    update). A non-finite G makes R = G P^T (P^T G) non-finite exactly, inf * 0 included: every product with a NaN or
+    inf element of G is NaN or +-inf (0 * inf is NaN), and a sum holding one is NaN or +-inf, so the row (column) of
+    R it lands in is non-finite for any finite P. The new moments m = b1 m + (1-b1) R, v = b2 v + (1-b2) R^2 are
+    then non-finite (as is v when R^2 overflows): testing the small (M, r) / (r, N) moments never re-reads G. One
+    reduction over both moments, one predicate for the three selects."""
+    keep = jnp.all(jnp.isfinite(m) & jnp.isfinite(v)) & (s.ok > 0)
+    return jnp.where(keep, m, m_old), jnp.where(keep, v, v_old), s._replace(ok=keep.astype(jnp.float32))
 
 
 _STATIC_HINT = ("optax.inject_hyperparams makes an array of every int argument, traced under jit: pass "
@@ -407,7 +409,10 @@ class _GaLore:
         # need copies of m and v (it writes them in place, the skip needs the old ones) and launches of its own
         # (benchmarks/results/user_path_dev/).
         if base == "xla" or (variant is None and w is None):
-            m_new, v_new, n = reference.lowrank_adam(reference.project(g, p, side), m, v, s)
+            # The moments from R as it is (ok = 1 is a constant, so the reference's selects on it fold away): the
+            # skip below applies the refresh's ok and the finiteness test as one predicate, one select per output.
+            one = jnp.asarray(1.0, jnp.float32)
+            m_new, v_new, n = reference.lowrank_adam(reference.project(g, p, side), m, v, s._replace(ok=one))
             m_new, v_new, s = _skip_nonfinite(m, v, m_new, v_new, s)
             return reference.finish_step(w, n, p, side, s, inplace=inplace, dtype=dtype), m_new, v_new
         if variant is None:
@@ -441,11 +446,13 @@ class _GaLore:
 
         # One lax.cond refreshes every projector: on a GPU each conditional costs a predicate read-back,
         # so one per step rather than one per leaf.
-        key = jax.random.fold_in(jax.random.key(cfg.seed), count)
         proj_idx = [i for i, p in enumerate(flat_p) if not _is_masked(p)]
         sides = {i: reference.projector_side(flat_g[i].shape, self.proj_type) for i in proj_idx}
 
         def refresh_all():
+            # The sketch's key inside the branch: between refreshes no step hashes it (small kernels that would run
+            # before the predicate's read-back, on every step).
+            key = jax.random.fold_in(jax.random.key(cfg.seed), count)
             return [self._refresh(flat_g[i], flat_p[i], sides[i], jax.random.fold_in(key, i)) for i in proj_idx]
 
         def keep_all():
