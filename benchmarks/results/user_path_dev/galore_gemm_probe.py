@@ -18,7 +18,6 @@ name from a trace, the optimized HLO of each written to OUT/hlo/:
     python benchmarks/results/user_path_dev/galore_gemm_probe.py OUT_DIR
 """
 
-import json
 import os
 import sys
 
@@ -26,22 +25,17 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from benchmarks.common import bench_carry, bench_carry_amortized, rnd
-from benchmarks.trace import trace_kernels
+from benchmarks.common import bench_carry, bench_carry_amortized, probe_recorder, rnd
+from benchmarks.trace import trace_steps
 from pallas_fused.galore import projector
 
 OUT = sys.argv[1] if len(sys.argv) > 1 else "/tmp/galore_gemm_probe"
 os.makedirs(f"{OUT}/hlo", exist_ok=True)
 CPU = jax.default_backend() == "cpu"
 K = 2 if CPU else 4
-rows = []
 
 
-def record(**row):
-    rows.append(row)
-    print(" | ".join(f"{k}={v}" for k, v in row.items()), flush=True)
-    with open(f"{OUT}/galore_gemm_probe.json", "w") as f:
-        json.dump(rows, f, indent=1, default=str)
+record = probe_recorder(f"{OUT}/galore_gemm_probe.json")
 
 
 def measure(case, name, step, states, amortized=True):
@@ -54,13 +48,7 @@ def measure(case, name, step, states, amortized=True):
             ms = bench_carry_amortized(step, states, n=20)
         else:
             ms = bench_carry(fn, jax.tree.map(jnp.copy, states[0]), n=50)
-        carry = fn(*jax.tree.map(jnp.copy, states[0]))
-        with trace_kernels() as kt:
-            for _ in range(10):
-                carry = fn(*carry)
-            jax.block_until_ready(carry)
-        record(case=case, impl=name, ms=round(ms, 4), kernel_us=round(kt.total_us / 10, 2),
-               top=[(n_, round(us / 10, 2), c // 10) for n_, us, c in kt.top(8)])
+        record(case=case, impl=name, ms=round(ms, 4), **trace_steps(fn, fn(*jax.tree.map(jnp.copy, states[0])), 10))
     except Exception as e:  # noqa: BLE001 - a failing formulation is a result
         record(case=case, impl=name, error=f"{type(e).__name__}: {e}"[:400])
 
@@ -101,7 +89,8 @@ for dtype in (jnp.float32, jnp.bfloat16):
         def down(g, p, out, s=s):
             if s == 1:
                 return g, p, jnp.matmul(p.T, g, preferred_element_type=jnp.float32)
-            parts = jnp.einsum("smr,smn->srn", p.reshape(s, M // s, R), g.reshape(s, M // s, N),
+            rows_, cols = g.shape
+            parts = jnp.einsum("smr,smn->srn", p.reshape(s, rows_ // s, R), g.reshape(s, rows_ // s, cols),
                                preferred_element_type=jnp.float32)
             return g, p, parts.sum(0)
         measure(case, f"down_left_s{s}", down, sets)
