@@ -142,7 +142,7 @@ def test_user_path_full_size_work_is_two_gemms_and_the_add(convention, dtype):
     # Between refreshes the step's only work on (M, N) arrays is the down-projection GEMM (G read once: the skip tests
     # the low-rank moments), the up-projection GEMM whose output is the update itself (lr, scale, bias correction and
     # the skip folded into the small N), and apply_updates' add, which XLA:GPU folds into that GEMM (beta = 1). The
-    # projector refresh's random key is hashed inside the refresh branch only.
+    # projector refresh's random key is hashed inside the refresh branch only, and the other branch runs nothing.
     params = {"w": jax.ShapeDtypeStruct((48, 80), dtype)}
     tx = galore_adamw(1e-2, rank=RANK, convention=convention)
 
@@ -155,3 +155,7 @@ def test_user_path_full_size_work_is_two_gemms_and_the_add(convention, dtype):
     assert sorted(name for name, full in ops if full) == ["add", "dot_general", "dot_general"], ops
     names = {name for name, _ in ops}
     assert not names & {"random_fold_in", "threefry2x32", "random_bits", "random_wrap", "random_seed"}, names
+    # one conditional, whose branch not taken between refreshes only passes its operands through
+    conds = [e for e in jaxpr.eqns if e.primitive.name == "cond"]
+    keep = conds[0].params["branches"][0].jaxpr if len(conds) == 1 else None
+    assert keep is not None and not keep.eqns and all(any(v is i for i in keep.invars) for v in keep.outvars)
