@@ -43,7 +43,7 @@ class Scalars(NamedTuple):
     beta: jax.Array
     a: jax.Array  # coefficient of W in the output (-lr * wd, or 0)
     c: jax.Array  # coefficient of the back-projected normalized update
-    ok: jax.Array  # 1.0: a normal step; 0.0: skip (non-finite gradient on a refresh step)
+    ok: jax.Array  # 1.0: a normal step; 0.0: skip (a non-finite low-rank step: moments kept, update zero)
 
     def pack(self) -> jax.Array:
         """The (8,) fp32 operand the kernels read."""
