@@ -91,6 +91,20 @@ def rnd(seed: int, shape, dtype=jnp.float32, scale: float = 1.0) -> jax.Array:
     return (jax.random.normal(jax.random.key(seed), shape, jnp.float32) * scale).astype(dtype)
 
 
+def probe_recorder(path: str | os.PathLike) -> Callable[..., None]:
+    """`record(**row)` for a development probe: prints the row and rewrites the JSON list at `path` after every row,
+    so a probe cut off by a time limit keeps what it measured."""
+    rows: list[dict] = []
+
+    def record(**row):
+        rows.append(row)
+        print(" | ".join(f"{k}={v}" for k, v in row.items()), flush=True)
+        with open(path, "w") as f:
+            json.dump(rows, f, indent=1, default=str)
+
+    return record
+
+
 @dataclass
 class Ceilings:
     """What this device does, measured in the same run as the benchmarks."""

@@ -91,3 +91,14 @@ def trace_kernels(trace_dir: str | pathlib.Path | None = None):
             yield result
         parsed = parse(trace_dir)
         result.per_kernel, result.counts, result.threads = parsed.per_kernel, parsed.counts, parsed.threads
+
+
+def trace_steps(step, carry, steps: int, top: int = 12) -> dict:
+    """Run `carry = step(*carry)` `steps` times under the profiler: GPU kernel time per step (`kernel_us_per_step`)
+    and the `top` kernels as (name, us per step, launches per step)."""
+    with trace_kernels() as kt:
+        for _ in range(steps):
+            carry = step(*carry)
+        jax.block_until_ready(carry)
+    return dict(kernel_us_per_step=round(kt.total_us / steps, 2),
+                top=[(name, round(us / steps, 2), c // steps) for name, us, c in kt.top(top)])

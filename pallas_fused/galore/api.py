@@ -184,13 +184,15 @@ def _check_grads(updates, state: GaLoreAdamState):
 
 
 def _skip_nonfinite(m_old, v_old, m, v, s: Scalars):
-    """Skip a projected leaf's step whose low-rank gradient R is not finite: keep its moments and zero its update
-    (s.ok = 0: the up-projection kernel then writes W unchanged / a zero update). A non-finite G makes R = G P^T
-    non-finite, and so the new moments (m = b1 m + (1-b1) R, v = b2 v + (1-b2) R^2; an R whose square overflows
-    too): testing the small (M, r) / (r, N) moments never re-reads G. One reduction over both moments (XLA fuses
-    it with the moments' update and the selects below into two small kernels)."""
-    fin = jnp.all(jnp.isfinite(m) & jnp.isfinite(v))
-    return jnp.where(fin, m, m_old), jnp.where(fin, v, v_old), s._replace(ok=jnp.where(fin, s.ok, 0.0))
+    """Skip a projected leaf's step whose low-rank gradient R is not finite, or whose refresh failed (s.ok = 0): keep
+    its moments and zero its update (the returned s.ok is 0: the up-projection then writes W unchanged / a zero
+    update). A non-finite G makes R = G P^T (P^T G) non-finite exactly, inf * 0 included: every product with a NaN or
+    inf element of G is NaN or +-inf (0 * inf is NaN), and a sum holding one is NaN or +-inf, so the row (column) of
+    R it lands in is non-finite for any finite P. The new moments m = b1 m + (1-b1) R, v = b2 v + (1-b2) R^2 are
+    then non-finite (as is v when R^2 overflows): testing the small (M, r) / (r, N) moments never re-reads G. One
+    reduction over both moments, one predicate for the three selects."""
+    keep = jnp.all(jnp.isfinite(m) & jnp.isfinite(v)) & (s.ok > 0)
+    return jnp.where(keep, m, m_old), jnp.where(keep, v, v_old), s._replace(ok=keep.astype(jnp.float32))
 
 
 _STATIC_HINT = ("optax.inject_hyperparams makes an array of every int argument, traced under jit: pass "
@@ -407,6 +409,8 @@ class _GaLore:
         # need copies of m and v (it writes them in place, the skip needs the old ones) and launches of its own
         # (benchmarks/results/user_path_dev/).
         if base == "xla" or (variant is None and w is None):
+            # s.ok is the constant 1 here (`_update`), so the reference's selects on it fold away: the skip below is
+            # the one predicate, one select per output.
             m_new, v_new, n = reference.lowrank_adam(reference.project(g, p, side), m, v, s)
             m_new, v_new, s = _skip_nonfinite(m, v, m_new, v_new, s)
             return reference.finish_step(w, n, p, side, s, inplace=inplace, dtype=dtype), m_new, v_new
@@ -440,20 +444,32 @@ class _GaLore:
             wd_flags = [False] * len(flat_g)
 
         # One lax.cond refreshes every projector: on a GPU each conditional costs a predicate read-back,
-        # so one per step rather than one per leaf.
-        key = jax.random.fold_in(jax.random.key(cfg.seed), count)
+        # so one per step rather than one per leaf. Its other branch only passes its operands through (no kernel of
+        # its own): the projectors, and the refresh flag, which is False whenever no refresh is due.
         proj_idx = [i for i, p in enumerate(flat_p) if not _is_masked(p)]
         sides = {i: reference.projector_side(flat_g[i].shape, self.proj_type) for i in proj_idx}
 
         def refresh_all():
-            return [self._refresh(flat_g[i], flat_p[i], sides[i], jax.random.fold_in(key, i)) for i in proj_idx]
+            # The sketch's key inside the branch: between refreshes no step hashes it (small kernels that would run
+            # before the predicate's read-back, on every step).
+            key = jax.random.fold_in(jax.random.key(cfg.seed), count)
+            new = [self._refresh(flat_g[i], flat_p[i], sides[i], jax.random.fold_in(key, i)) for i in proj_idx]
+            # a refresh that saw a non-finite gradient kept that leaf's projector: refresh them all next step
+            return [p for p, _ in new], ~jnp.all(jnp.stack([ok for _, ok in new]))
 
         def keep_all():
-            return [(flat_p[i], jnp.asarray(True)) for i in proj_idx]
+            return [flat_p[i] for i in proj_idx], state.pending_refresh
 
-        refreshed = dict(zip(proj_idx, lax.cond(refresh, refresh_all, keep_all))) if proj_idx else {}
-        outs, mus, nus, projs, oks = [], [], [], [], []
+        if proj_idx:
+            new_projs, pending = lax.cond(refresh, refresh_all, keep_all)
+            refreshed = dict(zip(proj_idx, new_projs))
+        else:
+            refreshed, pending = {}, jnp.zeros([], jnp.bool_)
+        outs, mus, nus, projs = [], [], [], []
         count_inc = optax.safe_int32_increment(count)
+        # A leaf whose refresh saw a non-finite gradient kept its projector, and skips this step through the
+        # finiteness test of its low-rank moments (`_skip_nonfinite`): its low-rank gradient is not finite either.
+        ok = jnp.asarray(1.0, jnp.float32)
         for i, (g, w, m, v, p, decay) in enumerate(zip(flat_g, flat_w, flat_mu, flat_nu, flat_p, wd_flags)):
             a = -lr * wd if decay else jnp.asarray(0.0, jnp.float32)
             dtype = g.dtype if w is None else w.dtype  # updates in the params' dtype, as optax's
@@ -472,14 +488,13 @@ class _GaLore:
                 outs.append(out), mus.append(m), nus.append(v), projs.append(p)
                 continue
             side = sides[i]
-            p, ok = refreshed[i]
-            s = Scalars(b1, b2, eps, alpha, beta, a, c, ok.astype(jnp.float32))
+            p = refreshed[i]
+            s = Scalars(b1, b2, eps, alpha, beta, a, c, ok)
             out, m, v = self._leaf(w if decay or inplace else None, g, m, v, p, side, s, inplace, dtype)
-            outs.append(out), mus.append(m), nus.append(v), projs.append(p), oks.append(ok)
-        all_ok = jnp.all(jnp.stack(oks)) if oks else jnp.asarray(True)
+            outs.append(out), mus.append(m), nus.append(v), projs.append(p)
         new_state = GaLoreAdamState(
             count=count_inc,
-            pending_refresh=jnp.where(refresh, ~all_ok, state.pending_refresh),
+            pending_refresh=pending,
             mu=treedef.unflatten(mus), nu=treedef.unflatten(nus), projector=treedef.unflatten(projs),
         )
         return treedef.unflatten(outs), new_state

@@ -43,7 +43,7 @@ class Scalars(NamedTuple):
     beta: jax.Array
     a: jax.Array  # coefficient of W in the output (-lr * wd, or 0)
     c: jax.Array  # coefficient of the back-projected normalized update
-    ok: jax.Array  # 1.0: a normal step; 0.0: skip (non-finite gradient on a refresh step)
+    ok: jax.Array  # 1.0: a normal step; 0.0: skip (a non-finite low-rank step: moments kept, update zero)
 
     def pack(self) -> jax.Array:
         """The (8,) fp32 operand the kernels read."""
@@ -127,11 +127,15 @@ def finish_step(w, n: jax.Array, p: jax.Array, side: str, s: Scalars, *, inplace
         # The update is c * backproject(N) alone: scale the small N rather than the product, so that the update
         # is the GEMM's own output and `optax.apply_updates` (p + update) can fold into that GEMM as its addend.
         ok = jnp.asarray(s.ok, jnp.float32) > 0
-        n = jnp.where(ok, n.astype(jnp.float32) * s.c, 0.0)
         # A 16-bit projector and update: the GEMM in P's dtype (fp32 accumulation) reads half the bytes at twice
         # TF32's rate, and the update is rounded to 16 bits anyway (optax.contrib.galore's GEMM here).
         low = jnp.dtype(p.dtype).itemsize < 4 and jnp.dtype(dtype or p.dtype).itemsize < 4
-        return back_project(n, p, side, precision, p.dtype if low else jnp.float32).astype(dtype)
+        op = p.dtype if low else jnp.float32
+        # The select after the cast: the GEMM's operand is then a select, not a convert, which XLA:GPU would fuse
+        # into a Triton GEMM of its own (with the caller's add as its epilogue) instead of the cuBLAS GEMM whose
+        # beta = 1 takes the add, as optax.contrib.galore's 16-bit GEMM gets.
+        n = jnp.where(ok, (n.astype(jnp.float32) * s.c).astype(op), jnp.zeros((), op))
+        return back_project(n, p, side, precision, op).astype(dtype)
     w32 = w.astype(jnp.float32)
     out = full_update(w32, n, p, side, s, precision)
     return ((w32 + out) if inplace else out).astype(dtype if w is None else w.dtype)

@@ -6,7 +6,6 @@ galore_adamw (both conventions, default and "xla" implementations) beside optax.
 """
 
 import functools
-import json
 import os
 import sys
 
@@ -14,20 +13,13 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from benchmarks.common import bench_carry, rnd
-from benchmarks.trace import trace_kernels
+from benchmarks.common import bench_carry, probe_recorder, rnd
+from benchmarks.trace import trace_steps
 from pallas_fused.galore import api
 
 OUT = sys.argv[1]
 os.makedirs(f"{OUT}/hlo", exist_ok=True)
-rows = []
-
-
-def record(**row):
-    rows.append(row)
-    print(" | ".join(f"{k}={v}" for k, v in row.items()), flush=True)
-    with open(f"{OUT}/galore_profile.json", "w") as f:
-        json.dump(rows, f, indent=1, default=str)
+record = probe_recorder(f"{OUT}/galore_profile.json")
 
 
 LR, GAP = 1e-3, 10**9
@@ -63,12 +55,6 @@ for M, N, r, dtype in ((4096, 4096, 128, jnp.float32), (4096, 11008, 128, jnp.fl
                 with open(f"{OUT}/hlo/{M}x{N}_{jnp.dtype(dtype).name}_{name}.txt", "w") as f:
                     f.write(step.lower(*carry).compile().as_text())
             ms = bench_carry(step, carry, n=50, reps=7)
-            carry = step(*fresh(tx, M, N, dtype))
-            with trace_kernels() as kt:
-                for _ in range(20):
-                    carry = step(*carry)
-                jax.block_until_ready(carry)
-            record(case=case, impl=name, ms=round(ms, 4), kernel_us_per_step=round(kt.total_us / 20, 2),
-                   top=[(n_, round(us / 20, 2), c // 20) for n_, us, c in kt.top(12)])
+            record(case=case, impl=name, ms=round(ms, 4), **trace_steps(step, step(*fresh(tx, M, N, dtype)), 20))
         except Exception as e:  # noqa: BLE001
             record(case=case, impl=name, error=f"{type(e).__name__}: {e}"[:400])

@@ -12,7 +12,6 @@ galore_adamw(implementation="xla") and optax.contrib.galore, all as the donated 
 """
 
 import functools
-import json
 import sys
 
 import jax
@@ -20,19 +19,14 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from benchmarks.common import bench_carry, rnd
+from benchmarks.common import bench_carry, probe_recorder, rnd
 from pallas_fused.galore import api, projector, reference
 
 OUT = sys.argv[1]
-rows = []
 LR, B1, B2, EPS, SCALE, GAP = 1e-3, 0.9, 0.999, 1e-6, 0.25, 10**9
 
 
-def record(**row):
-    rows.append(row)
-    print(" | ".join(f"{k}={v}" for k, v in row.items()), flush=True)
-    with open(f"{OUT}/galore_structure.json", "w") as f:
-        json.dump(rows, f, indent=1, default=str)
+record = probe_recorder(f"{OUT}/galore_structure.json")
 
 
 def lowrank(g, p, m, v, count, side):
