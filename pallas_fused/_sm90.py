@@ -201,14 +201,14 @@ def _kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: in
                         plgpu.barrier_arrive(barrier)
 
                 # The step accumulator is a fresh zeroed allocation (what wgmma accumulates onto).
-                def serial(step_ref):
+                def step(step_ref):
                     plgpu.wgmma(step_ref, a_smem.at[wg_m], b_tile)
                     scales = step_scales(step_smems)  # loaded while the wgmma runs
-                    step = step_ref[...]  # waits for it
+                    product = step_ref[...]  # waits for it
                     release()
-                    return carry + promote(step, *scales)
+                    return carry + promote(product, *scales)
 
-                return pl.run_scoped(serial, plgpu.ACC((tile_m, tile_n), jnp.float32))
+                return pl.run_scoped(step, plgpu.ACC((tile_m, tile_n), jnp.float32))
 
             b_view = b_gmem.at[cta_n_slice, :] if b_layout == "nk" else b_gmem.at[:, cta_n_slice]
             step_views = [v.at[:, cta_m_slice if i < n_step_rows else cta_n_slice] for i, v in enumerate(step_gmems)]
