@@ -9,10 +9,11 @@ Per-K-step promotion (optional: `promote` with step row vectors ((K / tile_k, M)
 ((K / tile_k, N) each)): each K step's wgmma product goes into a zeroed step accumulator instead, and
 promote(step product, that step's row slices, its column slices) is added into a separate fp32 accumulator, which
 the epilogue then gets. Blockwise FP8 scaling uses it (DeepSeek-V3's per-128 promotion: the tensor cores' fast
-fp8 accumulation never runs longer than one K step, and each step's scales apply in fp32). How a step's promotion
-overlaps the tensor cores' work is tuning data (TileConfig.schedule, early_release, ordered_issue). A step
-accumulator is a fresh ACC allocation (zeroed, as wgmma accumulates onto it) and the sum a loop carry, so the path
-runs in Mosaic GPU's interpret mode too; "lagged" alone re-zeroes an accumulator by a store, which it cannot run.
+fp8 accumulation never runs longer than one K step, and each step's scales apply in fp32). Per K step each
+compute warpgroup issues its wgmma, loads the step's scales while it runs, waits for it and promotes; when the
+step's SMEM stage is released is tuning data (TileConfig.early_release). A step accumulator is a fresh ACC
+allocation (zeroed, as wgmma accumulates onto it) and the sum a loop carry, so the path runs in Mosaic GPU's
+interpret mode too (it cannot run a re-zeroing store into an accumulator ref).
 
 Structure (adapted from jax's hopper_matmul_mgpu.py example): a persistent grid of one CTA per SM walks the
 output tiles in a planar snake; in each CTA a memory warpgroup streams (cta_tile_m, tile_k) tiles of a and the
@@ -48,20 +49,9 @@ class TileConfig:
     grid_minor_dim: str = "n"
     grid_tile_width: int = 8
     epi_tile: int = 64
-    # How the promote path (below) schedules a K step's promotion against the tensor cores; used only with
-    # `promote`. "serial": one step accumulator per warpgroup, its wgmma awaited, then promoted on the CUDA cores
-    # (the two warpgroups interleave). "halves": the warpgroup's rows in two 64-row step accumulators (the same
-    # registers), both wgmmas issued, the first half promoted while the second half's wgmma runs. "lagged": as
-    # "halves", but the second half is promoted in the next K step, after that step's first-half wgmma is issued,
-    # so the tensor cores always have a wgmma queued; its SMEM stage is released one step late (delay_release).
-    schedule: str = "serial"
-    # "serial" / "halves": release the step's SMEM stage as soon as its wgmmas are done, before the promotion
+    # Used only with `promote`: release a K step's SMEM stage as soon as its wgmma is done, before the promotion
     # (the memory warpgroup refills it meanwhile), instead of after the step's body.
     early_release: bool = False
-    # The two compute warpgroups take turns issuing their K steps' wgmmas (a barrier pair: each waits for its turn,
-    # issues, hands the turn over), so one warpgroup's step runs on the tensor cores while the other promotes;
-    # issued together, their wgmmas interleave, finish together and leave the tensor cores idle while both promote.
-    ordered_issue: bool = False
 
     @property
     def cta_tile(self) -> tuple[int, int]:
@@ -70,7 +60,6 @@ class TileConfig:
         return self.tile_m, 2 * self.tile_n
 
 
-SCHEDULES = ("serial", "halves", "lagged")
 Epilogue = Callable[[jax.Array, Sequence[jax.Array], Sequence[jax.Array]], jax.Array]
 # promote(step product, step row slices, step column slices) -> the fp32 tile added to the running accumulator.
 Promote = Epilogue
@@ -97,16 +86,8 @@ def _kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: in
     out_transforms = (plgpu.TilingTransform((8, out_swizzle // out_itemsize)), plgpu.SwizzleTransform(out_swizzle))
     split_m = config.wg_split == "m"
     minor = 1 if config.grid_minor_dim == "n" else 0  # planar_snake's minor_dim: 0 = M, 1 = N
-    schedule = "none" if promote is None else config.schedule
-    if schedule == "lagged" and k_iters < 2:
-        schedule = "halves"  # a single K step has no next step to promote in
-    lagged = schedule == "lagged"
-    early = config.early_release and schedule in ("serial", "halves")
-    ordered = config.ordered_issue and promote is not None
-    parts = 2 if schedule in ("halves", "lagged") else 1  # row blocks of a warpgroup's accumulators
-    part_m = tile_m // parts
-    # All inputs of the pipeline share one delay_release; "lagged" reads a stage's tiles in the next step too.
-    smem_spec = functools.partial(plgpu.BlockSpec, memory_space=plgpu.SMEM, **(dict(delay_release=1) if lagged else {}))
+    early = config.early_release and promote is not None
+    smem_spec = functools.partial(plgpu.BlockSpec, memory_space=plgpu.SMEM)
     if b_layout == "nk":
         b_spec = smem_spec((cta_n, tile_k), lambda kk: (0, kk), transforms=transforms)
     else:
@@ -140,23 +121,10 @@ def _kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: in
         out_smem=plgpu.SMEM((2, 2, epi, epi), out_dtype, transforms=out_transforms),
         vec_smem=vec_smem,
         vec_barrier=plgpu.Barrier(num_barriers=2 * len(vec_gmems)) if vec_gmems else None,
-        turn=plgpu.Barrier(num_barriers=2) if ordered else None,  # turn[w]: warpgroup w may issue
         collective_axes="wg",
     )
-    def _scope(pipeline_allocs, out_smem, vec_smem, vec_barrier, turn):
+    def _scope(pipeline_allocs, out_smem, vec_smem, vec_barrier):
         wg = lax.axis_index("wg")
-        if ordered:
-            @pl.when(wg == 0)
-            def _first_turn():
-                plgpu.barrier_arrive(turn.at[0])
-
-        def my_turn():
-            if ordered:
-                plgpu.barrier_wait(turn.at[wg])
-
-        def hand_over():  # after this warpgroup's wgmmas of the step are issued
-            if ordered:
-                plgpu.barrier_arrive(turn.at[1 - wg])
 
         @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
         def _tiles(loop_info):
@@ -168,34 +136,30 @@ def _kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: in
             wg_col = 0 if split_m else wg * tile_n
             wg_m, wg_n = pl.ds(wg_row, tile_m), pl.ds(wg_col, tile_n)
             row0, col0 = m_idx * cta_m + wg_row, n_idx * cta_n + wg_col
-            zeros = jnp.zeros((part_m, tile_n), jnp.float32)
 
-            def store(accs):
-                """epilogue() of each row block of the warpgroup's fp32 tile, stored through SMEM."""
+            def store(acc):
+                """epilogue() of the warpgroup's fp32 tile, stored through SMEM."""
+                vecs = []
                 for i in range(len(vec_gmems)):
                     plgpu.barrier_wait(vec_barrier.at[2 * i + wg])
-                outs = []
-                for p, acc in enumerate(accs):
-                    vecs = [_backend.mosaic_load(vec_smem[i].at[wg, pl.ds(p * part_m, part_m)] if i < n_rows
-                                                 else vec_smem[i].at[wg],
-                                                 layout=plgpu.Layout.WGMMA.reduce(1 if i < n_rows else 0))
-                            .astype(jnp.float32) for i in range(len(vec_gmems))]
-                    outs.append(epilogue(acc, vecs[:n_rows], vecs[n_rows:]).astype(out_dtype))
+                    vecs.append(_backend.mosaic_load(vec_smem[i].at[wg],
+                                                     layout=plgpu.Layout.WGMMA.reduce(1 if i < n_rows else 0))
+                                .astype(jnp.float32))
+                out = epilogue(acc, vecs[:n_rows], vecs[n_rows:]).astype(out_dtype)
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                 slot = 0
-                for p, out in enumerate(outs):
-                    for ei in range(part_m // epi):
-                        for ej in range(tile_n // epi):
-                            plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-                            out_smem[wg, slot] = out[ei * epi:(ei + 1) * epi, ej * epi:(ej + 1) * epi]
-                            plgpu.commit_smem()
-                            plgpu.copy_smem_to_gmem(
-                                out_smem.at[wg, slot],
-                                out_gmem.at[cta_m_slice, cta_n_slice]
-                                .at[wg_m, wg_n]
-                                .at[pl.ds(p * part_m + ei * epi, epi), pl.ds(ej * epi, epi)],
-                            )
-                            slot = 1 - slot
+                for ei in range(tile_m // epi):
+                    for ej in range(tile_n // epi):
+                        plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+                        out_smem[wg, slot] = out[ei * epi:(ei + 1) * epi, ej * epi:(ej + 1) * epi]
+                        plgpu.commit_smem()
+                        plgpu.copy_smem_to_gmem(
+                            out_smem.at[wg, slot],
+                            out_gmem.at[cta_m_slice, cta_n_slice]
+                            .at[wg_m, wg_n]
+                            .at[pl.ds(ei * epi, epi), pl.ds(ej * epi, epi)],
+                        )
+                        slot = 1 - slot
 
             def compute_context(eval_pipeline):
                 # Fetch this warpgroup's vector slices while the main loop runs.
@@ -207,30 +171,21 @@ def _kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: in
                     @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tile_m, tile_n), jnp.float32))
                     def _acc_scope(acc_ref):
                         eval_pipeline(acc_ref)
-                        store([acc_ref[...]])
-                elif lagged:
-                    # hi_ref: the second half's step accumulator, whose wgmma is still running when a step ends.
-                    @functools.partial(pl.run_scoped, hi_ref=plgpu.ACC((part_m, tile_n), jnp.float32))
-                    def _acc_scope(hi_ref):
-                        no_scales = ([jnp.zeros(() if uniform_steps[0] else (part_m,), jnp.float32)] * n_step_rows,
-                                     [jnp.zeros(() if uniform_steps[1] else (tile_n,), jnp.float32)]
-                                     * (len(step_gmems) - n_step_rows))
-                        _, (lo, hi), last_scales = eval_pipeline((hi_ref, (zeros, zeros), no_scales))
-                        store([lo, hi + promote(hi_ref[...], *last_scales)])
+                        store(acc_ref[...])
                 else:
-                    store(list(eval_pipeline((zeros,) * parts)))
+                    store(eval_pipeline(jnp.zeros((tile_m, tile_n), jnp.float32)))
 
-            def step_scales(part, step_smems):
-                """The K step's row scales of row block `part` and its column scales, fp32 in WGMMA layouts."""
+            def step_scales(step_smems):
+                """The K step's row and column scales of the warpgroup's tile, fp32 in WGMMA layouts."""
                 rows = [v[0, wg_row] if uniform_steps[0] else
-                        _backend.mosaic_load(v.at[0, pl.ds(wg_row + part * part_m, part_m)],
-                                             layout=plgpu.Layout.WGMMA.reduce(1)) for v in step_smems[:n_step_rows]]
+                        _backend.mosaic_load(v.at[0, wg_m], layout=plgpu.Layout.WGMMA.reduce(1))
+                        for v in step_smems[:n_step_rows]]
                 cols = [v[0, wg_col] if uniform_steps[1] else
                         _backend.mosaic_load(v.at[0, wg_n], layout=plgpu.Layout.WGMMA.reduce(0))
                         for v in step_smems[n_step_rows:]]
                 return [r.astype(jnp.float32) for r in rows], [c.astype(jnp.float32) for c in cols]
 
-            def mma_body(idx, a_smem, b_smem, *rest):
+            def mma_body(_, a_smem, b_smem, *rest):
                 step_smems, consumed, carry = rest[:len(step_gmems)], rest[len(step_gmems):-1], rest[-1]
                 if b_layout == "nk":
                     b_tile = plgpu.transpose_ref(b_smem.at[wg_n], (1, 0))
@@ -240,68 +195,20 @@ def _kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: in
                     plgpu.wgmma(carry, a_smem.at[wg_m], b_tile)
                     plgpu.wgmma_wait(0)
                     return carry
-                a_part = lambda p: a_smem.at[pl.ds(wg_row + p * part_m, part_m)]  # noqa: E731
 
                 def release():  # the stage's tiles are no longer read: its scales are in registers
                     for barrier in consumed:
                         plgpu.barrier_arrive(barrier)
 
-                # Each step accumulator is a fresh zeroed allocation (what wgmma accumulates onto).
-                step_acc = plgpu.ACC((part_m, tile_n), jnp.float32)
-                if schedule == "serial":
-                    (total,) = carry
+                # The step accumulator is a fresh zeroed allocation (what wgmma accumulates onto).
+                def step(step_ref):
+                    plgpu.wgmma(step_ref, a_smem.at[wg_m], b_tile)
+                    scales = step_scales(step_smems)  # loaded while the wgmma runs
+                    product = step_ref[...]  # waits for it
+                    release()
+                    return carry + promote(product, *scales)
 
-                    def serial(step_ref):
-                        my_turn()
-                        plgpu.wgmma(step_ref, a_part(0), b_tile)
-                        hand_over()
-                        scales = step_scales(0, step_smems)  # loaded while the wgmma runs
-                        step = step_ref[...]  # waits for it
-                        release()
-                        return (total + promote(step, *scales),)
-
-                    return pl.run_scoped(serial, step_acc)
-                if schedule == "halves":
-                    lo_total, hi_total = carry
-
-                    def halves(lo_ref, hi_ref):
-                        my_turn()
-                        plgpu.wgmma(lo_ref, a_part(0), b_tile)
-                        plgpu.wgmma(hi_ref, a_part(1), b_tile)
-                        hand_over()
-                        lo_scales, hi_scales = step_scales(0, step_smems), step_scales(1, step_smems)
-                        lo = plgpu.wgmma_accumulator_load(lo_ref, wait_n=1)  # the second half's wgmma still runs
-                        lo_total_ = lo_total + promote(lo, *lo_scales)
-                        hi = hi_ref[...]
-                        release()
-                        return lo_total_, hi_total + promote(hi, *hi_scales)
-
-                    return pl.run_scoped(halves, step_acc, step_acc)
-                # "lagged": the previous step's second half is promoted while this step's first half runs.
-                hi_ref, (lo_total, hi_total), prev_scales = carry
-
-                def lagged_step(lo_ref):
-                    my_turn()
-                    plgpu.wgmma(lo_ref, a_part(0), b_tile)
-                    hi = plgpu.wgmma_accumulator_load(hi_ref, wait_n=1)  # the previous step's second half is done
-                    hi_total_ = hi_total + promote(hi, *prev_scales)
-                    hi_ref[...] = zeros
-                    plgpu.wgmma(hi_ref, a_part(1), b_tile)
-                    hand_over()
-                    lo_scales, hi_scales = step_scales(0, step_smems), step_scales(1, step_smems)
-                    lo = plgpu.wgmma_accumulator_load(lo_ref, wait_n=1)
-
-                    # The pipeline never releases the last step's stage, and its memory warpgroup goes on to the next
-                    # output tile's first loads once the step before is released (at this body's end): the second
-                    # half's wgmma must not still be reading the stage then.
-                    @pl.when(idx[0] == k_iters - 1)
-                    def _last_step():
-                        plgpu.wgmma_wait(0)
-
-                    return (lo_total + promote(lo, *lo_scales), hi_total_), hi_scales
-
-                totals, hi_scales = pl.run_scoped(lagged_step, step_acc)
-                return hi_ref, totals, hi_scales
+                return pl.run_scoped(step, plgpu.ACC((tile_m, tile_n), jnp.float32))
 
             b_view = b_gmem.at[cta_n_slice, :] if b_layout == "nk" else b_gmem.at[:, cta_n_slice]
             step_views = [v.at[:, cta_m_slice if i < n_step_rows else cta_n_slice] for i, v in enumerate(step_gmems)]
@@ -342,16 +249,6 @@ def matmul(a, b, *, b_layout: str, row_vecs: Sequence[jax.Array] = (), col_vecs:
     if not supported(m, n, k, config):
         raise ValueError(f"{name}: shapes {a.shape} x {b.shape} ({b_layout}) must be multiples of the tile "
                          f"{config.cta_tile + (config.tile_k,)}")
-    if config.schedule not in SCHEDULES:
-        raise ValueError(f"{name}: config.schedule must be one of {SCHEDULES}, got {config.schedule!r}")
-    if promote is not None and config.schedule != "serial" and (config.tile_m % 128 or
-                                                                 (config.tile_m // 2) % config.epi_tile):
-        raise ValueError(f"{name}: config.schedule {config.schedule!r} splits a warpgroup's rows in two 64-row "
-                         f"multiples of epi_tile: tile_m must be a multiple of 128 and of 2 * epi_tile, "
-                         f"got {config.tile_m}")
-    if promote is not None and config.schedule == "lagged" and config.max_concurrent_steps < 2:
-        raise ValueError(f"{name}: config.schedule 'lagged' reads a stage one step late: max_concurrent_steps must be "
-                         f">= 2, got {config.max_concurrent_steps}")
     if (step_row_vecs or step_col_vecs) and promote is None:
         raise ValueError(f"{name}: step_row_vecs / step_col_vecs need a promote function")
     for kind, vecs, want in (("step_row_vecs", step_row_vecs, m), ("step_col_vecs", step_col_vecs, n)):

@@ -71,7 +71,9 @@ def test_tuning_tables_load_and_fall_back():
         for section, heuristic in (("dora_sm90", kernel_sm90.HEURISTIC), ("adam_launch", adam_kernel.HEURISTIC),
                                    ("fp8_cast", fp8_kernel.HEURISTIC), ("adam_mosaic", kernel_mosaic.HEURISTIC),
                                    ("fp8_sm90", fp8_sm90.HEURISTIC), ("galore_up", galore_kernel.UP_HEURISTIC),
-                                   ("galore_variant", galore_kernel.VARIANT_HEURISTIC)):
+                                   ("galore_variant", galore_kernel.VARIANT_HEURISTIC),
+                                   ("fp8_sm90_blockwise", fp8_sm90.BLOCKWISE_HEURISTIC),
+                                   ("fp8_blockwise", fp8_kernel.BLOCKWISE_HEURISTIC)):
             for key, fields in heuristic.items():
                 if key in table.get(section, {}):
                     entry = table[section][key]

@@ -1,6 +1,6 @@
 """The shared Hopper GEMM skeleton (pallas_fused/_sm90.py) in Mosaic GPU's interpret mode (jax >= 0.12): its
 16-bit "kn" and 8-bit "nk" paths with epilogue vectors and its per-K-step promotion against plain jnp, on the CPU
-(tests/test_lowering.py lowers every promotion schedule for an sm90 GPU). The GPU tests of its users run the
+(tests/test_lowering.py lowers the promotion's configurations for an sm90 GPU). The GPU tests of its users run the
 compiled kernel."""
 
 from __future__ import annotations
@@ -57,31 +57,21 @@ def _blockwise_operands(m, k, n):
 
 
 @needs_interpret
-@pytest.mark.parametrize("schedule,split,uniform,early,ordered", [
-    ("serial", "n", (False, False), False, False), ("serial", "m", (False, True), True, True),
-    ("halves", "n", (True, True), True, False), ("halves", "m", (True, False), False, True)])
-def test_promote_blockwise(schedule, split, uniform, early, ordered):
-    """The blockwise FP8 GEMM's per-K-step promotion (3 K steps through a 2-deep ring, two output tiles per CTA):
-    each step's product times that step's row and column scales, summed in fp32."""
-    config = _sm90.TileConfig(tile_m=64 if schedule == "serial" else 128, tile_n=64, tile_k=128,
-                              max_concurrent_steps=2, wg_split=split, schedule=schedule, early_release=early,
-                              ordered_issue=ordered)
+@pytest.mark.parametrize("tile_n,split,uniform,early", [
+    (64, "n", (False, False), False), (64, "m", (False, True), True), (128, "m", (False, True), True),
+    (64, "n", (True, True), True), (128, "m", (True, False), False)])
+def test_promote_blockwise(tile_n, split, uniform, early):
+    """The blockwise FP8 GEMM's per-K-step promotion (3 K steps through a 2-deep ring, several output tiles per
+    CTA), the step's stage released after the promotion or as soon as its wgmma is done (early_release), the
+    scales read as vectors or one scalar per warpgroup tile: each step's product times that step's row and column
+    scales, summed in fp32."""
+    config = _sm90.TileConfig(tile_m=64, tile_n=tile_n, tile_k=128, max_concurrent_steps=2, wg_split=split,
+                              early_release=early)
     (a, bt, sa, sb), want = _blockwise_operands(512, 384, 256)
     out = _sm90.matmul(a, bt, b_layout="nk", step_row_vecs=(sa,), step_col_vecs=(sb,), uniform_steps=uniform,
                        promote=fp8_sm90._promote_blocks, epilogue=fp8_sm90._identity, out_dtype=jnp.float32,
                        config=config, name="test_promote", interpret=True)
     np.testing.assert_allclose(to64(out), want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
-
-
-def test_schedule_checked():
-    x = jnp.zeros((256, 256), jnp.float8_e4m3fn)
-    s = jnp.ones((2, 256))
-    for config, match in ((_sm90.TileConfig(schedule="interleaved"), "schedule must be one of"),
-                          (_sm90.TileConfig(tile_m=64, schedule="halves"), "tile_m must be a multiple of 128"),
-                          (_sm90.TileConfig(schedule="lagged", max_concurrent_steps=1), "max_concurrent_steps must")):
-        with pytest.raises(ValueError, match=match):
-            _sm90.matmul(x, x, b_layout="nk", step_row_vecs=(s,), step_col_vecs=(s,), promote=fp8_sm90._promote_blocks,
-                         epilogue=fp8_sm90._identity, out_dtype=jnp.float32, config=config, name="t")
 
 
 def test_interpret_needs_new_jax():

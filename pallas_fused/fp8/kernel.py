@@ -195,13 +195,8 @@ def _block_scale(amax, dtype, power_of_2, interpret):
     return scale, inv
 
 
-def _blockwise_kernel(x_ref, *refs, shape, tile, dtype, power_of_2, square, emit_n, emit_t, transpose_input,
-                      interpret):
+def _blockwise_kernel(x_ref, *refs, shape, tile, dtype, power_of_2, square, emit_n, emit_t, interpret):
     """One program: one `tile` = (rows, cols) of x, read once.
-
-    q^T leaves as the transpose of a tile computed in x's orientation (transpose_input=False: the 8-bit codes are
-    transposed), or is computed from the transposed input tile (True: the 16- or 32-bit x is transposed, then
-    scaled, cast and stored as it is); the same numbers either way (the amax of a column is order-free).
 
     square=False: q's scales are per row of the tile (a 1 x cols block along x's columns), q^T's per column (a
     rows x 1 block of x, i.e. 1 x rows along the rows of x^T). square=True: one scale for the whole tile, shared
@@ -221,8 +216,7 @@ def _blockwise_kernel(x_ref, *refs, shape, tile, dtype, power_of_2, square, emit
     mask = row_mask[:, None] & col_mask[None, :]
     idx = (pl.ds(r0, tile[0]), pl.ds(c0, tile[1]))
     # Outside x the tile reads 0, which leaves every amax as it is: a ragged tile is a block of its own.
-    x_in = _backend.load(x_ref.at[idx], mask=mask, other=0.0)
-    x = x_in.astype(jnp.float32)
+    x = _backend.load(x_ref.at[idx], mask=mask, other=0.0).astype(jnp.float32)
     a = finite_abs(x)
     if square:
         scale, inv = _block_scale(jnp.max(jnp.max(a, axis=1), axis=0, keepdims=True), dtype, power_of_2,
@@ -231,8 +225,7 @@ def _blockwise_kernel(x_ref, *refs, shape, tile, dtype, power_of_2, square, emit
         if emit_n:
             _backend.store(o_ref.at[idx], q, mask=mask)
         if emit_t:
-            qt = saturate(x_in.T.astype(jnp.float32) * inv[:, None], dtype) if transpose_input else q.T
-            _backend.store(ot_ref.at[idx[1], idx[0]], qt, mask=mask.T)
+            _backend.store(ot_ref.at[idx[1], idx[0]], q.T, mask=mask.T)
         # The (row-tile, column-tile) grid of scales, row-major: the reference's layout.
         _backend.store(s_ref.at[pl.ds(i * pl.num_programs(1) + j, 1)], scale)
         return
@@ -242,18 +235,13 @@ def _blockwise_kernel(x_ref, *refs, shape, tile, dtype, power_of_2, square, emit
         _backend.store(so_ref.at[pl.ds(j * shape[0] + r0, tile[0])], scale, mask=row_mask)
     if emit_t:  # per column of the tile, along x's rows (the contraction of x^T's GEMM)
         scale, inv = _block_scale(jnp.max(a, axis=0), dtype, power_of_2, interpret)
-        if transpose_input:
-            qt = saturate(x_in.T.astype(jnp.float32) * inv[:, None], dtype)
-        else:
-            qt = saturate(x * inv[None, :], dtype).T
-        _backend.store(ot_ref.at[idx[1], idx[0]], qt, mask=mask.T)
+        _backend.store(ot_ref.at[idx[1], idx[0]], saturate(x * inv[None, :], dtype).T, mask=mask.T)
         _backend.store(sot_ref.at[pl.ds(i * shape[1] + c0, tile[1])], scale, mask=col_mask)
 
 
 # Warps per program of the blockwise pass, for a GPU without a tuning table (the H200's): by what a program
-# writes, both activation copies (q in 1 x bk blocks and q^T in bm x 1), one copy, or a square tile's two; and
-# whether q^T is computed from the transposed input tile rather than transposed as 8-bit codes (`_blockwise_kernel`).
-BLOCKWISE_HEURISTIC = {"num_warps": {"both": 4, "one": 8, "square": 8}, "transpose_input": False}
+# writes, both activation copies (q in 1 x bk blocks and q^T in bm x 1), one copy, or a square tile's two.
+BLOCKWISE_HEURISTIC = {"num_warps": {"both": 4, "one": 8, "square": 16}}
 
 
 def blockwise_supported(block_n, block_t) -> bool:
@@ -270,10 +258,8 @@ def blockwise_supported(block_n, block_t) -> bool:
             and (block_t is None or (block_t[1] == 1 and pow2(block_t[0]))))
 
 
-@functools.partial(jax.jit, static_argnames=("dtype", "block_n", "block_t", "power_of_2", "interpret", "num_warps",
-                                             "transpose_input"))
-def quantize_blockwise(x, *, dtype, block_n=None, block_t=None, power_of_2=False, interpret=False, num_warps=None,
-                       transpose_input=None):
+@functools.partial(jax.jit, static_argnames=("dtype", "block_n", "block_t", "power_of_2", "interpret", "num_warps"))
+def quantize_blockwise(x, *, dtype, block_n=None, block_t=None, power_of_2=False, interpret=False, num_warps=None):
     """Blockwise quantize of a 2-D x (R, C) in one pass: returns (q, q_scales, q^T, qt_scales), None where not asked.
 
     Blocks are given in x's coordinates (`blockwise_supported` says which): `block_n` for q (R, C), `block_t` for the
@@ -293,7 +279,6 @@ def quantize_blockwise(x, *, dtype, block_n=None, block_t=None, power_of_2=False
     Numbers: exactly the reference's, per block: amax of the finite |x| (a ragged edge block is a block of its
     own; 0 gives the floor scale), scale = max(amax, 1e-12) / fp8_max (rounded up to a power of 2 if asked), the
     cast saturating with NaN kept.
-    num_warps and transpose_input (see `_blockwise_kernel`): None takes the tuning table's (BLOCKWISE_HEURISTIC).
     """
     dtype = jnp.dtype(dtype)
     if not blockwise_supported(block_n, block_t):
@@ -321,15 +306,12 @@ def quantize_blockwise(x, *, dtype, block_n=None, block_t=None, power_of_2=False
     if x.size == 0:  # no program to run (and every scale array is empty too)
         res = [jnp.zeros(o.shape, o.dtype) for o in outs]
     else:
-        table = _backend.tuned("fp8_blockwise", BLOCKWISE_HEURISTIC)
-        if transpose_input is None:
-            transpose_input = bool(table["transpose_input"])
         res = list(_backend.triton_call(
             functools.partial(_blockwise_kernel, shape=(r, c), tile=tile, dtype=dtype, power_of_2=power_of_2,
-                              square=square, emit_n=emit_n, emit_t=emit_t, transpose_input=transpose_input,
-                              interpret=interpret),
+                              square=square, emit_n=emit_n, emit_t=emit_t, interpret=interpret),
             out_shape=outs, grid=grid, name="pallas_fused_fp8_quantize_blockwise", interpret=interpret,
-            num_warps=num_warps or table["num_warps"]["square" if square else "both" if emit_n and emit_t else "one"],
+            num_warps=num_warps or _backend.tuned("fp8_blockwise", BLOCKWISE_HEURISTIC)["num_warps"][
+                "square" if square else "both" if emit_n and emit_t else "one"],
         )(x))
     if square:
         q = res.pop(0) if emit_n else None

@@ -83,19 +83,22 @@ def scaled_matmul_nt(a, bt, a_scale, b_scale, *, out_dtype, config: TileConfig):
 BLOCK_K = 128  # the K extent of one scale block, = tile_k: one scale row per pipeline step
 SMEM_BYTES = 227 * 1024  # an sm90 CTA's shared memory limit
 # The blockwise tile of a GPU without a tuning table: the H200's (pallas_fused/tuning/nvidia_h200.json cites the
-# sweep). Each compute warpgroup holds two fp32 accumulators (the K step's product and the running sum), so
-# its tile is half the scaled GEMM's: 128 x 64 (64 registers per thread each). At 128 x 128 ptxas spills.
-BLOCKWISE_HEURISTIC = {"tile": dict(tile_m=128, tile_n=64, tile_k=BLOCK_K, max_concurrent_steps=3)}
+# sweeps). Each compute warpgroup holds two fp32 accumulators (the K step's product and the running sum), so
+# its tile is half the scaled GEMM's: 64 x 128 (64 registers per thread each), the warpgroups splitting the
+# 128 x 128 CTA tile along M; each K step's stage is released as soon as its wgmma is done (early_release).
+# At 128 x 128 per warpgroup ptxas spills.
+BLOCKWISE_HEURISTIC = {"tile": dict(tile_m=64, tile_n=128, tile_k=BLOCK_K, max_concurrent_steps=4, wg_split="m",
+                                    early_release=True)}
 
 
 def blockwise_tile(m: int, n: int, out_dtype) -> TileConfig:
     """The blockwise GEMM's tile for an (M, K) x (N, K) product on this device kind (its tuning table's
-    "fp8_sm90_blockwise", else BLOCKWISE_HEURISTIC): the two warpgroups split the CTA tile along N unless only
-    the split along M fits the shape without padding; stages as `blockwise_config` fits them."""
+    "fp8_sm90_blockwise", else BLOCKWISE_HEURISTIC): the two warpgroups split the CTA tile as the table says
+    unless only the other split fits the shape without padding; stages as `blockwise_config` fits them."""
     base = TileConfig(**_backend.tuned("fp8_sm90_blockwise", BLOCKWISE_HEURISTIC)["tile"])
-    split_m = dataclasses.replace(base, wg_split="m")
+    other = dataclasses.replace(base, wg_split="n" if base.wg_split == "m" else "m")
     fits = lambda c: _sm90.supported(m, n, BLOCK_K, c)  # noqa: E731 - K is padded to BLOCK_K in any case
-    return blockwise_config(split_m if fits(split_m) and not fits(base) else base, out_dtype)
+    return blockwise_config(other if fits(other) and not fits(base) else base, out_dtype)
 
 
 def blockwise_config(config: TileConfig, out_dtype) -> TileConfig:

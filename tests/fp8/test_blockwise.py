@@ -4,6 +4,7 @@ test_blockwise_kernel.py), and on a Hopper GPU the GEMM kernel with per-K-block 
 
 import dataclasses
 import functools
+import itertools
 
 import flax.linen as nn
 import jax
@@ -88,16 +89,19 @@ def test_gemm_variants_refused(implementation):
 
 def test_blockwise_tile():
     """The blockwise GEMM's tile: each warpgroup's accumulators (the K step's product and the running sum) fit
-    the registers (at most 128 x 64 fp32 each), the split along M only where it alone avoids padding, K = one
-    scale block, and the SMEM stages fit beside the scale rows."""
+    the registers (at most 128 x 64 fp32 each), the tuned split unless only the other avoids padding, K = one
+    scale block, and the SMEM stages fit beside the scale rows (4 at a 128 x 128 CTA tile, bf16 or fp32 out)."""
     from pallas_fused.fp8 import kernel_sm90
 
-    for (m, n), split in (((16384, 5504), "n"), ((512, 192), "m"), ((300, 200), "n")):
+    # The tuned 64 x 128 split along M (a 128 x 128 CTA tile); split along N (64 x 256) where only that fits.
+    for (m, n), split in (((16384, 5504), "m"), ((16384, 512), "m"), ((300, 200), "m"), ((320, 512), "n")):
         for out_dtype in (jnp.bfloat16, jnp.float32):
             tile = kernel_sm90.blockwise_tile(m, n, out_dtype)
             assert tile.tile_m * tile.tile_n <= 128 * 64 and tile.tile_k == kernel_sm90.BLOCK_K
             assert tile.wg_split == split, (m, n, tile)
             assert kernel_sm90.blockwise_config(tile, out_dtype) == tile
+            if tile.cta_tile == (128, 128):
+                assert tile.max_concurrent_steps == 4, tile
 
 
 # ---------------------------------------------------------------------------------------------- quantize
@@ -343,10 +347,10 @@ def test_gpu_kernel_vs_reference(m, k, n, b_block):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("b_block", [(128, 128), (1, 128)], ids=["weight_blocks", "token_tiles"])
-def test_gpu_kernel_schedules(b_block):
-    """Every promotion schedule (_sm90.TileConfig.schedule, early stage release, ordered issue) with the block
-    heights passed (a 128 x 128-block b's scale read once per warpgroup tile) and not, against the exact
-    product."""
+def test_gpu_kernel_promotion(b_block):
+    """The tuned tile (64 x 128 split along M) and 128 x 64 split along N, each K step's stage released after the
+    promotion or as soon as its wgmma is done (early_release), with the block heights passed (a 128 x 128-block
+    b's scale read once per warpgroup tile) and not, against the exact product."""
     _hopper()
     from pallas_fused import _sm90
     from pallas_fused.fp8 import api, kernel_sm90
@@ -356,17 +360,15 @@ def test_gpu_kernel_schedules(b_block):
     want = ref.blockwise_scaled_matmul_nt_reference(a8, b8, sa, sb, (1, 128), b_block, out_dtype=jnp.float32)
     sa_t = api._step_scales(api._Operand(a8, sa.T, block=(1, 128)), k)
     sb_t = api._step_scales(api._Operand(b8, sb.T, block=b_block), k)
-    base = kernel_sm90.blockwise_config(_sm90.TileConfig(tile_m=128, tile_n=64, max_concurrent_steps=3),
-                                        jnp.bfloat16)
-    for schedule, early in (("serial", False), ("serial", True), ("halves", False), ("halves", True),
-                            ("lagged", False)):
-        for split, ordered in (("n", False), ("m", True)):
-            cfg = dataclasses.replace(base, schedule=schedule, early_release=early, wg_split=split,
-                                      ordered_issue=ordered)
-            for rows in ((1, 1), (1, b_block[0])):
-                got = jax.jit(functools.partial(kernel_sm90.blockwise_matmul_nt, out_dtype=jnp.bfloat16, config=cfg,
-                                                scale_rows=rows))(a8, b8, sa_t, sb_t)
-                assert sqnr(got, want) >= 38, (cfg, rows, sqnr(got, want))
+    tuned = kernel_sm90.blockwise_tile(m, n, jnp.bfloat16)
+    other = kernel_sm90.blockwise_config(_sm90.TileConfig(tile_m=128, tile_n=64, max_concurrent_steps=4),
+                                         jnp.bfloat16)
+    for base, early in itertools.product((tuned, other), (False, True)):
+        cfg = dataclasses.replace(base, early_release=early)
+        for rows in ((1, 1), (1, b_block[0])):
+            got = jax.jit(functools.partial(kernel_sm90.blockwise_matmul_nt, out_dtype=jnp.bfloat16, config=cfg,
+                                            scale_rows=rows))(a8, b8, sa_t, sb_t)
+            assert sqnr(got, want) >= 38, (cfg, rows, sqnr(got, want))
 
 
 @pytest.mark.gpu

@@ -5,15 +5,16 @@ python -m benchmarks.results.fp8_dev.blockwise_probe [small|large|shapes|sweep|d
 
 small: 256x512x384 with every tile config that takes it; large: 8192^3 with the api's tile; shapes: the example's
 GEMMs through the api (padding included); sweep: tile / stage variants at 8192^3; dense: the blockwise Dense
-forward+backward (implementation None vs "xla"); schedules: the promotion schedules (_sm90.TileConfig's
-schedule, early_release, ordered_issue) and the scalar read of b's block scales (scale_rows) at 8192^3, beside
-the rowwise kernel at the same tiles (the ceiling without promotion); then the fastest four and the tuned tile
-at the example's GEMMs 16384x2048x{2048,5504,512}; torch._scaled_mm's blockwise mode at each shape. With
-MOSAIC_GPU_DUMP_PTXAS=1 each kernel's ptxas report (registers, spills, wgmma serialization) precedes its line on
-stderr ("compiling <label>" marks where each begins). quantize: the one-pass quantize kernel writing both copies
-at 16384x8192 bf16, q^T transposed as 8-bit codes or computed from the transposed input tile (tuning data's
-transpose_input), by warps per program, in GB/s of HBM traffic (4.8 TB/s peak); it runs before schedules, and
-both stop starting cases some BUDGET_S seconds (default 170) after the probe starts. Each case prints its SQNR
+forward+backward (implementation None vs "xla"); schedules: the promotion's tuning (_sm90.TileConfig's
+early_release) and the scalar read of b's block scales (scale_rows) by tile and stages at 8192^3, beside the
+rowwise kernel at the same tiles (the ceiling without promotion); then the fastest four and the tuned tile with
+vector scales at the example's GEMMs 16384x2048x{2048,5504,512} (M x K x N); torch._scaled_mm's blockwise mode
+at each shape. With MOSAIC_GPU_DUMP_PTXAS=1 each kernel's ptxas report (registers, spills, wgmma serialization)
+precedes its line on stderr ("compiling <label>" marks where each begins). quantize: the one-pass quantize kernel
+writing both copies at 16384x8192 bf16 by warps per program, in GB/s of HBM traffic (4.8 TB/s peak); it runs
+before schedules, and both stop starting cases some BUDGET_S seconds (default 170) after the probe starts.
+(benchmarks/results/logs/h200_2026-11-26_blockwise_schedules.log also timed promotion schedules and a quantize
+variant since removed as slower or equal.) Each case prints its SQNR
 against the exact fp32 product of the dequantized operands (and against the bf16 inputs' product), its time and
 TFLOP/s, or the full traceback of its failure, and the probe goes on to the next case.
 """
@@ -186,51 +187,44 @@ if "quantize" in WHAT:
             ("act q+qT", (1, 128), (128, 1), r * c * 2 + 4 * (r * -(-c // 128) + c * -(-r // 128))),
             ("weight q+qT", (128, 128), (128, 128), 2 * r * c + 4 * -(-r // 128) * -(-c // 128))):
         nbytes = r * c * 2 + written
-        want = kernel.quantize_blockwise(x, dtype=E4, block_n=block_n, block_t=block_t, transpose_input=False,
-                                         num_warps=4)
-        for transposed, warps in itertools.product((False, True), (4, 8, 16)):
+        want = kernel.quantize_blockwise(x, dtype=E4, block_n=block_n, block_t=block_t, num_warps=4)
+        for warps in (4, 8, 16):
             if time.time() - START > BUDGET_S:
                 print(f"quantize {r}x{c} {name} skipped (time)", flush=True)
                 continue
             fn = jax.jit(functools.partial(kernel.quantize_blockwise, dtype=E4, block_n=block_n, block_t=block_t,
-                                           num_warps=warps, transpose_input=transposed))
+                                           num_warps=warps))
             try:
                 got = fn(x)
                 same = all(bool(jnp.array_equal(g.view(jnp.uint8) if g.dtype == E4 else g,
                                                 w.view(jnp.uint8) if w.dtype == E4 else w))
                            for g, w in zip(got, want) if g is not None)
                 ms = bench(fn, x, n=30, reps=3)
-                print(f"quantize {r}x{c} {name:12s} transpose_input={transposed!s:5s} num_warps={warps:2d} "
-                      f"{ms:.4f} ms {nbytes / ms / 1e6:7.0f} GB/s, equal to transpose_input=False/4 warps: {same}",
-                      flush=True)
+                print(f"quantize {r}x{c} {name:12s} num_warps={warps:2d} "
+                      f"{ms:.4f} ms {nbytes / ms / 1e6:7.0f} GB/s, equal to 4 warps: {same}", flush=True)
             except Exception:  # noqa: BLE001 - the traceback is the result
-                print(f"quantize {name} transpose_input={transposed} num_warps={warps} FAILED", flush=True)
+                print(f"quantize {name} num_warps={warps} FAILED", flush=True)
                 traceback.print_exc()
 if "schedules" in WHAT:
-    # One compile + a ~0.1 s timing per candidate: 39 at 8192^3, then 5 at each of the example's three GEMMs;
+    # One compile + a ~0.1 s timing per candidate: 11 at 8192^3, then 5 at each of the example's three GEMMs;
     # past the budget the rest are skipped (the probe must end within a device call's limit).
     start, budget = START, BUDGET_S
     tuned = kernel_sm90.blockwise_tile(8192, 8192, jnp.bfloat16)
-    schedules = (("serial", False), ("serial", True), ("halves", False), ("halves", True), ("lagged", False))
-    # (tile, split, (schedule, early release) pairs, stage counts, ordered issue); b's scale read as a scalar
-    # (scale_rows 128) but in the first, the tuned kernel as it was (a vector); a 64-row warpgroup tile has no two
-    # 64-row halves
-    grid = [((128, 64), "n", schedules, (3, 4), (False, True)),
-            ((128, 64), "m", schedules, (3,), (False, True)),
-            ((64, 128), "m", schedules[:2], (3, 4), (False, True))]
+    # (tile, split, stage counts); b's scale read as a scalar (scale_rows 128) but in the first, the tuned kernel
+    # with a vector
+    grid = [((128, 64), "n", (3, 4)), ((128, 64), "m", (3,)), ((64, 128), "m", (3, 4))]
     candidates = [(kernel_sm90.blockwise_config(tuned, jnp.bfloat16), (1, 1))]
-    for (tm, tn), split, scheds, stage_counts, orders in grid:
-        for (schedule, early), stages, ordered in itertools.product(scheds, stage_counts, orders):
+    for (tm, tn), split, stage_counts in grid:
+        for early, stages in itertools.product((False, True), stage_counts):
             cfg = kernel_sm90.blockwise_config(dataclasses.replace(
-                tuned, tile_m=tm, tile_n=tn, wg_split=split, schedule=schedule, early_release=early,
-                ordered_issue=ordered, max_concurrent_steps=stages), jnp.bfloat16)
+                tuned, tile_m=tm, tile_n=tn, wg_split=split, early_release=early, max_concurrent_steps=stages),
+                jnp.bfloat16)
             if cfg.max_concurrent_steps == stages:
                 candidates.append((cfg, (1, 128)))
 
     def label(shape, cfg, rows):
-        return (f"sched {shape} {cfg.tile_m}x{cfg.tile_n}/{cfg.wg_split} st{cfg.max_concurrent_steps} {cfg.schedule}"
-                f"{' early' if cfg.early_release else ''}{' ordered' if cfg.ordered_issue else ''} "
-                f"{'scalar' if rows[1] > 1 else 'vector'} b")
+        return (f"sched {shape} {cfg.tile_m}x{cfg.tile_n}/{cfg.wg_split} st{cfg.max_concurrent_steps}"
+                f"{' early' if cfg.early_release else ''} {'scalar' if rows[1] > 1 else 'vector'} b")
 
     m = k = n = 8192
     args, want, _ = operands(m, k, n)
