@@ -260,7 +260,8 @@ def _blockwise(rec, quick):
             ar8, sar = ref.quantize_reference(a, E4, 1, True)
             br8, sbr = ref.quantize_reference(bt, E4, 1, True)
             row_sets.append((ar8, br8, sar.reshape(-1), sbr.reshape(-1)))
-        ours = functools.partial(api._mm_nt_blockwise, out_dtype=jnp.bfloat16)
+        # The weight's 128 x 128 blocks: one scale covers 128 rows of bt, as fp8_linear tells the kernel.
+        ours = functools.partial(api._mm_nt_blockwise, out_dtype=jnp.bfloat16, scale_rows=(act[0], wblock[0]))
         rowwise = functools.partial(api._mm_nt, out_dtype=jnp.bfloat16, fast_accum=True, impl="pallas:sm90")
         tile = str(kernel_sm90.blockwise_tile(m, n, jnp.bfloat16))
         for impl, fn, sets, extra in (("pallas:sm90_blockwise", ours, kernel_sets, dict(tile=tile)),
