@@ -48,39 +48,39 @@ def choose_variant(kind: str, tokens: int, fin: int, fout: int, dtype, interpret
     return "epilogue" if merged_bytes > epilogue_bytes else "merged"
 
 
-def _check(x, kernel, lora_a, lora_b, magnitude, bias, scale):
-    """Validate shapes/dtypes; returns (in_features, out_features, rank)."""
+def _check(x, kernel, lora_a, lora_b, magnitude, bias, scale, op="dora_dense"):
+    """Validate shapes/dtypes; returns (in_features, out_features, rank). magnitude=None: LoRA (none to check)."""
     x_dtype = getattr(x, "dtype", None)
     if x_dtype is None or not jnp.issubdtype(x_dtype, jnp.floating):
-        raise ValueError(f"dora_dense: x must be a floating-point array, got dtype {x_dtype}")
+        raise ValueError(f"{op}: x must be a floating-point array, got dtype {x_dtype}")
     if len(x.shape) < 1:
-        raise ValueError("dora_dense: x must have at least one dimension (..., in_features)")
+        raise ValueError(f"{op}: x must have at least one dimension (..., in_features)")
     if is_quantized(kernel):
         fin, fout = kernel.shape
     else:
         if jnp.ndim(kernel) != 2 or not jnp.issubdtype(kernel.dtype, jnp.floating):
-            raise ValueError(f"dora_dense: kernel must be a 2-D float (in, out) array or an Int8Kernel/NF4Kernel, "
+            raise ValueError(f"{op}: kernel must be a 2-D float (in, out) array or an Int8Kernel/NF4Kernel, "
                              f"got shape {jnp.shape(kernel)} dtype {getattr(kernel, 'dtype', None)}")
         fin, fout = kernel.shape
     if x.shape[-1] != fin:
-        raise ValueError(f"dora_dense: x has {x.shape[-1]} input features but kernel expects {fin} "
+        raise ValueError(f"{op}: x has {x.shape[-1]} input features but kernel expects {fin} "
                          f"(kernel shape {(fin, fout)})")
     if jnp.ndim(lora_a) != 2 or lora_a.shape[0] != fin:
-        raise ValueError(f"dora_dense: lora_a must have shape ({fin}, rank), got {jnp.shape(lora_a)}")
+        raise ValueError(f"{op}: lora_a must have shape ({fin}, rank), got {jnp.shape(lora_a)}")
     rank = lora_a.shape[1]
     if rank < 1 or rank > min(fin, fout):
-        raise ValueError(f"dora_dense: lora_a rank must be in [1, min(in, out) = {min(fin, fout)}], got {rank}")
+        raise ValueError(f"{op}: lora_a rank must be in [1, min(in, out) = {min(fin, fout)}], got {rank}")
     if jnp.shape(lora_b) != (rank, fout):
-        raise ValueError(f"dora_dense: lora_b must have shape ({rank}, {fout}), got {jnp.shape(lora_b)}")
-    if jnp.shape(magnitude) != (fout,):
-        raise ValueError(f"dora_dense: magnitude must have shape ({fout},), got {jnp.shape(magnitude)}")
+        raise ValueError(f"{op}: lora_b must have shape ({rank}, {fout}), got {jnp.shape(lora_b)}")
+    if magnitude is not None and jnp.shape(magnitude) != (fout,):
+        raise ValueError(f"{op}: magnitude must have shape ({fout},), got {jnp.shape(magnitude)}")
     if bias is not None and jnp.shape(bias) != (fout,):
-        raise ValueError(f"dora_dense: bias must have shape ({fout},) or be None, got {jnp.shape(bias)}")
+        raise ValueError(f"{op}: bias must have shape ({fout},) or be None, got {jnp.shape(bias)}")
     if jnp.ndim(scale) != 0:
-        raise ValueError(f"dora_dense: scale must be a scalar, got shape {jnp.shape(scale)}")
+        raise ValueError(f"{op}: scale must be a scalar, got shape {jnp.shape(scale)}")
     for name, v in (("lora_a", lora_a), ("lora_b", lora_b), ("magnitude", magnitude), ("bias", bias)):
         if v is not None and not jnp.issubdtype(v.dtype, jnp.floating):
-            raise ValueError(f"dora_dense: {name} must be floating point, got dtype {v.dtype}")
+            raise ValueError(f"{op}: {name} must be floating point, got dtype {v.dtype}")
     return fin, fout, rank
 
 
