@@ -74,7 +74,7 @@ def test_empty_and_bad_input():
         lora_dense(x, w[0], a, b, scale=1.0)
     with pytest.raises(ValueError, match="lora_dense: bias must have shape"):
         lora_dense(x, w, a, b, jnp.ones(3), scale=1.0)
-    with pytest.raises(ValueError, match="lora_dense: x has 16 input features"):
+    with pytest.raises(ValueError, match="lora_dense: x has 15 input features but kernel expects 16"):
         lora_dense(jnp.ones((2, 15)), w, a, b, scale=1.0)
 
 
