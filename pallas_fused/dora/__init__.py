@@ -11,7 +11,7 @@ from pallas_fused.dora.config import (
     NormConfig,
     NormTiles,
 )
-from pallas_fused.dora.flax import DoRADense, DoRALinear, dense_to_dora_params, lora_scale, merge
+from pallas_fused.dora.flax import DoRADense, DoRALinear, LoRADense, dense_to_dora_params, lora_scale, merge
 from pallas_fused.dora.lora import lora_dense, lora_dense_reference
 from pallas_fused.dora.quant import Int8Kernel, NF4Kernel, dequantize, quantize_int8, quantize_nf4
 from pallas_fused.dora.reference import column_scale_reference, dora_dense_reference
@@ -27,6 +27,7 @@ __all__ = [
     "DoRADense",
     "DoRALinear",
     "Int8Kernel",
+    "LoRADense",
     "NF4Kernel",
     "column_scale",
     "column_scale_reference",

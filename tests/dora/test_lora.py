@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from pallas_fused import _backend
@@ -86,3 +87,22 @@ def test_gpu_sm90(shape):
         pytest.skip("the sm90 kernels need a Hopper GPU")
     tokens, fin, fout, r = shape
     _check("pallas", (tokens,), fin, fout, r, jnp.bfloat16, with_bias=True)
+
+
+def test_linen_lora_dense():
+    """The linen drop-in: nn.Dense params plus the adapters; with B = 0 it equals the Dense, and it trains A, B."""
+    import flax.linen as nn
+
+    from pallas_fused.dora import LoRADense
+
+    x = rand(60, (3, 5, 24), jnp.float32)
+    layer = LoRADense(16, rank=4, alpha=8.0, implementation="interpret")
+    params = layer.init(jax.random.key(0), x)["params"]
+    assert set(params) == {"kernel", "bias", "lora_a", "lora_b"}
+    dense = nn.Dense(16).apply({"params": {"kernel": params["kernel"], "bias": params["bias"]}}, x)
+    np.testing.assert_allclose(layer.apply({"params": params}, x), dense, rtol=1e-6, atol=1e-6)
+    params = {**params, "lora_b": rand(61, (4, 16), scale=0.1)}
+    want = lora_dense_reference(x, params["kernel"], params["lora_a"], params["lora_b"], params["bias"], scale=2.0)
+    np.testing.assert_allclose(layer.apply({"params": params}, x), want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="LoRADense: rank"):
+        LoRADense(16, rank=0).init(jax.random.key(0), x)
