@@ -37,12 +37,8 @@ def _check_quantize(quantize):
         raise ValueError(f"quantize must be None, 'int8' or 'nf4', got {quantize!r}")
 
 
-class LoRADense(nn.Module):
-    """A plain-LoRA drop-in for `flax.linen.Dense` (`lora_dense`): ``y = x W + s (x A) B + b``.
-
-    Params: ``kernel`` (in, features) and ``bias`` exactly as nn.Dense (train them frozen), ``lora_a`` (in, rank) and
-    ``lora_b`` (rank, features, zero-initialised): nn.Dense params plus the two adapters apply unchanged.
-    """
+class _AdapterDense(nn.Module):
+    """The fields an adapter drop-in for nn.Dense shares: nn.Dense's, the rank and the LoRA scale's."""
 
     features: int
     rank: int
@@ -55,6 +51,15 @@ class LoRADense(nn.Module):
     bias_init: Any = nn.initializers.zeros_init()
     lora_a_init: Any = _HE_UNIFORM
     lora_b_init: Any = _ZEROS
+
+
+class LoRADense(_AdapterDense):
+    """A plain-LoRA drop-in for `flax.linen.Dense` (`lora_dense`): ``y = x W + s (x A) B + b``.
+
+    Params: ``kernel`` (in, features) and ``bias`` exactly as nn.Dense (train them frozen), ``lora_a`` (in, rank) and
+    ``lora_b`` (rank, features, zero-initialised): nn.Dense params plus the two adapters apply unchanged.
+    """
+
     implementation: str | None = None  # as lora_dense: None, "pallas", "xla", "interpret"
 
     @nn.compact
@@ -72,7 +77,7 @@ class LoRADense(nn.Module):
                           scale=lora_scale(self.rank, self.alpha, self.use_rslora), implementation=self.implementation)
 
 
-class DoRADense(nn.Module):
+class DoRADense(_AdapterDense):
     """A DoRA drop-in for `flax.linen.Dense`.
 
     Params: ``kernel`` (in, features) and ``bias`` (features,) exactly as nn.Dense (train them frozen), plus
@@ -87,19 +92,8 @@ class DoRADense(nn.Module):
     ``y = x W + b + (g - 1) (x_d W) + g s (x_d A) B``; it needs a 'dropout' rng.
     """
 
-    features: int
-    rank: int
-    alpha: float | None = None
-    use_rslora: bool = False
-    use_bias: bool = True
     dropout: float = 0.0
     deterministic: bool | None = None
-    dtype: Dtype | None = None
-    param_dtype: Dtype = jnp.float32
-    kernel_init: Any = nn.linear.default_kernel_init
-    bias_init: Any = nn.initializers.zeros_init()
-    lora_a_init: Any = _HE_UNIFORM
-    lora_b_init: Any = _ZEROS
     quantize: str | None = None
     exact_norm_grad: bool = False
     implementation: str | None = None  # as dora_dense: None, "pallas", "pallas:<variant>", "xla", "interpret"
