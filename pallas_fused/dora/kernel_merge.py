@@ -1,4 +1,4 @@
-"""DoRA's merged weight: (W + s A B) g (or V = W + s A B unscaled with its column sums of squares), one pass."""
+"""DoRA's merged weight (W + s A B) g, one pass over W ("merged")."""
 
 from __future__ import annotations
 
