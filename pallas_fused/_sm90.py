@@ -15,6 +15,13 @@ step's SMEM stage is released is tuning data (TileConfig.early_release). A step 
 allocation (zeroed, as wgmma accumulates onto it) and the sum a loop carry, so the path runs in Mosaic GPU's
 interpret mode too (it cannot run a re-zeroing store into an accumulator ref).
 
+Low-rank step (optional: `lowrank` = (la (M, R), lb (R, N) or (N, R) in b's layout), 16-bit, R a multiple of 16):
+la @ lb goes into the same fp32 accumulator as a @ b before the epilogue (not with `promote`), so
+a LoRA-style x W + (x A) (s B) is one kernel. Each compute warpgroup TMA-copies its (tile_m, R) slice of la and
+its R x tile_n slice of lb into SMEM when a tile starts (the copies overlap the main loop, as the vector slices
+do) and issues one more wgmma after the main loop. The two slices take 2 (tile_m + tile_n) R bytes of SMEM per
+warpgroup beside the ring: `smem_bytes` counts it, and `matmul` refuses a configuration that does not fit.
+
 Structure (adapted from jax's hopper_matmul_mgpu.py example): a persistent grid of one CTA per SM walks the
 output tiles in a planar snake; in each CTA a memory warpgroup streams (cta_tile_m, tile_k) tiles of a and the
 matching tiles of b through a `max_concurrent_steps`-deep SMEM ring, and two compute warpgroups each own a
@@ -66,9 +73,12 @@ Promote = Epilogue
 
 
 def _kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: int, n_vecs: int, n_step_rows: int,
-            epilogue: Epilogue, promote: Promote | None, uniform_steps: tuple[bool, bool]):
+            epilogue: Epilogue, promote: Promote | None, uniform_steps: tuple[bool, bool], lowrank: bool):
     plgpu = _backend.mosaic_gpu()
     *vec_gmems, out_gmem = refs
+    la_gmem = lb_gmem = None
+    if lowrank:
+        *vec_gmems, la_gmem, lb_gmem = vec_gmems
     vec_gmems, step_gmems = vec_gmems[:n_vecs], vec_gmems[n_vecs:]
     row_gmems, col_gmems = vec_gmems[:n_rows], vec_gmems[n_rows:]
     m, k = a_gmem.shape
@@ -114,16 +124,30 @@ def _kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: in
     ignore = lambda *_, **__: None  # noqa: E731 - the bodies do not change the allocations
     vec_smem = tuple(plgpu.SMEM((2, tile_m), v.dtype) for v in row_gmems)
     vec_smem += tuple(plgpu.SMEM((2, tile_n), v.dtype) for v in col_gmems)
+    lr_smem = None
+    n_barriers = 2 * len(vec_gmems) + (4 if lowrank else 0)
+    if lowrank:
+        # wgmma takes one swizzle for both operands and K steps of swizzle / itemsize: both slices are swizzled
+        # by the rank's row width (R = 16 at 16 bits: 32 bytes, one K step of the instruction).
+        rank, lr_dtype = la_gmem.shape[1], la_gmem.dtype
+        lr_item = jnp.dtype(lr_dtype).itemsize
+        lr_swizzle = plgpu.find_swizzle(rank * lr_item * 8)
+        lr_transforms = (plgpu.TilingTransform((8, lr_swizzle // lr_item)), plgpu.SwizzleTransform(lr_swizzle))
+        lb_shape = (2, tile_n, rank) if b_layout == "nk" else (2, rank, tile_n)
+        lr_smem = (plgpu.SMEM((2, tile_m, rank), lr_dtype, transforms=lr_transforms),
+                   plgpu.SMEM(lb_shape, lr_dtype, transforms=lr_transforms))
 
     @functools.partial(
         pl.run_scoped,
         pipeline_allocs=get_pipeline(ignore, ignore).get_allocations(a_gmem, b_gmem, *step_gmems),
         out_smem=plgpu.SMEM((2, 2, epi, epi), out_dtype, transforms=out_transforms),
         vec_smem=vec_smem,
-        vec_barrier=plgpu.Barrier(num_barriers=2 * len(vec_gmems)) if vec_gmems else None,
+        # One per warpgroup and vector, then (with the low-rank step) one per warpgroup for la and for lb.
+        vec_barrier=plgpu.Barrier(num_barriers=n_barriers) if n_barriers else None,
+        lr_smem=lr_smem,
         collective_axes="wg",
     )
-    def _scope(pipeline_allocs, out_smem, vec_smem, vec_barrier):
+    def _scope(pipeline_allocs, out_smem, vec_smem, vec_barrier, lr_smem):
         wg = lax.axis_index("wg")
 
         @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
@@ -166,11 +190,28 @@ def _kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: in
                 for i, v in enumerate(vec_gmems):
                     window = pl.ds(row0, tile_m) if i < n_rows else pl.ds(col0, tile_n)
                     plgpu.copy_gmem_to_smem(v.at[window], vec_smem[i].at[wg], vec_barrier.at[2 * i + wg])
+                if lowrank:  # this warpgroup's low-rank slices, also while the main loop runs
+                    la_smem, lb_smem = lr_smem
+                    first = 2 * len(vec_gmems)
+                    la_bar, lb_bar = vec_barrier.at[first + wg], vec_barrier.at[first + 2 + wg]
+                    plgpu.copy_gmem_to_smem(la_gmem.at[pl.ds(row0, tile_m), :], la_smem.at[wg], la_bar)
+                    lb_src = (lb_gmem.at[pl.ds(col0, tile_n), :] if b_layout == "nk"
+                              else lb_gmem.at[:, pl.ds(col0, tile_n)])
+                    plgpu.copy_gmem_to_smem(lb_src, lb_smem.at[wg], lb_bar)
 
                 if promote is None:
                     @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tile_m, tile_n), jnp.float32))
                     def _acc_scope(acc_ref):
                         eval_pipeline(acc_ref)
+                        if lowrank:
+                            # One more wgmma into the accumulator. The next tile's copies into these slices are
+                            # issued by this warpgroup after the wait, so they never race the read.
+                            plgpu.barrier_wait(la_bar)
+                            plgpu.barrier_wait(lb_bar)
+                            lb_tile = (plgpu.transpose_ref(lb_smem.at[wg], (1, 0)) if b_layout == "nk"
+                                       else lb_smem.at[wg])
+                            plgpu.wgmma(acc_ref, la_smem.at[wg], lb_tile)
+                            plgpu.wgmma_wait(0)
                         store(acc_ref[...])
                 else:
                     store(eval_pipeline(jnp.zeros((tile_m, tile_n), jnp.float32)))
@@ -218,6 +259,19 @@ def _kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: in
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
+SMEM_LIMIT = 227 * 1024  # bytes of shared memory one CTA may allocate on sm90
+
+
+def smem_bytes(config: TileConfig, a_itemsize: int, b_itemsize: int, out_itemsize: int, rank: int = 0,
+               lowrank_itemsize: int = 2) -> int:
+    """Shared memory of one CTA (the ring, the epilogue staging and the low-rank slices; the vector slices and the
+    barriers take under 2 KiB more)."""
+    cta_m, cta_n = config.cta_tile
+    ring = config.max_concurrent_steps * config.tile_k * (cta_m * a_itemsize + cta_n * b_itemsize)
+    out = 2 * 2 * config.epi_tile * config.epi_tile * out_itemsize
+    return ring + out + 2 * rank * (config.tile_m + config.tile_n) * lowrank_itemsize
+
+
 def supported(m: int, n: int, k: int, config: TileConfig) -> bool:
     """Whether the kernel runs these shapes as they are (no padding): multiples of the CTA tile and tile_k."""
     cta_m, cta_n = config.cta_tile
@@ -227,7 +281,8 @@ def supported(m: int, n: int, k: int, config: TileConfig) -> bool:
 def matmul(a, b, *, b_layout: str, row_vecs: Sequence[jax.Array] = (), col_vecs: Sequence[jax.Array] = (),
            epilogue: Epilogue, out_dtype, config: TileConfig, name: str, step_row_vecs: Sequence[jax.Array] = (),
            step_col_vecs: Sequence[jax.Array] = (), promote: Promote | None = None,
-           uniform_steps: tuple[bool, bool] = (False, False), interpret: bool = False):
+           uniform_steps: tuple[bool, bool] = (False, False), lowrank: tuple[jax.Array, jax.Array] | None = None,
+           interpret: bool = False):
     """epilogue(a @ b, row_vecs, col_vecs) on Hopper; a (M, K), b (K, N) or (N, K) per `b_layout` ("kn" | "nk").
 
     With `promote`, a @ b is replaced by the sum over K steps s of promote(a_s @ b_s, [v[s] for v in
@@ -236,6 +291,9 @@ def matmul(a, b, *, b_layout: str, row_vecs: Sequence[jax.Array] = (), col_vecs:
     the caller's promise that each step row (column) vector is constant over every warpgroup's tile_m rows
     (tile_n columns), as block scales are: the kernel then reads one scalar of it per step and promote gets
     that fp32 scalar instead of a vector (the scale product is then one multiply per row, not per element).
+    lowrank = (la, lb): la @ lb is added to the fp32 accumulator before the epilogue (not with `promote`); la (M, R),
+    lb (R, N) ("kn") or (N, R) ("nk"), one 16-bit dtype (a's where a is 16-bit), R a multiple of 16 (pad the rank
+    with zeros).
     `name` names the kernel in profiles. Under vmap the batch runs as a loop of launches (no batching rule).
     interpret=True runs the kernel in Mosaic GPU's interpret mode on the CPU (jax >= 0.12; slow, for tests).
     """
@@ -256,10 +314,23 @@ def matmul(a, b, *, b_layout: str, row_vecs: Sequence[jax.Array] = (), col_vecs:
             if v.shape != (k // config.tile_k, want):
                 raise ValueError(f"{name}: each of {kind} must have shape (K / tile_k, {'M' if want == m else 'N'}) = "
                                  f"{(k // config.tile_k, want)}, got {v.shape}")
+    rank = 0
+    if lowrank is not None:
+        if promote is not None:
+            raise ValueError(f"{name}: lowrank is not supported with promote (its sum is not an accumulator ref)")
+        _check_lowrank(lowrank, a, m, n, b_layout, name)
+        rank = lowrank[0].shape[1]
+    out_itemsize = jnp.dtype(out_dtype).itemsize
+    need = smem_bytes(config, a.dtype.itemsize, b.dtype.itemsize, out_itemsize, rank,
+                      lowrank[0].dtype.itemsize if rank else 2)
+    if need > SMEM_LIMIT:
+        raise ValueError(f"{name}: config {config} needs {need} bytes of shared memory (rank {rank}), more than the "
+                         f"{SMEM_LIMIT} one CTA may use: lower max_concurrent_steps or tile_k")
 
     def body(*refs):
         _kernel(*refs, config=config, b_layout=b_layout, n_rows=len(row_vecs), n_vecs=len(row_vecs) + len(col_vecs),
-                n_step_rows=len(step_row_vecs), epilogue=epilogue, promote=promote, uniform_steps=uniform_steps)
+                n_step_rows=len(step_row_vecs), epilogue=epilogue, promote=promote, uniform_steps=uniform_steps,
+                lowrank=lowrank is not None)
 
     body.__name__ = body.__qualname__ = name  # the kernel's name in profiles
     kernel = plgpu.kernel(
@@ -272,4 +343,23 @@ def matmul(a, b, *, b_layout: str, row_vecs: Sequence[jax.Array] = (), col_vecs:
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         **(dict(interpret=_backend.mosaic_interpret(name)) if interpret else {}),
     )
-    return jax.custom_batching.sequential_vmap(kernel)(a, b, *row_vecs, *col_vecs, *step_row_vecs, *step_col_vecs)
+    return jax.custom_batching.sequential_vmap(kernel)(a, b, *row_vecs, *col_vecs, *step_row_vecs, *step_col_vecs,
+                                                       *(lowrank or ()))
+
+
+def _check_lowrank(lowrank, a, m: int, n: int, b_layout: str, name: str):
+    if not isinstance(lowrank, (tuple, list)) or len(lowrank) != 2:
+        raise ValueError(f"{name}: lowrank must be a pair (la, lb), got {type(lowrank).__name__}")
+    la, lb = lowrank
+    if la.ndim != 2 or la.shape[0] != m or la.shape[1] % 16 or la.shape[1] == 0:
+        raise ValueError(f"{name}: lowrank la must have shape (M, R) = ({m}, R) with R a positive multiple of 16 "
+                         f"(pad the rank with zeros), got {la.shape}")
+    rank = la.shape[1]
+    want = (rank, n) if b_layout == "kn" else (n, rank)
+    if lb.shape != want:
+        raise ValueError(f"{name}: lowrank lb must have shape {want} ({'(R, N)' if b_layout == 'kn' else '(N, R)'}, "
+                         f"b_layout {b_layout!r}), got {lb.shape}")
+    if jnp.dtype(la.dtype).itemsize != 2 or not jnp.issubdtype(la.dtype, jnp.floating) or lb.dtype != la.dtype:
+        raise ValueError(f"{name}: lowrank la and lb must share a 16-bit float dtype, got {la.dtype} and {lb.dtype}")
+    if jnp.dtype(a.dtype).itemsize == 2 and la.dtype != a.dtype:
+        raise ValueError(f"{name}: lowrank la must be in a's dtype {a.dtype}, got {la.dtype}")

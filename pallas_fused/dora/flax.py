@@ -1,4 +1,5 @@
-"""Flax drop-ins: linen `DoRADense` (for nn.Dense), NNX `DoRALinear` (for nnx.Linear), param converters.
+"""Flax drop-ins: linen `DoRADense` (for nn.Dense), NNX `DoRALinear` (for nnx.Linear), param converters; linen
+`LoRADense`, the same layer as plain LoRA.
 
 These modules only hold parameters and call `pallas_fused.dora.api`; they know nothing of Pallas.
 """
@@ -13,6 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from pallas_fused.dora.api import dora_dense, dora_dense_dropout
+from pallas_fused.dora.lora import lora_dense
 from pallas_fused.dora.quant import dequantize, quantize_int8, quantize_nf4
 from pallas_fused.dora.reference import column_norm_reference, floored_norm
 
@@ -35,7 +37,47 @@ def _check_quantize(quantize):
         raise ValueError(f"quantize must be None, 'int8' or 'nf4', got {quantize!r}")
 
 
-class DoRADense(nn.Module):
+class _AdapterDense(nn.Module):
+    """The fields an adapter drop-in for nn.Dense shares: nn.Dense's, the rank and the LoRA scale's."""
+
+    features: int
+    rank: int
+    alpha: float | None = None
+    use_rslora: bool = False
+    use_bias: bool = True
+    dtype: Dtype | None = None
+    param_dtype: Dtype = jnp.float32
+    kernel_init: Any = nn.linear.default_kernel_init
+    bias_init: Any = nn.initializers.zeros_init()
+    lora_a_init: Any = _HE_UNIFORM
+    lora_b_init: Any = _ZEROS
+
+
+class LoRADense(_AdapterDense):
+    """A plain-LoRA drop-in for `flax.linen.Dense` (`lora_dense`): ``y = x W + s (x A) B + b``.
+
+    Params: ``kernel`` (in, features) and ``bias`` exactly as nn.Dense (train them frozen), ``lora_a`` (in, rank) and
+    ``lora_b`` (rank, features, zero-initialised): nn.Dense params plus the two adapters apply unchanged.
+    """
+
+    implementation: str | None = None  # as lora_dense: None, "pallas", "xla", "interpret"
+
+    @nn.compact
+    def __call__(self, inputs: jax.Array) -> jax.Array:
+        fin = jnp.shape(inputs)[-1]
+        if self.rank < 1 or self.rank > min(fin, self.features):
+            raise ValueError(f"LoRADense: rank must be in [1, min(in, features) = {min(fin, self.features)}], "
+                             f"got {self.rank}")
+        kernel = self.param("kernel", self.kernel_init, (fin, self.features), self.param_dtype)
+        lora_a = self.param("lora_a", self.lora_a_init, (fin, self.rank), self.param_dtype)
+        lora_b = self.param("lora_b", self.lora_b_init, (self.rank, self.features), self.param_dtype)
+        bias = self.param("bias", self.bias_init, (self.features,), self.param_dtype) if self.use_bias else None
+        dtype = self.dtype or jnp.result_type(inputs, self.param_dtype)
+        return lora_dense(jnp.asarray(inputs, dtype), kernel, lora_a, lora_b, bias,
+                          scale=lora_scale(self.rank, self.alpha, self.use_rslora), implementation=self.implementation)
+
+
+class DoRADense(_AdapterDense):
     """A DoRA drop-in for `flax.linen.Dense`.
 
     Params: ``kernel`` (in, features) and ``bias`` (features,) exactly as nn.Dense (train them frozen), plus
@@ -50,19 +92,8 @@ class DoRADense(nn.Module):
     ``y = x W + b + (g - 1) (x_d W) + g s (x_d A) B``; it needs a 'dropout' rng.
     """
 
-    features: int
-    rank: int
-    alpha: float | None = None
-    use_rslora: bool = False
-    use_bias: bool = True
     dropout: float = 0.0
     deterministic: bool | None = None
-    dtype: Dtype | None = None
-    param_dtype: Dtype = jnp.float32
-    kernel_init: Any = nn.linear.default_kernel_init
-    bias_init: Any = nn.initializers.zeros_init()
-    lora_a_init: Any = _HE_UNIFORM
-    lora_b_init: Any = _ZEROS
     quantize: str | None = None
     exact_norm_grad: bool = False
     implementation: str | None = None  # as dora_dense: None, "pallas", "pallas:<variant>", "xla", "interpret"
