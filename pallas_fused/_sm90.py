@@ -11,6 +11,13 @@ promote(step product, that step's row slices, its column slices) is added into a
 the epilogue then gets. Blockwise FP8 scaling uses it (DeepSeek-V3's per-128 promotion: the tensor cores' fast
 fp8 accumulation never runs longer than one K step, and each step's scales apply in fp32).
 
+B dequantisation (optional: `dequant`, for quantised weights; QDoRA uses it): b arrives by TMA in its stored dtype
+(int8 / uint8: half the bytes of bf16 through HBM and the SMEM ring), and each compute warpgroup converts its slice
+of the step's b tile to a's 16-bit dtype, dequant(stored tile, that step's column slices), in registers, stores it
+into its own SMEM scratch with the 16-bit swizzle and runs the wgmma on that: wgmma reads a 16-bit B operand only
+from SMEM, and 8-bit operands only K-major and of one element type with A. The step column vectors (per-column
+scales, constant or per K step) reach the dequant in the layout of the tile's columns.
+
 Structure (adapted from jax's hopper_matmul_mgpu.py example): a persistent grid of one CTA per SM walks the
 output tiles in a planar snake; in each CTA a memory warpgroup streams (cta_tile_m, tile_k) tiles of a and the
 matching tiles of b through a `max_concurrent_steps`-deep SMEM ring, and two compute warpgroups each own a
@@ -56,10 +63,20 @@ class TileConfig:
 Epilogue = Callable[[jax.Array, Sequence[jax.Array], Sequence[jax.Array]], jax.Array]
 # promote(step product, step row slices, step column slices) -> the fp32 tile added to the running accumulator.
 Promote = Epilogue
+# dequant(b's stored tile of one warpgroup ((tile_k, tile_n) "kn", (tile_n, tile_k) "nk"), step column slices) ->
+# that tile in a's 16-bit dtype.
+Dequant = Callable[[jax.Array, Sequence[jax.Array]], jax.Array]
+
+
+def _smem_transforms(plgpu, minor: int, dtype):
+    """TMA / wgmma tiling and swizzle of an SMEM tile whose minor dimension holds `minor` elements of `dtype`."""
+    itemsize = jnp.dtype(dtype).itemsize
+    swizzle = plgpu.find_swizzle(minor * itemsize * 8)
+    return plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)
 
 
 def _kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: int, n_vecs: int, n_step_rows: int,
-            epilogue: Epilogue, promote: Promote | None):
+            epilogue: Epilogue, promote: Promote | None, dequant: Dequant | None):
     plgpu = _backend.mosaic_gpu()
     *vec_gmems, out_gmem = refs
     vec_gmems, step_gmems = vec_gmems[:n_vecs], vec_gmems[n_vecs:]
@@ -67,22 +84,23 @@ def _kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: in
     m, k = a_gmem.shape
     n = out_gmem.shape[1]
     out_dtype = out_gmem.dtype
-    itemsize = jnp.dtype(a_gmem.dtype).itemsize
     tile_m, tile_n, tile_k = config.tile_m, config.tile_n, config.tile_k
     cta_m, cta_n = config.cta_tile
     m_iters, n_iters, k_iters = m // cta_m, n // cta_n, k // tile_k
     epi = config.epi_tile
-    swizzle = plgpu.find_swizzle(tile_k * itemsize * 8)  # bits per row of a K tile
-    transforms = (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
-    out_itemsize = jnp.dtype(out_dtype).itemsize
-    out_swizzle = plgpu.find_swizzle(epi * out_itemsize * 8)
-    out_transforms = (plgpu.TilingTransform((8, out_swizzle // out_itemsize)), plgpu.SwizzleTransform(out_swizzle))
+    transforms = _smem_transforms(plgpu, tile_k, a_gmem.dtype)
+    # b's minor dimension is K ("nk") or N ("kn"), of which a warpgroup reads its tile_n columns.
+    b_transforms = _smem_transforms(plgpu, tile_k if b_layout == "nk" else tile_n, b_gmem.dtype)
+    deq_shape = (tile_n, tile_k) if b_layout == "nk" else (tile_k, tile_n)
+    out_transforms = _smem_transforms(plgpu, epi, out_dtype)
     split_m = config.wg_split == "m"
     minor = 1 if config.grid_minor_dim == "n" else 0  # planar_snake's minor_dim: 0 = M, 1 = N
     if b_layout == "nk":
-        b_spec = plgpu.BlockSpec((cta_n, tile_k), lambda kk: (0, kk), transforms=transforms, memory_space=plgpu.SMEM)
+        b_spec = plgpu.BlockSpec((cta_n, tile_k), lambda kk: (0, kk), transforms=b_transforms,
+                                 memory_space=plgpu.SMEM)
     else:
-        b_spec = plgpu.BlockSpec((tile_k, cta_n), lambda kk: (kk, 0), transforms=transforms, memory_space=plgpu.SMEM)
+        b_spec = plgpu.BlockSpec((tile_k, cta_n), lambda kk: (kk, 0), transforms=b_transforms,
+                                 memory_space=plgpu.SMEM)
     # The step vectors ride the pipeline beside a and b (one (1, cta) row of each per K step, in the same SMEM
     # ring stage and under the same barrier), so a step's scales are in SMEM exactly when its tiles are; a
     # separate per-step TMA would need its own barrier ring.
@@ -115,9 +133,12 @@ def _kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: in
         out_smem=plgpu.SMEM((2, 2, epi, epi), out_dtype, transforms=out_transforms),
         vec_smem=vec_smem,
         vec_barrier=plgpu.Barrier(num_barriers=2 * len(vec_gmems)) if vec_gmems else None,
+        # one dequantised b tile per compute warpgroup
+        deq_smem=None if dequant is None else plgpu.SMEM(
+            (2, *deq_shape), a_gmem.dtype, transforms=_smem_transforms(plgpu, deq_shape[1], a_gmem.dtype)),
         collective_axes="wg",
     )
-    def _scope(pipeline_allocs, out_smem, vec_smem, vec_barrier):
+    def _scope(pipeline_allocs, out_smem, vec_smem, vec_barrier, deq_smem):
         wg = lax.axis_index("wg")
 
         @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
@@ -168,10 +189,18 @@ def _kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: in
 
             def mma_body(_, a_smem, b_smem, *step_smems_and_carry):
                 *step_smems, carry = step_smems_and_carry
-                if b_layout == "nk":
-                    b_tile = plgpu.transpose_ref(b_smem.at[wg_n], (1, 0))
-                else:
-                    b_tile = b_smem.at[:, wg_n]
+                b_wg = b_smem.at[wg_n] if b_layout == "nk" else b_smem.at[:, wg_n]
+                if dequant is not None:
+                    # The stored tile through registers into this warpgroup's 16-bit scratch; commit_smem fences
+                    # the stores for the wgmma (async proxy) and syncs the warpgroup. The previous step's wgmma,
+                    # which read the scratch, was waited for before this step began.
+                    layout = plgpu.Layout.WGMMA.reduce(1 if b_layout == "nk" else 0)
+                    cols = [_backend.mosaic_load(v.at[0, wg_n], layout=layout).astype(jnp.float32)
+                            for v in step_smems[n_step_rows:]]
+                    deq_smem[wg] = dequant(b_wg[...], cols).astype(deq_smem.dtype)
+                    plgpu.commit_smem()
+                    b_wg = deq_smem.at[wg]
+                b_tile = plgpu.transpose_ref(b_wg, (1, 0)) if b_layout == "nk" else b_wg
                 if promote is None:
                     plgpu.wgmma(carry, a_smem.at[wg_m], b_tile)
                     plgpu.wgmma_wait(0)
@@ -205,27 +234,40 @@ def supported(m: int, n: int, k: int, config: TileConfig) -> bool:
 
 def matmul(a, b, *, b_layout: str, row_vecs: Sequence[jax.Array] = (), col_vecs: Sequence[jax.Array] = (),
            epilogue: Epilogue, out_dtype, config: TileConfig, name: str, step_row_vecs: Sequence[jax.Array] = (),
-           step_col_vecs: Sequence[jax.Array] = (), promote: Promote | None = None, interpret: bool = False):
+           step_col_vecs: Sequence[jax.Array] = (), promote: Promote | None = None, dequant: Dequant | None = None,
+           interpret: bool = False):
     """epilogue(a @ b, row_vecs, col_vecs) on Hopper; a (M, K), b (K, N) or (N, K) per `b_layout` ("kn" | "nk").
 
     With `promote`, a @ b is replaced by the sum over K steps s of promote(a_s @ b_s, [v[s] for v in
     step_row_vecs], [v[s] for v in step_col_vecs]), each step's product and the sum in fp32 (module docstring);
     step row vectors are (K / tile_k, M), step column vectors (K / tile_k, N).
+    With `dequant`, b is stored in another dtype (int8 / uint8, either layout) and each step's b tile is
+    dequant(stored tile, [v[s] for v in step_col_vecs]) in a's 16-bit dtype before the wgmma (module docstring).
     `name` names the kernel in profiles. Under vmap the batch runs as a loop of launches (no batching rule).
     interpret=True runs the kernel in Mosaic GPU's interpret mode on the CPU (jax >= 0.12; slow, for tests).
     """
     plgpu = _backend.mosaic_gpu()
     if b_layout not in ("kn", "nk"):
         raise ValueError(f"{name}: b_layout must be 'kn' or 'nk', got {b_layout!r}")
-    if b_layout == "kn" and jnp.dtype(b.dtype).itemsize < 2:
+    if dequant is not None:
+        if jnp.dtype(a.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+            raise ValueError(f"{name}: with dequant, a must be bfloat16 or float16 (b's tiles are converted to its "
+                             f"dtype), got {a.dtype}")
+        if step_row_vecs and promote is None:
+            raise ValueError(f"{name}: step_row_vecs need a promote function (dequant gets the column vectors)")
+        if config.wg_split != "n":
+            # With the warpgroups splitting M (both dequantising the same b columns), the kernel with step column
+            # vectors deadlocks in Mosaic GPU's interpreter; split N is the tested path and what QDoRA runs.
+            raise ValueError(f"{name}: dequant needs wg_split='n', got {config.wg_split!r}")
+    elif b_layout == "kn" and jnp.dtype(b.dtype).itemsize < 2:
         raise ValueError(f"{name}: wgmma reads {b.dtype} operands only K-major: pass b as (N, K) with b_layout='nk'")
     m, k = a.shape
     n = b.shape[1] if b_layout == "kn" else b.shape[0]
     if not supported(m, n, k, config):
         raise ValueError(f"{name}: shapes {a.shape} x {b.shape} ({b_layout}) must be multiples of the tile "
                          f"{config.cta_tile + (config.tile_k,)}")
-    if (step_row_vecs or step_col_vecs) and promote is None:
-        raise ValueError(f"{name}: step_row_vecs / step_col_vecs need a promote function")
+    if (step_row_vecs or step_col_vecs) and promote is None and dequant is None:
+        raise ValueError(f"{name}: step_row_vecs / step_col_vecs need a promote or a dequant function")
     for kind, vecs, want in (("step_row_vecs", step_row_vecs, m), ("step_col_vecs", step_col_vecs, n)):
         for v in vecs:
             if v.shape != (k // config.tile_k, want):
@@ -234,7 +276,7 @@ def matmul(a, b, *, b_layout: str, row_vecs: Sequence[jax.Array] = (), col_vecs:
 
     def body(*refs):
         _kernel(*refs, config=config, b_layout=b_layout, n_rows=len(row_vecs), n_vecs=len(row_vecs) + len(col_vecs),
-                n_step_rows=len(step_row_vecs), epilogue=epilogue, promote=promote)
+                n_step_rows=len(step_row_vecs), epilogue=epilogue, promote=promote, dequant=dequant)
 
     body.__name__ = body.__qualname__ = name  # the kernel's name in profiles
     kernel = plgpu.kernel(

@@ -11,6 +11,7 @@ N-major (wgmma reads 16-bit B tiles in either major order, so V needs no transpo
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -65,3 +66,68 @@ def scaled_matmul(x, v, g, bias=None, *, config: _sm90.TileConfig | None = None)
     cols = (g.astype(jnp.float32),) + (() if bias is None else (bias,))
     return _sm90.matmul(x, v, b_layout="kn", col_vecs=cols, epilogue=_scale_bias, out_dtype=x.dtype, config=config,
                         name="pallas_fused_dora_gemm_sm90")
+
+
+# QDoRA: the Int8Kernel's codes are b, dequantised tile by tile inside the GEMM (`_sm90.matmul(dequant=)`), and the
+# low-rank term rides the skeleton's low-rank step. tile_k 64: the int8 ring, the per-warpgroup bf16 scratch, the
+# epilogue staging and the low-rank slices then fit one CTA's shared memory with a 3- or 4-deep ring (tile_k 128
+# leaves room for 2 at most); `qdora_config` takes the deepest ring that fits.
+QDORA_HEURISTIC = dict(tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=4)
+
+
+def qdora_config(m: int, n: int, k: int, rank: int, dtype) -> _sm90.TileConfig:
+    """The tile configuration of a QDoRA GEMM (m, k) x (k, n) with a low-rank term of rank `rank` (padded)."""
+    table = _backend.tuned("dora_sm90_int8", QDORA_HEURISTIC)
+    config = _sm90.TileConfig(**table)
+    item = jnp.dtype(dtype).itemsize
+    while config.max_concurrent_steps > 2 and _sm90.smem_bytes(config, item, 1, item, rank, dequant=True) > \
+            _sm90.SMEM_LIMIT:
+        config = dataclasses.replace(config, max_concurrent_steps=config.max_concurrent_steps - 1)
+    return config
+
+
+def qdora_supported(m: int, n: int, k: int, rank: int, dtype) -> bool:
+    return (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) and rank % 16 == 0
+            and _sm90.supported(m, n, k, qdora_config(m, n, k, rank, dtype)))
+
+
+def _int8_columns(tile, cols):
+    """W's tile as the reference dequantises it: the codes times their column's scale, rounded once."""
+    return tile.astype(jnp.float32) * lax.broadcast_in_dim(cols[0], tile.shape, [1])
+
+
+def _int8_codes(tile, cols):
+    del cols
+    return tile.astype(jnp.float32)  # |q| <= 127: exact in bf16 / fp16
+
+
+def _identity(acc, rows, cols):
+    del rows, cols
+    return acc
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def qdora_forward(x, q, wscale, xa, lb, g, bias=None, *, interpret: bool = False):
+    """y = (x (q wscale) + xa lb) g + bias in x's dtype; x (M, K), q int8 (K, N), wscale (N,), xa (M, R),
+    lb = s B (R, N) rank-padded to a multiple of 16. W = q wscale is formed tile by tile in shared memory, as the
+    reference rounds it (to x's dtype); the low-rank term joins the same fp32 accumulator."""
+    m, k = x.shape
+    n = q.shape[1]
+    config = qdora_config(m, n, k, lb.shape[0], x.dtype)
+    steps = jnp.broadcast_to(wscale.astype(jnp.float32), (k // config.tile_k, n))
+    cols = (g.astype(jnp.float32),) + (() if bias is None else (bias,))
+    return _sm90.matmul(x, q, b_layout="kn", col_vecs=cols, step_col_vecs=(steps,), dequant=_int8_columns,
+                        lowrank=(xa, lb), epilogue=_scale_bias, out_dtype=x.dtype, config=config,
+                        name="pallas_fused_qdora_gemm_sm90", interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def qdora_dx(dyg, q, us, a, *, interpret: bool = False):
+    """dx = dyg q^T + us A^T in dyg's dtype; dyg = dy g wscale (M, N) (the int8 scale is per contraction index
+    here, so it goes on dy, which is scaled anyway), q int8 (K, N) read as the "nk" operand (no transpose),
+    us (M, R), A (K, R) rank-padded to a multiple of 16."""
+    m, n = dyg.shape
+    k = q.shape[0]
+    config = qdora_config(m, k, n, a.shape[1], dyg.dtype)
+    return _sm90.matmul(dyg, q, b_layout="nk", dequant=_int8_codes, lowrank=(us, a), epilogue=_identity,
+                        out_dtype=dyg.dtype, config=config, name="pallas_fused_qdora_dx_sm90", interpret=interpret)
