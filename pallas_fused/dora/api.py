@@ -26,15 +26,21 @@ VARIANTS = {
         "one Pallas pass forms (W + s A B) g, then one cuBLAS GEMM; dense or Int8Kernel weights (QDoRA at cuBLAS "
         "speed: the merged weight is then a transient full-precision array)"),
     "pallas:epilogue": _backend.Variant("cuBLAS x W, then one Pallas pass (x W + s (x A) B) g + bias; dense W"),
+    "pallas:sm90_dequant": _backend.Variant(
+        "Int8Kernel on Hopper: the column norm from the codes in-kernel, then one Mosaic GPU GEMM (x W + s (x A) B) g "
+        "+ bias with W's int8 tiles dequantised in shared memory and the low-rank term in the same accumulator; the "
+        "dx GEMM the same way over W^T (tile-multiple shapes; W never formed in full)", needs=(9, 0), mosaic=True),
     "pallas:gemm": _backend.Variant("Pallas GEMMs both ways (the fused-epilogue forward, the dx GEMM) with W "
                                     "dequantised in-kernel: the variant for Int8Kernel / NF4Kernel weights"),
 }
 
 
-def choose_variant(kind: str, tokens: int, fin: int, fout: int, dtype, interpret: bool) -> str:
+def choose_variant(kind: str, tokens: int, fin: int, fout: int, dtype, interpret: bool, rank: int = 16) -> str:
     """The variant plain "pallas" runs: a pure function of the shapes, the dtype and the device kind.
 
-    Quantised weights take "gemm" (cuBLAS would need W dequantised in full). Dense weights take the variant whose
+    Int8Kernel weights take "sm90_dequant" where it runs (one Hopper GPU, 16-bit, tile-multiple shapes; `rank` the
+    adapters' rank), other quantised weights "gemm" (cuBLAS would need W dequantised in full). Dense weights take the
+    variant whose
     one extra pass over memory is cheaper: "merged" reads W and writes (W + s A B) g (4 K N bytes) before one
     cuBLAS GEMM; "epilogue" reads x for x A and reads + writes x W (2 M K + 4 M N bytes) after one. Where "merged"
     wins and "sm90" runs (one Hopper GPU, 16-bit, tile-multiple shapes), "sm90" replaces it: the same pass (forming
@@ -42,7 +48,8 @@ def choose_variant(kind: str, tokens: int, fin: int, fout: int, dtype, interpret
     the bias in its epilogue. benchmarks/bench_dora.py measures every variant.
     """
     if kind != "dense":
-        return "gemm"
+        ok = not interpret and _sm90_dequant_ok(kind, tokens, fin, fout, pow2(rank), dtype, interpret)
+        return "sm90_dequant" if ok else "gemm"
     merged_bytes, epilogue_bytes = 4 * fin * fout, 2 * tokens * fin + 4 * tokens * fout
     if merged_bytes > epilogue_bytes:
         return "epilogue"
@@ -181,6 +188,17 @@ def _sm90_ok(kind, tokens, fin, fout, dtype) -> bool:
             and kernel_sm90.supported(tokens, fout, fin, dtype))
 
 
+def _sm90_dequant_ok(kind, tokens, fin, fout, rank, dtype, interpret) -> bool:
+    """Whether "pallas:sm90_dequant" can run: an Int8Kernel on one Hopper device (or Mosaic GPU's interpreter),
+    shapes that are multiples of its tiles both ways (the forward (tokens, fin) x (fin, fout), dx's (tokens, fout) x
+    (fout, fin)), and a padded rank whose low-rank slices fit shared memory."""
+    from pallas_fused.dora import kernel_sm90
+
+    return (kind == "int8" and (interpret or _backend.is_hopper()) and jax.device_count() == 1
+            and kernel_sm90.qdora_supported(tokens, fout, fin, rank, dtype)
+            and kernel_sm90.qdora_supported(tokens, fin, fout, rank, dtype))
+
+
 def _xa(x, ap):
     return jnp.dot(x, ap)  # cuBLAS accumulates in float32 and rounds once to x's dtype
 
@@ -218,6 +236,19 @@ def _forward(statics, x, ops, a, b, m, bias, scale):
         return y, (ap, bp, n, g, None, saved)
     n, g = _column_norm_scale(ops, kind, ap, bp, scale, m, interpret, config)
     xa = _xa(x, ap)
+    if variant == "sm90_dequant":
+        # y = (x W + xa (s B)) g + bias in one Mosaic GPU GEMM: W's int8 tiles dequantised in shared memory (the
+        # norm above read the codes in-kernel too), s B (rank x out, tiny) rounded once to the compute dtype.
+        from pallas_fused.dora import kernel_sm90
+
+        if not _sm90_dequant_ok(kind, x.shape[0], ap.shape[0], bp.shape[1], ap.shape[1], dt, interpret):
+            raise ValueError(f"dora_dense: implementation='pallas:sm90_dequant' needs an Int8Kernel on one Hopper "
+                             f"GPU, a 16-bit x and token / feature counts that are multiples of its tiles "
+                             f"({kernel_sm90.QDORA_HEURISTIC}, split over two warpgroups along out); got x "
+                             f"{x.shape} {x.dtype}, kernel {kind} {(ap.shape[0], bp.shape[1])}, rank {ap.shape[1]}")
+        sb = (bp.astype(jnp.float32) * scale).astype(dt)
+        y = kernel_sm90.qdora_forward(x, ops[0], ops[1], xa, sb, g, bias, interpret=interpret)
+        return y, (ap, bp, n, g, xa, (None, None))
     if variant == "gemm":
         def fwd(x, *a):  # sharded: tokens and output features split; K and the rank gathered
             ops_, (xa_, bp_, g_, scale_, *bias_) = a[:len(ops)], a[len(ops):]
@@ -266,14 +297,21 @@ def _dora_2d_bwd(statics, res, dy):
     # "sm90" keeps V = W + s A B unscaled, so dx = (dy g) V^T: dy g is written by the column launch (it reads
     # dy anyway) where that launch runs below, by XLA otherwise.
     dyg_from_v = variant == "sm90" and wm is not None
+    # "sm90_dequant": dx = (dy g wscale) q^T + us A^T, the int8 scale per contraction index there, on dy.
+    dyg_scale = g if dyg_from_v else (g * ops[1] if variant == "sm90_dequant" else None)
     finished = None
     if not exact and jax.device_count() == 1:
         # Unsharded, constant norm: the column launch returns the finished dB, dm and dbias (in-kernel when one
         # program covers every token), x^T us is rounded once by cuBLAS: no float32 intermediates left to cast.
         db_dt = jnp.float32 if bias is None else bias.dtype
         finished = kernel_columns.backward_columns(dy, y, xa, bias, interpret=interpret, config=config.columns,
-                                      finish=(gs, m, bp.dtype, m.dtype, db_dt), dyg_scale=g if dyg_from_v else None)
-    if variant == "gemm":
+                                      finish=(gs, m, bp.dtype, m.dtype, db_dt), dyg_scale=dyg_scale)
+    if variant == "sm90_dequant":
+        from pallas_fused.dora import kernel_sm90
+
+        dyg = finished[3] if finished is not None else (dy.astype(jnp.float32) * dyg_scale[None, :]).astype(dt)
+        dx = kernel_sm90.qdora_dx(dyg, ops[0], us, ap, interpret=interpret)
+    elif variant == "gemm":
         gw = g * ops[1] if kind == "int8" else g
         def bwd_dx(dy, gw, *a):  # sharded: tokens and input features split; N and the rank gathered
             return kernel_gemm.backward_dx(dy, gw, a[:-2], kind, *a[-2:], interpret=interpret, config=config.dx)
@@ -379,7 +417,12 @@ def dora_dense(x, kernel, lora_a, lora_b, magnitude, bias=None, *, scale, exact_
         column sums of squares, then one Mosaic GPU GEMM (x V) g + bias with g and the bias in its epilogue: no norm
         pass. V is kept for the backward (as "merged"; dx = (dy g) V^T on cuBLAS, dy g written by the backward's
         column launch), or with `save_merged=False` not kept: the backward forms (W + s A B) g and dx = dy (that)^T.
-        Every variant but "gemm" runs dx on cuBLAS (with many tokens, or int8 weights, one GEMM on the merged weight).
+        "pallas:sm90_dequant" (Hopper, Int8Kernel, 16-bit x, tile-multiple shapes; plain "pallas" takes it there): the
+        column norm read from the int8 codes in-kernel, then one Mosaic GPU GEMM (x W + s (x A) B) g + bias with W's
+        int8 tiles dequantised in shared memory and the low-rank term in the same fp32 accumulator; the backward's
+        dx = (dy g wscale) q^T + (s (dy g) B^T) A^T likewise. W is never formed in full precision.
+        Every variant but "gemm" and "sm90_dequant" runs dx on cuBLAS (with many tokens, or int8 weights, one GEMM on
+        the merged weight).
       save_merged: "merged" / "sm90" only: keep the merged weight from the forward for the backward's dx (default
         True: one copy of W per layer in the compute dtype held until the backward, e.g. ~12.5 GB over a Llama-7B's
         32 blocks in bf16), or form it again in the backward (False: one more pass over W, ~0.016 ms per
@@ -409,7 +452,7 @@ def dora_dense(x, kernel, lora_a, lora_b, magnitude, bias=None, *, scale, exact_
         return jnp.zeros((*lead, fout), dt)
     kind, ops = _weight_ops(kernel, dt)
     interpret = base == "interpret"
-    mode = variant or choose_variant(kind, x2.shape[0], fin, fout, dt, interpret)
+    mode = variant or choose_variant(kind, x2.shape[0], fin, fout, dt, interpret, rank)
     config = config or DEFAULT
     if save_merged is not None and bool(save_merged) != config.save_merged:
         config = dataclasses.replace(config, save_merged=bool(save_merged))
