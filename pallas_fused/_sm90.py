@@ -18,6 +18,13 @@ into its own SMEM scratch with the 16-bit swizzle and runs the wgmma on that: wg
 from SMEM, and 8-bit operands only K-major and of one element type with A. The step column vectors (per-column
 scales, constant or per K step) reach the dequant in the layout of the tile's columns.
 
+Low-rank step (optional: `lowrank` = (la (M, R), lb (R, N) or (N, R) in b's layout), 16-bit, R a multiple of 16):
+la @ lb goes into the same fp32 accumulator as a @ b (the running one under `promote`) before the epilogue, so
+a LoRA-style x W + (x A) (s B) is one kernel. Each compute warpgroup TMA-copies its (tile_m, R) slice of la and
+its R x tile_n slice of lb into SMEM when a tile starts (the copies overlap the main loop, as the vector slices
+do) and issues one more wgmma after the main loop. The two slices take 2 (tile_m + tile_n) R bytes of SMEM per
+warpgroup beside the ring: `smem_bytes` counts it, and `matmul` refuses a configuration that does not fit.
+
 Structure (adapted from jax's hopper_matmul_mgpu.py example): a persistent grid of one CTA per SM walks the
 output tiles in a planar snake; in each CTA a memory warpgroup streams (cta_tile_m, tile_k) tiles of a and the
 matching tiles of b through a `max_concurrent_steps`-deep SMEM ring, and two compute warpgroups each own a
@@ -76,9 +83,12 @@ def _smem_transforms(plgpu, minor: int, dtype):
 
 
 def _kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: int, n_vecs: int, n_step_rows: int,
-            epilogue: Epilogue, promote: Promote | None, dequant: Dequant | None):
+            epilogue: Epilogue, promote: Promote | None, dequant: Dequant | None, lowrank: bool):
     plgpu = _backend.mosaic_gpu()
     *vec_gmems, out_gmem = refs
+    la_gmem = lb_gmem = None
+    if lowrank:
+        *vec_gmems, la_gmem, lb_gmem = vec_gmems
     vec_gmems, step_gmems = vec_gmems[:n_vecs], vec_gmems[n_vecs:]
     row_gmems, col_gmems = vec_gmems[:n_rows], vec_gmems[n_rows:]
     m, k = a_gmem.shape
@@ -126,19 +136,31 @@ def _kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: in
     ignore = lambda *_, **__: None  # noqa: E731 - the bodies do not change the allocations
     vec_smem = tuple(plgpu.SMEM((2, tile_m), v.dtype) for v in row_gmems)
     vec_smem += tuple(plgpu.SMEM((2, tile_n), v.dtype) for v in col_gmems)
+    lr_smem = None
+    n_barriers = 2 * len(vec_gmems) + (4 if lowrank else 0)
+    if lowrank:
+        # wgmma takes one swizzle for both operands and K steps of swizzle / itemsize: both slices are swizzled
+        # by the rank's row width (R = 16 at 16 bits: 32 bytes, one K step of the instruction).
+        rank, lr_dtype = la_gmem.shape[1], la_gmem.dtype
+        lr_transforms = _smem_transforms(plgpu, rank, lr_dtype)
+        lb_shape = (2, tile_n, rank) if b_layout == "nk" else (2, rank, tile_n)
+        lr_smem = (plgpu.SMEM((2, tile_m, rank), lr_dtype, transforms=lr_transforms),
+                   plgpu.SMEM(lb_shape, lr_dtype, transforms=lr_transforms))
 
     @functools.partial(
         pl.run_scoped,
         pipeline_allocs=get_pipeline(ignore, ignore).get_allocations(a_gmem, b_gmem, *step_gmems),
         out_smem=plgpu.SMEM((2, 2, epi, epi), out_dtype, transforms=out_transforms),
         vec_smem=vec_smem,
-        vec_barrier=plgpu.Barrier(num_barriers=2 * len(vec_gmems)) if vec_gmems else None,
+        # One per warpgroup and vector, then (with the low-rank step) one per warpgroup for la and for lb.
+        vec_barrier=plgpu.Barrier(num_barriers=n_barriers) if n_barriers else None,
+        lr_smem=lr_smem,
         # one dequantised b tile per compute warpgroup
         deq_smem=None if dequant is None else plgpu.SMEM(
             (2, *deq_shape), a_gmem.dtype, transforms=_smem_transforms(plgpu, deq_shape[1], a_gmem.dtype)),
         collective_axes="wg",
     )
-    def _scope(pipeline_allocs, out_smem, vec_smem, vec_barrier, deq_smem):
+    def _scope(pipeline_allocs, out_smem, vec_smem, vec_barrier, lr_smem, deq_smem):
         wg = lax.axis_index("wg")
 
         @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
@@ -159,6 +181,14 @@ def _kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: in
                 for i, v in enumerate(vec_gmems):
                     window = pl.ds(row0, tile_m) if i < n_rows else pl.ds(col0, tile_n)
                     plgpu.copy_gmem_to_smem(v.at[window], vec_smem[i].at[wg], vec_barrier.at[2 * i + wg])
+                if lowrank:  # this warpgroup's low-rank slices, also while the main loop runs
+                    la_smem, lb_smem = lr_smem
+                    first = 2 * len(vec_gmems)
+                    la_bar, lb_bar = vec_barrier.at[first + wg], vec_barrier.at[first + 2 + wg]
+                    plgpu.copy_gmem_to_smem(la_gmem.at[pl.ds(row0, tile_m), :], la_smem.at[wg], la_bar)
+                    lb_src = (lb_gmem.at[pl.ds(col0, tile_n), :] if b_layout == "nk"
+                              else lb_gmem.at[:, pl.ds(col0, tile_n)])
+                    plgpu.copy_gmem_to_smem(lb_src, lb_smem.at[wg], lb_bar)
 
                 accs = dict(acc_ref=plgpu.ACC((tile_m, tile_n), jnp.float32))
                 if promote is not None:
@@ -167,6 +197,15 @@ def _kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: in
                 @functools.partial(pl.run_scoped, **accs)
                 def _acc_scope(acc_ref, step_ref=None):
                     eval_pipeline(acc_ref if promote is None else (step_ref, acc_ref))
+                    if lowrank:
+                        # One more wgmma into the running accumulator. The next tile's copies into these slices
+                        # are issued by this warpgroup after the wait, so they never race the read.
+                        plgpu.barrier_wait(la_bar)
+                        plgpu.barrier_wait(lb_bar)
+                        lb_tile = (plgpu.transpose_ref(lb_smem.at[wg], (1, 0)) if b_layout == "nk"
+                                   else lb_smem.at[wg])
+                        plgpu.wgmma(acc_ref, la_smem.at[wg], lb_tile)
+                        plgpu.wgmma_wait(0)
                     vecs = []
                     for i in range(len(vec_gmems)):
                         plgpu.barrier_wait(vec_barrier.at[2 * i + wg])
@@ -226,6 +265,20 @@ def _kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: in
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
+SMEM_LIMIT = 227 * 1024  # bytes of shared memory one CTA may allocate on sm90
+
+
+def smem_bytes(config: TileConfig, a_itemsize: int, b_itemsize: int, out_itemsize: int, rank: int = 0,
+               lowrank_itemsize: int = 2, dequant: bool = False) -> int:
+    """Shared memory of one CTA (the ring, the epilogue staging, the low-rank slices and, with `dequant`, the two
+    warpgroups' 16-bit b tiles; the vector slices and the barriers take under 2 KiB more)."""
+    cta_m, cta_n = config.cta_tile
+    ring = config.max_concurrent_steps * config.tile_k * (cta_m * a_itemsize + cta_n * b_itemsize)
+    out = 2 * 2 * config.epi_tile * config.epi_tile * out_itemsize
+    deq = 2 * config.tile_k * config.tile_n * a_itemsize if dequant else 0
+    return ring + out + 2 * rank * (config.tile_m + config.tile_n) * lowrank_itemsize + deq
+
+
 def supported(m: int, n: int, k: int, config: TileConfig) -> bool:
     """Whether the kernel runs these shapes as they are (no padding): multiples of the CTA tile and tile_k."""
     cta_m, cta_n = config.cta_tile
@@ -235,7 +288,7 @@ def supported(m: int, n: int, k: int, config: TileConfig) -> bool:
 def matmul(a, b, *, b_layout: str, row_vecs: Sequence[jax.Array] = (), col_vecs: Sequence[jax.Array] = (),
            epilogue: Epilogue, out_dtype, config: TileConfig, name: str, step_row_vecs: Sequence[jax.Array] = (),
            step_col_vecs: Sequence[jax.Array] = (), promote: Promote | None = None, dequant: Dequant | None = None,
-           interpret: bool = False):
+           lowrank: tuple[jax.Array, jax.Array] | None = None, interpret: bool = False):
     """epilogue(a @ b, row_vecs, col_vecs) on Hopper; a (M, K), b (K, N) or (N, K) per `b_layout` ("kn" | "nk").
 
     With `promote`, a @ b is replaced by the sum over K steps s of promote(a_s @ b_s, [v[s] for v in
@@ -243,6 +296,9 @@ def matmul(a, b, *, b_layout: str, row_vecs: Sequence[jax.Array] = (), col_vecs:
     step row vectors are (K / tile_k, M), step column vectors (K / tile_k, N).
     With `dequant`, b is stored in another dtype (int8 / uint8, either layout) and each step's b tile is
     dequant(stored tile, [v[s] for v in step_col_vecs]) in a's 16-bit dtype before the wgmma (module docstring).
+    lowrank = (la, lb): la @ lb is added to the fp32 accumulator before the epilogue (after the sum of promoted
+    steps under `promote`); la (M, R), lb (R, N) ("kn") or (N, R) ("nk"), one 16-bit dtype (a's where a is
+    16-bit), R a multiple of 16 (pad the rank with zeros).
     `name` names the kernel in profiles. Under vmap the batch runs as a loop of launches (no batching rule).
     interpret=True runs the kernel in Mosaic GPU's interpret mode on the CPU (jax >= 0.12; slow, for tests).
     """
@@ -273,10 +329,21 @@ def matmul(a, b, *, b_layout: str, row_vecs: Sequence[jax.Array] = (), col_vecs:
             if v.shape != (k // config.tile_k, want):
                 raise ValueError(f"{name}: each of {kind} must have shape (K / tile_k, {'M' if want == m else 'N'}) = "
                                  f"{(k // config.tile_k, want)}, got {v.shape}")
+    rank = 0
+    if lowrank is not None:
+        _check_lowrank(lowrank, a, m, n, b_layout, name)
+        rank = lowrank[0].shape[1]
+    out_itemsize = jnp.dtype(out_dtype).itemsize
+    need = smem_bytes(config, a.dtype.itemsize, b.dtype.itemsize, out_itemsize, rank,
+                      lowrank[0].dtype.itemsize if rank else 2, dequant is not None)
+    if need > SMEM_LIMIT:
+        raise ValueError(f"{name}: config {config} needs {need} bytes of shared memory (rank {rank}), more than the "
+                         f"{SMEM_LIMIT} one CTA may use: lower max_concurrent_steps or tile_k")
 
     def body(*refs):
         _kernel(*refs, config=config, b_layout=b_layout, n_rows=len(row_vecs), n_vecs=len(row_vecs) + len(col_vecs),
-                n_step_rows=len(step_row_vecs), epilogue=epilogue, promote=promote, dequant=dequant)
+                n_step_rows=len(step_row_vecs), epilogue=epilogue, promote=promote, dequant=dequant,
+                lowrank=lowrank is not None)
 
     body.__name__ = body.__qualname__ = name  # the kernel's name in profiles
     kernel = plgpu.kernel(
@@ -289,4 +356,23 @@ def matmul(a, b, *, b_layout: str, row_vecs: Sequence[jax.Array] = (), col_vecs:
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         **(dict(interpret=_backend.mosaic_interpret(name)) if interpret else {}),
     )
-    return jax.custom_batching.sequential_vmap(kernel)(a, b, *row_vecs, *col_vecs, *step_row_vecs, *step_col_vecs)
+    return jax.custom_batching.sequential_vmap(kernel)(a, b, *row_vecs, *col_vecs, *step_row_vecs, *step_col_vecs,
+                                                       *(lowrank or ()))
+
+
+def _check_lowrank(lowrank, a, m: int, n: int, b_layout: str, name: str):
+    if not isinstance(lowrank, (tuple, list)) or len(lowrank) != 2:
+        raise ValueError(f"{name}: lowrank must be a pair (la, lb), got {type(lowrank).__name__}")
+    la, lb = lowrank
+    if la.ndim != 2 or la.shape[0] != m or la.shape[1] % 16 or la.shape[1] == 0:
+        raise ValueError(f"{name}: lowrank la must have shape (M, R) = ({m}, R) with R a positive multiple of 16 "
+                         f"(pad the rank with zeros), got {la.shape}")
+    rank = la.shape[1]
+    want = (rank, n) if b_layout == "kn" else (n, rank)
+    if lb.shape != want:
+        raise ValueError(f"{name}: lowrank lb must have shape {want} ({'(R, N)' if b_layout == 'kn' else '(N, R)'}, "
+                         f"b_layout {b_layout!r}), got {lb.shape}")
+    if jnp.dtype(la.dtype).itemsize != 2 or not jnp.issubdtype(la.dtype, jnp.floating) or lb.dtype != la.dtype:
+        raise ValueError(f"{name}: lowrank la and lb must share a 16-bit float dtype, got {la.dtype} and {lb.dtype}")
+    if jnp.dtype(a.dtype).itemsize == 2 and la.dtype != a.dtype:
+        raise ValueError(f"{name}: lowrank la must be in a's dtype {a.dtype}, got {la.dtype}")

@@ -83,3 +83,56 @@ def test_nk_int8_dequant():
                        interpret=True)
     ref = to64(x) @ to64(q).T
     np.testing.assert_allclose(to64(out), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+
+
+@needs_interpret
+@pytest.mark.parametrize("b_layout", ["kn", "nk"])
+@pytest.mark.parametrize("wg_split", ["n", "m"])
+def test_lowrank_step(b_layout, wg_split):
+    """x W + la lb with the column epilogue: the low-rank wgmma lands in the same accumulator before g and the
+    bias apply; rank 32 (two instruction K steps at a 64-byte swizzle), several output tiles per CTA."""
+    config = _sm90.TileConfig(tile_m=64, tile_n=64, tile_k=64, max_concurrent_steps=2, wg_split=wg_split)
+    x, w = rand(8, (256, 192), jnp.bfloat16), rand(9, (192, 256), jnp.bfloat16)
+    la, lb = rand(10, (256, 32), jnp.bfloat16), rand(11, (32, 256), jnp.bfloat16)
+    g, bias = rand(12, (256,), offset=1.0), rand(13, (256,), jnp.bfloat16)
+    b, lb_in = (w, lb) if b_layout == "kn" else (w.T, lb.T)
+    out = _sm90.matmul(x, b, b_layout=b_layout, col_vecs=(g, bias), epilogue=dora_sm90._scale_bias,
+                       out_dtype=jnp.bfloat16, config=config, name="test_lowrank", lowrank=(la, lb_in),
+                       interpret=True)
+    ref = (to64(x) @ to64(w) + to64(la) @ to64(lb)) * to64(g)[None] + to64(bias)[None]
+    np.testing.assert_allclose(to64(out), ref, rtol=2e-2, atol=2e-2 * np.abs(ref).max())
+
+
+@needs_interpret
+def test_lowrank_rank16():
+    """The smallest rank (one 32-byte swizzle row), with no epilogue vectors."""
+    x, w = rand(14, (128, 128), jnp.bfloat16), rand(15, (128, 128), jnp.bfloat16)
+    la, lb = rand(16, (128, 16), jnp.bfloat16), rand(17, (16, 128), jnp.bfloat16)
+    out = _sm90.matmul(x, w, b_layout="kn", epilogue=lambda acc, rows, cols: acc, out_dtype=jnp.float32,
+                       config=SMALL, name="test_lowrank16", lowrank=(la, lb), interpret=True)
+    ref = to64(x) @ to64(w) + to64(la) @ to64(lb)
+    np.testing.assert_allclose(to64(out), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("la_shape, lb_shape, dtype, match", [
+    ((128, 24), (24, 128), jnp.bfloat16, "multiple of 16"),
+    ((64, 16), (16, 128), jnp.bfloat16, r"la must have shape \(M, R\)"),
+    ((128, 16), (128, 16), jnp.bfloat16, r"lb must have shape \(16, 128\)"),
+    ((128, 16), (16, 128), jnp.float16, "in a's dtype"),
+])
+def test_lowrank_bad_input(la_shape, lb_shape, dtype, match):
+    x = rand(0, (128, 128), jnp.bfloat16)
+    la, lb = jnp.ones(la_shape, dtype), jnp.ones(lb_shape, dtype)
+    with pytest.raises(ValueError, match=match):
+        _sm90.matmul(x, x, b_layout="kn", epilogue=dora_sm90._scale_bias, col_vecs=(jnp.ones(128),),
+                     out_dtype=jnp.bfloat16, config=SMALL, name="t", lowrank=(la, lb), interpret=True)
+
+
+def test_smem_limit():
+    """A ring that leaves no room for the low-rank slices is refused before Mosaic compiles anything."""
+    big = _sm90.TileConfig(tile_m=128, tile_n=128, tile_k=128, max_concurrent_steps=2)
+    x, w = rand(0, (128, 256), jnp.bfloat16), rand(1, (256, 256), jnp.bfloat16)
+    la, lb = jnp.ones((128, 16), jnp.bfloat16), jnp.ones((16, 256), jnp.bfloat16)
+    with pytest.raises(ValueError, match="shared memory"):
+        _sm90.matmul(x, w, b_layout="kn", epilogue=dora_sm90._scale_bias, col_vecs=(jnp.ones(256),),
+                     out_dtype=jnp.bfloat16, config=big, name="t", lowrank=(la, lb), interpret=True)

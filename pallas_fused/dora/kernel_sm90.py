@@ -80,15 +80,21 @@ def qdora_config(m: int, n: int, k: int, rank: int, dtype) -> _sm90.TileConfig:
     table = _backend.tuned("dora_sm90_int8", QDORA_HEURISTIC)
     config = _sm90.TileConfig(**table)
     item = jnp.dtype(dtype).itemsize
-    while config.max_concurrent_steps > 2 and _sm90.smem_bytes(config, item, 1, item, rank, dequant=True) > \
-            _sm90.SMEM_LIMIT:
+    while config.max_concurrent_steps > 2 and _qdora_smem(config, rank, item) > _sm90.SMEM_LIMIT:
         config = dataclasses.replace(config, max_concurrent_steps=config.max_concurrent_steps - 1)
     return config
 
 
+def _qdora_smem(config: _sm90.TileConfig, rank: int, item: int) -> int:
+    return _sm90.smem_bytes(config, item, 1, item, rank, item, dequant=True)
+
+
 def qdora_supported(m: int, n: int, k: int, rank: int, dtype) -> bool:
-    return (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) and rank % 16 == 0
-            and _sm90.supported(m, n, k, qdora_config(m, n, k, rank, dtype)))
+    """Whether the QDoRA GEMM runs these shapes: 16-bit, whole tiles, a padded rank whose slices fit SMEM."""
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) or rank % 16:
+        return False
+    config = qdora_config(m, n, k, rank, dtype)
+    return _sm90.supported(m, n, k, config) and _qdora_smem(config, rank, jnp.dtype(dtype).itemsize) <= _sm90.SMEM_LIMIT
 
 
 def _int8_columns(tile, cols):
