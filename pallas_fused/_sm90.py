@@ -13,10 +13,10 @@ fp8 accumulation never runs longer than one K step, and each step's scales apply
 
 B dequantisation (optional: `dequant`, for quantised weights; QDoRA uses it): b arrives by TMA in its stored dtype
 (int8 / uint8: half the bytes of bf16 through HBM and the SMEM ring), and each compute warpgroup converts its slice
-of the step's b tile to a's 16-bit dtype, dequant(stored tile, that step's column slices), in registers, stores it
-into its own SMEM scratch with the 16-bit swizzle and runs the wgmma on that: wgmma reads a 16-bit B operand only
-from SMEM, and 8-bit operands only K-major and of one element type with A. The step column vectors (per-column
-scales, constant or per K step) reach the dequant in the layout of the tile's columns.
+of the step's b tile to a's 16-bit dtype, dequant(stored tile), in registers, stores it into its own SMEM scratch
+with the 16-bit swizzle and runs the wgmma on that: wgmma reads a 16-bit B operand only from SMEM, and 8-bit
+operands only K-major and of one element type with A. Per-column scales belong in the epilogue (and a low-rank term
+beside them in `lowrank`, divided by them): the dequant sees the tile alone.
 
 Low-rank step (optional: `lowrank` = (la (M, R), lb (R, N) or (N, R) in b's layout), 16-bit, R a multiple of 16):
 la @ lb goes into the same fp32 accumulator as a @ b (the running one under `promote`) before the epilogue, so
@@ -70,9 +70,9 @@ class TileConfig:
 Epilogue = Callable[[jax.Array, Sequence[jax.Array], Sequence[jax.Array]], jax.Array]
 # promote(step product, step row slices, step column slices) -> the fp32 tile added to the running accumulator.
 Promote = Epilogue
-# dequant(b's stored tile of one warpgroup ((tile_k, tile_n) "kn", (tile_n, tile_k) "nk"), step column slices) ->
-# that tile in a's 16-bit dtype.
-Dequant = Callable[[jax.Array, Sequence[jax.Array]], jax.Array]
+# dequant(b's stored tile of one warpgroup: (tile_k, tile_n) "kn", (tile_n, tile_k) "nk") -> that tile in a's
+# 16-bit dtype.
+Dequant = Callable[[jax.Array], jax.Array]
 
 
 def _smem_transforms(plgpu, minor: int, dtype):
@@ -233,10 +233,7 @@ def _kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: in
                     # The stored tile through registers into this warpgroup's 16-bit scratch; commit_smem fences
                     # the stores for the wgmma (async proxy) and syncs the warpgroup. The previous step's wgmma,
                     # which read the scratch, was waited for before this step began.
-                    layout = plgpu.Layout.WGMMA.reduce(1 if b_layout == "nk" else 0)
-                    cols = [_backend.mosaic_load(v.at[0, wg_n], layout=layout).astype(jnp.float32)
-                            for v in step_smems[n_step_rows:]]
-                    deq_smem[wg] = dequant(b_wg[...], cols).astype(deq_smem.dtype)
+                    deq_smem[wg] = dequant(b_wg[...]).astype(deq_smem.dtype)
                     plgpu.commit_smem()
                     b_wg = deq_smem.at[wg]
                 b_tile = plgpu.transpose_ref(b_wg, (1, 0)) if b_layout == "nk" else b_wg
@@ -295,7 +292,7 @@ def matmul(a, b, *, b_layout: str, row_vecs: Sequence[jax.Array] = (), col_vecs:
     step_row_vecs], [v[s] for v in step_col_vecs]), each step's product and the sum in fp32 (module docstring);
     step row vectors are (K / tile_k, M), step column vectors (K / tile_k, N).
     With `dequant`, b is stored in another dtype (int8 / uint8, either layout) and each step's b tile is
-    dequant(stored tile, [v[s] for v in step_col_vecs]) in a's 16-bit dtype before the wgmma (module docstring).
+    dequant(stored tile) in a's 16-bit dtype before the wgmma (module docstring).
     lowrank = (la, lb): la @ lb is added to the fp32 accumulator before the epilogue (after the sum of promoted
     steps under `promote`); la (M, R), lb (R, N) ("kn") or (N, R) ("nk"), one 16-bit dtype (a's where a is
     16-bit), R a multiple of 16 (pad the rank with zeros).
@@ -309,12 +306,6 @@ def matmul(a, b, *, b_layout: str, row_vecs: Sequence[jax.Array] = (), col_vecs:
         if jnp.dtype(a.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
             raise ValueError(f"{name}: with dequant, a must be bfloat16 or float16 (b's tiles are converted to its "
                              f"dtype), got {a.dtype}")
-        if step_row_vecs and promote is None:
-            raise ValueError(f"{name}: step_row_vecs need a promote function (dequant gets the column vectors)")
-        if config.wg_split != "n":
-            # With the warpgroups splitting M (both dequantising the same b columns), the kernel with step column
-            # vectors deadlocks in Mosaic GPU's interpreter; split N is the tested path and what QDoRA runs.
-            raise ValueError(f"{name}: dequant needs wg_split='n', got {config.wg_split!r}")
     elif b_layout == "kn" and jnp.dtype(b.dtype).itemsize < 2:
         raise ValueError(f"{name}: wgmma reads {b.dtype} operands only K-major: pass b as (N, K) with b_layout='nk'")
     m, k = a.shape
@@ -322,8 +313,8 @@ def matmul(a, b, *, b_layout: str, row_vecs: Sequence[jax.Array] = (), col_vecs:
     if not supported(m, n, k, config):
         raise ValueError(f"{name}: shapes {a.shape} x {b.shape} ({b_layout}) must be multiples of the tile "
                          f"{config.cta_tile + (config.tile_k,)}")
-    if (step_row_vecs or step_col_vecs) and promote is None and dequant is None:
-        raise ValueError(f"{name}: step_row_vecs / step_col_vecs need a promote or a dequant function")
+    if (step_row_vecs or step_col_vecs) and promote is None:
+        raise ValueError(f"{name}: step_row_vecs / step_col_vecs need a promote function")
     for kind, vecs, want in (("step_row_vecs", step_row_vecs, m), ("step_col_vecs", step_col_vecs, n)):
         for v in vecs:
             if v.shape != (k // config.tile_k, want):

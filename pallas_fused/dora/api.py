@@ -237,8 +237,9 @@ def _forward(statics, x, ops, a, b, m, bias, scale):
     n, g = _column_norm_scale(ops, kind, ap, bp, scale, m, interpret, config)
     xa = _xa(x, ap)
     if variant == "sm90_dequant":
-        # y = (x W + xa (s B)) g + bias in one Mosaic GPU GEMM: W's int8 tiles dequantised in shared memory (the
-        # norm above read the codes in-kernel too), s B (rank x out, tiny) rounded once to the compute dtype.
+        # y = (x q + xa (s B / wscale)) (g wscale) + bias in one Mosaic GPU GEMM: q's int8 tiles converted in shared
+        # memory (exact in 16 bits; the norm above read the codes in-kernel too), the per-column int8 scale with g in
+        # the epilogue, so the low-rank operand (rank x out, tiny) carries 1 / wscale.
         from pallas_fused.dora import kernel_sm90
 
         if not _sm90_dequant_ok(kind, x.shape[0], ap.shape[0], bp.shape[1], ap.shape[1], dt, interpret):
@@ -246,9 +247,11 @@ def _forward(statics, x, ops, a, b, m, bias, scale):
                              f"GPU, a 16-bit x and token / feature counts that are multiples of its tiles "
                              f"({kernel_sm90.QDORA_HEURISTIC}, split over two warpgroups along out); got x "
                              f"{x.shape} {x.dtype}, kernel {kind} {(ap.shape[0], bp.shape[1])}, rank {ap.shape[1]}")
-        sb = (bp.astype(jnp.float32) * scale).astype(dt)
-        y = kernel_sm90.qdora_forward(x, ops[0], ops[1], xa, sb, g, bias, interpret=interpret)
-        return y, (ap, bp, n, g, xa, (None, None))
+        wscale = ops[1]
+        safe = jnp.where(wscale == 0, 1.0, wscale)
+        lb = (bp.astype(jnp.float32) * (scale / safe)[None, :]).astype(dt)
+        y = kernel_sm90.qdora_forward(x, ops[0], xa, lb, g * wscale, bias, interpret=interpret)
+        return _zero_scale_columns(y, wscale, xa, bp, g, scale, bias), (ap, bp, n, g, xa, (None, None))
     if variant == "gemm":
         def fwd(x, *a):  # sharded: tokens and output features split; K and the rank gathered
             ops_, (xa_, bp_, g_, scale_, *bias_) = a[:len(ops)], a[len(ops):]
@@ -378,6 +381,21 @@ def _dm_at_zero_magnitude(dm, dy, x, xa, ops, kind, bp, scale, n, m, fin):
         return jnp.where(zero, jnp.sum(dy.astype(jnp.float32) * z, axis=0) / n, dm).astype(dm.dtype)
 
     return jax.lax.cond(jnp.any(zero), recompute, lambda dm: dm, dm)
+
+
+def _zero_scale_columns(y, wscale, xa, bp, g, scale, bias):
+    """Columns whose int8 scale is exactly 0 (W's column is 0 there; quantize_int8 never makes one): the kernel's
+    epilogue scaled their low-rank term by g * 0 too, so they are recomputed as s (x A) B g + bias, in a branch that
+    runs only when such a column exists."""
+    zero = wscale == 0
+
+    def fix(y):
+        low = scale * jnp.dot(xa, bp, preferred_element_type=jnp.float32) * g[None, :]
+        if bias is not None:
+            low = low + bias.astype(jnp.float32)[None, :]
+        return jnp.where(zero[None, :], low.astype(y.dtype), y)
+
+    return jax.lax.cond(jnp.any(zero), fix, lambda y: y, y)
 
 
 def _dequant_ops(kind, ops, fin):

@@ -97,13 +97,7 @@ def qdora_supported(m: int, n: int, k: int, rank: int, dtype) -> bool:
     return _sm90.supported(m, n, k, config) and _qdora_smem(config, rank, jnp.dtype(dtype).itemsize) <= _sm90.SMEM_LIMIT
 
 
-def _int8_columns(tile, cols):
-    """W's tile as the reference dequantises it: the codes times their column's scale, rounded once."""
-    return tile.astype(jnp.float32) * lax.broadcast_in_dim(cols[0], tile.shape, [1])
-
-
-def _int8_codes(tile, cols):
-    del cols
+def _int8_codes(tile):
     return tile.astype(jnp.float32)  # |q| <= 127: exact in bf16 / fp16
 
 
@@ -113,18 +107,17 @@ def _identity(acc, rows, cols):
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",))
-def qdora_forward(x, q, wscale, xa, lb, g, bias=None, *, interpret: bool = False):
-    """y = (x (q wscale) + xa lb) g + bias in x's dtype; x (M, K), q int8 (K, N), wscale (N,), xa (M, R),
-    lb = s B (R, N) rank-padded to a multiple of 16. W = q wscale is formed tile by tile in shared memory, as the
-    reference rounds it (to x's dtype); the low-rank term joins the same fp32 accumulator."""
+def qdora_forward(x, q, xa, lb, colscale, bias=None, *, interpret: bool = False):
+    """y = (x q + xa lb) colscale + bias in x's dtype; x (M, K), q int8 (K, N), xa (M, R), lb (R, N) rank-padded to
+    a multiple of 16, colscale float32 (N,). QDoRA passes colscale = g wscale and lb = s B / wscale: the int8 codes
+    are exact in 16 bits, so the dequant is a plain convert and the per-column scale joins g in the epilogue."""
     m, k = x.shape
     n = q.shape[1]
     config = qdora_config(m, n, k, lb.shape[0], x.dtype)
-    steps = jnp.broadcast_to(wscale.astype(jnp.float32), (k // config.tile_k, n))
-    cols = (g.astype(jnp.float32),) + (() if bias is None else (bias,))
-    return _sm90.matmul(x, q, b_layout="kn", col_vecs=cols, step_col_vecs=(steps,), dequant=_int8_columns,
-                        lowrank=(xa, lb), epilogue=_scale_bias, out_dtype=x.dtype, config=config,
-                        name="pallas_fused_qdora_gemm_sm90", interpret=interpret)
+    cols = (colscale.astype(jnp.float32),) + (() if bias is None else (bias,))
+    return _sm90.matmul(x, q, b_layout="kn", col_vecs=cols, dequant=_int8_codes, lowrank=(xa, lb),
+                        epilogue=_scale_bias, out_dtype=x.dtype, config=config, name="pallas_fused_qdora_gemm_sm90",
+                        interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",))
