@@ -3,17 +3,19 @@
 Cases: tokens x in -> out, rank, bf16. Implementations:
   user:DoRADense     (fwd+bwd) the row of record: the linen `DoRADense` layer applied under jit, grads of x, A, B
                      and m (W frozen), every option at its default
-  pallas             the default (api.choose_variant: "merged" or "epilogue" by a byte count, "merged" taken as
-                     "sm90" on a Hopper GPU where the shapes fit its tiles); the column norm (or the merge pass) and
-                     the backward column reductions are Pallas in every variant
-  pallas:sm90        one Pallas pass forms V = W + s A B and its column sums of squares, then our Mosaic GPU GEMM
-                     (x V) g + bias with g and the bias in its epilogue; backward dx = (dy g) V^T on cuBLAS with
-                     dy g written by the column launch. fwdbwd configurations: pallas:sm90_remerge
-                     (save_merged=False: V not kept, the backward forms (W + s A B) g), pallas:sm90_cols_registers
-                     (ColumnsConfig(mma_sums=False): the column launch's register path)
+  pallas             the default (api.choose_variant: "sm90" on a Hopper GPU where the shapes fit its tiles, else
+                     "merged" or "epilogue" by a byte count); the column norm (or the merge pass) and the backward
+                     column reductions are Pallas in every variant
+  pallas:sm90        the column norm's read-only pass over W, then our Mosaic GPU GEMM (x W + (x A)(s B)) g + bias
+                     (the low-rank product in its accumulator, g and the bias in its epilogue); backward
+                     dx = (dy g) W^T + ((dy g)(s B)^T) A^T as one such GEMM, dy g written by the column launch.
+                     fwdbwd configuration: pallas:sm90_cols_registers (ColumnsConfig(mma_sums=False): the column
+                     launch's register path)
+  lora:pallas        the same layer as plain LoRA, x W + s (x A) B (dora.lora_dense): on Hopper the sm90 GEMM
+                     with the low-rank step both ways; lora:xla its XLA dots. What DoRA costs over LoRA.
   pallas:gemm        (fwdbwd) Pallas GEMMs both ways: the fused-epilogue forward and the Pallas dx GEMM
   xla                the plain-jnp reference under jit (what ANCHORS' "XLA" column measures)
-  peer:base_matmul   x @ W alone (the forward target is <= 1.10x this)
+  peer:base_matmul   x @ W alone (the forward target is <= 1.10x this); fwdbwd: x @ W and dx = dy W^T
   pallas:epilogue    cuBLAS x W, then one Pallas pass (x W + s (x A) B) * g + bias
   pallas:merged      the norm launch (partial sums over row ranges), one Pallas pass that finishes g and forms
                      (W + s A B) * g, then cuBLAS x (that); the backward's dx = dy (that)^T
@@ -33,9 +35,8 @@ Floors (bf16, 4096 tokens, 4096 -> 4096, r16; HBM ~4.1 TB/s, cuBLAS x W 0.1895 m
     is x, dy, y once each (24 us) - a single pass over tokens that also reduces over columns (us) and rows (dA)
     needs grid-wide reductions (atomics) - so fwd + bwd >= 0.19 + 0.19 + 16 + 24 us = 0.42 ms, against the
     0.43 ms target; with the separate passes above, ~0.44 ms.
-  forward ("sm90"): our GEMM (ties cuBLAS at 4096^3, 0.185 ms) + one pass forming V = W + s A B (read + write W,
-    16 us; measured 28 us, where a plain Pallas copy of W takes 21.5 us amortized) = 1.09x at best; ~1.17x
-    measured at 4096 tokens, 1.06x at 8192 (the pass is paid once per weight, not per token).
+  forward ("sm90"): our GEMM with the low-rank step (x W + (x A)(s B): one more wgmma per tile) + the column
+    norm's read of W (8 us) + x A (read x: 8 us at 4096 tokens) = 1.09x at best; W + s A B is never written.
   512 tokens: the base matmul takes ~0.03 ms, so 1.10x leaves 3 us for everything else, less than the norm's
     own floor (8 us): out of reach at that size by construction.
 
@@ -67,6 +68,7 @@ from pallas_fused.dora import (
     column_scale,
     column_scale_reference,
     dora_dense,
+    lora_dense,
     quantize_int8,
     quantize_nf4,
 )
@@ -75,8 +77,7 @@ CASES = [(512, 4096, 4096, 16), (4096, 4096, 4096, 16), (8192, 4096, 4096, 16),
          (512, 4096, 11008, 64), (4096, 4096, 11008, 64), (8192, 4096, 11008, 64)]
 QUICK = [(4096, 4096, 4096, 16), (4096, 4096, 11008, 64)]
 IMPLS = ["pallas", "pallas:sm90", "pallas:epilogue", "pallas:merged"]
-SM90_FWDBWD_CONFIGS = {"pallas:sm90_remerge": Config(save_merged=False),
-                       "pallas:sm90_cols_registers": Config(columns=ColumnsConfig(mma_sums=False))}
+SM90_FWDBWD_CONFIGS = {"pallas:sm90_cols_registers": Config(columns=ColumnsConfig(mma_sums=False))}
 
 
 def _wanted(names):
@@ -132,6 +133,22 @@ def _fwdbwd(impl, scale, config=None):
     def fb(x, w, a, b, m, dy):
         _, pull = jax.vjp(lambda x, a, b, m: dora_dense(x, w, a, b, m, scale=scale, implementation=impl,
                                                         config=config), x, a, b, m)
+        return pull(dy)
+    return jax.jit(fb)
+
+
+def _base_fwdbwd(x, w, a, b, m, dy):
+    """x @ W and its dx (W frozen): the two GEMMs every adapter layer pays."""
+    del a, b, m
+    _, pull = jax.vjp(lambda x: x @ w, x)
+    return pull(dy)
+
+
+def _lora_fwdbwd(impl, scale):
+    """jit of (x, W, A, B, m, dy) -> grads of x, A, B for plain LoRA (W frozen; m unused)."""
+    def fb(x, w, a, b, m, dy):
+        del m
+        _, pull = jax.vjp(lambda x, a, b: lora_dense(x, w, a, b, scale=scale, implementation=impl), x, a, b)
         return pull(dy)
     return jax.jit(fb)
 
@@ -194,10 +211,20 @@ def main_cases(rec: Recorder, quick: bool) -> None:
         for impl in _wanted(IMPLS):
             layer("dora_fwd", impl, lambda x, w, a, b, m, impl=impl: dora_dense(
                 x, w, a, b, m, scale=scale, implementation=impl), 5, nbytes=fwd_bytes, flops=fwd_flops)
+        # The same layer as plain LoRA (x W + s (x A) B), what DoRA costs over it: fused (the sm90 kernel with the
+        # low-rank step on Hopper) and XLA's dots.
+        lora_flops = 2 * tokens * fin * fout + 2 * tokens * r * (fin + fout)
+        for impl in ("pallas", "xla"):
+            layer("dora_fwd", f"lora:{impl}", lambda x, w, a, b, impl=impl: lora_dense(
+                x, w, a, b, scale=scale, implementation=impl), 4, nbytes=fwd_bytes, flops=lora_flops)
 
         # Forward + backward (grads of x, A, B, m; W frozen), as ANCHORS' "XLA layer fwd+bwd".
         fb_flops = fwd_flops + 2 * tokens * fin * fout + 6 * tokens * r * (fin + fout)
 
+        layer("dora_fwdbwd", "peer:base_matmul", _base_fwdbwd, 6, flops=4 * tokens * fin * fout)
+        for impl in ("pallas", "xla"):
+            layer("dora_fwdbwd", f"lora:{impl}", _lora_fwdbwd(impl, scale), 6,
+                  flops=lora_flops + 2 * tokens * fin * fout + 6 * tokens * r * (fin + fout))
         layer("dora_fwdbwd", "user:DoRADense", _module_fwdbwd(scale), 6, flops=fb_flops)
         layer("dora_fwdbwd", "xla", _fwdbwd("xla", scale), 6, flops=fb_flops)
         for impl in _wanted([*IMPLS, "pallas:gemm"]):

@@ -180,7 +180,19 @@ def test_dora(cc, implementation):
     found = kernels(jax.value_and_grad(loss(layer), (0, 1, 2, 3)), x, a, b, m)
     assert found.count(TRITON) >= 2, found
     if implementation == "pallas:sm90":
-        assert sum(found.count(t) for t in MOSAIC) == 1, found  # the forward's epilogue GEMM
+        assert sum(found.count(t) for t in MOSAIC) == 2, found  # the forward GEMM and dx, each with the low-rank step
+
+
+def test_lora(cc):
+    """On Hopper the forward and dx are the sm90 GEMM with the low-rank step (no Triton launch); elsewhere XLA."""
+    from pallas_fused.dora import lora_dense
+
+    fin, fout, rank = 512, 768, 24
+    x, w = rnd(0, (256, fin), jnp.bfloat16), rnd(1, (fin, fout), jnp.bfloat16)
+    a, b, bias = rnd(2, (fin, rank), jnp.bfloat16), rnd(3, (rank, fout), jnp.bfloat16), rnd(4, (fout,), jnp.bfloat16)
+    layer = lambda x, a, b, bias: lora_dense(x, w, a, b, bias, scale=2.0)  # noqa: E731
+    found = kernels(jax.value_and_grad(loss(layer), (0, 1, 2, 3)), x, a, b, bias)
+    assert sum(found.count(t) for t in MOSAIC) == (2 if cc >= (9, 0) else 0), found
 
 
 @pytest.mark.parametrize("quantize", ["int8", "nf4"])

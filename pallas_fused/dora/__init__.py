@@ -1,4 +1,5 @@
-"""DoRA (weight-decomposed low-rank adaptation): fused column-norm and epilogue-GEMM kernels, QDoRA, Flax."""
+"""DoRA (weight-decomposed low-rank adaptation): fused column-norm and epilogue-GEMM kernels, QDoRA, Flax; and
+plain LoRA fused (`lora_dense`), the layer DoRA is measured against."""
 
 from pallas_fused.dora.api import column_scale, dora_dense, dora_dense_dropout
 from pallas_fused.dora.config import (
@@ -11,6 +12,7 @@ from pallas_fused.dora.config import (
     NormTiles,
 )
 from pallas_fused.dora.flax import DoRADense, DoRALinear, dense_to_dora_params, lora_scale, merge
+from pallas_fused.dora.lora import lora_dense, lora_dense_reference
 from pallas_fused.dora.quant import Int8Kernel, NF4Kernel, dequantize, quantize_int8, quantize_nf4
 from pallas_fused.dora.reference import column_scale_reference, dora_dense_reference
 
@@ -33,6 +35,8 @@ __all__ = [
     "dora_dense",
     "dora_dense_dropout",
     "dora_dense_reference",
+    "lora_dense",
+    "lora_dense_reference",
     "lora_scale",
     "merge",
     "quantize_int8",

@@ -19,9 +19,9 @@ from pallas_fused.dora.quant import Int8Kernel, NF4Kernel, dequantize, is_quanti
 # reductions are Pallas in every variant). Plain "pallas" (and "interpret") takes `choose_variant`'s pick.
 VARIANTS = {
     "pallas:sm90": _backend.Variant(
-        "one Pallas pass forms V = W + s A B and its column sums of squares, then one Mosaic GPU GEMM (x V) g + bias "
-        "with g and the bias in its epilogue (Hopper, dense 16-bit W, tile-multiple shapes)", needs=(9, 0),
-        interpretable=False),
+        "the column norm's read-only pass over W, then one Mosaic GPU GEMM (x W + (x A)(s B)) g + bias each way "
+        "(dx = (dy g) W^T + ((dy g)(s B)^T) A^T): W is never merged (Hopper, dense 16-bit W, tile-multiple shapes)",
+        needs=(9, 0), mosaic=True),
     "pallas:merged": _backend.Variant(
         "one Pallas pass forms (W + s A B) g, then one cuBLAS GEMM; dense or Int8Kernel weights (QDoRA at cuBLAS "
         "speed: the merged weight is then a transient full-precision array)"),
@@ -38,57 +38,56 @@ VARIANTS = {
 def choose_variant(kind: str, tokens: int, fin: int, fout: int, dtype, interpret: bool, rank: int = 16) -> str:
     """The variant plain "pallas" runs: a pure function of the shapes, the dtype and the device kind.
 
-    Int8Kernel weights take "sm90_dequant" where it runs (one Hopper GPU, 16-bit, tile-multiple shapes; `rank` the
-    adapters' rank), other quantised weights "gemm" (cuBLAS would need W dequantised in full). Dense weights take the
-    variant whose
-    one extra pass over memory is cheaper: "merged" reads W and writes (W + s A B) g (4 K N bytes) before one
-    cuBLAS GEMM; "epilogue" reads x for x A and reads + writes x W (2 M K + 4 M N bytes) after one. Where "merged"
-    wins and "sm90" runs (one Hopper GPU, 16-bit, tile-multiple shapes), "sm90" replaces it: the same pass (forming
-    W + s A B, unscaled) but no norm pass ahead of it, since its Mosaic GPU GEMM, which ties cuBLAS, applies g and
-    the bias in its epilogue. benchmarks/bench_dora.py measures every variant.
+    Int8Kernel weights take "sm90_dequant" where it runs (one Hopper GPU or Mosaic GPU's interpreter, 16-bit,
+    tile-multiple shapes; `rank` the adapters' rank), other quantised weights "gemm" (cuBLAS would need W
+    dequantised in full). Every dense variant reads W once for
+    the column norm; beyond that and the base GEMM, "sm90" reads x once more (x A: 2 M K bytes), "merged" reads W
+    and writes (W + s A B) g (4 K N bytes), "epilogue" reads x for x A and reads + writes x W (2 M K + 4 M N). So
+    "sm90" runs wherever it can (one Hopper GPU, 16-bit, tile-multiple shapes; its Mosaic GPU GEMM ties cuBLAS),
+    and elsewhere the cheaper of the other two. benchmarks/bench_dora.py measures every variant.
     """
     if kind != "dense":
         ok = not interpret and _sm90_dequant_ok(kind, tokens, fin, fout, pow2(rank), dtype, interpret)
         return "sm90_dequant" if ok else "gemm"
+    if not interpret and _sm90_ok(kind, tokens, fin, fout, dtype, pow2(rank)):
+        return "sm90"
     merged_bytes, epilogue_bytes = 4 * fin * fout, 2 * tokens * fin + 4 * tokens * fout
-    if merged_bytes > epilogue_bytes:
-        return "epilogue"
-    return "sm90" if not interpret and _sm90_ok(kind, tokens, fin, fout, dtype) else "merged"
+    return "epilogue" if merged_bytes > epilogue_bytes else "merged"
 
 
-def _check(x, kernel, lora_a, lora_b, magnitude, bias, scale):
-    """Validate shapes/dtypes; returns (in_features, out_features, rank)."""
+def _check(x, kernel, lora_a, lora_b, magnitude, bias, scale, op="dora_dense"):
+    """Validate shapes/dtypes; returns (in_features, out_features, rank). magnitude=None: LoRA (none to check)."""
     x_dtype = getattr(x, "dtype", None)
     if x_dtype is None or not jnp.issubdtype(x_dtype, jnp.floating):
-        raise ValueError(f"dora_dense: x must be a floating-point array, got dtype {x_dtype}")
+        raise ValueError(f"{op}: x must be a floating-point array, got dtype {x_dtype}")
     if len(x.shape) < 1:
-        raise ValueError("dora_dense: x must have at least one dimension (..., in_features)")
+        raise ValueError(f"{op}: x must have at least one dimension (..., in_features)")
     if is_quantized(kernel):
         fin, fout = kernel.shape
     else:
         if jnp.ndim(kernel) != 2 or not jnp.issubdtype(kernel.dtype, jnp.floating):
-            raise ValueError(f"dora_dense: kernel must be a 2-D float (in, out) array or an Int8Kernel/NF4Kernel, "
+            raise ValueError(f"{op}: kernel must be a 2-D float (in, out) array or an Int8Kernel/NF4Kernel, "
                              f"got shape {jnp.shape(kernel)} dtype {getattr(kernel, 'dtype', None)}")
         fin, fout = kernel.shape
     if x.shape[-1] != fin:
-        raise ValueError(f"dora_dense: x has {x.shape[-1]} input features but kernel expects {fin} "
+        raise ValueError(f"{op}: x has {x.shape[-1]} input features but kernel expects {fin} "
                          f"(kernel shape {(fin, fout)})")
     if jnp.ndim(lora_a) != 2 or lora_a.shape[0] != fin:
-        raise ValueError(f"dora_dense: lora_a must have shape ({fin}, rank), got {jnp.shape(lora_a)}")
+        raise ValueError(f"{op}: lora_a must have shape ({fin}, rank), got {jnp.shape(lora_a)}")
     rank = lora_a.shape[1]
     if rank < 1 or rank > min(fin, fout):
-        raise ValueError(f"dora_dense: lora_a rank must be in [1, min(in, out) = {min(fin, fout)}], got {rank}")
+        raise ValueError(f"{op}: lora_a rank must be in [1, min(in, out) = {min(fin, fout)}], got {rank}")
     if jnp.shape(lora_b) != (rank, fout):
-        raise ValueError(f"dora_dense: lora_b must have shape ({rank}, {fout}), got {jnp.shape(lora_b)}")
-    if jnp.shape(magnitude) != (fout,):
-        raise ValueError(f"dora_dense: magnitude must have shape ({fout},), got {jnp.shape(magnitude)}")
+        raise ValueError(f"{op}: lora_b must have shape ({rank}, {fout}), got {jnp.shape(lora_b)}")
+    if magnitude is not None and jnp.shape(magnitude) != (fout,):
+        raise ValueError(f"{op}: magnitude must have shape ({fout},), got {jnp.shape(magnitude)}")
     if bias is not None and jnp.shape(bias) != (fout,):
-        raise ValueError(f"dora_dense: bias must have shape ({fout},) or be None, got {jnp.shape(bias)}")
+        raise ValueError(f"{op}: bias must have shape ({fout},) or be None, got {jnp.shape(bias)}")
     if jnp.ndim(scale) != 0:
-        raise ValueError(f"dora_dense: scale must be a scalar, got shape {jnp.shape(scale)}")
+        raise ValueError(f"{op}: scale must be a scalar, got shape {jnp.shape(scale)}")
     for name, v in (("lora_a", lora_a), ("lora_b", lora_b), ("magnitude", magnitude), ("bias", bias)):
         if v is not None and not jnp.issubdtype(v.dtype, jnp.floating):
-            raise ValueError(f"dora_dense: {name} must be floating point, got dtype {v.dtype}")
+            raise ValueError(f"{op}: {name} must be floating point, got dtype {v.dtype}")
     return fin, fout, rank
 
 
@@ -180,12 +179,14 @@ def _norm_and_merged_weight(kind, ops, ap, bp, scale, m, interpret, config):
     return n, g, _merged_weight(kind, ops, ap, bp, g, scale, interpret, config), None
 
 
-def _sm90_ok(kind, tokens, fin, fout, dtype) -> bool:
-    """Whether "pallas:sm90" can run: a dense 16-bit W on one Hopper device, tile-multiple shapes."""
+def _sm90_ok(kind, tokens, fin, fout, dtype, rank, interpret=False) -> bool:
+    """Whether "pallas:sm90" can run: a dense 16-bit W on one Hopper device (or interpreted), tile-multiple shapes
+    both ways (the forward's (tokens, in) x (in, out) and dx's (tokens, out) x (out, in)) at this padded rank."""
     from pallas_fused.dora import kernel_sm90
 
-    return (kind == "dense" and _backend.is_hopper() and jax.device_count() == 1
-            and kernel_sm90.supported(tokens, fout, fin, dtype))
+    return (kind == "dense" and (interpret or _backend.is_hopper()) and jax.device_count() == 1
+            and kernel_sm90.supported(tokens, fout, fin, dtype, rank=rank)
+            and kernel_sm90.supported(tokens, fin, fout, dtype, rank=rank))
 
 
 def _sm90_dequant_ok(kind, tokens, fin, fout, rank, dtype, interpret) -> bool:
@@ -208,23 +209,22 @@ def _forward(statics, x, ops, a, b, m, bias, scale):
     dt = x.dtype
     ap, bp = _pad_rank(a, b)
     if variant == "sm90":
-        # y = (x V) g + bias in one Mosaic GPU GEMM (g and the bias in its epilogue), V = W + s A B formed unscaled
-        # by one Pallas pass that also sums V^2 per column over row ranges (no norm pass ahead of it). V is kept
-        # for the backward's dx = (dy g) V^T.
+        # y = (x W + (x A)(s B)) g + bias in one Mosaic GPU GEMM (the low-rank product in its accumulator, g and the
+        # bias in its epilogue), g from the column norm's read-only pass over W: W + s A B is never written. x A is
+        # kept for the backward (its column sums and dA need it).
         from pallas_fused.dora import kernel_sm90
 
-        if not _sm90_ok(kind, x.shape[0], ap.shape[0], bp.shape[1], x.dtype):
-            cfg = kernel_sm90.config_for(x.shape[0], bp.shape[1], ap.shape[0])
+        if not _sm90_ok(kind, x.shape[0], ap.shape[0], bp.shape[1], x.dtype, ap.shape[1], interpret):
+            cfg = kernel_sm90.config_for(x.shape[0], bp.shape[1], ap.shape[0], ap.shape[1])
             raise ValueError(f"dora_dense: implementation='pallas:sm90' needs a dense 16-bit kernel on one Hopper GPU "
-                             f"and shapes that "
-                             f"are multiples of the tile {cfg.cta_tile} x {cfg.tile_k}; got x {x.shape} {x.dtype}, "
+                             f"(or 'interpret:sm90') and shapes that are multiples of the tile {cfg.cta_tile} x "
+                             f"{cfg.tile_k}; got x {x.shape} {x.dtype}, "
                              f"kernel {ops[0].shape}")
-        v, parts = kernel_merge.merge_weight(ops, kind, ap, bp, scale, emit_partials=True, interpret=interpret,
-                                             config=config.merge)
-        n = reference.floored_norm(jnp.sum(parts, axis=0))
-        g = m.astype(jnp.float32) / n
-        y = kernel_sm90.scaled_matmul(x, v, g, bias)
-        return y, (ap, bp, n, g, None, (v if config.save_merged else None, None))
+        n, g = _column_norm_scale(ops, kind, ap, bp, scale, m, interpret, config)
+        xa = _xa(x, ap)
+        sb = (bp.astype(jnp.float32) * scale).astype(dt)
+        y = kernel_sm90.scaled_matmul(x, ops[0], g, bias, lowrank=(xa, sb), interpret=interpret)
+        return y, (ap, bp, n, g, xa, (None, None))
     if variant == "merged":
         # y = x ((W + s A B) g) + bias: one cuBLAS GEMM on the merged weight (x A is left to the backward). The
         # merged weight is kept for the backward's dx = dy wm^T (one bf16 copy of W per layer in memory).
@@ -295,13 +295,13 @@ def _dora_2d_bwd(statics, res, dy):
     if bg is None:
         bg = (bp.astype(jnp.float32) * gs[None, :]).astype(dt)
     us = jnp.dot(dy, bg.T)  # cuBLAS rounds once to dt
-    if xa is None:  # "merged" / "sm90" never formed x A in the forward
+    if xa is None:  # "merged" never formed x A in the forward
         xa = _xa(x, ap)
-    # "sm90" keeps V = W + s A B unscaled, so dx = (dy g) V^T: dy g is written by the column launch (it reads
-    # dy anyway) where that launch runs below, by XLA otherwise.
-    dyg_from_v = variant == "sm90" and wm is not None
+    # "sm90": dx = (dy g) W^T + us A^T in one Mosaic GPU GEMM; dy g is written by the column launch (it reads dy
+    # anyway) where that launch runs below, by XLA otherwise.
+    sm90_dx = variant == "sm90"
     # "sm90_dequant": dx = (dy g wscale) q^T + us A^T, the int8 scale per contraction index there, on dy.
-    dyg_scale = g if dyg_from_v else (g * ops[1] if variant == "sm90_dequant" else None)
+    dyg_scale = g if sm90_dx else (g * ops[1] if variant == "sm90_dequant" else None)
     finished = None
     if not exact and jax.device_count() == 1:
         # Unsharded, constant norm: the column launch returns the finished dB, dm and dbias (in-kernel when one
@@ -325,9 +325,11 @@ def _dora_2d_bwd(statics, res, dy):
         # (one Pallas pass over W, and no float32 (M, in) partial results); with few tokens g goes on dy
         # and the low-rank term is a second, small GEMM.
         fin_, fout_ = ap.shape[0], bp.shape[1]
-        if dyg_from_v:
+        if sm90_dx:
+            from pallas_fused.dora import kernel_sm90
+
             dyg = finished[3] if finished is not None else (dy.astype(jnp.float32) * g[None, :]).astype(dt)
-            dx = jnp.dot(dyg, wm.T)
+            dx = kernel_sm90.scaled_matmul(dyg, ops[0], lowrank=(us, ap), b_layout="nk", interpret=interpret)
         elif wm is not None:  # "merged" kept it
             dx = jnp.dot(dy, wm.T)
         elif kind == "int8" or dy.shape[0] * (fout_ + 3.5 * fin_) >= fin_ * fout_:
@@ -423,7 +425,7 @@ def dora_dense(x, kernel, lora_a, lora_b, magnitude, bias=None, *, scale, exact_
         DoRA paper section 4.3 and peft do).
       implementation: None (Pallas on a GPU, XLA elsewhere), "xla", "pallas", "interpret", or one variant of the
         Pallas path, "pallas:<variant>" ("interpret:<variant>" runs it in the Pallas interpreter; see `VARIANTS`).
-        Plain "pallas" takes `choose_variant`'s pick: "merged" (as "sm90" where that runs) or "epilogue" for dense
+        Plain "pallas" takes `choose_variant`'s pick: "sm90" where that runs, else "merged" or "epilogue" for dense
         weights, whichever makes the smaller extra pass over memory at this shape, and "gemm" for quantised ones.
         "pallas:gemm": Pallas GEMMs both ways (the fused-epilogue forward, the dx GEMM; W dequantised in-kernel).
         "pallas:epilogue": cuBLAS x W, then one Pallas pass (x W + s (x A) B) * g + bias (dense W).
@@ -431,17 +433,16 @@ def dora_dense(x, kernel, lora_a, lora_b, magnitude, bias=None, *, scale, exact_
         The merged weight is kept for the backward's dx (one copy of W per layer in the compute dtype, held from the
         forward to the backward; `save_merged=False` forms it again in the backward instead). Also takes an
         Int8Kernel (QDoRA at cuBLAS speed; the merged weight is then a transient full-precision array).
-        "pallas:sm90" (Hopper, dense 16-bit W, tile-multiple shapes): one Pallas pass forms V = W + s A B and its
-        column sums of squares, then one Mosaic GPU GEMM (x V) g + bias with g and the bias in its epilogue: no norm
-        pass. V is kept for the backward (as "merged"; dx = (dy g) V^T on cuBLAS, dy g written by the backward's
-        column launch), or with `save_merged=False` not kept: the backward forms (W + s A B) g and dx = dy (that)^T.
+        "pallas:sm90" (Hopper, dense 16-bit W, tile-multiple shapes; "interpret:sm90" on jax >= 0.12): the column
+        norm's read-only pass over W, then one Mosaic GPU GEMM (x W + (x A)(s B)) g + bias (the low-rank product in
+        its accumulator, g and the bias in its epilogue); the backward's dx = (dy g) W^T + ((dy g)(s B)^T) A^T is one
+        such GEMM too. W + s A B is never formed; only x A (tokens x rank) is kept for the backward.
         "pallas:sm90_dequant" (Hopper, Int8Kernel, 16-bit x, tile-multiple shapes; plain "pallas" takes it there): the
-        column norm read from the int8 codes in-kernel, then one Mosaic GPU GEMM (x W + s (x A) B) g + bias with W's
-        int8 tiles dequantised in shared memory and the low-rank term in the same fp32 accumulator; the backward's
-        dx = (dy g wscale) q^T + (s (dy g) B^T) A^T likewise. W is never formed in full precision.
-        Every variant but "gemm" and "sm90_dequant" runs dx on cuBLAS (with many tokens, or int8 weights, one GEMM on
-        the merged weight).
-      save_merged: "merged" / "sm90" only: keep the merged weight from the forward for the backward's dx (default
+        column norm read from the int8 codes in-kernel, then one Mosaic GPU GEMM (x q + (x A)(s B / wscale)) g wscale
+        + bias with q's int8 tiles converted in shared memory and the low-rank term in the same fp32 accumulator; the
+        backward's dx = (dy g wscale) q^T + ((dy g)(s B)^T) A^T likewise. W is never formed in full precision.
+        "merged" and "epilogue" run dx on cuBLAS (with many tokens, or int8 weights, one GEMM on the merged weight).
+      save_merged: "merged" only: keep the merged weight from the forward for the backward's dx (default
         True: one copy of W per layer in the compute dtype held until the backward, e.g. ~12.5 GB over a Llama-7B's
         32 blocks in bf16), or form it again in the backward (False: one more pass over W, ~0.016 ms per
         4096 x 4096 layer on an H200). None: `config.save_merged` (True by default).

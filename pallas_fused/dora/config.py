@@ -18,12 +18,12 @@ class Config:
     """
 
     norm: NormConfig = NormConfig()  # the column norm (kernel_norm)
-    merge: MergeConfig = MergeConfig()  # the merge pass of "merged" / "sm90" (kernel_merge)
+    merge: MergeConfig = MergeConfig()  # the merge pass of "merged" (kernel_merge)
     forward: GemmConfig = FORWARD  # the fused-epilogue forward GEMM of "gemm" (kernel_gemm)
     dx: GemmConfig = DX  # the backward dx GEMM of "gemm"
     epilogue: EpilogueConfig = EpilogueConfig()  # the epilogue pass of "epilogue"
     columns: ColumnsConfig = ColumnsConfig()  # the backward column reductions (kernel_columns)
-    # "merged" / "sm90": keep the merged weight from the forward for the backward's dx: one copy of W per layer in
+    # "merged": keep the merged weight from the forward for the backward's dx: one copy of W per layer in
     # the compute dtype held until the backward (Llama-7B: ~12.5 GB over 32 blocks in bf16). False: the backward
     # forms it again (one more pass over W: read W, write the copy).
     save_merged: bool = True

@@ -52,7 +52,7 @@ def _cols_kernel(*refs, M, N, R, bt, bn, rows_per_prog, has_bias, finish, mma_su
     bias = load(bias_ref.at[pl.ds(n0, bn)], cmask).astype(jnp.float32) if has_bias else None
     g = load(g_ref.at[pl.ds(n0, bn)], cmask).astype(jnp.float32) if emit_dyg else None
 
-    def store_dyg(t0, dy, mask):  # dy * g in dy's dtype, for dx = (dy g) V^T ("sm90")
+    def store_dyg(t0, dy, mask):  # dy * g in dy's dtype, for dx = (dy g) W^T + ... ("sm90")
         if emit_dyg:
             store(dyg_ref.at[pl.ds(t0, bt), pl.ds(n0, bn)], (dy.astype(jnp.float32) * g[None, :]).astype(dt), mask)
     t_start = split * rows_per_prog
@@ -129,7 +129,7 @@ def backward_columns(dy, y, xa, bias, *, interpret: bool, config: ColumnsConfig 
     sum_t dy) in those dtypes instead - inside the kernel when one program covers all tokens (config.rows
     >= tokens: no XLA op after the launch), otherwise by XLA from the partial sums.
     dyg_scale=g ((N,)): also return dy * g in dy's dtype, written from the tiles this pass reads anyway
-    ("sm90": dx = (dy g) V^T), as a 4th output.
+    ("sm90": dx = (dy g) W^T + ((dy g)(s B)^T) A^T), as a 4th output.
     """
     M, N = dy.shape
     R = xa.shape[1]

@@ -20,10 +20,8 @@ class MergeConfig:
     """The merge pass's launch (GPU defaults; small inputs shrink the tiles).
 
     (bk, bn) per step: 64 x 64 took 0.2320 / 0.5914 ms (H200 layer forward, 4096 tokens, 4096 -> 4096 r16 /
-    4096 -> 11008 r64) against 0.2329 / 0.6142 for 128 x 64. "sm90"'s pass (V unscaled and its column sums of
-    squares, amortized over 4 W): v_bk 32 with bn 64 0.0281 ms at 4096 -> 4096 r16 (bk64 0.0332; a plain Pallas
-    copy of W 0.0215, XLA's w * 2 0.0255), bn 128 0.0692 at 4096 -> 11008 r64 (bn64 0.0801; copy 0.0495). The A B
-    tile as R outer products on the FMA units instead of the MMA measured 1.9x slower at r16 and 7x at r64.
+    4096 -> 11008 r64) against 0.2329 / 0.6142 for 128 x 64. The A B tile as R outer products on the FMA units
+    instead of the MMA measured 1.9x slower at r16 and 7x at r64.
     """
 
     bk: int = 64  # W rows per step
@@ -31,8 +29,6 @@ class MergeConfig:
     rows: int = 128  # rows per program (bk per step; g, B and the partial sums loaded once per program)
     warps: int = 4
     stages: int = 2
-    v_bk: int = 32  # the "sm90" pass (emit_partials): rows per step ...
-    v_bn: int = 0  # ... and columns per program (0: 64 up to 4096 columns, else 128)
     reverse: bool = True  # walk W in the reverse of the norm launch's order (L2 hits on the tiles it read last)
     # "merged": the column norm launch writes partial sums over row ranges of `norm_rows` (more programs in flight
     # than one per column strip) and the merge launch finishes g from them.
@@ -42,14 +38,12 @@ class MergeConfig:
 DEFAULT = MergeConfig()
 
 
-def _merge_kernel(*refs, kind, K, N, R, bk, bn, steps, nsplit, from_partials, reverse, emit_partials):
+def _merge_kernel(*refs, kind, K, N, R, bk, bn, steps, nsplit, from_partials, reverse):
     nw = num_weight_refs(kind)
     w_refs = refs[:nw]
     a_ref, b_ref, s_ref = refs[nw:nw + 3]
     if from_partials:
         part_ref, m_ref, vg_ref, n_ref, g_ref, bg_ref = refs[nw + 3:]
-    elif emit_partials:
-        vg_ref, part_out_ref = refs[nw + 3:]
     else:
         gin_ref, vg_ref = refs[nw + 3:]
     rows = bk * steps  # rows per program, in `steps` tiles of bk
@@ -69,8 +63,6 @@ def _merge_kernel(*refs, kind, K, N, R, bk, bn, steps, nsplit, from_partials, re
         first = jnp.logical_and(n0 + jnp.arange(bn) < N, kb == 0)
         _backend.store(n_ref.at[pl.ds(n0, bn)], n, mask=first)
         _backend.store(g_ref.at[pl.ds(n0, bn)], g, mask=first)
-    elif emit_partials:  # V = W + s A B unscaled, and its column sums of squares over this program's rows
-        g = None
     else:
         g = load(gin_ref.at[pl.ds(n0, bn)], cmask, 1.0).astype(jnp.float32)
     b = load(b_ref.at[:, pl.ds(n0, bn)], mask(None, cmask, (R, bn)))
@@ -88,51 +80,38 @@ def _merge_kernel(*refs, kind, K, N, R, bk, bn, steps, nsplit, from_partials, re
             ok = jnp.logical_and(k0 + jnp.arange(bk) < K, i < steps)
         return load(w_refs[0].at[pl.ds(k0, bk), pl.ds(n0, bn)], mask(ok, cmask, (bk, bn)))
 
-    def step_tile(i, w):  # -> this tile's column sums of squares of V (masked rows load 0: they add nothing)
+    def step_tile(i, w):
         k0 = pl.multiple_of(k_start + i * bk, bk)
         rmask = in_bounds(k0, bk, K, K % rows == 0)
         w = w.astype(jnp.float32)
         if kind == "int8":
             w = w * wscale
         a = load(a_ref.at[pl.ds(k0, bk), :], mask(rmask, None, (bk, R)))
-        v = w + s_ref[0] * _backend.dot(a, b)
-        out = v if g is None else v * g[None, :]
-        store(vg_ref.at[pl.ds(k0, bk), pl.ds(n0, bn)], out.astype(vg_ref.dtype), mask(rmask, cmask, (bk, bn)))
-        return v * v
+        v = (w + s_ref[0] * _backend.dot(a, b)) * g[None, :]
+        store(vg_ref.at[pl.ds(k0, bk), pl.ds(n0, bn)], v.astype(vg_ref.dtype), mask(rmask, cmask, (bk, bn)))
 
-    def body(i, carry):  # W is no MMA operand: its next tile is loaded by hand one step ahead
-        w, sq = carry
+    def body(i, w):  # W is no MMA operand: its next tile is loaded by hand one step ahead
         w_next = w_tile(i + 1) if steps > 1 else w
-        v2 = step_tile(i, w)
-        return w_next, (sq + v2 if emit_partials else sq)
+        step_tile(i, w)
+        return w_next
 
-    # Squares are summed elementwise over the steps and reduced across rows once (a cross-warp reduction per
-    # step measured 2x the pass's time).
-    sq0 = jnp.zeros((bk, bn) if emit_partials else (1, 1), jnp.float32)
-    _, sq = lax.fori_loop(0, steps, body, (w_tile(0), sq0))
-    if emit_partials:
-        store(part_out_ref.at[kb, pl.ds(n0, bn)], jnp.sum(sq, axis=0), cmask)
+    lax.fori_loop(0, steps, body, w_tile(0))
 
 
 def merge_weight(weight, kind: str, lora_a, lora_b, scale, *, g=None, partials=None, magnitude=None,
-                 emit_partials: bool = False, interpret: bool, config: MergeConfig = DEFAULT):
+                 interpret: bool, config: MergeConfig = DEFAULT):
     """The merged weight (W + s A B) * g in A's dtype (K, N), for a dense or int8 W; A (K, R), B (R, N) rank-padded.
 
     Either `g` (float32 (N,)) is given, or the column norm's `partials` ((nsplit, N) sums of squares, from
     `column_partials`) and `magnitude`: then g = m / sqrt(sum partials) is formed in this launch (no XLA op
     between the two launches) and (wm, n, g, B g s) is returned (B g s in B's dtype: the backward's
-    us = dy (B g s)^T takes it as is). With `emit_partials` (no g): (V, partials), V = W + s A B unscaled and
-    partials the float32 (nsplit, N) column sums of squares of V over row ranges (V's norm, from the pass that
-    forms it: the sm90 GEMM applies g in its epilogue).
+    us = dy (B g s)^T takes it as is).
     """
     if kind not in ("dense", "int8"):
         raise ValueError(f"merge_weight: dense or int8 weights only, got {kind!r}")
     K, R = lora_a.shape
     N = lora_b.shape[1]
-    if emit_partials:
-        bk, bn = tile(K, config.v_bk), tile(N, config.v_bn or (64 if N <= 4096 else 128))
-    else:
-        bk, bn = tile(K, config.bk), tile(N, config.bn)
+    bk, bn = tile(K, config.bk), tile(N, config.bn)
     steps = max(1, min(config.rows, pow2(K, bk)) // bk)
     from_partials = partials is not None
     if from_partials:
@@ -142,7 +121,7 @@ def merge_weight(weight, kind: str, lora_a, lora_b, scale, *, g=None, partials=N
         partials = jnp.pad(partials, ((0, pow2(partials.shape[0], 1) - partials.shape[0]), (0, 0)))
     nsplit = partials.shape[0] if from_partials else 0
     kernel = functools.partial(_merge_kernel, kind=kind, K=K, N=N, R=R, bk=bk, bn=bn, steps=steps, nsplit=nsplit,
-                               from_partials=from_partials, reverse=config.reverse, emit_partials=emit_partials)
+                               from_partials=from_partials, reverse=config.reverse)
     wm = jax.ShapeDtypeStruct((K, N), lora_a.dtype)
     col = jax.ShapeDtypeStruct((N,), jnp.float32)
     nkb = cdiv(K, bk * steps)
@@ -150,8 +129,6 @@ def merge_weight(weight, kind: str, lora_a, lora_b, scale, *, g=None, partials=N
     if from_partials:
         args += (partials, magnitude)
         out_shape = (wm, col, col, jax.ShapeDtypeStruct((R, N), lora_b.dtype))
-    elif emit_partials:
-        out_shape = (wm, jax.ShapeDtypeStruct((nkb, N), jnp.float32))
     else:
         args += (g.astype(jnp.float32),)
         out_shape = wm

@@ -1,12 +1,15 @@
-"""DoRA's output GEMM on Hopper: y = (x V) * g + bias, V = W + s A B (unscaled), in one Mosaic GPU kernel.
+"""DoRA's (and LoRA's) GEMMs on Hopper, one Mosaic GPU kernel each way, W never merged with the adapters:
 
-The column scale g = m / ||V|| and the bias are applied to the fp32 accumulator in the epilogue, so the only
-pass DoRA adds to the base GEMM is the one that forms V and its column sums of squares (kernel.merge_weight with
-`emit_partials`): cuBLAS cannot scale columns in its epilogue, which is why the cuBLAS path ("merged") needs g
-before it forms (W + s A B) g, i.e. a norm pass over W ahead of the merge pass.
+  forward  y  = (x W + (x A) (s B)) g + bias     the low-rank product in the same fp32 accumulator (the sm90
+                                                 skeleton's low-rank step), g and the bias in the epilogue;
+  backward dx = (dy g) W^T + ((dy g) (s B)^T) A^T  W read as (N, K) ("nk"), the low-rank step on A (K, R).
 
-The GEMM is the shared sm90 skeleton (pallas_fused/_sm90.py) with 16-bit operands: x (M, K) K-major, V (K, N)
-N-major (wgmma reads 16-bit B tiles in either major order, so V needs no transpose).
+g = m / ||W + s A B|| comes from the column norm's read-only pass (kernel_norm), so the bytes DoRA adds to the base
+GEMM are one read of W (the norm) and one of x (x A); LoRA (g = 1) adds only x A. cuBLAS can neither scale
+columns in its epilogue nor add a second product, which is why the cuBLAS paths ("merged") form (W + s A B) g.
+
+The GEMM is the shared sm90 skeleton (pallas_fused/_sm90.py) with 16-bit operands: x (M, K) K-major, W (K, N)
+N-major (wgmma reads 16-bit B tiles in either major order, so neither direction needs a transpose of W).
 """
 
 from __future__ import annotations
@@ -32,17 +35,35 @@ def tiles() -> tuple[_sm90.TileConfig, _sm90.TileConfig]:
     return _sm90.TileConfig(**table["large"]), _sm90.TileConfig(**table["small"])
 
 
-def config_for(m: int, n: int, k: int) -> _sm90.TileConfig:
-    """The tile configuration for an (m, k) x (k, n) product (large unless it leaves SMs idle)."""
+def config_for(m: int, n: int, k: int, rank: int = 0, itemsize: int = 2) -> _sm90.TileConfig:
+    """The tile configuration for an (m, k) x (k, n) product (large unless it leaves SMs idle), with room in shared
+    memory for a rank-`rank` low-rank step (`fit_lowrank`)."""
     large, small = tiles()
     cta_m, cta_n = large.cta_tile
-    if -(-m // cta_m) * -(-n // cta_n) < _backend.num_sms():
-        return small
-    return large
+    config = small if -(-m // cta_m) * -(-n // cta_n) < _backend.num_sms() else large
+    return fit_lowrank(config, rank, itemsize)
 
 
-def supported(m: int, n: int, k: int, dtype, config: _sm90.TileConfig | None = None) -> bool:
-    config = config or config_for(m, n, k)
+def fit_lowrank(config: _sm90.TileConfig, rank: int, itemsize: int = 2) -> _sm90.TileConfig:
+    """`config` with its ring shrunk until the low-rank slices (2 (tile_m + tile_n) R bytes per warpgroup) fit
+    beside it: fewer stages first, then half the K step with twice the stages (the same K depth in flight), never
+    under 2 stages. The large tiles (128 x 128 x 128, 2 stages) fill shared memory on their own; at rank 16 they
+    become 128 x 128 x 64 x 3 stages."""
+    def fits(c):
+        return _sm90.smem_bytes(c, itemsize, itemsize, itemsize, rank, itemsize) <= _sm90.SMEM_LIMIT
+
+    tile_k, depth = config.tile_k, config.tile_k * config.max_concurrent_steps
+    while tile_k >= 64:
+        for steps in range(max(2, depth // tile_k), 1, -1):
+            c = dataclasses.replace(config, tile_k=tile_k, max_concurrent_steps=steps)
+            if fits(c):
+                return c
+        tile_k //= 2
+    return config  # nothing fits: `_sm90.matmul` names the shortfall
+
+
+def supported(m: int, n: int, k: int, dtype, config: _sm90.TileConfig | None = None, rank: int = 0) -> bool:
+    config = config or config_for(m, n, k, rank)
     return jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) and _sm90.supported(m, n, k, config)
 
 
@@ -54,18 +75,28 @@ def _scale_bias(acc, rows, cols):
     return acc
 
 
-@functools.partial(jax.jit, static_argnames=("config",))
-def scaled_matmul(x, v, g, bias=None, *, config: _sm90.TileConfig | None = None):
-    """(x @ v) * g[None, :] + bias[None, :] in x's dtype (fp32 accumulation, one rounding); x (M, K), v (K, N).
+def _bias(acc, rows, cols):
+    del rows
+    return acc + lax.broadcast_in_dim(cols[0], acc.shape, [1]) if cols else acc
 
-    config=None: `config_for` the shape."""
-    config = config or config_for(x.shape[0], v.shape[1], x.shape[1])
-    if x.dtype != v.dtype or not supported(x.shape[0], v.shape[1], x.shape[1], x.dtype, config):
-        raise ValueError(f"dora.kernel_sm90.scaled_matmul: x {x.shape} {x.dtype} and v {v.shape} {v.dtype} must share "
+
+@functools.partial(jax.jit, static_argnames=("b_layout", "config", "interpret"))
+def scaled_matmul(x, w, g=None, bias=None, *, lowrank=None, b_layout: str = "kn",
+                  config: _sm90.TileConfig | None = None, interpret: bool = False):
+    """(x @ w + la @ lb) * g[None, :] + bias[None, :] in x's dtype (fp32 accumulation, one rounding); x (M, K), w
+    (K, N) ("kn") or (N, K) ("nk"), lowrank = (la (M, R), lb (R, N) or (N, R)) or None, R a multiple of 16; g and
+    bias optional. config=None: `config_for` the shape and rank."""
+    m, k = x.shape
+    n = w.shape[1] if b_layout == "kn" else w.shape[0]
+    rank = 0 if lowrank is None else lowrank[0].shape[1]
+    config = config or config_for(m, n, k, rank)
+    if x.dtype != w.dtype or not supported(m, n, k, x.dtype, config):
+        raise ValueError(f"dora.kernel_sm90.scaled_matmul: x {x.shape} {x.dtype} and w {w.shape} {w.dtype} must share "
                          f"a 16-bit dtype and be multiples of the tile {config.cta_tile + (config.tile_k,)}")
-    cols = (g.astype(jnp.float32),) + (() if bias is None else (bias,))
-    return _sm90.matmul(x, v, b_layout="kn", col_vecs=cols, epilogue=_scale_bias, out_dtype=x.dtype, config=config,
-                        name="pallas_fused_dora_gemm_sm90")
+    cols = (() if g is None else (g.astype(jnp.float32),)) + (() if bias is None else (bias,))
+    return _sm90.matmul(x, w, b_layout=b_layout, col_vecs=cols, epilogue=_bias if g is None else _scale_bias,
+                        out_dtype=x.dtype, config=config, name="pallas_fused_dora_gemm_sm90", lowrank=lowrank,
+                        interpret=interpret)
 
 
 # QDoRA: the Int8Kernel's codes are b, dequantised tile by tile inside the GEMM (`_sm90.matmul(dequant=)`), and the
@@ -101,11 +132,6 @@ def _int8_codes(tile):
     return tile.astype(jnp.float32)  # |q| <= 127: exact in bf16 / fp16
 
 
-def _identity(acc, rows, cols):
-    del rows, cols
-    return acc
-
-
 @functools.partial(jax.jit, static_argnames=("interpret",))
 def qdora_forward(x, q, xa, lb, colscale, bias=None, *, interpret: bool = False):
     """y = (x q + xa lb) colscale + bias in x's dtype; x (M, K), q int8 (K, N), xa (M, R), lb (R, N) rank-padded to
@@ -128,5 +154,5 @@ def qdora_dx(dyg, q, us, a, *, interpret: bool = False):
     m, n = dyg.shape
     k = q.shape[0]
     config = qdora_config(m, k, n, a.shape[1], dyg.dtype)
-    return _sm90.matmul(dyg, q, b_layout="nk", dequant=_int8_codes, lowrank=(us, a), epilogue=_identity,
+    return _sm90.matmul(dyg, q, b_layout="nk", dequant=_int8_codes, lowrank=(us, a), epilogue=_bias,
                         out_dtype=dyg.dtype, config=config, name="pallas_fused_qdora_dx_sm90", interpret=interpret)
