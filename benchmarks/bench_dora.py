@@ -19,8 +19,9 @@ Cases: tokens x in -> out, rank, bf16. Implementations:
   pallas:epilogue    cuBLAS x W, then one Pallas pass (x W + s (x A) B) * g + bias
   pallas:merged      the norm launch (partial sums over row ranges), one Pallas pass that finishes g and forms
                      (W + s A B) * g, then cuBLAS x (that); the backward's dx = dy (that)^T
-QDoRA rows: pallas:<fmt> (dequantised in-kernel, the default: the "gemm" variant), pallas:int8_merged (a transient
-merged weight, then cuBLAS), xla:<fmt> (reference: dequantises W in full, for comparison only).
+QDoRA rows: pallas:<fmt> (dequantised in-kernel, the default: "sm90_dequant" for int8 on Hopper, the "gemm"
+variant otherwise), pallas:int8_gemm (the Triton "gemm" variant), pallas:int8_merged (a transient merged weight,
+then cuBLAS), xla:<fmt> (reference: dequantises W in full, for comparison only).
 
 Floors (bf16, 4096 tokens, 4096 -> 4096, r16; HBM ~4.1 TB/s, cuBLAS x W 0.1895 ms on the H200):
   column norm: read W once, 32 MiB -> 0.008 ms. Timed amortized (see `norm_rows`).
@@ -39,10 +40,11 @@ Floors (bf16, 4096 tokens, 4096 -> 4096, r16; HBM ~4.1 TB/s, cuBLAS x W 0.1895 m
   512 tokens: the base matmul takes ~0.03 ms, so 1.10x leaves 3 us for everything else, less than the norm's
     own floor (8 us): out of reach at that size by construction.
 
-Sections (DORA_SECTIONS, comma-separated; default main_cases,tuning): main_cases (the ANCHORS rows; --quick: the
-4096-token cases), tune_norm (column-norm candidates, amortized), tune_modes (the cuBLAS-based variants per token
-count), tune_variants (Config variants of "pallas:merged" at 4096 tokens), tuning (the three under one
-budget), parts (each launch of the merged forward + backward alone).
+Sections (DORA_SECTIONS, comma-separated; default main_cases,qdora,tuning): main_cases (the ANCHORS rows; --quick:
+the 4096-token cases), qdora (QDoRA int8 / NF4 forward and forward+backward with peak memory, beside bf16 DoRA,
+LoRA and the base GEMM at 4096 / 8192 tokens), tune_norm (column-norm candidates, amortized), tune_modes (the
+cuBLAS-based variants per token count), tune_variants (Config variants of "pallas:merged" at 4096 tokens), tuning
+(the three under one budget), parts (each launch of the merged forward + backward alone).
 DORA_TUNE_BUDGET_S bounds each tuning section (what does not fit is recorded as skipped).
 """
 
@@ -236,6 +238,10 @@ def main_cases(rec: Recorder, quick: bool) -> None:
             rec.time("qdora_fwd", case, f"pallas:{name}", jax.jit(lambda x, qw, a, b, m: dora_dense(
                 x, qw, a, b, m, scale=scale, implementation="pallas")), x, qw, a, b, m,
                 nbytes=(tokens * fin + tokens * fout) * item + wbytes, flops=fwd_flops)
+            if name == "int8":  # the Triton GEMM that the Hopper default replaced, for comparison
+                rec.time("qdora_fwd", case, "pallas:int8_gemm", jax.jit(lambda x, qw, a, b, m: dora_dense(
+                    x, qw, a, b, m, scale=scale, implementation="pallas:gemm")), x, qw, a, b, m,
+                    nbytes=(tokens * fin + tokens * fout) * item + wbytes, flops=fwd_flops)
             if name == "int8":  # opt-in: a transient bf16 merged weight, then cuBLAS
                 rec.time("qdora_fwd", case, "pallas:int8_merged", jax.jit(lambda x, qw, a, b, m: dora_dense(
                     x, qw, a, b, m, scale=scale, implementation="pallas:merged")), x, qw, a, b, m,
@@ -243,6 +249,64 @@ def main_cases(rec: Recorder, quick: bool) -> None:
             rec.time("qdora_fwd", case, f"xla:{name}", jax.jit(lambda x, qw, a, b, m: dora_dense(
                 x, qw, a, b, m, scale=scale, implementation="xla")), x, qw, a, b, m,
                 nbytes=(tokens * fin + tokens * fout) * item + wbytes, flops=fwd_flops)
+
+
+QDORA_CASES = [(4096, 4096, 4096, 16), (8192, 4096, 4096, 16), (4096, 4096, 11008, 64), (8192, 4096, 11008, 64)]
+# name -> (weight format, implementation): bf16 DoRA is the yardstick (issue targets: int8 <= 1.25x, NF4 <= 1.5x its
+# forward and forward+backward); "pallas:int8" is the default ("sm90_dequant" on Hopper), "pallas:int8_gemm" the
+# Triton GEMMs it replaced, "xla:<fmt>" dequantises W in full then XLA's GEMMs.
+QDORA_IMPLS = {"pallas:bf16": (None, "pallas"), "pallas:int8": ("int8", "pallas"),
+               "pallas:int8_sm90_dequant": ("int8", "pallas:sm90_dequant"), "pallas:int8_gemm": ("int8", "pallas:gemm"),
+               "pallas:nf4": ("nf4", "pallas"), "xla:int8": ("int8", "xla"), "xla:nf4": ("nf4", "xla")}
+
+
+def _lora(x, w, a, b, scale=2.0):
+    return x @ w + scale * ((x @ a) @ b)
+
+
+def _peak_mib(fn, *args) -> float | None:
+    """Peak device memory of one compiled call (arguments + outputs + XLA's temporaries), MiB."""
+    stats = jax.jit(fn).lower(*args).compile().memory_analysis()
+    if stats is None:
+        return None
+    return (stats.argument_size_in_bytes + stats.output_size_in_bytes + stats.temp_size_in_bytes) / 2 ** 20
+
+
+def qdora(rec: Recorder, quick: bool) -> None:
+    """QDoRA beside bf16 DoRA and LoRA at the issue's shapes: qdora_fwd and qdora_fwdbwd rows (grads of x, A, B, m),
+    each with its compiled program's peak memory (`peak_mib`: arguments, outputs and temporaries; W int8 is 1 byte
+    per weight, NF4 ~0.53, bf16 2). peer:lora_xla is x W + s (x A) B under XLA (no norm), peer:base_matmul x W."""
+    scale = 2.0
+    quantizers = {"int8": quantize_int8, "nf4": quantize_nf4}
+    for tokens, fin, fout, r in QDORA_CASES[:2] if quick else QDORA_CASES:
+        case = f"{tokens}x{fin}->{fout} r{r} bf16"
+        x, w, a, b, m, dy = _data(tokens, fin, fout, r)
+        weights = {None: w, **{k: q(w) for k, q in quantizers.items()}}
+        fwd_flops = 2 * tokens * fin * fout + 2 * tokens * r * (fin + fout)
+
+        def record(op, impl, fn, *args, case=case, **kw):
+            try:
+                peak = _peak_mib(fn, *args)
+            except Exception:  # noqa: BLE001 - the timing below records the failure
+                peak = None
+            rec.time(op, case, impl, jax.jit(fn), *args, peak_mib=peak, **kw)
+
+        record("qdora_fwd", "peer:base_matmul", lambda x, w: x @ w, x, w, flops=2 * tokens * fin * fout)
+        record("qdora_fwd", "peer:lora_xla", _lora, x, w, a, b, flops=fwd_flops)
+        record("qdora_fwdbwd", "peer:lora_xla",
+               lambda x, w, a, b, dy: jax.vjp(lambda x, a, b: _lora(x, w, a, b), x, a, b)[1](dy), x, w, a, b, dy,
+               flops=3 * fwd_flops)
+        for name in _wanted(QDORA_IMPLS):
+            fmt, impl = QDORA_IMPLS[name]
+            qw = weights[fmt]
+            record("qdora_fwd", name, lambda x, qw, a, b, m, impl=impl: dora_dense(
+                x, qw, a, b, m, scale=scale, implementation=impl), x, qw, a, b, m, flops=fwd_flops)
+
+            def fb(x, qw, a, b, m, dy, impl=impl):
+                _, pull = jax.vjp(lambda x, a, b, m: dora_dense(x, qw, a, b, m, scale=scale, implementation=impl),
+                                  x, a, b, m)
+                return pull(dy)
+            record("qdora_fwdbwd", name, fb, x, qw, a, b, m, dy, flops=3 * fwd_flops)
 
 
 # ---------------------------------------------------------------------------------------------------- tuning
@@ -477,11 +541,11 @@ def tune_variants(rec: Recorder, quick: bool) -> None:
 
 
 def run(rec: Recorder, quick: bool) -> None:
-    """Sections: main_cases, tuning (= tune_norm + tune_modes + tune_variants under one budget), tune_norm, tune_modes,
-    tune_variants, parts;
+    """Sections: main_cases, qdora, tuning (= tune_norm + tune_modes + tune_variants under one budget), tune_norm,
+    tune_modes, tune_variants, parts;
     DORA_SECTIONS=tune_norm,tune_modes (comma-separated names) runs a subset, each with its own time budget."""
-    wanted = os.environ.get("DORA_SECTIONS", "main_cases,tuning").split(",")
-    for section in (main_cases, tuning, tune_norm, tune_modes, tune_variants, parts):
+    wanted = os.environ.get("DORA_SECTIONS", "main_cases,qdora,tuning").split(",")
+    for section in (main_cases, qdora, tuning, tune_norm, tune_modes, tune_variants, parts):
         if section.__name__ not in wanted:
             continue
         start = time.time()

@@ -15,6 +15,13 @@ step's SMEM stage is released is tuning data (TileConfig.early_release). A step 
 allocation (zeroed, as wgmma accumulates onto it) and the sum a loop carry, so the path runs in Mosaic GPU's
 interpret mode too (it cannot run a re-zeroing store into an accumulator ref).
 
+B dequantisation (optional: `dequant`, for quantised weights; QDoRA uses it): b arrives by TMA in its stored dtype
+(int8 / uint8: half the bytes of bf16 through HBM and the SMEM ring), and each compute warpgroup converts its slice
+of the step's b tile to a's 16-bit dtype, dequant(stored tile), in registers, stores it into its own SMEM scratch
+with the 16-bit swizzle and runs the wgmma on that: wgmma reads a 16-bit B operand only from SMEM, and 8-bit
+operands only K-major and of one element type with A. Per-column scales belong in the epilogue (and a low-rank term
+beside them in `lowrank`, divided by them): the dequant sees the tile alone.
+
 Low-rank step (optional: `lowrank` = (la (M, R), lb (R, N) or (N, R) in b's layout), 16-bit, R a multiple of 16):
 la @ lb goes into the same fp32 accumulator as a @ b before the epilogue (not with `promote`), so
 a LoRA-style x W + (x A) (s B) is one kernel. Each compute warpgroup TMA-copies its (tile_m, R) slice of la and
@@ -70,10 +77,21 @@ class TileConfig:
 Epilogue = Callable[[jax.Array, Sequence[jax.Array], Sequence[jax.Array]], jax.Array]
 # promote(step product, step row slices, step column slices) -> the fp32 tile added to the running accumulator.
 Promote = Epilogue
+# dequant(b's stored tile of one warpgroup: (tile_k, tile_n) "kn", (tile_n, tile_k) "nk") -> that tile in a's
+# 16-bit dtype.
+Dequant = Callable[[jax.Array], jax.Array]
+
+
+def _smem_transforms(plgpu, minor: int, dtype):
+    """TMA / wgmma tiling and swizzle of an SMEM tile whose minor dimension holds `minor` elements of `dtype`."""
+    itemsize = jnp.dtype(dtype).itemsize
+    swizzle = plgpu.find_swizzle(minor * itemsize * 8)
+    return plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)
 
 
 def _kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: int, n_vecs: int, n_step_rows: int,
-            epilogue: Epilogue, promote: Promote | None, uniform_steps: tuple[bool, bool], lowrank: bool):
+            epilogue: Epilogue, promote: Promote | None, uniform_steps: tuple[bool, bool], dequant: Dequant | None,
+            lowrank: bool):
     plgpu = _backend.mosaic_gpu()
     *vec_gmems, out_gmem = refs
     la_gmem = lb_gmem = None
@@ -84,24 +102,23 @@ def _kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: in
     m, k = a_gmem.shape
     n = out_gmem.shape[1]
     out_dtype = out_gmem.dtype
-    itemsize = jnp.dtype(a_gmem.dtype).itemsize
     tile_m, tile_n, tile_k = config.tile_m, config.tile_n, config.tile_k
     cta_m, cta_n = config.cta_tile
     m_iters, n_iters, k_iters = m // cta_m, n // cta_n, k // tile_k
     epi = config.epi_tile
-    swizzle = plgpu.find_swizzle(tile_k * itemsize * 8)  # bits per row of a K tile
-    transforms = (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
-    out_itemsize = jnp.dtype(out_dtype).itemsize
-    out_swizzle = plgpu.find_swizzle(epi * out_itemsize * 8)
-    out_transforms = (plgpu.TilingTransform((8, out_swizzle // out_itemsize)), plgpu.SwizzleTransform(out_swizzle))
+    transforms = _smem_transforms(plgpu, tile_k, a_gmem.dtype)
+    # b's minor dimension is K ("nk") or N ("kn"), of which a warpgroup reads its tile_n columns.
+    b_transforms = _smem_transforms(plgpu, tile_k if b_layout == "nk" else tile_n, b_gmem.dtype)
+    deq_shape = (tile_n, tile_k) if b_layout == "nk" else (tile_k, tile_n)
+    out_transforms = _smem_transforms(plgpu, epi, out_dtype)
     split_m = config.wg_split == "m"
     minor = 1 if config.grid_minor_dim == "n" else 0  # planar_snake's minor_dim: 0 = M, 1 = N
     early = config.early_release and promote is not None
     smem_spec = functools.partial(plgpu.BlockSpec, memory_space=plgpu.SMEM)
     if b_layout == "nk":
-        b_spec = smem_spec((cta_n, tile_k), lambda kk: (0, kk), transforms=transforms)
+        b_spec = smem_spec((cta_n, tile_k), lambda kk: (0, kk), transforms=b_transforms)
     else:
-        b_spec = smem_spec((tile_k, cta_n), lambda kk: (kk, 0), transforms=transforms)
+        b_spec = smem_spec((tile_k, cta_n), lambda kk: (kk, 0), transforms=b_transforms)
     # The step vectors ride the pipeline beside a and b (one (1, cta) row of each per K step, in the same SMEM
     # ring stage and under the same barrier), so a step's scales are in SMEM exactly when its tiles are; a
     # separate per-step TMA would need its own barrier ring.
@@ -130,9 +147,7 @@ def _kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: in
         # wgmma takes one swizzle for both operands and K steps of swizzle / itemsize: both slices are swizzled
         # by the rank's row width (R = 16 at 16 bits: 32 bytes, one K step of the instruction).
         rank, lr_dtype = la_gmem.shape[1], la_gmem.dtype
-        lr_item = jnp.dtype(lr_dtype).itemsize
-        lr_swizzle = plgpu.find_swizzle(rank * lr_item * 8)
-        lr_transforms = (plgpu.TilingTransform((8, lr_swizzle // lr_item)), plgpu.SwizzleTransform(lr_swizzle))
+        lr_transforms = _smem_transforms(plgpu, rank, lr_dtype)
         lb_shape = (2, tile_n, rank) if b_layout == "nk" else (2, rank, tile_n)
         lr_smem = (plgpu.SMEM((2, tile_m, rank), lr_dtype, transforms=lr_transforms),
                    plgpu.SMEM(lb_shape, lr_dtype, transforms=lr_transforms))
@@ -145,9 +160,12 @@ def _kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: in
         # One per warpgroup and vector, then (with the low-rank step) one per warpgroup for la and for lb.
         vec_barrier=plgpu.Barrier(num_barriers=n_barriers) if n_barriers else None,
         lr_smem=lr_smem,
+        # one dequantised b tile per compute warpgroup
+        deq_smem=None if dequant is None else plgpu.SMEM(
+            (2, *deq_shape), a_gmem.dtype, transforms=_smem_transforms(plgpu, deq_shape[1], a_gmem.dtype)),
         collective_axes="wg",
     )
-    def _scope(pipeline_allocs, out_smem, vec_smem, vec_barrier, lr_smem):
+    def _scope(pipeline_allocs, out_smem, vec_smem, vec_barrier, lr_smem, deq_smem):
         wg = lax.axis_index("wg")
 
         @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
@@ -228,10 +246,15 @@ def _kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: in
 
             def mma_body(_, a_smem, b_smem, *rest):
                 step_smems, consumed, carry = rest[:len(step_gmems)], rest[len(step_gmems):-1], rest[-1]
-                if b_layout == "nk":
-                    b_tile = plgpu.transpose_ref(b_smem.at[wg_n], (1, 0))
-                else:
-                    b_tile = b_smem.at[:, wg_n]
+                b_wg = b_smem.at[wg_n] if b_layout == "nk" else b_smem.at[:, wg_n]
+                if dequant is not None:
+                    # The stored tile through registers into this warpgroup's 16-bit scratch; commit_smem fences
+                    # the stores for the wgmma (async proxy) and syncs the warpgroup. The previous step's wgmma,
+                    # which read the scratch, was waited for before this step began.
+                    deq_smem[wg] = dequant(b_wg[...]).astype(deq_smem.dtype)
+                    plgpu.commit_smem()
+                    b_wg = deq_smem.at[wg]
+                b_tile = plgpu.transpose_ref(b_wg, (1, 0)) if b_layout == "nk" else b_wg
                 if promote is None:
                     plgpu.wgmma(carry, a_smem.at[wg_m], b_tile)
                     plgpu.wgmma_wait(0)
@@ -263,13 +286,14 @@ SMEM_LIMIT = 227 * 1024  # bytes of shared memory one CTA may allocate on sm90
 
 
 def smem_bytes(config: TileConfig, a_itemsize: int, b_itemsize: int, out_itemsize: int, rank: int = 0,
-               lowrank_itemsize: int = 2) -> int:
-    """Shared memory of one CTA (the ring, the epilogue staging and the low-rank slices; the vector slices and the
-    barriers take under 2 KiB more)."""
+               lowrank_itemsize: int = 2, dequant: bool = False) -> int:
+    """Shared memory of one CTA (the ring, the epilogue staging, the low-rank slices and, with `dequant`, the two
+    warpgroups' 16-bit b tiles; the vector slices and the barriers take under 2 KiB more)."""
     cta_m, cta_n = config.cta_tile
     ring = config.max_concurrent_steps * config.tile_k * (cta_m * a_itemsize + cta_n * b_itemsize)
     out = 2 * 2 * config.epi_tile * config.epi_tile * out_itemsize
-    return ring + out + 2 * rank * (config.tile_m + config.tile_n) * lowrank_itemsize
+    deq = 2 * config.tile_k * config.tile_n * a_itemsize if dequant else 0
+    return ring + out + 2 * rank * (config.tile_m + config.tile_n) * lowrank_itemsize + deq
 
 
 def supported(m: int, n: int, k: int, config: TileConfig) -> bool:
@@ -281,8 +305,8 @@ def supported(m: int, n: int, k: int, config: TileConfig) -> bool:
 def matmul(a, b, *, b_layout: str, row_vecs: Sequence[jax.Array] = (), col_vecs: Sequence[jax.Array] = (),
            epilogue: Epilogue, out_dtype, config: TileConfig, name: str, step_row_vecs: Sequence[jax.Array] = (),
            step_col_vecs: Sequence[jax.Array] = (), promote: Promote | None = None,
-           uniform_steps: tuple[bool, bool] = (False, False), lowrank: tuple[jax.Array, jax.Array] | None = None,
-           interpret: bool = False):
+           uniform_steps: tuple[bool, bool] = (False, False), dequant: Dequant | None = None,
+           lowrank: tuple[jax.Array, jax.Array] | None = None, interpret: bool = False):
     """epilogue(a @ b, row_vecs, col_vecs) on Hopper; a (M, K), b (K, N) or (N, K) per `b_layout` ("kn" | "nk").
 
     With `promote`, a @ b is replaced by the sum over K steps s of promote(a_s @ b_s, [v[s] for v in
@@ -291,6 +315,8 @@ def matmul(a, b, *, b_layout: str, row_vecs: Sequence[jax.Array] = (), col_vecs:
     the caller's promise that each step row (column) vector is constant over every warpgroup's tile_m rows
     (tile_n columns), as block scales are: the kernel then reads one scalar of it per step and promote gets
     that fp32 scalar instead of a vector (the scale product is then one multiply per row, not per element).
+    With `dequant`, b is stored in another dtype (int8 / uint8, either layout) and each step's b tile is
+    dequant(stored tile) in a's 16-bit dtype before the wgmma (module docstring).
     lowrank = (la, lb): la @ lb is added to the fp32 accumulator before the epilogue (not with `promote`); la (M, R),
     lb (R, N) ("kn") or (N, R) ("nk"), one 16-bit dtype (a's where a is 16-bit), R a multiple of 16 (pad the rank
     with zeros).
@@ -300,7 +326,11 @@ def matmul(a, b, *, b_layout: str, row_vecs: Sequence[jax.Array] = (), col_vecs:
     plgpu = _backend.mosaic_gpu()
     if b_layout not in ("kn", "nk"):
         raise ValueError(f"{name}: b_layout must be 'kn' or 'nk', got {b_layout!r}")
-    if b_layout == "kn" and jnp.dtype(b.dtype).itemsize < 2:
+    if dequant is not None:
+        if jnp.dtype(a.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+            raise ValueError(f"{name}: with dequant, a must be bfloat16 or float16 (b's tiles are converted to its "
+                             f"dtype), got {a.dtype}")
+    elif b_layout == "kn" and jnp.dtype(b.dtype).itemsize < 2:
         raise ValueError(f"{name}: wgmma reads {b.dtype} operands only K-major: pass b as (N, K) with b_layout='nk'")
     m, k = a.shape
     n = b.shape[1] if b_layout == "kn" else b.shape[0]
@@ -322,7 +352,7 @@ def matmul(a, b, *, b_layout: str, row_vecs: Sequence[jax.Array] = (), col_vecs:
         rank = lowrank[0].shape[1]
     out_itemsize = jnp.dtype(out_dtype).itemsize
     need = smem_bytes(config, a.dtype.itemsize, b.dtype.itemsize, out_itemsize, rank,
-                      lowrank[0].dtype.itemsize if rank else 2)
+                      lowrank[0].dtype.itemsize if rank else 2, dequant is not None)
     if need > SMEM_LIMIT:
         raise ValueError(f"{name}: config {config} needs {need} bytes of shared memory (rank {rank}), more than the "
                          f"{SMEM_LIMIT} one CTA may use: lower max_concurrent_steps or tile_k")
@@ -330,6 +360,7 @@ def matmul(a, b, *, b_layout: str, row_vecs: Sequence[jax.Array] = (), col_vecs:
     def body(*refs):
         _kernel(*refs, config=config, b_layout=b_layout, n_rows=len(row_vecs), n_vecs=len(row_vecs) + len(col_vecs),
                 n_step_rows=len(step_row_vecs), epilogue=epilogue, promote=promote, uniform_steps=uniform_steps,
+                dequant=dequant,
                 lowrank=lowrank is not None)
 
     body.__name__ = body.__qualname__ = name  # the kernel's name in profiles

@@ -85,6 +85,32 @@ def test_interpret_needs_new_jax():
 
 
 @needs_interpret
+def test_kn_int8_dequant():
+    """b int8 (K, N) converted in shared memory, its per-column scale and g in the epilogue; 3 K steps, several
+    output tiles per CTA."""
+    x = rand(8, (256, 192), jnp.bfloat16)
+    q = jnp.clip(jnp.round(rand(9, (192, 256), scale=60.0)), -127, 127).astype(jnp.int8)
+    colscale = rand(10, (256,), scale=0.01, offset=0.02)
+    out = _sm90.matmul(x, q, b_layout="kn", col_vecs=(colscale,), dequant=lambda t: t.astype(jnp.float32),
+                       epilogue=dora_sm90._scale_bias, out_dtype=jnp.bfloat16, config=SMALL, name="test_kn_int8",
+                       interpret=True)
+    ref = (to64(x) @ to64(q)) * to64(colscale)[None]
+    np.testing.assert_allclose(to64(out), ref, rtol=1e-2, atol=1e-2 * np.abs(ref).max())
+
+
+@needs_interpret
+def test_nk_int8_dequant():
+    """b int8 stored (N, K) (an Int8Kernel's codes (in, out) in the backward's dx = dy q^T), converted as is."""
+    x = rand(12, (128, 192), jnp.bfloat16)
+    q = jnp.clip(jnp.round(rand(13, (128, 192), scale=60.0)), -127, 127).astype(jnp.int8)
+    out = _sm90.matmul(x, q, b_layout="nk", dequant=lambda t: t.astype(jnp.float32),
+                       epilogue=lambda acc, rows, cols: acc, out_dtype=jnp.float32, config=SMALL, name="test_nk_int8",
+                       interpret=True)
+    ref = to64(x) @ to64(q).T
+    np.testing.assert_allclose(to64(out), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+
+
+@needs_interpret
 @pytest.mark.parametrize("b_layout", ["kn", "nk"])
 @pytest.mark.parametrize("wg_split", ["n", "m"])
 def test_lowrank_step(b_layout, wg_split):

@@ -26,6 +26,10 @@ VARIANTS = {
         "one Pallas pass forms (W + s A B) g, then one cuBLAS GEMM; dense or Int8Kernel weights (QDoRA at cuBLAS "
         "speed: the merged weight is then a transient full-precision array)"),
     "pallas:epilogue": _backend.Variant("cuBLAS x W, then one Pallas pass (x W + s (x A) B) g + bias; dense W"),
+    "pallas:sm90_dequant": _backend.Variant(
+        "Int8Kernel on Hopper: the column norm from the codes in-kernel, then one Mosaic GPU GEMM (x W + s (x A) B) g "
+        "+ bias with W's int8 tiles dequantised in shared memory and the low-rank term in the same accumulator; the "
+        "dx GEMM the same way over W^T (tile-multiple shapes; W never formed in full)", needs=(9, 0), mosaic=True),
     "pallas:gemm": _backend.Variant("Pallas GEMMs both ways (the fused-epilogue forward, the dx GEMM) with W "
                                     "dequantised in-kernel: the variant for Int8Kernel / NF4Kernel weights"),
 }
@@ -34,14 +38,17 @@ VARIANTS = {
 def choose_variant(kind: str, tokens: int, fin: int, fout: int, dtype, interpret: bool, rank: int = 16) -> str:
     """The variant plain "pallas" runs: a pure function of the shapes, the dtype and the device kind.
 
-    Quantised weights take "gemm" (cuBLAS would need W dequantised in full). Every dense variant reads W once for
+    Int8Kernel weights take "sm90_dequant" where it runs (one Hopper GPU or Mosaic GPU's interpreter, 16-bit,
+    tile-multiple shapes; `rank` the adapters' rank), other quantised weights "gemm" (cuBLAS would need W
+    dequantised in full). Every dense variant reads W once for
     the column norm; beyond that and the base GEMM, "sm90" reads x once more (x A: 2 M K bytes), "merged" reads W
     and writes (W + s A B) g (4 K N bytes), "epilogue" reads x for x A and reads + writes x W (2 M K + 4 M N). So
     "sm90" runs wherever it can (one Hopper GPU, 16-bit, tile-multiple shapes; its Mosaic GPU GEMM ties cuBLAS),
     and elsewhere the cheaper of the other two. benchmarks/bench_dora.py measures every variant.
     """
     if kind != "dense":
-        return "gemm"
+        ok = not interpret and _sm90_dequant_ok(kind, tokens, fin, fout, pow2(rank), dtype, interpret)
+        return "sm90_dequant" if ok else "gemm"
     if not interpret and _sm90_ok(kind, tokens, fin, fout, dtype, pow2(rank)):
         return "sm90"
     merged_bytes, epilogue_bytes = 4 * fin * fout, 2 * tokens * fin + 4 * tokens * fout
@@ -182,6 +189,17 @@ def _sm90_ok(kind, tokens, fin, fout, dtype, rank, interpret=False) -> bool:
             and kernel_sm90.supported(tokens, fin, fout, dtype, rank=rank))
 
 
+def _sm90_dequant_ok(kind, tokens, fin, fout, rank, dtype, interpret) -> bool:
+    """Whether "pallas:sm90_dequant" can run: an Int8Kernel on one Hopper device (or Mosaic GPU's interpreter),
+    shapes that are multiples of its tiles both ways (the forward (tokens, fin) x (fin, fout), dx's (tokens, fout) x
+    (fout, fin)), and a padded rank whose low-rank slices fit shared memory."""
+    from pallas_fused.dora import kernel_sm90
+
+    return (kind == "int8" and (interpret or _backend.is_hopper()) and jax.device_count() == 1
+            and kernel_sm90.qdora_supported(tokens, fout, fin, rank, dtype)
+            and kernel_sm90.qdora_supported(tokens, fin, fout, rank, dtype))
+
+
 def _xa(x, ap):
     return jnp.dot(x, ap)  # cuBLAS accumulates in float32 and rounds once to x's dtype
 
@@ -218,6 +236,22 @@ def _forward(statics, x, ops, a, b, m, bias, scale):
         return y, (ap, bp, n, g, None, saved)
     n, g = _column_norm_scale(ops, kind, ap, bp, scale, m, interpret, config)
     xa = _xa(x, ap)
+    if variant == "sm90_dequant":
+        # y = (x q + xa (s B / wscale)) (g wscale) + bias in one Mosaic GPU GEMM: q's int8 tiles converted in shared
+        # memory (exact in 16 bits; the norm above read the codes in-kernel too), the per-column int8 scale with g in
+        # the epilogue, so the low-rank operand (rank x out, tiny) carries 1 / wscale.
+        from pallas_fused.dora import kernel_sm90
+
+        if not _sm90_dequant_ok(kind, x.shape[0], ap.shape[0], bp.shape[1], ap.shape[1], dt, interpret):
+            raise ValueError(f"dora_dense: implementation='pallas:sm90_dequant' needs an Int8Kernel on one Hopper "
+                             f"GPU, a 16-bit x and token / feature counts that are multiples of its tiles "
+                             f"({kernel_sm90.QDORA_HEURISTIC}, split over two warpgroups along out); got x "
+                             f"{x.shape} {x.dtype}, kernel {kind} {(ap.shape[0], bp.shape[1])}, rank {ap.shape[1]}")
+        wscale = ops[1]
+        safe = jnp.where(wscale == 0, 1.0, wscale)
+        lb = (bp.astype(jnp.float32) * (scale / safe)[None, :]).astype(dt)
+        y = kernel_sm90.qdora_forward(x, ops[0], xa, lb, g * wscale, bias, interpret=interpret)
+        return _zero_scale_columns(y, wscale, xa, bp, g, scale, bias), (ap, bp, n, g, xa, (None, None))
     if variant == "gemm":
         def fwd(x, *a):  # sharded: tokens and output features split; K and the rank gathered
             ops_, (xa_, bp_, g_, scale_, *bias_) = a[:len(ops)], a[len(ops):]
@@ -266,14 +300,21 @@ def _dora_2d_bwd(statics, res, dy):
     # "sm90": dx = (dy g) W^T + us A^T in one Mosaic GPU GEMM; dy g is written by the column launch (it reads dy
     # anyway) where that launch runs below, by XLA otherwise.
     sm90_dx = variant == "sm90"
+    # "sm90_dequant": dx = (dy g wscale) q^T + us A^T, the int8 scale per contraction index there, on dy.
+    dyg_scale = g if sm90_dx else (g * ops[1] if variant == "sm90_dequant" else None)
     finished = None
     if not exact and jax.device_count() == 1:
         # Unsharded, constant norm: the column launch returns the finished dB, dm and dbias (in-kernel when one
         # program covers every token), x^T us is rounded once by cuBLAS: no float32 intermediates left to cast.
         db_dt = jnp.float32 if bias is None else bias.dtype
         finished = kernel_columns.backward_columns(dy, y, xa, bias, interpret=interpret, config=config.columns,
-                                      finish=(gs, m, bp.dtype, m.dtype, db_dt), dyg_scale=g if sm90_dx else None)
-    if variant == "gemm":
+                                      finish=(gs, m, bp.dtype, m.dtype, db_dt), dyg_scale=dyg_scale)
+    if variant == "sm90_dequant":
+        from pallas_fused.dora import kernel_sm90
+
+        dyg = finished[3] if finished is not None else (dy.astype(jnp.float32) * dyg_scale[None, :]).astype(dt)
+        dx = kernel_sm90.qdora_dx(dyg, ops[0], us, ap, interpret=interpret)
+    elif variant == "gemm":
         gw = g * ops[1] if kind == "int8" else g
         def bwd_dx(dy, gw, *a):  # sharded: tokens and input features split; N and the rank gathered
             return kernel_gemm.backward_dx(dy, gw, a[:-2], kind, *a[-2:], interpret=interpret, config=config.dx)
@@ -344,6 +385,21 @@ def _dm_at_zero_magnitude(dm, dy, x, xa, ops, kind, bp, scale, n, m, fin):
     return jax.lax.cond(jnp.any(zero), recompute, lambda dm: dm, dm)
 
 
+def _zero_scale_columns(y, wscale, xa, bp, g, scale, bias):
+    """Columns whose int8 scale is exactly 0 (W's column is 0 there; quantize_int8 never makes one): the kernel's
+    epilogue scaled their low-rank term by g * 0 too, so they are recomputed as s (x A) B g + bias, in a branch that
+    runs only when such a column exists."""
+    zero = wscale == 0
+
+    def fix(y):
+        low = scale * jnp.dot(xa, bp, preferred_element_type=jnp.float32) * g[None, :]
+        if bias is not None:
+            low = low + bias.astype(jnp.float32)[None, :]
+        return jnp.where(zero[None, :], low.astype(y.dtype), y)
+
+    return jax.lax.cond(jnp.any(zero), fix, lambda y: y, y)
+
+
 def _dequant_ops(kind, ops, fin):
     """W in float32 from kernel operands (only the exact-norm-gradient path needs it)."""
     if kind == "int8":
@@ -381,6 +437,10 @@ def dora_dense(x, kernel, lora_a, lora_b, magnitude, bias=None, *, scale, exact_
         norm's read-only pass over W, then one Mosaic GPU GEMM (x W + (x A)(s B)) g + bias (the low-rank product in
         its accumulator, g and the bias in its epilogue); the backward's dx = (dy g) W^T + ((dy g)(s B)^T) A^T is one
         such GEMM too. W + s A B is never formed; only x A (tokens x rank) is kept for the backward.
+        "pallas:sm90_dequant" (Hopper, Int8Kernel, 16-bit x, tile-multiple shapes; plain "pallas" takes it there): the
+        column norm read from the int8 codes in-kernel, then one Mosaic GPU GEMM (x q + (x A)(s B / wscale)) g wscale
+        + bias with q's int8 tiles converted in shared memory and the low-rank term in the same fp32 accumulator; the
+        backward's dx = (dy g wscale) q^T + ((dy g)(s B)^T) A^T likewise. W is never formed in full precision.
         "merged" and "epilogue" run dx on cuBLAS (with many tokens, or int8 weights, one GEMM on the merged weight).
       save_merged: "merged" only: keep the merged weight from the forward for the backward's dx (default
         True: one copy of W per layer in the compute dtype held until the backward, e.g. ~12.5 GB over a Llama-7B's

@@ -97,3 +97,62 @@ def scaled_matmul(x, w, g=None, bias=None, *, lowrank=None, b_layout: str = "kn"
     return _sm90.matmul(x, w, b_layout=b_layout, col_vecs=cols, epilogue=_bias if g is None else _scale_bias,
                         out_dtype=x.dtype, config=config, name="pallas_fused_dora_gemm_sm90", lowrank=lowrank,
                         interpret=interpret)
+
+
+# QDoRA: the Int8Kernel's codes are b, dequantised tile by tile inside the GEMM (`_sm90.matmul(dequant=)`), and the
+# low-rank term rides the skeleton's low-rank step. tile_k 64: the int8 ring, the per-warpgroup bf16 scratch, the
+# epilogue staging and the low-rank slices then fit one CTA's shared memory with a 3- or 4-deep ring (tile_k 128
+# leaves room for 2 at most); `qdora_config` takes the deepest ring that fits.
+QDORA_HEURISTIC = dict(tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=4)
+
+
+def qdora_config(m: int, n: int, k: int, rank: int, dtype) -> _sm90.TileConfig:
+    """The tile configuration of a QDoRA GEMM (m, k) x (k, n) with a low-rank term of rank `rank` (padded)."""
+    table = _backend.tuned("dora_sm90_int8", QDORA_HEURISTIC)
+    config = _sm90.TileConfig(**table)
+    item = jnp.dtype(dtype).itemsize
+    while config.max_concurrent_steps > 2 and _qdora_smem(config, rank, item) > _sm90.SMEM_LIMIT:
+        config = dataclasses.replace(config, max_concurrent_steps=config.max_concurrent_steps - 1)
+    return config
+
+
+def _qdora_smem(config: _sm90.TileConfig, rank: int, item: int) -> int:
+    return _sm90.smem_bytes(config, item, 1, item, rank, item, dequant=True)
+
+
+def qdora_supported(m: int, n: int, k: int, rank: int, dtype) -> bool:
+    """Whether the QDoRA GEMM runs these shapes: 16-bit, whole tiles, a padded rank whose slices fit SMEM."""
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) or rank % 16:
+        return False
+    config = qdora_config(m, n, k, rank, dtype)
+    return _sm90.supported(m, n, k, config) and _qdora_smem(config, rank, jnp.dtype(dtype).itemsize) <= _sm90.SMEM_LIMIT
+
+
+def _int8_codes(tile):
+    return tile.astype(jnp.float32)  # |q| <= 127: exact in bf16 / fp16
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def qdora_forward(x, q, xa, lb, colscale, bias=None, *, interpret: bool = False):
+    """y = (x q + xa lb) colscale + bias in x's dtype; x (M, K), q int8 (K, N), xa (M, R), lb (R, N) rank-padded to
+    a multiple of 16, colscale float32 (N,). QDoRA passes colscale = g wscale and lb = s B / wscale: the int8 codes
+    are exact in 16 bits, so the dequant is a plain convert and the per-column scale joins g in the epilogue."""
+    m, k = x.shape
+    n = q.shape[1]
+    config = qdora_config(m, n, k, lb.shape[0], x.dtype)
+    cols = (colscale.astype(jnp.float32),) + (() if bias is None else (bias,))
+    return _sm90.matmul(x, q, b_layout="kn", col_vecs=cols, dequant=_int8_codes, lowrank=(xa, lb),
+                        epilogue=_scale_bias, out_dtype=x.dtype, config=config, name="pallas_fused_qdora_gemm_sm90",
+                        interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret",))
+def qdora_dx(dyg, q, us, a, *, interpret: bool = False):
+    """dx = dyg q^T + us A^T in dyg's dtype; dyg = dy g wscale (M, N) (the int8 scale is per contraction index
+    here, so it goes on dy, which is scaled anyway), q int8 (K, N) read as the "nk" operand (no transpose),
+    us (M, R), A (K, R) rank-padded to a multiple of 16."""
+    m, n = dyg.shape
+    k = q.shape[0]
+    config = qdora_config(m, k, n, a.shape[1], dyg.dtype)
+    return _sm90.matmul(dyg, q, b_layout="nk", dequant=_int8_codes, lowrank=(us, a), epilogue=_bias,
+                        out_dtype=dyg.dtype, config=config, name="pallas_fused_qdora_dx_sm90", interpret=interpret)
