@@ -43,13 +43,17 @@ def choose_variant(kind: str, tokens: int, fin: int, fout: int, dtype, interpret
     dequantised in full). Every dense variant reads W once for
     the column norm; beyond that and the base GEMM, "sm90" reads x once more (x A: 2 M K bytes), "merged" reads W
     and writes (W + s A B) g (4 K N bytes), "epilogue" reads x for x A and reads + writes x W (2 M K + 4 M N). So
-    "sm90" runs wherever it can (one Hopper GPU, 16-bit, tile-multiple shapes; its Mosaic GPU GEMM ties cuBLAS),
-    and elsewhere the cheaper of the other two. benchmarks/bench_dora.py measures every variant.
+    "sm90" runs wherever it can (one Hopper GPU, 16-bit, tile-multiple shapes; its Mosaic GPU GEMM ties cuBLAS) up to
+    the tuned rank (`kernel_sm90.max_rank`: its low-rank slices shrink the GEMM's ring, and at 4096 -> 11008 r64
+    "merged" measured 0.614 ms forward against its 0.713 on an H200), and elsewhere the cheaper of the other two.
+    benchmarks/bench_dora.py measures every variant.
     """
     if kind != "dense":
         ok = not interpret and _sm90_dequant_ok(kind, tokens, fin, fout, pow2(rank), dtype, interpret)
         return "sm90_dequant" if ok else "gemm"
-    if not interpret and _sm90_ok(kind, tokens, fin, fout, dtype, pow2(rank)):
+    from pallas_fused.dora import kernel_sm90
+
+    if not interpret and pow2(rank) <= kernel_sm90.max_rank() and _sm90_ok(kind, tokens, fin, fout, dtype, pow2(rank)):
         return "sm90"
     merged_bytes, epilogue_bytes = 4 * fin * fout, 2 * tokens * fin + 4 * tokens * fout
     return "epilogue" if merged_bytes > epilogue_bytes else "merged"

@@ -25,8 +25,15 @@ from pallas_fused import _backend, _sm90
 
 # Tile configurations by output size: "large", and "small" where large leaves SMs idle. A GPU without a tuning table
 # gets the H200's (Hopper parts share the SM design; the table cites the measurements).
+# "max_rank": the largest (padded) adapter rank for which plain "pallas" picks "sm90": the low-rank slices take
+# shared memory from the ring (`fit_lowrank`), and at rank 64 the shrunk ring loses to cuBLAS on the merged weight.
 HEURISTIC = {"large": dict(tile_m=128, tile_n=128, tile_k=128, max_concurrent_steps=2),
-             "small": dict(tile_m=128, tile_n=64, tile_k=64, max_concurrent_steps=5)}
+             "small": dict(tile_m=128, tile_n=64, tile_k=64, max_concurrent_steps=5), "max_rank": 16}
+
+
+def max_rank() -> int:
+    """The largest padded rank plain "pallas" runs as "sm90" on this device kind (tuning data)."""
+    return int(_backend.tuned("dora_sm90", HEURISTIC)["max_rank"])
 
 
 def tiles() -> tuple[_sm90.TileConfig, _sm90.TileConfig]:

@@ -100,6 +100,20 @@ def test_forward_and_grads(kernel_impl, dtype, shape):
     check_against_reference(w, x, a, b, m, bias, dy, scale=0.75, impl=kernel_impl, what=f"{dtype.__name__}{shape}")
 
 
+def test_choose_variant_rank_rule():
+    """On Hopper, plain "pallas" runs "sm90" (the low-rank step in the GEMM) up to the tuned rank, and the cheaper of
+    "merged" / "epilogue" above it."""
+    from pallas_fused.dora import kernel_sm90
+    from pallas_fused.dora.api import choose_variant
+
+    with _backend.gpu_target((9, 0)):
+        assert kernel_sm90.max_rank() == 16
+        assert choose_variant("dense", 4096, 4096, 4096, jnp.bfloat16, False, 16) == "sm90"
+        assert choose_variant("dense", 4096, 4096, 4096, jnp.bfloat16, False, 5) == "sm90"  # padded to 16
+        assert choose_variant("dense", 4096, 4096, 11008, jnp.bfloat16, False, 64) == "merged"
+        assert choose_variant("dense", 512, 4096, 11008, jnp.bfloat16, False, 64) == "epilogue"
+
+
 def test_large_rank_no_bias(kernel_impl):
     """Rank 64, no bias; plain "pallas" takes the "epilogue" variant at this shape (asserted)."""
     from pallas_fused.dora.api import choose_variant
