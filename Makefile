@@ -14,8 +14,10 @@ PYTEST_ARGS ?= -q -n 2 --dist worksteal -m "not gpu" tests
 # The newest leg exists to catch jax-version differences (interpret-mode kernels, _backend/_sharding API moves,
 # jax.distributed) and leaves out `slow`, the tests that repeat one of its checks at a larger scale: the 4-process
 # run of the example (the 2-process test exercises every jax-version-dependent path of the multi-process code),
-# the example on 2 simulated devices (the 2-process test runs it on the same meshes, data=2 and fsdp=2) and the
-# 40-step example run (the 2-process test runs the same pipeline for a few steps).
+# the example on 2 simulated devices (the 2-process test runs it on the same meshes, data=2 and fsdp=2), the
+# 40-step example run and its --compare run (the 2-process test runs the same pipeline for a few steps; the
+# baseline's optax / flax parts are pure jax), the random-shape fuzz of every kernel (the unit tests cover each
+# shape class), GaLore's 300-step training and rotary at 2^24 positions (their unit tests on both legs).
 PYTEST_NEW_ARGS ?= -q -n 2 --dist worksteal -m "not gpu and not slow" tests
 OUT ?= $(CURDIR)/runs/gpu-check
 BENCH ?=

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -19,6 +20,9 @@ from pallas_fused.norm import rms_norm
 from pallas_fused.optim import adamw, adamw_step, galore_adamw, galore_adamw_inplace
 from pallas_fused.rotary import RotaryScaling, apply_rotary
 from tests.helpers import rand
+
+# Many random shapes through every kernel: the unit tests cover each shape class on both jax legs.
+pytestmark = pytest.mark.slow
 
 # Few examples (each interpret-mode example compiles its kernels): CI runs on two cores.
 FUZZ = settings(max_examples=6, deadline=None, derandomize=True,

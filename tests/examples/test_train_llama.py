@@ -60,6 +60,7 @@ def test_pretrain_checkpoint_finetune_report(train_llama, tmp_path):
     assert "| pretrain | pallas_fused |" in paths["markdown"].read_text()
 
 
+@pytest.mark.slow
 def test_compare_runs_baseline(train_llama, tmp_path):
     # --optax-path: galore_adamw's update + apply_updates (the first test covers the in-place step). One layer:
     # the layers are unrolled, so each one is compiled again in each of the four runs.

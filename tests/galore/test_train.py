@@ -51,6 +51,7 @@ def _train(impl, steps=300):
     return losses, ref_losses, state, params
 
 
+@pytest.mark.slow
 def test_300_steps_within_1pct_of_reference():
     losses, ref_losses, state, params = _train("xla")
     assert losses[-1] < 0.3 * losses[0]  # it trains

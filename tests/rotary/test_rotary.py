@@ -153,6 +153,7 @@ def test_angle_reduction_is_exact_at_every_int32_position():
     assert np.max(err) < 1e-6, np.max(err)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["float32", "bfloat16"])
 def test_long_context_positions_match_float64(kernel_impl, dtype):
     """Positions up to 2^24 (and int32's end): the rotation is as accurate as at position 0, forward and backward,
