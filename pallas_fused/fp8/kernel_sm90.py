@@ -81,7 +81,6 @@ def scaled_matmul_nt(a, bt, a_scale, b_scale, *, out_dtype, config: TileConfig):
 # blockwise scaling: per-K-block scales promoted in fp32 (DeepSeek-V3 / DeepGEMM)
 
 BLOCK_K = 128  # the K extent of one scale block, = tile_k: one scale row per pipeline step
-SMEM_BYTES = 227 * 1024  # an sm90 CTA's shared memory limit
 # The blockwise tile of a GPU without a tuning table: the H200's (pallas_fused/tuning/nvidia_h200.json cites the
 # sweeps). Each compute warpgroup holds two fp32 accumulators (the K step's product and the running sum), so
 # its tile is half the scaled GEMM's: 64 x 128 (64 registers per thread each), the warpgroups splitting the
@@ -107,7 +106,7 @@ def blockwise_config(config: TileConfig, out_dtype) -> TileConfig:
     cta_m, cta_n = config.cta_tile
     stage = (cta_m + cta_n) * BLOCK_K + 4 * (cta_m + cta_n)  # fp8 tiles of a and b, fp32 scale rows
     fixed = 4 * config.epi_tile ** 2 * jnp.dtype(out_dtype).itemsize + 1024  # out staging, barriers
-    stages = max(2, min(config.max_concurrent_steps, (SMEM_BYTES - fixed) // stage))
+    stages = max(2, min(config.max_concurrent_steps, (_sm90.SMEM_LIMIT - fixed) // stage))
     return dataclasses.replace(config, tile_k=BLOCK_K, max_concurrent_steps=stages)
 
 
