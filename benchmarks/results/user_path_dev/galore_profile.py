@@ -38,9 +38,13 @@ def fresh(tx, M, N, dtype):
     return params, grads, jax.tree.map(jnp.copy, state)
 
 
-for M, N, r, dtype in ((4096, 4096, 128, jnp.float32), (4096, 11008, 128, jnp.float32),
-                       (4096, 4096, 128, jnp.bfloat16), (4096, 4096, 32, jnp.float32), (4096, 4096, 512, jnp.float32)):
+CASES = ((4096, 4096, 128, jnp.float32), (4096, 11008, 128, jnp.float32),
+         (4096, 4096, 128, jnp.bfloat16), (4096, 4096, 32, jnp.float32), (4096, 4096, 512, jnp.float32))
+ONLY = [c for c in os.environ.get("GALORE_PROFILE_CASES", "").split(",") if c]  # e.g. "4096x4096 r128 bfloat16"
+for M, N, r, dtype in CASES:
     case = f"{M}x{N} r{r} {jnp.dtype(dtype).name}"
+    if ONLY and case not in ONLY:
+        continue
     for name, make in TXS.items():
         tx = make(r)
 
