@@ -35,8 +35,22 @@ matching tiles of b through a `max_concurrent_steps`-deep SMEM ring, and two com
 (tile_m, tile_n) fp32 accumulator. The vector slices are TMA-copied into SMEM when a tile starts, overlapping
 its main loop; the result leaves through SMEM in (epi_tile x epi_tile) TMA stores.
 
+Cluster (optional: TileConfig.cluster = "m" | "n", as jax's example's cluster_dimension): the grid is one cluster of
+two CTAs per two SMs, the snake walks (2 cta_m, cta_n) ("m") or (cta_m, 2 cta_n) ("n") cluster tiles, and each CTA
+takes its half. The two CTAs of a cluster along M read the same b tile each K step (along N, the same a tile): its
+BlockSpec is collective over the cluster, so each step's shared tile is one multicast TMA load into both CTAs' rings
+instead of two trips through L2, and a stage is refilled only once both CTAs have released it (cluster barriers).
+Shapes must then be multiples of the cluster tile (`TileConfig.cluster_tile`). Every path (vectors, promotion,
+dequant, low-rank step) runs with it: their other loads stay per CTA.
+
+One wgmma in flight (optional, plain path: TileConfig.overlap_wgmma): each K step issues its wgmma and waits only
+for the previous step's (wgmma_wait(1)), then releases that step's SMEM stage by hand (manual consumed barriers);
+the last step's stage is released after the loop. So the warpgroup issues a step's wgmma as soon as its tiles land
+instead of after the previous one drains. Not with promote (each step's product is read at once) nor with dequant
+(its b scratch is rewritten each step).
+
 Users: fp8/kernel_sm90.py (row and column scales) and dora/kernel_sm90.py (column scale g and bias).
-Shapes must be multiples of the CTA tile and tile_k; callers pad or route elsewhere.
+Shapes must be multiples of the CTA (cluster) tile and tile_k; callers pad or route elsewhere.
 """
 
 from __future__ import annotations
