@@ -1,5 +1,6 @@
 """The shared Hopper GEMM skeleton (pallas_fused/_sm90.py) in Mosaic GPU's interpret mode (jax >= 0.12): its
-16-bit "kn" and 8-bit "nk" paths with epilogue vectors and its per-K-step promotion against plain jnp, on the CPU
+16-bit "kn" and 8-bit "nk" paths with epilogue vectors, its per-K-step promotion, its 2-CTA cluster (multicast
+loads, cluster barriers) and its wgmma overlap (stages released by hand) against plain jnp, on the CPU
 (tests/test_lowering.py lowers the promotion's configurations for an sm90 GPU). The GPU tests of its users run the
 compiled kernel."""
 
