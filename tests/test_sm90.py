@@ -1,9 +1,12 @@
 """The shared Hopper GEMM skeleton (pallas_fused/_sm90.py) in Mosaic GPU's interpret mode (jax >= 0.12): its
-16-bit "kn" and 8-bit "nk" paths with epilogue vectors and its per-K-step promotion against plain jnp, on the CPU
+16-bit "kn" and 8-bit "nk" paths with epilogue vectors, its per-K-step promotion, its 2-CTA cluster (multicast
+loads, cluster barriers) and its wgmma overlap (stages released by hand) against plain jnp, on the CPU
 (tests/test_lowering.py lowers the promotion's configurations for an sm90 GPU). The GPU tests of its users run the
 compiled kernel."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -161,3 +164,74 @@ def test_smem_limit():
     with pytest.raises(ValueError, match="shared memory"):
         _sm90.matmul(x, w, b_layout="kn", epilogue=dora_sm90._scale_bias, col_vecs=(jnp.ones(256),),
                      out_dtype=jnp.bfloat16, config=big, name="t", lowrank=(la, lb), interpret=True)
+
+
+def _fp8_scaled(config, m, k, n, name):
+    a = rand(20, (m, k), scale=4.0).astype(jnp.float8_e4m3fn)
+    bt = rand(21, (n, k), scale=4.0).astype(jnp.float8_e4m3fn)
+    sa, sb = rand(22, (m,), offset=2.0), rand(23, (n,), offset=2.0)
+    out = _sm90.matmul(a, bt, b_layout="nk", row_vecs=(sa,), col_vecs=(sb,), epilogue=fp8_sm90._row_col_scales,
+                       out_dtype=jnp.float32, config=config, name=name, interpret=True)
+    ref = (to64(a) * to64(sa)[:, None]) @ (to64(bt) * to64(sb)[:, None]).T
+    np.testing.assert_allclose(to64(out), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+
+
+@needs_interpret
+@pytest.mark.parametrize("cluster,wg_split,overlap", [("m", "n", False), ("n", "m", False), ("m", "m", True),
+                                                      ("n", "n", True)])
+def test_cluster(cluster, wg_split, overlap):
+    """Two CTAs per cluster sharing b's tile (cluster "m") or a's ("n") through multicast loads, 3 K steps through
+    a 2-deep ring, several cluster tiles per cluster."""
+    config = _sm90.TileConfig(tile_m=64, tile_n=64, tile_k=64, max_concurrent_steps=2, wg_split=wg_split,
+                              cluster=cluster, overlap_wgmma=overlap)
+    _fp8_scaled(config, 256, 192, 512, "test_cluster")
+
+
+@needs_interpret
+@pytest.mark.parametrize("k,stages", [(64, 2), (192, 2), (192, 4), (320, 3)])
+def test_overlap_wgmma(k, stages):
+    """One wgmma in flight: each step's stage released one step late (the last after the loop), with one K step,
+    a ring the pipeline shrinks to K's steps, and K steps that are not a multiple of the ring."""
+    config = _sm90.TileConfig(tile_m=64, tile_n=64, tile_k=64, max_concurrent_steps=stages, overlap_wgmma=True)
+    _fp8_scaled(config, 256, k, 256, "test_overlap")
+
+
+@needs_interpret
+def test_cluster_promote_dequant_lowrank():
+    """The cluster with the per-K-step promotion (its stage released early), with b dequantised in shared memory,
+    and with the low-rank step."""
+    config = _sm90.TileConfig(tile_m=64, tile_n=64, tile_k=128, max_concurrent_steps=2, wg_split="m",
+                              early_release=True, cluster="n")
+    (a, bt, sa, sb), want = _blockwise_operands(256, 384, 256)
+    out = _sm90.matmul(a, bt, b_layout="nk", step_row_vecs=(sa,), step_col_vecs=(sb,), promote=fp8_sm90._promote_blocks,
+                       epilogue=fp8_sm90._identity, out_dtype=jnp.float32, config=config, name="t", interpret=True)
+    np.testing.assert_allclose(to64(out), want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
+
+    config = dataclasses.replace(SMALL, cluster="m")
+    x, q = rand(24, (256, 192), jnp.bfloat16), jnp.clip(jnp.round(rand(25, (192, 256), scale=60.0)), -127, 127)
+    la, lb = rand(26, (256, 16), jnp.bfloat16), rand(27, (16, 256), jnp.bfloat16)
+    out = _sm90.matmul(x, q.astype(jnp.int8), b_layout="kn", dequant=lambda t: t.astype(jnp.float32),
+                       epilogue=lambda acc, rows, cols: acc, out_dtype=jnp.float32, config=config, name="t",
+                       interpret=True)
+    ref = to64(x) @ to64(q)
+    np.testing.assert_allclose(to64(out), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+    out = _sm90.matmul(x, q.astype(jnp.bfloat16), b_layout="kn", lowrank=(la, lb), epilogue=lambda acc, r, c: acc,
+                       out_dtype=jnp.float32, config=dataclasses.replace(config, overlap_wgmma=True), name="t",
+                       interpret=True)
+    ref = ref + to64(la) @ to64(lb)
+    np.testing.assert_allclose(to64(out), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("change,kwargs,match", [
+    (dict(cluster="k"), {}, "config.cluster must be None, 'm' or 'n'"),
+    (dict(overlap_wgmma=True), dict(dequant=lambda t: t), "overlap_wgmma is for the plain path only"),
+    (dict(cluster="m"), {}, r"multiples of the tile \(128, 128, 64\)"),
+])
+def test_cluster_bad_config(change, kwargs, match):
+    """A cluster value that is none, a wgmma overlap where the step must wait, a shape that is no multiple of the
+    cluster tile: refused before Mosaic compiles anything."""
+    x = rand(0, (64, 128), jnp.bfloat16)
+    with pytest.raises(ValueError, match=match):
+        _sm90.matmul(x, jnp.ones((128, 128), jnp.bfloat16), b_layout="kn", epilogue=lambda acc, r, c: acc,
+                     out_dtype=jnp.float32, config=dataclasses.replace(SMALL, **change), name="t", **kwargs,
+                     interpret=True)

@@ -99,7 +99,7 @@ def scaled_matmul(x, w, g=None, bias=None, *, lowrank=None, b_layout: str = "kn"
     config = config or config_for(m, n, k, rank)
     if x.dtype != w.dtype or not supported(m, n, k, x.dtype, config):
         raise ValueError(f"dora.kernel_sm90.scaled_matmul: x {x.shape} {x.dtype} and w {w.shape} {w.dtype} must share "
-                         f"a 16-bit dtype and be multiples of the tile {config.cta_tile + (config.tile_k,)}")
+                         f"a 16-bit dtype and be multiples of the tile {config.cluster_tile + (config.tile_k,)}")
     cols = (() if g is None else (g.astype(jnp.float32),)) + (() if bias is None else (bias,))
     return _sm90.matmul(x, w, b_layout=b_layout, col_vecs=cols, epilogue=_bias if g is None else _scale_bias,
                         out_dtype=x.dtype, config=config, name="pallas_fused_dora_gemm_sm90", lowrank=lowrank,
