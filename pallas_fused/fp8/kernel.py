@@ -195,12 +195,25 @@ def _block_scale(amax, dtype, power_of_2, interpret):
     return scale, inv
 
 
-def _blockwise_kernel(x_ref, *refs, shape, tile, dtype, power_of_2, square, emit_n, emit_t, interpret):
-    """One program: one `tile` = (rows, cols) of x, read once.
+def _finite_abs(x):
+    """reference.finite_abs in x's own dtype: abs, the comparison and (later) the max are exact in bf16 too, so a
+    bf16 tile's amax needs no fp32 copy of the tile."""
+    a = jnp.abs(x)
+    return jnp.where(a <= jnp.finfo(x.dtype).max, a, jnp.zeros((), x.dtype))
+
+
+def _blockwise_kernel(x_ref, *refs, shape, tile, dtype, power_of_2, square, emit_n, emit_t, interpret, chunk, narrow,
+                      cast):
+    """One program: one `tile` = (rows, cols) of x.
 
     square=False: q's scales are per row of the tile (a 1 x cols block along x's columns), q^T's per column (a
     rows x 1 block of x, i.e. 1 x rows along the rows of x^T). square=True: one scale for the whole tile, shared
-    by q and q^T. Scales are stored into flat outputs at their GEMM-layout positions (see `quantize_blockwise`)."""
+    by q and q^T. Scales are stored into flat outputs at their GEMM-layout positions (see `quantize_blockwise`).
+
+    The tile is handled `chunk` rows at a time (None: all at once, the tile read once): a row block's scale needs
+    only its row, so q is cast chunk by chunk while the column amax accumulates; what needs the whole tile's amax
+    (q^T's column scales, a square tile's scale) reads the chunks a second time (from L2) rather than keeping the
+    tile in registers. `narrow` keeps the tile in x's dtype until the cast (the amax is exact in it)."""
     refs = list(refs)
     if square:  # refs: q, q^T (each if asked), then the tile scales
         o_ref = refs.pop(0) if emit_n else None
@@ -211,32 +224,110 @@ def _blockwise_kernel(x_ref, *refs, shape, tile, dtype, power_of_2, square, emit
         ot_ref, sot_ref = (refs.pop(0), refs.pop(0)) if emit_t else (None, None)
     i, j = pl.program_id(0), pl.program_id(1)
     r0, c0 = i * tile[0], j * tile[1]
-    rows, cols = r0 + jnp.arange(tile[0]), c0 + jnp.arange(tile[1])
-    row_mask, col_mask = rows < shape[0], cols < shape[1]
-    mask = row_mask[:, None] & col_mask[None, :]
-    idx = (pl.ds(r0, tile[0]), pl.ds(c0, tile[1]))
-    # Outside x the tile reads 0, which leaves every amax as it is: a ragged tile is a block of its own.
-    x = _backend.load(x_ref.at[idx], mask=mask, other=0.0).astype(jnp.float32)
-    a = finite_abs(x)
+    chunk = chunk or tile[0]
+    cols = c0 + jnp.arange(tile[1])
+    col_mask = cols < shape[1]
+    f32 = jnp.float32
+
+    def load(k):
+        """Rows [k, k + chunk) of the tile: (x, row mask, mask). Outside x the tile reads 0, which leaves every amax
+        as it is: a ragged tile is a block of its own."""
+        row_mask = r0 + k + jnp.arange(chunk) < shape[0]
+        mask = row_mask[:, None] & col_mask[None, :]
+        x = _backend.load(x_ref.at[pl.ds(r0 + k, chunk), pl.ds(c0, tile[1])], mask=mask, other=0.0)
+        return (x if narrow else x.astype(f32)), row_mask, mask
+
+    def store(k, q, mask):
+        if o_ref is not None:
+            _backend.store(o_ref.at[pl.ds(r0 + k, chunk), pl.ds(c0, tile[1])], q, mask=mask)
+
+    def store_t(k, qt, mask):
+        _backend.store(ot_ref.at[pl.ds(c0, tile[1]), pl.ds(r0 + k, chunk)], qt, mask=mask.T)
+
+    starts = range(0, tile[0], chunk)
+    kept = {}  # the one chunk of an unchunked tile, reused by the second pass instead of a second read
+
+    def chunk_again(k):
+        return kept[k] if k in kept else load(k)
+
     if square:
-        scale, inv = _block_scale(jnp.max(jnp.max(a, axis=1), axis=0, keepdims=True), dtype, power_of_2,
-                                  interpret)  # (1,)
-        q = saturate(x * inv[:, None], dtype)
-        if emit_n:
-            _backend.store(o_ref.at[idx], q, mask=mask)
-        if emit_t:
-            _backend.store(ot_ref.at[idx[1], idx[0]], q.T, mask=mask.T)
+        amax = None
+        for k in starts:
+            x, row_mask, mask = load(k)
+            if len(starts) == 1:
+                kept[k] = (x, row_mask, mask)
+            m = jnp.max(jnp.max(_finite_abs(x), axis=1), axis=0, keepdims=True).astype(f32)
+            amax = m if amax is None else jnp.maximum(amax, m)
+        scale, inv = _block_scale(amax, dtype, power_of_2, interpret)  # (1,)
+        for k in starts:
+            x, row_mask, mask = chunk_again(k)
+            q = cast(x.astype(f32) * inv[:, None])
+            store(k, q, mask)
+            if emit_t:
+                store_t(k, q.T, mask)
         # The (row-tile, column-tile) grid of scales, row-major: the reference's layout.
         _backend.store(s_ref.at[pl.ds(i * pl.num_programs(1) + j, 1)], scale)
         return
-    if emit_n:  # per row of the tile, along x's columns: row r of K block j is element (j, r) of (K blocks, M)
-        scale, inv = _block_scale(jnp.max(a, axis=1), dtype, power_of_2, interpret)
-        _backend.store(o_ref.at[idx], saturate(x * inv[:, None], dtype), mask=mask)
-        _backend.store(so_ref.at[pl.ds(j * shape[0] + r0, tile[0])], scale, mask=row_mask)
+    col_amax = None
+    for k in starts:
+        x, row_mask, mask = load(k)
+        a = _finite_abs(x)
+        if emit_n:  # per row of the tile, along x's columns: row r of K block j is element (j, r) of (K blocks, M)
+            scale, inv = _block_scale(jnp.max(a, axis=1).astype(f32), dtype, power_of_2, interpret)
+            store(k, cast(x.astype(f32) * inv[:, None]), mask)
+            _backend.store(so_ref.at[pl.ds(j * shape[0] + r0 + k, chunk)], scale, mask=row_mask)
+        if emit_t:
+            m = jnp.max(a, axis=0).astype(f32)
+            col_amax = m if col_amax is None else jnp.maximum(col_amax, m)
+            if len(starts) == 1:
+                kept[k] = (x, row_mask, mask)
     if emit_t:  # per column of the tile, along x's rows (the contraction of x^T's GEMM)
-        scale, inv = _block_scale(jnp.max(a, axis=0), dtype, power_of_2, interpret)
-        _backend.store(ot_ref.at[idx[1], idx[0]], saturate(x * inv[None, :], dtype).T, mask=mask.T)
+        scale, inv = _block_scale(col_amax, dtype, power_of_2, interpret)
+        for k in starts:
+            x, row_mask, mask = chunk_again(k)
+            store_t(k, cast(x.astype(f32) * inv[None, :]).T, mask)
         _backend.store(sot_ref.at[pl.ds(i * shape[1] + c0, tile[1])], scale, mask=col_mask)
+
+
+def _blockwise_packed_kernel(x_ref, o_ref, so_ref, ot_ref, sot_ref, *, shape, tile, dtype, power_of_2, interpret,
+                             narrow, cast):
+    """The activation pass (q in 1 x cols blocks and q^T in rows x 1 blocks) with q^T's codes packed four to a word.
+
+    x_ref and o_ref are x and q viewed as (R / 4, 4 C), row t holding rows 4t .. 4t + 3; ot_ref is q^T viewed as
+    uint32 (C, R / 4), word (c, t) holding codes (c, 4t .. 4t + 3), lowest byte first; so_ref is q's scales
+    (K blocks, R) viewed as (K blocks * R / 4, 4). The tile's rows 4t + k
+    (k = 0..3) come in as four (rows / 4, cols) parts, so a thread holds the four codes of one word of q^T: the
+    transposition through shared memory moves 4-byte words instead of single bytes."""
+    r, c = shape
+    i, j = pl.program_id(0), pl.program_id(1)
+    nt = tile[0] // 4
+    t0, c0 = i * nt, j * tile[1]
+    row_mask = t0 + jnp.arange(nt) < r // 4
+    col_mask = c0 + jnp.arange(tile[1]) < c
+    mask = row_mask[:, None] & col_mask[None, :]
+    f32 = jnp.float32
+    xs = []
+    for k in range(4):
+        x = _backend.load(x_ref.at[pl.ds(t0, nt), pl.ds(k * c + c0, tile[1])], mask=mask, other=0.0)
+        xs.append(x if narrow else x.astype(f32))
+    col_amax = None
+    for k, x in enumerate(xs):
+        a = _finite_abs(x)
+        m = jnp.max(a, axis=0).astype(f32)
+        col_amax = m if col_amax is None else jnp.maximum(col_amax, m)
+        scale, inv = _block_scale(jnp.max(a, axis=1).astype(f32), dtype, power_of_2, interpret)
+        _backend.store(o_ref.at[pl.ds(t0, nt), pl.ds(k * c + c0, tile[1])], cast(x.astype(f32) * inv[:, None]),
+                       mask=mask)
+        # Row 4t + k of x: element (j, 4t + k) of q's (K blocks, R) scales, seen as (K blocks * R / 4, 4).
+        _backend.store(so_ref.at[pl.ds(j * (r // 4) + t0, nt), pl.ds(k, 1)], scale[:, None], mask=row_mask[:, None])
+    scale, inv = _block_scale(col_amax, dtype, power_of_2, interpret)
+    word = None
+    for k, x in enumerate(xs):
+        code = jax.lax.bitcast_convert_type(cast(x.astype(f32) * inv[None, :]), jnp.uint8).astype(jnp.uint32)
+        code = code << jnp.uint32(8 * k) if k else code
+        word = code if word is None else word | code
+    _backend.store(ot_ref.at[pl.ds(c0, tile[1]), pl.ds(t0, nt)], word.T, mask=mask.T)
+    _backend.store(sot_ref.at[pl.ds(i * c + c0, tile[1])], scale, mask=col_mask)
 
 
 # Warps per program of the blockwise pass, for a GPU without a tuning table (the H200's): by what a program
@@ -258,8 +349,10 @@ def blockwise_supported(block_n, block_t) -> bool:
             and (block_t is None or (block_t[1] == 1 and pow2(block_t[0]))))
 
 
-@functools.partial(jax.jit, static_argnames=("dtype", "block_n", "block_t", "power_of_2", "interpret", "num_warps"))
-def quantize_blockwise(x, *, dtype, block_n=None, block_t=None, power_of_2=False, interpret=False, num_warps=None):
+@functools.partial(jax.jit, static_argnames=("dtype", "block_n", "block_t", "power_of_2", "interpret", "num_warps",
+                                             "_chunk", "_narrow", "_packed", "_hwsat"))
+def quantize_blockwise(x, *, dtype, block_n=None, block_t=None, power_of_2=False, interpret=False, num_warps=None,
+                       _chunk=None, _narrow=False, _packed=False, _hwsat=False):
     """Blockwise quantize of a 2-D x (R, C) in one pass: returns (q, q_scales, q^T, qt_scales), None where not asked.
 
     Blocks are given in x's coordinates (`blockwise_supported` says which): `block_n` for q (R, C), `block_t` for the
@@ -303,15 +396,32 @@ def quantize_blockwise(x, *, dtype, block_n=None, block_t=None, power_of_2=False
             outs.append(jax.ShapeDtypeStruct((grid[0] * c,), f32))
     if square:
         outs.append(jax.ShapeDtypeStruct((grid[0] * grid[1],), f32))
+    warps = num_warps or _backend.tuned("fp8_blockwise", BLOCKWISE_HEURISTIC)["num_warps"][
+        "square" if square else "both" if emit_n and emit_t else "one"]
+    # Triton casts fp32 to fp8 with cvt.rn.satfinite (out of range and +-inf to +-max, NaN to NaN): the clamp of
+    # `saturate` is then the conversion's own.
+    cast = (lambda v: v.astype(dtype)) if _hwsat and not interpret else (lambda v: saturate(v, dtype))
+    if x.size and _packed and emit_n and emit_t and not square and r % 4 == 0 and tile[0] % 4 == 0:
+        q, sq, qt, sqt = _backend.triton_call(
+            functools.partial(_blockwise_packed_kernel, shape=(r, c), tile=tile, dtype=dtype, power_of_2=power_of_2,
+                              interpret=interpret, narrow=_narrow, cast=cast),
+            out_shape=[jax.ShapeDtypeStruct((r // 4, 4 * c), dtype),
+                       jax.ShapeDtypeStruct((grid[1] * r // 4, 4), f32),
+                       jax.ShapeDtypeStruct((c, r // 4), jnp.uint32),
+                       jax.ShapeDtypeStruct((grid[0] * c,), f32)],
+            grid=grid, name="pallas_fused_fp8_quantize_blockwise", interpret=interpret, num_warps=warps,
+        )(x.reshape(r // 4, 4 * c))
+        qt = jax.lax.bitcast_convert_type(qt, dtype).reshape(c, r)
+        return q.reshape(r, c), sq.reshape(grid[1], r), qt, sqt.reshape(grid[0], c)
     if x.size == 0:  # no program to run (and every scale array is empty too)
         res = [jnp.zeros(o.shape, o.dtype) for o in outs]
     else:
         res = list(_backend.triton_call(
             functools.partial(_blockwise_kernel, shape=(r, c), tile=tile, dtype=dtype, power_of_2=power_of_2,
-                              square=square, emit_n=emit_n, emit_t=emit_t, interpret=interpret),
+                              square=square, emit_n=emit_n, emit_t=emit_t, interpret=interpret,
+                              chunk=_chunk and min(_chunk, tile[0]), narrow=_narrow, cast=cast),
             out_shape=outs, grid=grid, name="pallas_fused_fp8_quantize_blockwise", interpret=interpret,
-            num_warps=num_warps or _backend.tuned("fp8_blockwise", BLOCKWISE_HEURISTIC)["num_warps"][
-                "square" if square else "both" if emit_n and emit_t else "one"],
+            num_warps=warps,
         )(x))
     if square:
         q = res.pop(0) if emit_n else None
