@@ -22,7 +22,6 @@ from pallas_fused import _backend
 from pallas_fused.fp8.reference import (
     AMAX_FLOOR,
     block_scale_from_amax,
-    finite_abs,
     finite_amax,
     fp8_max,
     round_up_pow2,
@@ -202,8 +201,29 @@ def _finite_abs(x):
     return jnp.where(a <= jnp.finfo(x.dtype).max, a, jnp.zeros((), x.dtype))
 
 
+_KEY_ZERO = 0x01000000  # the key of |x| = 0
+
+
+def _abs_key(x):
+    """uint32 keys whose unsigned order is that of reference.finite_abs(x), every inf and NaN below the key of 0:
+    the fp32 bits shifted past the sign, plus 2^24, which wraps the exponent 0xFF (inf, NaN) to the bottom. One
+    integer multiply-add per element in place of abs, the finite test and its select; a bf16 x needs no fp32 copy
+    (its bits are the top half of its fp32 bits)."""
+    if x.dtype == jnp.bfloat16:
+        bits = jax.lax.bitcast_convert_type(x, jnp.uint16).astype(jnp.uint32) << jnp.uint32(17)
+    else:
+        bits = jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32) << jnp.uint32(1)
+    return bits + jnp.uint32(_KEY_ZERO)
+
+
+def _key_amax(key):
+    """The fp32 amax of a max of `_abs_key`s (0 where only inf and NaN were seen)."""
+    bits = (jnp.maximum(key, jnp.uint32(_KEY_ZERO)) - jnp.uint32(_KEY_ZERO)) >> jnp.uint32(1)
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
+
+
 def _blockwise_kernel(x_ref, *refs, shape, tile, dtype, power_of_2, square, emit_n, emit_t, interpret, chunk, narrow,
-                      cast):
+                      cast, loop, intmax):
     """One program: one `tile` = (rows, cols) of x.
 
     square=False: q's scales are per row of the tile (a 1 x cols block along x's columns), q^T's per column (a
@@ -213,7 +233,8 @@ def _blockwise_kernel(x_ref, *refs, shape, tile, dtype, power_of_2, square, emit
     The tile is handled `chunk` rows at a time (None: all at once, the tile read once): a row block's scale needs
     only its row, so q is cast chunk by chunk while the column amax accumulates; what needs the whole tile's amax
     (q^T's column scales, a square tile's scale) reads the chunks a second time (from L2) rather than keeping the
-    tile in registers. `narrow` keeps the tile in x's dtype until the cast (the amax is exact in it)."""
+    tile in registers (`loop`: the chunks in a loop rather than unrolled). `narrow` keeps the tile in x's dtype until
+    the cast (the amax is exact in it); `intmax` takes the amax over integer keys (`_abs_key`)."""
     refs = list(refs)
     if square:  # refs: q, q^T (each if asked), then the tile scales
         o_ref = refs.pop(0) if emit_n else None
@@ -228,6 +249,7 @@ def _blockwise_kernel(x_ref, *refs, shape, tile, dtype, power_of_2, square, emit
     cols = c0 + jnp.arange(tile[1])
     col_mask = cols < shape[1]
     f32 = jnp.float32
+    abs_of, amax_f32 = (_abs_key, _key_amax) if intmax else (_finite_abs, lambda m: m.astype(f32))
 
     def load(k):
         """Rows [k, k + chunk) of the tile: (x, row mask, mask). Outside x the tile reads 0, which leaves every amax
@@ -244,53 +266,69 @@ def _blockwise_kernel(x_ref, *refs, shape, tile, dtype, power_of_2, square, emit
     def store_t(k, qt, mask):
         _backend.store(ot_ref.at[pl.ds(c0, tile[1]), pl.ds(r0 + k, chunk)], qt, mask=mask.T)
 
-    starts = range(0, tile[0], chunk)
     kept = {}  # the one chunk of an unchunked tile, reused by the second pass instead of a second read
 
-    def chunk_again(k):
-        return kept[k] if k in kept else load(k)
+    def each_chunk(body, carry):
+        """carry = body(k, carry) for each chunk's first row k: unrolled, or a loop (`loop`: one chunk's registers)."""
+        if loop and chunk < tile[0]:
+            return jax.lax.fori_loop(0, tile[0] // chunk, lambda n, c: body(n * chunk, c), carry)
+        for k in range(0, tile[0], chunk):
+            carry = body(k, carry)
+        return carry
+
+    def first_read(k):
+        if chunk < tile[0]:
+            return load(k)
+        kept[0] = load(k)
+        return kept[0]
+
+    def again(k):
+        return kept[0] if chunk == tile[0] else load(k)
 
     if square:
-        amax = None
-        for k in starts:
-            x, row_mask, mask = load(k)
-            if len(starts) == 1:
-                kept[k] = (x, row_mask, mask)
-            m = jnp.max(jnp.max(_finite_abs(x), axis=1), axis=0, keepdims=True).astype(f32)
-            amax = m if amax is None else jnp.maximum(amax, m)
-        scale, inv = _block_scale(amax, dtype, power_of_2, interpret)  # (1,)
-        for k in starts:
-            x, row_mask, mask = chunk_again(k)
+        def amax_of(k, amax):
+            x, _, _ = first_read(k)
+            return jnp.maximum(amax, amax_f32(jnp.max(jnp.max(abs_of(x), axis=1), axis=0, keepdims=True)))
+
+        scale, inv = _block_scale(each_chunk(amax_of, jnp.zeros((1,), f32)), dtype, power_of_2, interpret)  # (1,)
+
+        def cast_square(k, carry):
+            x, _, mask = again(k)
             q = cast(x.astype(f32) * inv[:, None])
             store(k, q, mask)
             if emit_t:
                 store_t(k, q.T, mask)
+            return carry
+
+        each_chunk(cast_square, 0)
         # The (row-tile, column-tile) grid of scales, row-major: the reference's layout.
         _backend.store(s_ref.at[pl.ds(i * pl.num_programs(1) + j, 1)], scale)
         return
-    col_amax = None
-    for k in starts:
-        x, row_mask, mask = load(k)
-        a = _finite_abs(x)
+
+    def rows_pass(k, col_amax):
+        x, row_mask, mask = first_read(k) if emit_t else load(k)
+        a = abs_of(x)
         if emit_n:  # per row of the tile, along x's columns: row r of K block j is element (j, r) of (K blocks, M)
-            scale, inv = _block_scale(jnp.max(a, axis=1).astype(f32), dtype, power_of_2, interpret)
+            scale, inv = _block_scale(amax_f32(jnp.max(a, axis=1)), dtype, power_of_2, interpret)
             store(k, cast(x.astype(f32) * inv[:, None]), mask)
             _backend.store(so_ref.at[pl.ds(j * shape[0] + r0 + k, chunk)], scale, mask=row_mask)
-        if emit_t:
-            m = jnp.max(a, axis=0).astype(f32)
-            col_amax = m if col_amax is None else jnp.maximum(col_amax, m)
-            if len(starts) == 1:
-                kept[k] = (x, row_mask, mask)
+        return jnp.maximum(col_amax, amax_f32(jnp.max(a, axis=0))) if emit_t else col_amax
+
+    col_amax = each_chunk(rows_pass, jnp.zeros((tile[1],), f32))
     if emit_t:  # per column of the tile, along x's rows (the contraction of x^T's GEMM)
         scale, inv = _block_scale(col_amax, dtype, power_of_2, interpret)
-        for k in starts:
-            x, row_mask, mask = chunk_again(k)
+
+        def cols_pass(k, carry):
+            x, _, mask = again(k)
             store_t(k, cast(x.astype(f32) * inv[None, :]).T, mask)
+            return carry
+
+        each_chunk(cols_pass, 0)
         _backend.store(sot_ref.at[pl.ds(i * shape[1] + c0, tile[1])], scale, mask=col_mask)
 
 
 def _blockwise_packed_kernel(x_ref, o_ref, so_ref, ot_ref, sot_ref, *, shape, tile, dtype, power_of_2, interpret,
-                             narrow, cast):
+                             narrow, cast, intmax):
     """The activation pass (q in 1 x cols blocks and q^T in rows x 1 blocks) with q^T's codes packed four to a word.
 
     x_ref and o_ref are x and q viewed as (R / 4, 4 C), row t holding rows 4t .. 4t + 3; ot_ref is q^T viewed as
@@ -306,16 +344,17 @@ def _blockwise_packed_kernel(x_ref, o_ref, so_ref, ot_ref, sot_ref, *, shape, ti
     col_mask = c0 + jnp.arange(tile[1]) < c
     mask = row_mask[:, None] & col_mask[None, :]
     f32 = jnp.float32
+    abs_of, amax_f32 = (_abs_key, _key_amax) if intmax else (_finite_abs, lambda m: m.astype(f32))
     xs = []
     for k in range(4):
         x = _backend.load(x_ref.at[pl.ds(t0, nt), pl.ds(k * c + c0, tile[1])], mask=mask, other=0.0)
         xs.append(x if narrow else x.astype(f32))
     col_amax = None
     for k, x in enumerate(xs):
-        a = _finite_abs(x)
-        m = jnp.max(a, axis=0).astype(f32)
+        a = abs_of(x)
+        m = amax_f32(jnp.max(a, axis=0))
         col_amax = m if col_amax is None else jnp.maximum(col_amax, m)
-        scale, inv = _block_scale(jnp.max(a, axis=1).astype(f32), dtype, power_of_2, interpret)
+        scale, inv = _block_scale(amax_f32(jnp.max(a, axis=1)), dtype, power_of_2, interpret)
         _backend.store(o_ref.at[pl.ds(t0, nt), pl.ds(k * c + c0, tile[1])], cast(x.astype(f32) * inv[:, None]),
                        mask=mask)
         # Row 4t + k of x: element (j, 4t + k) of q's (K blocks, R) scales, seen as (K blocks * R / 4, 4).
@@ -350,9 +389,9 @@ def blockwise_supported(block_n, block_t) -> bool:
 
 
 @functools.partial(jax.jit, static_argnames=("dtype", "block_n", "block_t", "power_of_2", "interpret", "num_warps",
-                                             "_chunk", "_narrow", "_packed", "_hwsat"))
+                                             "_chunk", "_narrow", "_packed", "_hwsat", "_loop", "_intmax"))
 def quantize_blockwise(x, *, dtype, block_n=None, block_t=None, power_of_2=False, interpret=False, num_warps=None,
-                       _chunk=None, _narrow=False, _packed=False, _hwsat=False):
+                       _chunk=None, _narrow=False, _packed=False, _hwsat=False, _loop=False, _intmax=False):
     """Blockwise quantize of a 2-D x (R, C) in one pass: returns (q, q_scales, q^T, qt_scales), None where not asked.
 
     Blocks are given in x's coordinates (`blockwise_supported` says which): `block_n` for q (R, C), `block_t` for the
@@ -404,7 +443,7 @@ def quantize_blockwise(x, *, dtype, block_n=None, block_t=None, power_of_2=False
     if x.size and _packed and emit_n and emit_t and not square and r % 4 == 0 and tile[0] % 4 == 0:
         q, sq, qt, sqt = _backend.triton_call(
             functools.partial(_blockwise_packed_kernel, shape=(r, c), tile=tile, dtype=dtype, power_of_2=power_of_2,
-                              interpret=interpret, narrow=_narrow, cast=cast),
+                              interpret=interpret, narrow=_narrow, cast=cast, intmax=_intmax),
             out_shape=[jax.ShapeDtypeStruct((r // 4, 4 * c), dtype),
                        jax.ShapeDtypeStruct((grid[1] * r // 4, 4), f32),
                        jax.ShapeDtypeStruct((c, r // 4), jnp.uint32),
@@ -419,7 +458,8 @@ def quantize_blockwise(x, *, dtype, block_n=None, block_t=None, power_of_2=False
         res = list(_backend.triton_call(
             functools.partial(_blockwise_kernel, shape=(r, c), tile=tile, dtype=dtype, power_of_2=power_of_2,
                               square=square, emit_n=emit_n, emit_t=emit_t, interpret=interpret,
-                              chunk=_chunk and min(_chunk, tile[0]), narrow=_narrow, cast=cast),
+                              chunk=min(_chunk or tile[0], tile[0]), narrow=_narrow, cast=cast,
+                              loop=_loop, intmax=_intmax),
             out_shape=outs, grid=grid, name="pallas_fused_fp8_quantize_blockwise", interpret=interpret,
             num_warps=warps,
         )(x))

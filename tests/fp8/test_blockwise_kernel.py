@@ -75,6 +75,26 @@ def test_matches_reference(shape, dtype, pow2):
     np.testing.assert_array_equal(np.asarray(s), np.asarray(st).T)  # one scale per tile, in both layouts
 
 
+# The kernel's candidate forms under measurement (private keywords of `quantize_blockwise`): each must give the
+# reference's bits exactly as the default form does.
+CANDIDATES = [dict(_narrow=True), dict(_intmax=True), dict(_chunk=64, _narrow=True),
+              dict(_chunk=32, _loop=True, _narrow=True, _intmax=True, _hwsat=True), dict(_packed=True, _intmax=True),
+              dict(_packed=True, _narrow=True, _intmax=True, _hwsat=True)]
+
+
+@pytest.mark.parametrize("kw", CANDIDATES, ids=lambda kw: "+".join(k.strip("_") + str(v) for k, v in kw.items()))
+def test_candidates_match_reference(kw, monkeypatch):
+    """Ragged edges, rows a multiple of 4 (the packed form) or not (its fallback), bf16 and fp32, +-inf, NaN."""
+    monkeypatch.setattr(kernel, "quantize_blockwise", functools.partial(kernel.quantize_blockwise, **kw))
+    for shape, dtype, pow2 in (((260, 300), jnp.bfloat16, False), ((132, 129), jnp.float32, True),
+                               ((130, 200), jnp.bfloat16, True)):
+        x = _x(10, shape, dtype).at[3, 5].set(jnp.inf).at[200 % shape[0], 7].set(jnp.nan).at[9, 140].set(-jnp.inf)
+        _check(x, ACT, ACT[::-1], pow2)
+        _check(x, WEIGHT, WEIGHT, pow2)
+        _check(x, ACT, None, pow2)
+        _check(x, None, ACT[::-1], pow2)
+
+
 @pytest.mark.parametrize("block_n,block_t", [(ACT, None), (None, ACT[::-1]), (WEIGHT, None), (None, WEIGHT),
                                              ((1, 32), (64, 1)), ((32, 64), (32, 64))])
 def test_one_copy_and_other_blocks(block_n, block_t):
