@@ -285,12 +285,18 @@ def _blockwise_kernel(x_ref, *refs, shape, tile, dtype, power_of_2, square, emit
     def again(k):
         return kept[0] if chunk == tile[0] else load(k)
 
-    if square:
-        def amax_of(k, amax):
-            x, _, _ = first_read(k)
-            return jnp.maximum(amax, amax_f32(jnp.max(jnp.max(abs_of(x), axis=1), axis=0, keepdims=True)))
+    # The elementwise max of the chunks' |x| is carried (a loop needs a first value; unrolled, the first chunk's).
+    acc_init = jnp.zeros((chunk, tile[1]), jnp.uint32 if intmax else (x_ref.dtype if narrow else f32)) if (
+        loop and chunk < tile[0]) else None
 
-        scale, inv = _block_scale(each_chunk(amax_of, jnp.zeros((1,), f32)), dtype, power_of_2, interpret)  # (1,)
+    def acc_max(k, acc):
+        a = abs_of(first_read(k)[0])
+        return a if acc is None else jnp.maximum(acc, a)
+
+    if square:
+        acc = each_chunk(acc_max, acc_init)
+        amax = amax_f32(jnp.max(jnp.max(acc, axis=1), axis=0, keepdims=True))
+        scale, inv = _block_scale(amax, dtype, power_of_2, interpret)  # (1,)
 
         def cast_square(k, carry):
             x, _, mask = again(k)
@@ -305,17 +311,22 @@ def _blockwise_kernel(x_ref, *refs, shape, tile, dtype, power_of_2, square, emit
         _backend.store(s_ref.at[pl.ds(i * pl.num_programs(1) + j, 1)], scale)
         return
 
-    def rows_pass(k, col_amax):
+    def rows_pass(k, col_acc):
+        """q of rows [k, k + chunk); col_acc: the elementwise max of the chunks' |x| so far (reduced across the
+        threads once, after the last chunk)."""
         x, row_mask, mask = first_read(k) if emit_t else load(k)
         a = abs_of(x)
         if emit_n:  # per row of the tile, along x's columns: row r of K block j is element (j, r) of (K blocks, M)
             scale, inv = _block_scale(amax_f32(jnp.max(a, axis=1)), dtype, power_of_2, interpret)
             store(k, cast(x.astype(f32) * inv[:, None]), mask)
             _backend.store(so_ref.at[pl.ds(j * shape[0] + r0 + k, chunk)], scale, mask=row_mask)
-        return jnp.maximum(col_amax, amax_f32(jnp.max(a, axis=0))) if emit_t else col_amax
+        if not emit_t:
+            return col_acc
+        return a if col_acc is None else jnp.maximum(col_acc, a)
 
-    col_amax = each_chunk(rows_pass, jnp.zeros((tile[1],), f32))
+    col_acc = each_chunk(rows_pass, acc_init if emit_t else None)
     if emit_t:  # per column of the tile, along x's rows (the contraction of x^T's GEMM)
+        col_amax = amax_f32(jnp.max(col_acc, axis=0))
         scale, inv = _block_scale(col_amax, dtype, power_of_2, interpret)
 
         def cols_pass(k, carry):
@@ -328,44 +339,72 @@ def _blockwise_kernel(x_ref, *refs, shape, tile, dtype, power_of_2, square, emit
 
 
 def _blockwise_packed_kernel(x_ref, o_ref, so_ref, ot_ref, sot_ref, *, shape, tile, dtype, power_of_2, interpret,
-                             narrow, cast, intmax):
+                             narrow, cast, intmax, chunk, loop):
     """The activation pass (q in 1 x cols blocks and q^T in rows x 1 blocks) with q^T's codes packed four to a word.
 
     x_ref and o_ref are x and q viewed as (R / 4, 4 C), row t holding rows 4t .. 4t + 3; ot_ref is q^T viewed as
     uint32 (C, R / 4), word (c, t) holding codes (c, 4t .. 4t + 3), lowest byte first; so_ref is q's scales
-    (K blocks, R) viewed as (K blocks * R / 4, 4). The tile's rows 4t + k
-    (k = 0..3) come in as four (rows / 4, cols) parts, so a thread holds the four codes of one word of q^T: the
-    transposition through shared memory moves 4-byte words instead of single bytes."""
+    (K blocks, R) viewed as (K blocks * R / 4, 4). The tile's rows 4t + k (k = 0..3) come in as four (rows / 4, cols)
+    parts, so a thread holds the four codes of one word of q^T: the transposition through shared memory moves 4-byte
+    words instead of single bytes. `chunk` and `loop` as in `_blockwise_kernel` (a chunk: chunk / 4 words' rows)."""
     r, c = shape
     i, j = pl.program_id(0), pl.program_id(1)
-    nt = tile[0] // 4
+    nt, ct = tile[0] // 4, chunk // 4
     t0, c0 = i * nt, j * tile[1]
-    row_mask = t0 + jnp.arange(nt) < r // 4
     col_mask = c0 + jnp.arange(tile[1]) < c
-    mask = row_mask[:, None] & col_mask[None, :]
     f32 = jnp.float32
     abs_of, amax_f32 = (_abs_key, _key_amax) if intmax else (_finite_abs, lambda m: m.astype(f32))
-    xs = []
-    for k in range(4):
-        x = _backend.load(x_ref.at[pl.ds(t0, nt), pl.ds(k * c + c0, tile[1])], mask=mask, other=0.0)
-        xs.append(x if narrow else x.astype(f32))
-    col_amax = None
-    for k, x in enumerate(xs):
-        a = abs_of(x)
-        m = amax_f32(jnp.max(a, axis=0))
-        col_amax = m if col_amax is None else jnp.maximum(col_amax, m)
-        scale, inv = _block_scale(amax_f32(jnp.max(a, axis=1)), dtype, power_of_2, interpret)
-        _backend.store(o_ref.at[pl.ds(t0, nt), pl.ds(k * c + c0, tile[1])], cast(x.astype(f32) * inv[:, None]),
-                       mask=mask)
-        # Row 4t + k of x: element (j, 4t + k) of q's (K blocks, R) scales, seen as (K blocks * R / 4, 4).
-        _backend.store(so_ref.at[pl.ds(j * (r // 4) + t0, nt), pl.ds(k, 1)], scale[:, None], mask=row_mask[:, None])
-    scale, inv = _block_scale(col_amax, dtype, power_of_2, interpret)
-    word = None
-    for k, x in enumerate(xs):
-        code = jax.lax.bitcast_convert_type(cast(x.astype(f32) * inv[None, :]), jnp.uint8).astype(jnp.uint32)
-        code = code << jnp.uint32(8 * k) if k else code
-        word = code if word is None else word | code
-    _backend.store(ot_ref.at[pl.ds(c0, tile[1]), pl.ds(t0, nt)], word.T, mask=mask.T)
+    looped = loop and chunk < tile[0]
+    kept = {}
+
+    def parts(kk, again=False):
+        """Rows [4 (t0 + kk), 4 (t0 + kk + ct)) of x as its four parts, with the rows' mask and the mask."""
+        if again and not looped and chunk == tile[0]:
+            return kept[0]
+        row_mask = t0 + kk + jnp.arange(ct) < r // 4
+        mask = row_mask[:, None] & col_mask[None, :]
+        xs = []
+        for k in range(4):
+            x = _backend.load(x_ref.at[pl.ds(t0 + kk, ct), pl.ds(k * c + c0, tile[1])], mask=mask, other=0.0)
+            xs.append(x if narrow else x.astype(f32))
+        kept[0] = (xs, row_mask, mask)
+        return kept[0]
+
+    def each_chunk(body, carry):
+        if looped:
+            return jax.lax.fori_loop(0, nt // ct, lambda n, cr: body(n * ct, cr), carry)
+        for kk in range(0, nt, ct):
+            carry = body(kk, carry)
+        return carry
+
+    def rows_pass(kk, col_acc):
+        xs, row_mask, mask = parts(kk)
+        for k, x in enumerate(xs):
+            a = abs_of(x)
+            col_acc = a if col_acc is None else jnp.maximum(col_acc, a)
+            scale, inv = _block_scale(amax_f32(jnp.max(a, axis=1)), dtype, power_of_2, interpret)
+            _backend.store(o_ref.at[pl.ds(t0 + kk, ct), pl.ds(k * c + c0, tile[1])],
+                           cast(x.astype(f32) * inv[:, None]), mask=mask)
+            # Row 4t + k of x: element (j, 4t + k) of q's (K blocks, R) scales, seen as (K blocks * R / 4, 4).
+            _backend.store(so_ref.at[pl.ds(j * (r // 4) + t0 + kk, ct), pl.ds(k, 1)], scale[:, None],
+                           mask=row_mask[:, None])
+        return col_acc
+
+    acc_init = jnp.zeros((ct, tile[1]), jnp.uint32 if intmax else (x_ref.dtype if narrow else f32)) if looped else None
+    col_acc = each_chunk(rows_pass, acc_init)  # the elementwise max of the parts' |x|, reduced across threads once
+    scale, inv = _block_scale(amax_f32(jnp.max(col_acc, axis=0)), dtype, power_of_2, interpret)
+
+    def cols_pass(kk, carry):
+        xs, _, mask = parts(kk, again=True)
+        word = None
+        for k, x in enumerate(xs):
+            code = jax.lax.bitcast_convert_type(cast(x.astype(f32) * inv[None, :]), jnp.uint8).astype(jnp.uint32)
+            code = code << jnp.uint32(8 * k) if k else code
+            word = code if word is None else word | code
+        _backend.store(ot_ref.at[pl.ds(c0, tile[1]), pl.ds(t0 + kk, ct)], word.T, mask=mask.T)
+        return carry
+
+    each_chunk(cols_pass, 0)
     _backend.store(sot_ref.at[pl.ds(i * c + c0, tile[1])], scale, mask=col_mask)
 
 
@@ -443,7 +482,8 @@ def quantize_blockwise(x, *, dtype, block_n=None, block_t=None, power_of_2=False
     if x.size and _packed and emit_n and emit_t and not square and r % 4 == 0 and tile[0] % 4 == 0:
         q, sq, qt, sqt = _backend.triton_call(
             functools.partial(_blockwise_packed_kernel, shape=(r, c), tile=tile, dtype=dtype, power_of_2=power_of_2,
-                              interpret=interpret, narrow=_narrow, cast=cast, intmax=_intmax),
+                              interpret=interpret, narrow=_narrow, cast=cast, intmax=_intmax,
+                              chunk=max(4, min(_chunk or tile[0], tile[0])), loop=_loop),
             out_shape=[jax.ShapeDtypeStruct((r // 4, 4 * c), dtype),
                        jax.ShapeDtypeStruct((grid[1] * r // 4, 4), f32),
                        jax.ShapeDtypeStruct((c, r // 4), jnp.uint32),

@@ -79,7 +79,8 @@ def test_matches_reference(shape, dtype, pow2):
 # reference's bits exactly as the default form does.
 CANDIDATES = [dict(_narrow=True), dict(_intmax=True), dict(_chunk=64, _narrow=True),
               dict(_chunk=32, _loop=True, _narrow=True, _intmax=True, _hwsat=True), dict(_packed=True, _intmax=True),
-              dict(_packed=True, _narrow=True, _intmax=True, _hwsat=True)]
+              dict(_packed=True, _narrow=True, _chunk=64),
+              dict(_packed=True, _intmax=True, _hwsat=True, _chunk=32, _loop=True)]
 
 
 @pytest.mark.parametrize("kw", CANDIDATES, ids=lambda kw: "+".join(k.strip("_") + str(v) for k, v in kw.items()))

@@ -36,17 +36,16 @@ record = probe_recorder(os.path.join(OUT, "blockwise_quantize_probe.json"))
 
 H, IH = dict(_hwsat=True), dict(_intmax=True, _hwsat=True)
 ROW_CANDIDATES = {  # q alone and weights (packed is the two-copy activation pass only)
-    "current": {}, "hwsat": H, "intmax+hwsat+narrow": dict(IH, _narrow=True),
-    "loop32+intmax+hwsat": dict(IH, _chunk=32, _loop=True),
-    "loop32+intmax+hwsat+narrow": dict(IH, _chunk=32, _loop=True, _narrow=True)}
+    "current": {}, "hwsat": H, "intmax+hwsat": IH, "loop32+intmax+hwsat": dict(IH, _chunk=32, _loop=True),
+    "loop64+intmax+hwsat": dict(IH, _chunk=64, _loop=True)}
 ACT_CANDIDATES = {
     "current": {}, "narrow": dict(_narrow=True), "chunk64+narrow": dict(_chunk=64, _narrow=True), "hwsat": H,
     "intmax+hwsat": IH, "intmax+hwsat+narrow": dict(IH, _narrow=True),
-    "chunk64+intmax+hwsat+narrow": dict(IH, _chunk=64, _narrow=True),
-    "packed+intmax+hwsat": dict(IH, _packed=True), "packed+intmax+hwsat+narrow": dict(IH, _packed=True, _narrow=True),
     "loop16+intmax+hwsat": dict(IH, _chunk=16, _loop=True), "loop32+intmax+hwsat": dict(IH, _chunk=32, _loop=True),
-    "loop32+intmax+hwsat+narrow": dict(IH, _chunk=32, _loop=True, _narrow=True),
-    "loop64+intmax+hwsat": dict(IH, _chunk=64, _loop=True)}
+    "loop64+intmax+hwsat": dict(IH, _chunk=64, _loop=True), "packed+intmax+hwsat": dict(IH, _packed=True),
+    "packed+chunk32+intmax+hwsat": dict(IH, _packed=True, _chunk=32),
+    "packed+loop32+intmax+hwsat": dict(IH, _packed=True, _chunk=32, _loop=True),
+    "packed+loop64+intmax+hwsat": dict(IH, _packed=True, _chunk=64, _loop=True)}
 
 
 def check_input(shape):
