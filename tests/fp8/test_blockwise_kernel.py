@@ -178,3 +178,16 @@ def test_gpu_matches_reference(shape):
         for pow2 in (False, True):
             _check(x, ACT, ACT[::-1], pow2, interpret=False)
             _check(x, WEIGHT, WEIGHT, pow2, interpret=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kw", CANDIDATES + [dict(_hwsat=True)],
+                         ids=lambda kw: "+".join(k.strip("_") + str(v) for k, v in kw.items()))
+def test_gpu_candidates_match_reference(kw, monkeypatch):
+    """Each candidate compiled against XLA's reference, as `test_gpu_matches_reference` checks the default form (hwsat:
+    the clamp left to the conversion's own saturation, which only compiled code has), +-inf and NaN in the tile."""
+    monkeypatch.setattr(kernel, "quantize_blockwise", functools.partial(kernel.quantize_blockwise, **kw))
+    for dtype in (jnp.bfloat16, jnp.float32):
+        x = _x(9, (1000, 700), dtype).at[7, 9].set(jnp.inf).at[8, 10].set(jnp.nan).at[300, 5].set(-jnp.inf)
+        _check(x, ACT, ACT[::-1], False, interpret=False)
+        _check(x, WEIGHT, WEIGHT, True, interpret=False)

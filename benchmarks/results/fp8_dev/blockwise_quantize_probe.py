@@ -71,8 +71,9 @@ def main():
     shapes = [(16384, 2048), (16384, 8192)]
     data = {}
     for r, c in shapes:
-        k = 4 if r * c * 2 < 128e6 else 2  # distinct inputs, together past the 50 MB L2
-        data[r, c] = [(rnd(6 + i, (r, c), jnp.bfloat16),) for i in range(k)], check_input((r, c))
+        # two distinct inputs (at 64 MiB each, together past the 50 MB L2): each candidate compiles its kernel once
+        # per call in the amortizing jit, and the probe has to stay under 4 minutes
+        data[r, c] = [(rnd(6 + i, (r, c), jnp.bfloat16),) for i in range(2)], check_input((r, c))
     cases = (("act q+qT", ACT, ACT[::-1], lambda r, c: r * c * 2 + 4 * (r * -(-c // 128) + c * -(-r // 128)),
               ACT_CANDIDATES),
              ("act q", ACT, None, lambda r, c: r * c + 4 * r * -(-c // 128), ROW_CANDIDATES),
