@@ -75,6 +75,27 @@ def test_matches_reference(shape, dtype, pow2):
     np.testing.assert_array_equal(np.asarray(s), np.asarray(st).T)  # one scale per tile, in both layouts
 
 
+# The kernel's candidate forms under measurement (private keywords of `quantize_blockwise`): each must give the
+# reference's bits exactly as the default form does.
+CANDIDATES = [dict(_narrow=True), dict(_intmax=True), dict(_chunk=64, _narrow=True),
+              dict(_chunk=32, _loop=True, _narrow=True, _intmax=True, _hwsat=True), dict(_packed=True, _intmax=True),
+              dict(_packed=True, _narrow=True, _chunk=64),
+              dict(_packed=True, _intmax=True, _hwsat=True, _chunk=32, _loop=True)]
+
+
+@pytest.mark.parametrize("kw", CANDIDATES, ids=lambda kw: "+".join(k.strip("_") + str(v) for k, v in kw.items()))
+def test_candidates_match_reference(kw, monkeypatch):
+    """Ragged edges, rows a multiple of 4 (the packed form) or not (its fallback), bf16 and fp32, +-inf, NaN."""
+    monkeypatch.setattr(kernel, "quantize_blockwise", functools.partial(kernel.quantize_blockwise, **kw))
+    for shape, dtype, pow2 in (((260, 300), jnp.bfloat16, False), ((132, 129), jnp.float32, True),
+                               ((130, 200), jnp.bfloat16, True)):
+        x = _x(10, shape, dtype).at[3, 5].set(jnp.inf).at[200 % shape[0], 7].set(jnp.nan).at[9, 140].set(-jnp.inf)
+        _check(x, ACT, ACT[::-1], pow2)
+        _check(x, WEIGHT, WEIGHT, pow2)
+        _check(x, ACT, None, pow2)
+        _check(x, None, ACT[::-1], pow2)
+
+
 @pytest.mark.parametrize("block_n,block_t", [(ACT, None), (None, ACT[::-1]), (WEIGHT, None), (None, WEIGHT),
                                              ((1, 32), (64, 1)), ((32, 64), (32, 64))])
 def test_one_copy_and_other_blocks(block_n, block_t):
@@ -157,3 +178,16 @@ def test_gpu_matches_reference(shape):
         for pow2 in (False, True):
             _check(x, ACT, ACT[::-1], pow2, interpret=False)
             _check(x, WEIGHT, WEIGHT, pow2, interpret=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kw", CANDIDATES + [dict(_hwsat=True)],
+                         ids=lambda kw: "+".join(k.strip("_") + str(v) for k, v in kw.items()))
+def test_gpu_candidates_match_reference(kw, monkeypatch):
+    """Each candidate compiled against XLA's reference, as `test_gpu_matches_reference` checks the default form (hwsat:
+    the clamp left to the conversion's own saturation, which only compiled code has), +-inf and NaN in the tile."""
+    monkeypatch.setattr(kernel, "quantize_blockwise", functools.partial(kernel.quantize_blockwise, **kw))
+    for dtype in (jnp.bfloat16, jnp.float32):
+        x = _x(9, (1000, 700), dtype).at[7, 9].set(jnp.inf).at[8, 10].set(jnp.nan).at[300, 5].set(-jnp.inf)
+        _check(x, ACT, ACT[::-1], False, interpret=False)
+        _check(x, WEIGHT, WEIGHT, True, interpret=False)
