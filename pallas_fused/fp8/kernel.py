@@ -320,8 +320,8 @@ def _blockwise_packed_kernel(x_ref, o_ref, so_ref, ot_ref, sot_ref, *, shape, ti
     uint32 (C, R / 4), word (c, t) holding codes (c, 4t .. 4t + 3), lowest byte first; so_ref is q's scales
     (K blocks, R) viewed as (K blocks * R / 4, 4). The tile's rows 4t + k (k = 0..3) come in as four (rows / 4, cols)
     parts, so a thread holds the four codes of one word of q^T: the transposition through shared memory moves 4-byte
-    words where `_blockwise_kernel` moves single bytes, a quarter of the shared-memory instructions. Chunks as in
-    `_blockwise_kernel` (a chunk: chunk / 4 rows of each part)."""
+    words where `_blockwise_kernel` moves single bytes. Chunks as in `_blockwise_kernel` (a chunk: chunk / 4 rows
+    of each part)."""
     r, c = shape
     i, j = pl.program_id(0), pl.program_id(1)
     nt, ct = tile[0] // 4, chunk // 4
@@ -445,8 +445,8 @@ def quantize_blockwise(x, *, dtype, block_n=None, block_t=None, power_of_2=False
     grid = (pl.cdiv(r, tile[0]), pl.cdiv(c, tile[1]))
     f32 = jnp.float32
     # Triton casts fp32 to fp8 with cvt.rn.satfinite (out of range and +-inf to +-max, NaN to NaN): the clamp of
-    # `saturate` is the conversion's own there, and compiled without it the cast is one instruction. Interpret mode
-    # (XLA's conversion) turns out-of-range values into NaN, so it keeps the clamp.
+    # `saturate` (a min, a max and a NaN select per element) is the conversion's own there. Interpret mode (XLA's
+    # conversion) turns out-of-range values into NaN, so it keeps the clamp.
     cast = (lambda v: saturate(v, dtype)) if interpret else (lambda v: v.astype(dtype))
     kw = dict(shape=(r, c), tile=tile, dtype=dtype, power_of_2=power_of_2, interpret=interpret, chunk=chunk,
               cast=cast)
