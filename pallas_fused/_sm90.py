@@ -20,7 +20,12 @@ B dequantisation (optional: `dequant`, for quantised weights; QDoRA uses it): b 
 of the step's b tile to a's 16-bit dtype, dequant(stored tile), in registers, stores it into its own SMEM scratch
 with the 16-bit swizzle and runs the wgmma on that: wgmma reads a 16-bit B operand only from SMEM, and 8-bit
 operands only K-major and of one element type with A. Per-column scales belong in the epilogue (and a low-rank term
-beside them in `lowrank`, divided by them): the dequant sees the tile alone.
+beside them in `lowrank`, divided by them): the dequant sees the tile alone. The conversion would otherwise leave
+the tensor cores idle (load, convert, store, then the wgmma, then a wait for it), so with TileConfig.dequant_overlap
+each warpgroup has two scratch tiles, alternating by K step, and keeps one wgmma in flight: step k's tile is
+converted into one while step k-1's wgmma reads the other. That wgmma also reads step k-1's a tile from the ring,
+so the ring stages are released by hand (manual consumed barriers), each one step late, once wgmma_wait(1) of the
+next step says its wgmma is done; the last K step drains (wgmma_wait(0)) and releases its own stage.
 
 Low-rank step (optional: `lowrank` = (la (M, R), lb (R, N) or (N, R) in b's layout), 16-bit, R a multiple of 16):
 la @ lb goes into the same fp32 accumulator as a @ b before the epilogue (not with `promote`), so
@@ -66,6 +71,10 @@ class TileConfig:
     # Used only with `promote`: release a K step's SMEM stage as soon as its wgmma is done, before the promotion
     # (the memory warpgroup refills it meanwhile), instead of after the step's body.
     early_release: bool = False
+    # Used only with `dequant`: two 16-bit scratch tiles per warpgroup, alternating by K step, so a step's
+    # conversion runs while the previous step's wgmma does (module docstring), instead of one scratch tile and a
+    # wait for each step's wgmma before the next conversion.
+    dequant_overlap: bool = True
 
     @property
     def cta_tile(self) -> tuple[int, int]:
@@ -78,7 +87,7 @@ Epilogue = Callable[[jax.Array, Sequence[jax.Array], Sequence[jax.Array]], jax.A
 # promote(step product, step row slices, step column slices) -> the fp32 tile added to the running accumulator.
 Promote = Epilogue
 # dequant(b's stored tile of one warpgroup: (tile_k, tile_n) "kn", (tile_n, tile_k) "nk") -> that tile in a's
-# 16-bit dtype.
+# 16-bit dtype, or in any dtype the kernel then converts to it (integer codes exact in 16 bits as they are).
 Dequant = Callable[[jax.Array], jax.Array]
 
 
@@ -114,6 +123,10 @@ def _kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: in
     split_m = config.wg_split == "m"
     minor = 1 if config.grid_minor_dim == "n" else 0  # planar_snake's minor_dim: 0 = M, 1 = N
     early = config.early_release and promote is not None
+    n_deq = 2 if config.dequant_overlap else 1  # 16-bit scratch tiles per compute warpgroup
+    # Without promote, the dequant path keeps one wgmma in flight across K steps and releases each ring stage
+    # itself once the wgmma reading it (its a tile) is done, a step later.
+    overlap = dequant is not None and promote is None and config.dequant_overlap
     smem_spec = functools.partial(plgpu.BlockSpec, memory_space=plgpu.SMEM)
     if b_layout == "nk":
         b_spec = smem_spec((cta_n, tile_k), lambda kk: (0, kk), transforms=b_transforms)
@@ -135,7 +148,7 @@ def _kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: in
             num_compute_wgs=2,
             max_concurrent_steps=config.max_concurrent_steps,
             compute_context=compute_context,
-            manual_consumed_barriers=early,
+            manual_consumed_barriers=early or overlap,
         )
 
     ignore = lambda *_, **__: None  # noqa: E731 - the bodies do not change the allocations
@@ -160,9 +173,9 @@ def _kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: in
         # One per warpgroup and vector, then (with the low-rank step) one per warpgroup for la and for lb.
         vec_barrier=plgpu.Barrier(num_barriers=n_barriers) if n_barriers else None,
         lr_smem=lr_smem,
-        # one dequantised b tile per compute warpgroup
+        # n_deq dequantised b tiles per compute warpgroup
         deq_smem=None if dequant is None else plgpu.SMEM(
-            (2, *deq_shape), a_gmem.dtype, transforms=_smem_transforms(plgpu, deq_shape[1], a_gmem.dtype)),
+            (2, n_deq, *deq_shape), a_gmem.dtype, transforms=_smem_transforms(plgpu, deq_shape[1], a_gmem.dtype)),
         collective_axes="wg",
     )
     def _scope(pipeline_allocs, out_smem, vec_smem, vec_barrier, lr_smem, deq_smem):
@@ -244,20 +257,43 @@ def _kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: in
                         for v in step_smems[n_step_rows:]]
                 return [r.astype(jnp.float32) for r in rows], [c.astype(jnp.float32) for c in cols]
 
-            def mma_body(_, a_smem, b_smem, *rest):
+            def release_stage(step):
+                """Arrive on every input's consumed barrier of K step `step`'s ring stage (manual release)."""
+                for barrier in pipeline_allocs["flat_consumed_barrier_refs"]:
+                    plgpu.barrier_arrive(barrier.at[lax.rem(step, config.max_concurrent_steps)])
+
+            def mma_body(idx, a_smem, b_smem, *rest):
                 step_smems, consumed, carry = rest[:len(step_gmems)], rest[len(step_gmems):-1], rest[-1]
+                (kk,) = idx
                 b_wg = b_smem.at[wg_n] if b_layout == "nk" else b_smem.at[:, wg_n]
                 if dequant is not None:
-                    # The stored tile through registers into this warpgroup's 16-bit scratch; commit_smem fences
-                    # the stores for the wgmma (async proxy) and syncs the warpgroup. The previous step's wgmma,
-                    # which read the scratch, was waited for before this step began.
-                    deq_smem[wg] = dequant(b_wg[...]).astype(deq_smem.dtype)
+                    # The stored tile through registers into this warpgroup's 16-bit scratch (with two, the K
+                    # step's parity picks one); commit_smem fences the stores for the wgmma (async proxy) and syncs
+                    # the warpgroup. The last wgmma that read this scratch tile is done: with one, the previous
+                    # step's (waited for before that step returned); with two, the one two steps back (each step
+                    # waits for its predecessor's wgmma before it returns).
+                    scratch = deq_smem.at[wg, lax.rem(kk, n_deq) if n_deq > 1 else 0]
+                    scratch[...] = dequant(b_wg[...]).astype(deq_smem.dtype)
                     plgpu.commit_smem()
-                    b_wg = deq_smem.at[wg]
+                    b_wg = scratch
                 b_tile = plgpu.transpose_ref(b_wg, (1, 0)) if b_layout == "nk" else b_wg
                 if promote is None:
                     plgpu.wgmma(carry, a_smem.at[wg_m], b_tile)
-                    plgpu.wgmma_wait(0)
+                    if not overlap:
+                        plgpu.wgmma_wait(0)
+                        return carry
+                    # This step's wgmma runs on while the next step converts its tile. The previous step's wgmma is
+                    # done after wgmma_wait(1): its ring stage (the a tile it read; its b tile was read into
+                    # registers) goes back to the memory warpgroup. The last step drains, so the epilogue, the
+                    # low-rank wgmma and the next tile's pipeline find no wgmma in flight and every stage released.
+                    plgpu.wgmma_wait(1)
+                    pl.when(kk > 0)(lambda: release_stage(kk - 1))
+
+                    @pl.when(kk == k_iters - 1)
+                    def _drain():
+                        plgpu.wgmma_wait(0)
+                        release_stage(kk)
+
                     return carry
 
                 def release():  # the stage's tiles are no longer read: its scales are in registers
@@ -288,11 +324,12 @@ SMEM_LIMIT = 227 * 1024  # bytes of shared memory one CTA may allocate on sm90
 def smem_bytes(config: TileConfig, a_itemsize: int, b_itemsize: int, out_itemsize: int, rank: int = 0,
                lowrank_itemsize: int = 2, dequant: bool = False) -> int:
     """Shared memory of one CTA (the ring, the epilogue staging, the low-rank slices and, with `dequant`, the two
-    warpgroups' 16-bit b tiles; the vector slices and the barriers take under 2 KiB more)."""
+    warpgroups' 16-bit b scratch tiles, two each with `dequant_overlap`; the vector slices and the barriers take under
+    2 KiB more)."""
     cta_m, cta_n = config.cta_tile
     ring = config.max_concurrent_steps * config.tile_k * (cta_m * a_itemsize + cta_n * b_itemsize)
     out = 2 * 2 * config.epi_tile * config.epi_tile * out_itemsize
-    deq = 2 * config.tile_k * config.tile_n * a_itemsize if dequant else 0
+    deq = 2 * (2 if config.dequant_overlap else 1) * config.tile_k * config.tile_n * a_itemsize if dequant else 0
     return ring + out + 2 * rank * (config.tile_m + config.tile_n) * lowrank_itemsize + deq
 
 
