@@ -5,6 +5,8 @@ compiled kernel."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -84,30 +86,76 @@ def test_interpret_needs_new_jax():
                      out_dtype=jnp.bfloat16, config=SMALL, name="t", interpret=True)
 
 
+def _codes(seed, shape):
+    return jnp.clip(jnp.round(rand(seed, shape, scale=60.0)), -127, 127).astype(jnp.int8)
+
+
+# The int8 codes converted straight to bf16 (QDoRA's dequant) or through float32 (any dequant's result dtype is
+# converted to a's).
+DEQUANTS = {"direct": lambda t: t, "f32": lambda t: t.astype(jnp.float32)}
+
+
 @needs_interpret
-def test_kn_int8_dequant():
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "single"])
+@pytest.mark.parametrize("dequant", ["direct", "f32"])
+def test_kn_int8_dequant(overlap, dequant):
     """b int8 (K, N) converted in shared memory, its per-column scale and g in the epilogue; 3 K steps, several
-    output tiles per CTA."""
-    x = rand(8, (256, 192), jnp.bfloat16)
-    q = jnp.clip(jnp.round(rand(9, (192, 256), scale=60.0)), -127, 127).astype(jnp.int8)
+    output tiles per CTA; two scratch tiles and one wgmma in flight, or one scratch tile."""
+    config = dataclasses.replace(SMALL, dequant_overlap=overlap)
+    x, q = rand(8, (256, 192), jnp.bfloat16), _codes(9, (192, 256))
     colscale = rand(10, (256,), scale=0.01, offset=0.02)
-    out = _sm90.matmul(x, q, b_layout="kn", col_vecs=(colscale,), dequant=lambda t: t.astype(jnp.float32),
-                       epilogue=dora_sm90._scale_bias, out_dtype=jnp.bfloat16, config=SMALL, name="test_kn_int8",
+    out = _sm90.matmul(x, q, b_layout="kn", col_vecs=(colscale,), dequant=DEQUANTS[dequant],
+                       epilogue=dora_sm90._scale_bias, out_dtype=jnp.bfloat16, config=config, name="test_kn_int8",
                        interpret=True)
     ref = (to64(x) @ to64(q)) * to64(colscale)[None]
     np.testing.assert_allclose(to64(out), ref, rtol=1e-2, atol=1e-2 * np.abs(ref).max())
 
 
 @needs_interpret
-def test_nk_int8_dequant():
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "single"])
+def test_nk_int8_dequant(overlap):
     """b int8 stored (N, K) (an Int8Kernel's codes (in, out) in the backward's dx = dy q^T), converted as is."""
-    x = rand(12, (128, 192), jnp.bfloat16)
-    q = jnp.clip(jnp.round(rand(13, (128, 192), scale=60.0)), -127, 127).astype(jnp.int8)
-    out = _sm90.matmul(x, q, b_layout="nk", dequant=lambda t: t.astype(jnp.float32),
-                       epilogue=lambda acc, rows, cols: acc, out_dtype=jnp.float32, config=SMALL, name="test_nk_int8",
-                       interpret=True)
+    config = dataclasses.replace(SMALL, dequant_overlap=overlap)
+    x, q = rand(12, (128, 192), jnp.bfloat16), _codes(13, (128, 192))
+    out = _sm90.matmul(x, q, b_layout="nk", dequant=DEQUANTS["direct"], epilogue=lambda acc, rows, cols: acc,
+                       out_dtype=jnp.float32, config=config, name="test_nk_int8", interpret=True)
     ref = to64(x) @ to64(q).T
     np.testing.assert_allclose(to64(out), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+
+
+@needs_interpret
+@pytest.mark.parametrize("k, steps", [(64, 1), (256, 3)], ids=["one_step", "ring3_k4"])
+@pytest.mark.parametrize("b_layout", ["kn", "nk"])
+def test_int8_overlap_ring(k, steps, b_layout):
+    """The overlapped schedule's hand-released ring: a single K step (drained and released by the step that issued
+    its wgmma), and 4 K steps through a 3-deep ring (stages reused out of phase with the two scratch tiles), with
+    the low-rank wgmma after the drain, over several output tiles per CTA (each one a new pipeline run over the
+    same barriers)."""
+    config = dataclasses.replace(SMALL, max_concurrent_steps=steps, wg_split="m")
+    x, q = rand(14, (256, k), jnp.bfloat16), _codes(15, (k, 128))
+    la, lb = rand(16, (256, 16), jnp.bfloat16), rand(17, (16, 128), jnp.bfloat16)
+    b, lb_in = (q, lb) if b_layout == "kn" else (q.T, lb.T)
+    out = _sm90.matmul(x, b, b_layout=b_layout, dequant=DEQUANTS["direct"], epilogue=lambda acc, rows, cols: acc,
+                       out_dtype=jnp.float32, config=config, name="test_int8_ring", lowrank=(la, lb_in),
+                       interpret=True)
+    ref = to64(x) @ to64(q) + to64(la) @ to64(lb)
+    np.testing.assert_allclose(to64(out), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+
+
+def test_dequant_smem():
+    """Two scratch tiles per warpgroup take one tile_k x tile_n 16-bit tile more per warpgroup than one; QDoRA's
+    tuned ring is the deepest that still fits: 3 stages at rank 16, 2 at rank 64 (4 and 3 with one scratch tile)."""
+    config = dora_sm90.qdora_config(4096, 4096, 4096, 16, jnp.bfloat16)
+    single = dataclasses.replace(config, dequant_overlap=False)
+    assert config.dequant_overlap
+    extra = _sm90.smem_bytes(config, 2, 1, 2, dequant=True) - _sm90.smem_bytes(single, 2, 1, 2, dequant=True)
+    assert extra == 2 * config.tile_k * config.tile_n * 2
+    for rank, stages in ((16, 3), (64, 2)):
+        config = dora_sm90.qdora_config(4096, 11008, 4096, rank, jnp.bfloat16)
+        assert config.max_concurrent_steps == stages, rank
+        assert dora_sm90._qdora_smem(config, rank, 2) <= _sm90.SMEM_LIMIT
+        deeper = dataclasses.replace(config, max_concurrent_steps=stages + 1)
+        assert dora_sm90._qdora_smem(deeper, rank, 2) > _sm90.SMEM_LIMIT
 
 
 @needs_interpret
