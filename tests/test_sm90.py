@@ -209,3 +209,26 @@ def test_smem_limit():
     with pytest.raises(ValueError, match="shared memory"):
         _sm90.matmul(x, w, b_layout="kn", epilogue=dora_sm90._scale_bias, col_vecs=(jnp.ones(256),),
                      out_dtype=jnp.bfloat16, config=big, name="t", lowrank=(la, lb), interpret=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "single"])
+@pytest.mark.parametrize("rank", [16, 64])
+@pytest.mark.parametrize("b_layout", ["kn", "nk"])
+def test_gpu_int8_dequant_schedules(overlap, rank, b_layout):
+    """The compiled QDoRA GEMM (int8 b, the low-rank step, QDoRA's tile configuration: its ring as deep as shared
+    memory allows) with two scratch tiles and one wgmma in flight, or one scratch tile, at 4096 x 4096 x 4096 (dx is
+    the "nk" layout): many K steps and output tiles per SM, where a stage or scratch tile reused too early shows."""
+    if not _backend.is_hopper():
+        pytest.skip("a Hopper kernel")
+    config = dataclasses.replace(dora_sm90.qdora_config(4096, 4096, 4096, rank, jnp.bfloat16),
+                                 dequant_overlap=overlap)
+    x, q = rand(20, (4096, 4096), jnp.bfloat16), _codes(21, (4096, 4096))
+    la, lb = rand(22, (4096, rank), jnp.bfloat16), rand(23, (rank, 4096), jnp.bfloat16, scale=30.0)
+    b, lb_in = (q, lb) if b_layout == "kn" else (q.T, lb.T)
+    out = _sm90.matmul(x, b, b_layout=b_layout, dequant=dora_sm90._int8_codes, epilogue=lambda acc, rows, cols: acc,
+                       out_dtype=jnp.float32, config=config, name="test_gpu_int8", lowrank=(la, lb_in))
+    f32 = jnp.float32
+    ref = (jnp.dot(x.astype(f32), q.astype(f32), precision="highest")
+           + jnp.dot(la.astype(f32), lb.astype(f32), precision="highest"))
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-4, atol=1e-4 * float(jnp.abs(ref).max()))
