@@ -128,28 +128,33 @@ def _norm_sets(fin, fout, r):
     return list(zip(ws, as_, bs, ms))
 
 
+# Every forward+backward below returns the layer's output with the gradients, as a training step consumes it: with
+# the gradients alone XLA drops whatever of the forward the backward does not need (all of x @ W for the base GEMM and
+# plain LoRA, whose backward needs only x, dy and the weights), and the row would time the backward alone.
+def _with_output(f, *args, dy):
+    y, pull = jax.vjp(f, *args)
+    return y, pull(dy)
+
+
 def _fwdbwd(impl, scale, config=None):
-    """jit of (x, W, A, B, m, dy) -> grads of x, A, B, m (W frozen)."""
+    """jit of (x, W, A, B, m, dy) -> (y, grads of x, A, B, m) (W frozen)."""
     def fb(x, w, a, b, m, dy):
-        _, pull = jax.vjp(lambda x, a, b, m: dora_dense(x, w, a, b, m, scale=scale, implementation=impl,
-                                                        config=config), x, a, b, m)
-        return pull(dy)
+        return _with_output(lambda x, a, b, m: dora_dense(x, w, a, b, m, scale=scale, implementation=impl,
+                                                          config=config), x, a, b, m, dy=dy)
     return jax.jit(fb)
 
 
 def _base_fwdbwd(x, w, a, b, m, dy):
     """x @ W and its dx (W frozen): the two GEMMs every adapter layer pays."""
     del a, b, m
-    _, pull = jax.vjp(lambda x: x @ w, x)
-    return pull(dy)
+    return _with_output(lambda x: x @ w, x, dy=dy)
 
 
 def _lora_fwdbwd(impl, scale):
-    """jit of (x, W, A, B, m, dy) -> grads of x, A, B for plain LoRA (W frozen; m unused)."""
+    """jit of (x, W, A, B, m, dy) -> (y, grads of x, A, B) for plain LoRA (W frozen; m unused)."""
     def fb(x, w, a, b, m, dy):
         del m
-        _, pull = jax.vjp(lambda x, a, b: lora_dense(x, w, a, b, scale=scale, implementation=impl), x, a, b)
-        return pull(dy)
+        return _with_output(lambda x, a, b: lora_dense(x, w, a, b, scale=scale, implementation=impl), x, a, b, dy=dy)
     return jax.jit(fb)
 
 
@@ -161,9 +166,8 @@ def _module_fwdbwd(scale):
         rank = a.shape[1]
         layer = DoRADense(features=w.shape[1], rank=rank, alpha=scale * rank, use_bias=False, dtype=x.dtype,
                           param_dtype=w.dtype)
-        _, pull = jax.vjp(lambda x, a, b, m: layer.apply(
-            {"params": {"kernel": w, "lora_a": a, "lora_b": b, "magnitude": m}}, x), x, a, b, m)
-        return pull(dy)
+        return _with_output(lambda x, a, b, m: layer.apply(
+            {"params": {"kernel": w, "lora_a": a, "lora_b": b, "magnitude": m}}, x), x, a, b, m, dy=dy)
     return jax.jit(fb)
 
 
@@ -294,7 +298,7 @@ def qdora(rec: Recorder, quick: bool) -> None:
         record("qdora_fwd", "peer:base_matmul", lambda x, w: x @ w, x, w, flops=2 * tokens * fin * fout)
         record("qdora_fwd", "peer:lora_xla", _lora, x, w, a, b, flops=fwd_flops)
         record("qdora_fwdbwd", "peer:lora_xla",
-               lambda x, w, a, b, dy: jax.vjp(lambda x, a, b: _lora(x, w, a, b), x, a, b)[1](dy), x, w, a, b, dy,
+               lambda x, w, a, b, dy: _with_output(lambda x, a, b: _lora(x, w, a, b), x, a, b, dy=dy), x, w, a, b, dy,
                flops=3 * fwd_flops)
         for name in _wanted(QDORA_IMPLS):
             fmt, impl = QDORA_IMPLS[name]
@@ -303,9 +307,8 @@ def qdora(rec: Recorder, quick: bool) -> None:
                 x, qw, a, b, m, scale=scale, implementation=impl), x, qw, a, b, m, flops=fwd_flops)
 
             def fb(x, qw, a, b, m, dy, impl=impl):
-                _, pull = jax.vjp(lambda x, a, b, m: dora_dense(x, qw, a, b, m, scale=scale, implementation=impl),
-                                  x, a, b, m)
-                return pull(dy)
+                return _with_output(lambda x, a, b, m: dora_dense(x, qw, a, b, m, scale=scale, implementation=impl),
+                                    x, a, b, m, dy=dy)
             record("qdora_fwdbwd", name, fb, x, qw, a, b, m, dy, flops=3 * fwd_flops)
 
 

@@ -119,31 +119,38 @@ def _matmul(rec, quick):
                 rec.time_amortized("fp8_mm", case, "peer:bf16_xla", lambda a, wt: a @ wt.T, hp, flops=flops, **n_rep)
 
 
+def torch_scaled_mm_fn(sets, gran):
+    """A function running torch._scaled_mm once on each of the user's operand sets (a8, bt8, sa, sb: quantize's
+    outputs, scalar scales tensorwise, (rows, 1) rowwise), bf16 out, use_fast_accum=True; it returns the outputs."""
+    import numpy as np
+    import torch
+
+    dev = "cuda"
+
+    def scales(sa, sb):
+        if gran == "rowwise":
+            return (torch.from_numpy(np.asarray(sa)).to(dev).reshape(-1, 1).contiguous(),
+                    torch.from_numpy(np.asarray(sb)).to(dev).reshape(1, -1).contiguous())
+        return torch.tensor(float(sa), device=dev), torch.tensor(float(sb), device=dev)
+
+    # b column-major (K, N) (bt.t()), what _scaled_mm wants
+    tsets = [(_to_torch(a8), _to_torch(bt8).t(), *scales(sa, sb)) for a8, bt8, sa, sb in sets]
+
+    def fn():
+        return [torch._scaled_mm(ta, tb, scale_a=tsa, scale_b=tsb, out_dtype=torch.bfloat16, use_fast_accum=True)
+                for ta, tb, tsa, tsb in tsets]
+
+    return fn
+
+
 def _torch_scaled_mm(rec, case, sets, gran, kw):
     """torch._scaled_mm over the same operand sets (one call each per timed call, as ours), use_fast_accum=True."""
     try:
-        import numpy as np
-        import torch
-
-        dev = "cuda"
-
-        def scales(sa, sb):
-            if gran == "rowwise":
-                return (torch.from_numpy(np.asarray(sa)).to(dev).reshape(-1, 1).contiguous(),
-                        torch.from_numpy(np.asarray(sb)).to(dev).reshape(1, -1).contiguous())
-            return torch.tensor(float(sa), device=dev), torch.tensor(float(sb), device=dev)
-
-        # b column-major (K, N) (bt.t()), what _scaled_mm wants
-        tsets = [(_to_torch(a8), _to_torch(bt8).t(), *scales(sa, sb)) for a8, bt8, sa, sb in sets]
-
-        def fn():
-            return [torch._scaled_mm(ta, tb, scale_a=tsa, scale_b=tsb, out_dtype=torch.bfloat16, use_fast_accum=True)
-                    for ta, tb, tsa, tsb in tsets]
-
+        fn = torch_scaled_mm_fn(sets, gran)
         n_rep = {k: kw[k] for k in ("n", "reps") if k in kw}
-        ms = bench_torch(fn, **n_rep) / len(tsets)
+        ms = bench_torch(fn, **n_rep) / len(sets)
         extra = {k: v for k, v in kw.items() if k not in ("n", "reps")}
-        rec.add("fp8_mm", case, "peer:torch_scaled_mm", ms, k=len(tsets), **extra)
+        rec.add("fp8_mm", case, "peer:torch_scaled_mm", ms, k=len(sets), **extra)
     except Exception as e:  # noqa: BLE001 - a missing peer is a recorded result
         rec.add("fp8_mm", case, "peer:torch_scaled_mm", None, error=error_text(e))
 

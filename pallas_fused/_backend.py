@@ -260,15 +260,19 @@ def mosaic_gpu():
     return plgpu
 
 
+def has_mosaic_interpret() -> bool:
+    """Whether this jax has Mosaic GPU's interpret mode (jax >= 0.12)."""
+    return getattr(mosaic_gpu(), "InterpretGPUParams", None) is not None
+
+
 def mosaic_interpret(what: str):
     """Mosaic GPU's interpret mode (`plgpu.kernel(interpret=...)`: the kernel's warpgroups, TMA copies and
     barriers simulated on the CPU), as the parameters to pass; jax >= 0.12 has it. `what` names the caller in the
     error raised where this jax lacks it."""
-    params = getattr(mosaic_gpu(), "InterpretGPUParams", None)
-    if params is None:
+    if not has_mosaic_interpret():
         raise ImplementationError(f"{what} runs a Mosaic GPU kernel in interpret mode, which needs jax >= 0.12 "
                                   f"(this is jax {jax.__version__}); on a Hopper GPU use 'pallas'.")
-    return params()
+    return mosaic_gpu().InterpretGPUParams()
 
 
 def mosaic_load(ref, *, layout):

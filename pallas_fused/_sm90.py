@@ -20,12 +20,7 @@ B dequantisation (optional: `dequant`, for quantised weights; QDoRA uses it): b 
 of the step's b tile to a's 16-bit dtype, dequant(stored tile), in registers, stores it into its own SMEM scratch
 with the 16-bit swizzle and runs the wgmma on that: wgmma reads a 16-bit B operand only from SMEM, and 8-bit
 operands only K-major and of one element type with A. Per-column scales belong in the epilogue (and a low-rank term
-beside them in `lowrank`, divided by them): the dequant sees the tile alone. The conversion would otherwise leave
-the tensor cores idle (load, convert, store, then the wgmma, then a wait for it), so with TileConfig.dequant_overlap
-each warpgroup has two scratch tiles, alternating by K step, and keeps one wgmma in flight: step k's tile is
-converted into one while step k-1's wgmma reads the other. That wgmma also reads step k-1's a tile from the ring,
-so the ring stages are released by hand (manual consumed barriers), each one step late, once wgmma_wait(1) of the
-next step says its wgmma is done; the last K step drains (wgmma_wait(0)) and releases its own stage.
+beside them in `lowrank`, divided by them): the dequant sees the tile alone.
 
 Low-rank step (optional: `lowrank` = (la (M, R), lb (R, N) or (N, R) in b's layout), 16-bit, R a multiple of 16):
 la @ lb goes into the same fp32 accumulator as a @ b before the epilogue (not with `promote`), so
@@ -40,8 +35,24 @@ matching tiles of b through a `max_concurrent_steps`-deep SMEM ring, and two com
 (tile_m, tile_n) fp32 accumulator. The vector slices are TMA-copied into SMEM when a tile starts, overlapping
 its main loop; the result leaves through SMEM in (epi_tile x epi_tile) TMA stores.
 
+Cluster (optional: TileConfig.cluster = "m" | "n", as jax's example's cluster_dimension): the grid is one cluster of
+two CTAs per two SMs, the snake walks (2 cta_m, cta_n) ("m") or (cta_m, 2 cta_n) ("n") cluster tiles, and each CTA
+takes its half. The two CTAs of a cluster along M read the same b tile each K step (along N, the same a tile): its
+BlockSpec is collective over the cluster, so each step's shared tile is one multicast TMA load into both CTAs' rings
+instead of two trips through L2, and a stage is refilled only once both CTAs have released it (cluster barriers).
+Shapes must then be multiples of the cluster tile (`TileConfig.cluster_tile`). Every path (vectors, promotion,
+dequant, low-rank step) runs with it: their other loads stay per CTA.
+
+One wgmma in flight (optional, TileConfig.overlap_wgmma; not with promote, which reads each step's product at once):
+each K step issues its wgmma and waits only for the previous step's (wgmma_wait(1)), then releases that step's SMEM
+stage by hand (manual consumed barriers); the last step's stage is released after the loop. So the warpgroup issues
+a step's wgmma as soon as its tiles land instead of after the previous one drains. With dequant each warpgroup then
+has two b scratch tiles, alternating by K step: step k's tile is converted into one while step k-1's wgmma still
+reads the other, so the conversion no longer leaves the tensor cores idle (with one scratch tile each step converts,
+issues its wgmma and waits for it before the next conversion may overwrite the tile).
+
 Users: fp8/kernel_sm90.py (row and column scales) and dora/kernel_sm90.py (column scale g and bias).
-Shapes must be multiples of the CTA tile and tile_k; callers pad or route elsewhere.
+Shapes must be multiples of the CTA (cluster) tile and tile_k; callers pad or route elsewhere.
 """
 
 from __future__ import annotations
@@ -71,16 +82,25 @@ class TileConfig:
     # Used only with `promote`: release a K step's SMEM stage as soon as its wgmma is done, before the promotion
     # (the memory warpgroup refills it meanwhile), instead of after the step's body.
     early_release: bool = False
-    # Used only with `dequant`: two 16-bit scratch tiles per warpgroup, alternating by K step, so a step's
-    # conversion runs while the previous step's wgmma does (module docstring), instead of one scratch tile and a
-    # wait for each step's wgmma before the next conversion.
-    dequant_overlap: bool = True
+    # Two CTAs of a cluster side by side along "m" (they share b's tile) or "n" (they share a's): the shared tile
+    # is loaded once per cluster and multicast into both CTAs' shared memory, halving its trips through L2.
+    cluster: str | None = None
+    # Not with promote: keep each K step's wgmma in flight while the next step's is issued, releasing a step's SMEM
+    # stage once the following wgmma is issued and the step's own is done; with dequant, two b scratch tiles per
+    # warpgroup, so a step's conversion runs beside the previous step's wgmma.
+    overlap_wgmma: bool = False
 
     @property
     def cta_tile(self) -> tuple[int, int]:
         if self.wg_split == "m":
             return 2 * self.tile_m, self.tile_n
         return self.tile_m, 2 * self.tile_n
+
+    @property
+    def cluster_tile(self) -> tuple[int, int]:
+        """The output tile of one cluster (of one CTA without `cluster`): what shapes must be multiples of."""
+        cta_m, cta_n = self.cta_tile
+        return cta_m * (2 if self.cluster == "m" else 1), cta_n * (2 if self.cluster == "n" else 1)
 
 
 Epilogue = Callable[[jax.Array, Sequence[jax.Array], Sequence[jax.Array]], jax.Array]
@@ -113,7 +133,9 @@ def _kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: in
     out_dtype = out_gmem.dtype
     tile_m, tile_n, tile_k = config.tile_m, config.tile_n, config.tile_k
     cta_m, cta_n = config.cta_tile
-    m_iters, n_iters, k_iters = m // cta_m, n // cta_n, k // tile_k
+    clu_m, clu_n = config.cluster_tile
+    m_iters, n_iters, k_iters = m // clu_m, n // clu_n, k // tile_k
+    ring = min(config.max_concurrent_steps, k_iters)  # the pipeline's stages (it shrinks a ring longer than K)
     epi = config.epi_tile
     transforms = _smem_transforms(plgpu, tile_k, a_gmem.dtype)
     # b's minor dimension is K ("nk") or N ("kn"), of which a warpgroup reads its tile_n columns.
@@ -123,15 +145,16 @@ def _kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: in
     split_m = config.wg_split == "m"
     minor = 1 if config.grid_minor_dim == "n" else 0  # planar_snake's minor_dim: 0 = M, 1 = N
     early = config.early_release and promote is not None
-    n_deq = 2 if config.dequant_overlap else 1  # 16-bit scratch tiles per compute warpgroup
-    # Without promote, the dequant path keeps one wgmma in flight across K steps and releases each ring stage
-    # itself once the wgmma reading it (its a tile) is done, a step later.
-    overlap = dequant is not None and promote is None and config.dequant_overlap
+    overlap = config.overlap_wgmma
+    n_deq = 2 if overlap else 1  # b scratch tiles per compute warpgroup (with dequant)
     smem_spec = functools.partial(plgpu.BlockSpec, memory_space=plgpu.SMEM)
+    # The operand both CTAs of a cluster read is one collective (multicast) load.
+    a_shared = dict(collective_axes=("cluster",)) if config.cluster == "n" else {}
+    b_shared = dict(collective_axes=("cluster",)) if config.cluster == "m" else {}
     if b_layout == "nk":
-        b_spec = smem_spec((cta_n, tile_k), lambda kk: (0, kk), transforms=b_transforms)
+        b_spec = smem_spec((cta_n, tile_k), lambda kk: (0, kk), transforms=b_transforms, **b_shared)
     else:
-        b_spec = smem_spec((tile_k, cta_n), lambda kk: (kk, 0), transforms=b_transforms)
+        b_spec = smem_spec((tile_k, cta_n), lambda kk: (kk, 0), transforms=b_transforms, **b_shared)
     # The step vectors ride the pipeline beside a and b (one (1, cta) row of each per K step, in the same SMEM
     # ring stage and under the same barrier), so a step's scales are in SMEM exactly when its tiles are; a
     # separate per-step TMA would need its own barrier ring.
@@ -143,7 +166,8 @@ def _kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: in
             body,
             grid=(k_iters,),
             memory_registers=40,
-            in_specs=[smem_spec((cta_m, tile_k), lambda kk: (0, kk), transforms=transforms), b_spec, *step_specs],
+            in_specs=[smem_spec((cta_m, tile_k), lambda kk: (0, kk), transforms=transforms, **a_shared), b_spec,
+                      *step_specs],
             wg_axis="wg",
             num_compute_wgs=2,
             max_concurrent_steps=config.max_concurrent_steps,
@@ -185,6 +209,10 @@ def _kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: in
         def _tiles(loop_info):
             (lin,) = getattr(loop_info, "index", loop_info)
             m_idx, n_idx = plgpu.planar_snake(lin, (m_iters, n_iters), minor, config.grid_tile_width)
+            if config.cluster == "m":  # the snake walks cluster tiles; each CTA takes its half
+                m_idx = 2 * m_idx + lax.axis_index("cluster")
+            elif config.cluster == "n":
+                n_idx = 2 * n_idx + lax.axis_index("cluster")
             cta_m_slice = pl.ds(m_idx * cta_m, cta_m)
             cta_n_slice = pl.ds(n_idx * cta_n, cta_n)
             wg_row = wg * tile_m if split_m else 0  # the warpgroup's first row and column in the CTA tile
@@ -234,6 +262,9 @@ def _kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: in
                     @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tile_m, tile_n), jnp.float32))
                     def _acc_scope(acc_ref):
                         eval_pipeline(acc_ref)
+                        if overlap:  # the last step's wgmma is still in flight: wait for it, release its stage
+                            plgpu.wgmma_wait(0)
+                            release_stage((k_iters - 1) % ring)
                         if lowrank:
                             # One more wgmma into the accumulator. The next tile's copies into these slices are
                             # issued by this warpgroup after the wait, so they never race the read.
@@ -257,43 +288,30 @@ def _kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: in
                         for v in step_smems[n_step_rows:]]
                 return [r.astype(jnp.float32) for r in rows], [c.astype(jnp.float32) for c in cols]
 
-            def release_stage(step):
-                """Arrive on every input's consumed barrier of K step `step`'s ring stage (manual release)."""
+            def release_stage(slot):
                 for barrier in pipeline_allocs["flat_consumed_barrier_refs"]:
-                    plgpu.barrier_arrive(barrier.at[lax.rem(step, config.max_concurrent_steps)])
+                    plgpu.barrier_arrive(barrier.at[slot])
 
-            def mma_body(idx, a_smem, b_smem, *rest):
+            def mma_body(idxs, a_smem, b_smem, *rest):
                 step_smems, consumed, carry = rest[:len(step_gmems)], rest[len(step_gmems):-1], rest[-1]
-                (kk,) = idx
                 b_wg = b_smem.at[wg_n] if b_layout == "nk" else b_smem.at[:, wg_n]
                 if dequant is not None:
                     # The stored tile through registers into this warpgroup's 16-bit scratch (with two, the K
                     # step's parity picks one); commit_smem fences the stores for the wgmma (async proxy) and syncs
                     # the warpgroup. The last wgmma that read this scratch tile is done: with one, the previous
-                    # step's (waited for before that step returned); with two, the one two steps back (each step
-                    # waits for its predecessor's wgmma before it returns).
-                    scratch = deq_smem.at[wg, lax.rem(kk, n_deq) if n_deq > 1 else 0]
+                    # step's, waited for before that step returned; with two (overlap), the one two steps back,
+                    # which the previous step's wgmma_wait(1) saw finish.
+                    scratch = deq_smem.at[wg, lax.rem(idxs[0], n_deq) if n_deq > 1 else 0]
                     scratch[...] = dequant(b_wg[...]).astype(deq_smem.dtype)
                     plgpu.commit_smem()
                     b_wg = scratch
                 b_tile = plgpu.transpose_ref(b_wg, (1, 0)) if b_layout == "nk" else b_wg
                 if promote is None:
                     plgpu.wgmma(carry, a_smem.at[wg_m], b_tile)
-                    if not overlap:
-                        plgpu.wgmma_wait(0)
-                        return carry
-                    # This step's wgmma runs on while the next step converts its tile. The previous step's wgmma is
-                    # done after wgmma_wait(1): its ring stage (the a tile it read; its b tile was read into
-                    # registers) goes back to the memory warpgroup. The last step drains, so the epilogue, the
-                    # low-rank wgmma and the next tile's pipeline find no wgmma in flight and every stage released.
-                    plgpu.wgmma_wait(1)
-                    pl.when(kk > 0)(lambda: release_stage(kk - 1))
-
-                    @pl.when(kk == k_iters - 1)
-                    def _drain():
-                        plgpu.wgmma_wait(0)
-                        release_stage(kk)
-
+                    plgpu.wgmma_wait(1 if overlap else 0)
+                    if overlap:  # the previous step's wgmma is done (this one runs on): release its stage
+                        step = idxs[0]
+                        pl.when(step > 0)(lambda: release_stage(lax.rem(step + ring - 1, ring)))
                     return carry
 
                 def release():  # the stage's tiles are no longer read: its scales are in registers
@@ -324,19 +342,21 @@ SMEM_LIMIT = 227 * 1024  # bytes of shared memory one CTA may allocate on sm90
 def smem_bytes(config: TileConfig, a_itemsize: int, b_itemsize: int, out_itemsize: int, rank: int = 0,
                lowrank_itemsize: int = 2, dequant: bool = False) -> int:
     """Shared memory of one CTA (the ring, the epilogue staging, the low-rank slices and, with `dequant`, the two
-    warpgroups' 16-bit b scratch tiles, two each with `dequant_overlap`; the vector slices and the barriers take under
-    2 KiB more)."""
+    warpgroups' 16-bit b scratch tiles, two each with overlap_wgmma; the vector slices and the barriers take under
+    2 KiB more). A cluster changes none of
+    it: each CTA holds its whole a and b tiles, one of them written by the other CTA's multicast."""
     cta_m, cta_n = config.cta_tile
     ring = config.max_concurrent_steps * config.tile_k * (cta_m * a_itemsize + cta_n * b_itemsize)
     out = 2 * 2 * config.epi_tile * config.epi_tile * out_itemsize
-    deq = 2 * (2 if config.dequant_overlap else 1) * config.tile_k * config.tile_n * a_itemsize if dequant else 0
+    deq = 2 * (2 if config.overlap_wgmma else 1) * config.tile_k * config.tile_n * a_itemsize if dequant else 0
     return ring + out + 2 * rank * (config.tile_m + config.tile_n) * lowrank_itemsize + deq
 
 
 def supported(m: int, n: int, k: int, config: TileConfig) -> bool:
-    """Whether the kernel runs these shapes as they are (no padding): multiples of the CTA tile and tile_k."""
-    cta_m, cta_n = config.cta_tile
-    return m % cta_m == 0 and n % cta_n == 0 and k % config.tile_k == 0
+    """Whether the kernel runs these shapes as they are (no padding): multiples of the cluster tile (the CTA tile
+    without a cluster) and tile_k."""
+    tm, tn = config.cluster_tile
+    return m % tm == 0 and n % tn == 0 and k % config.tile_k == 0
 
 
 def matmul(a, b, *, b_layout: str, row_vecs: Sequence[jax.Array] = (), col_vecs: Sequence[jax.Array] = (),
@@ -363,6 +383,7 @@ def matmul(a, b, *, b_layout: str, row_vecs: Sequence[jax.Array] = (), col_vecs:
     plgpu = _backend.mosaic_gpu()
     if b_layout not in ("kn", "nk"):
         raise ValueError(f"{name}: b_layout must be 'kn' or 'nk', got {b_layout!r}")
+    _check_config(config, promote, name)
     if dequant is not None:
         if jnp.dtype(a.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
             raise ValueError(f"{name}: with dequant, a must be bfloat16 or float16 (b's tiles are converted to its "
@@ -373,7 +394,7 @@ def matmul(a, b, *, b_layout: str, row_vecs: Sequence[jax.Array] = (), col_vecs:
     n = b.shape[1] if b_layout == "kn" else b.shape[0]
     if not supported(m, n, k, config):
         raise ValueError(f"{name}: shapes {a.shape} x {b.shape} ({b_layout}) must be multiples of the tile "
-                         f"{config.cta_tile + (config.tile_k,)}")
+                         f"{config.cluster_tile + (config.tile_k,)}")
     if (step_row_vecs or step_col_vecs) and promote is None:
         raise ValueError(f"{name}: step_row_vecs / step_col_vecs need a promote function")
     for kind, vecs, want in (("step_row_vecs", step_row_vecs, m), ("step_col_vecs", step_col_vecs, n)):
@@ -401,11 +422,14 @@ def matmul(a, b, *, b_layout: str, row_vecs: Sequence[jax.Array] = (), col_vecs:
                 lowrank=lowrank is not None)
 
     body.__name__ = body.__qualname__ = name  # the kernel's name in profiles
+    # One CTA per SM; with a cluster the grid counts clusters (of two CTAs, on two SMs).
+    cluster = dict(cluster=(2,), cluster_names=("cluster",)) if config.cluster else {}
     kernel = plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
-        grid=(_backend.num_sms(),),
+        grid=(max(1, _backend.num_sms() // (2 if config.cluster else 1)),),
         grid_names=("sm",),
+        **cluster,
         num_threads=3,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
@@ -413,6 +437,14 @@ def matmul(a, b, *, b_layout: str, row_vecs: Sequence[jax.Array] = (), col_vecs:
     )
     return jax.custom_batching.sequential_vmap(kernel)(a, b, *row_vecs, *col_vecs, *step_row_vecs, *step_col_vecs,
                                                        *(lowrank or ()))
+
+
+def _check_config(config: TileConfig, promote, name: str):
+    if config.cluster not in (None, "m", "n"):
+        raise ValueError(f"{name}: config.cluster must be None, 'm' or 'n', got {config.cluster!r}")
+    if config.overlap_wgmma and promote is not None:
+        raise ValueError(f"{name}: config.overlap_wgmma is not for promote: it reads each step's product, which must "
+                         f"wait for the step's wgmma")
 
 
 def _check_lowrank(lowrank, a, m: int, n: int, b_layout: str, name: str):

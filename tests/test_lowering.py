@@ -10,6 +10,7 @@ custom calls. What it cannot show: Triton's own compile to PTX and the kernel's 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import re
@@ -186,6 +187,48 @@ def test_blockwise_gemm_promotion():
                                    scale_rows=rows)
             found = kernels(fn, a, a, scales, scales)
             assert sum(found.count(t) for t in MOSAIC) == 1, (config, rows, found)
+
+
+@pytest.mark.parametrize("cluster", ["m", "n", None])
+def test_sm90_cluster_and_overlap(cluster):
+    """The sm90 skeleton with a 2-CTA cluster (the shared operand tile one multicast TMA load) and with one wgmma in
+    flight, at the FP8 GEMM's tiles (both splits), and the cluster with the per-K-step promotion, with b dequantised
+    in shared memory (one scratch tile, and two with one wgmma in flight beside the low-rank step) and with the
+    low-rank step (DoRA's 16-bit GEMM): Mosaic GPU's lowering of each runs here."""
+    from pallas_fused import _sm90
+    from pallas_fused.dora import kernel_sm90 as dora_sm90
+    from pallas_fused.fp8 import kernel_sm90
+
+    a = jax.ShapeDtypeStruct((1024, 512), jnp.float8_e4m3fn)
+    vec, scales = jax.ShapeDtypeStruct((1024,), jnp.float32), jax.ShapeDtypeStruct((4, 1024), jnp.float32)
+    x, q = jax.ShapeDtypeStruct((1024, 512), jnp.bfloat16), jax.ShapeDtypeStruct((512, 1024), jnp.int8)
+    la, lb = jax.ShapeDtypeStruct((1024, 16), jnp.bfloat16), jax.ShapeDtypeStruct((16, 1024), jnp.bfloat16)
+    with _backend.gpu_target((9, 0)):
+        calls = []
+        for split, overlap in itertools.product("nm", (False, True)):
+            config = _sm90.TileConfig(wg_split=split, cluster=cluster, overlap_wgmma=overlap)
+            calls.append((functools.partial(kernel_sm90.scaled_matmul_nt, out_dtype=jnp.bfloat16, config=config),
+                          (a, a, vec, vec)))
+        if cluster:
+            config = _sm90.TileConfig(tile_m=64, wg_split="m", early_release=True, cluster=cluster)
+            calls.append((functools.partial(kernel_sm90.blockwise_matmul_nt, out_dtype=jnp.bfloat16, config=config),
+                          (a, a, scales, scales)))
+            config = _sm90.TileConfig(tile_k=64, max_concurrent_steps=3, cluster=cluster)
+            calls.append((functools.partial(_sm90.matmul, b_layout="kn", dequant=dora_sm90._int8_codes,
+                                            epilogue=kernel_sm90._identity, out_dtype=jnp.bfloat16, config=config,
+                                            name="t"), (x, q)))
+            config = dataclasses.replace(config, overlap_wgmma=True)
+            # QDoRA's dx: int8 b read "nk", two scratch tiles with one wgmma in flight, the low-rank step
+            calls.append((lambda x, q, la, lb, config=config: _sm90.matmul(
+                x, q, b_layout="nk", dequant=dora_sm90._int8_codes, lowrank=(la, lb), epilogue=kernel_sm90._identity,
+                out_dtype=jnp.bfloat16, config=config, name="t"),
+                (x, jax.ShapeDtypeStruct((1024, 512), jnp.int8), la, jax.ShapeDtypeStruct((1024, 16), jnp.bfloat16))))
+            calls.append((lambda x, w, g, la, lb, config=config: dora_sm90.scaled_matmul(x, w, g, lowrank=(la, lb),
+                                                                                          config=config),
+                          (x, jax.ShapeDtypeStruct((512, 1024), jnp.bfloat16), vec, la, lb)))
+        for fn, args in calls:
+            found = kernels(fn, *args)
+            assert sum(found.count(t) for t in MOSAIC) == 1, (fn, found)
 
 
 @pytest.mark.parametrize("implementation", [None, "pallas:sm90", "pallas:merged", "pallas:epilogue", "pallas:gemm"])

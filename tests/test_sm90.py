@@ -1,5 +1,6 @@
 """The shared Hopper GEMM skeleton (pallas_fused/_sm90.py) in Mosaic GPU's interpret mode (jax >= 0.12): its
-16-bit "kn" and 8-bit "nk" paths with epilogue vectors and its per-K-step promotion against plain jnp, on the CPU
+16-bit "kn" and 8-bit "nk" paths with epilogue vectors, its per-K-step promotion, its 2-CTA cluster (multicast
+loads, cluster barriers) and its wgmma overlap (stages released by hand) against plain jnp, on the CPU
 (tests/test_lowering.py lowers the promotion's configurations for an sm90 GPU). The GPU tests of its users run the
 compiled kernel."""
 
@@ -101,7 +102,7 @@ DEQUANTS = {"direct": lambda t: t, "f32": lambda t: t.astype(jnp.float32)}
 def test_kn_int8_dequant(overlap, dequant):
     """b int8 (K, N) converted in shared memory, its per-column scale and g in the epilogue; 3 K steps, several
     output tiles per CTA; two scratch tiles and one wgmma in flight, or one scratch tile."""
-    config = dataclasses.replace(SMALL, dequant_overlap=overlap)
+    config = dataclasses.replace(SMALL, overlap_wgmma=overlap)
     x, q = rand(8, (256, 192), jnp.bfloat16), _codes(9, (192, 256))
     colscale = rand(10, (256,), scale=0.01, offset=0.02)
     out = _sm90.matmul(x, q, b_layout="kn", col_vecs=(colscale,), dequant=DEQUANTS[dequant],
@@ -115,7 +116,7 @@ def test_kn_int8_dequant(overlap, dequant):
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "single"])
 def test_nk_int8_dequant(overlap):
     """b int8 stored (N, K) (an Int8Kernel's codes (in, out) in the backward's dx = dy q^T), converted as is."""
-    config = dataclasses.replace(SMALL, dequant_overlap=overlap)
+    config = dataclasses.replace(SMALL, overlap_wgmma=overlap)
     x, q = rand(12, (128, 192), jnp.bfloat16), _codes(13, (128, 192))
     out = _sm90.matmul(x, q, b_layout="nk", dequant=DEQUANTS["direct"], epilogue=lambda acc, rows, cols: acc,
                        out_dtype=jnp.float32, config=config, name="test_nk_int8", interpret=True)
@@ -124,14 +125,15 @@ def test_nk_int8_dequant(overlap):
 
 
 @needs_interpret
-@pytest.mark.parametrize("k, steps", [(64, 1), (256, 3)], ids=["one_step", "ring3_k4"])
+@pytest.mark.parametrize("k, steps, cluster", [(64, 2, None), (256, 3, None), (192, 2, "m")],
+                         ids=["one_step", "ring3_k4", "cluster_m"])
 @pytest.mark.parametrize("b_layout", ["kn", "nk"])
-def test_int8_overlap_ring(k, steps, b_layout):
-    """The overlapped schedule's hand-released ring: a single K step (drained and released by the step that issued
-    its wgmma), and 4 K steps through a 3-deep ring (stages reused out of phase with the two scratch tiles), with
-    the low-rank wgmma after the drain, over several output tiles per CTA (each one a new pipeline run over the
-    same barriers)."""
-    config = dataclasses.replace(SMALL, max_concurrent_steps=steps, wg_split="m")
+def test_int8_overlap_ring(k, steps, cluster, b_layout):
+    """Dequant with one wgmma in flight: a single K step (a ring the pipeline shrinks to one stage; the last stage
+    released after the loop), 4 K steps through a 3-deep ring (stages reused out of phase with the two scratch
+    tiles), and a 2-CTA cluster sharing b's tiles (stages released to both CTAs), with the low-rank wgmma after the
+    drain, over several output tiles per CTA (each one a new pipeline run over the same barriers)."""
+    config = dataclasses.replace(SMALL, max_concurrent_steps=steps, wg_split="m", cluster=cluster, overlap_wgmma=True)
     x, q = rand(14, (256, k), jnp.bfloat16), _codes(15, (k, 128))
     la, lb = rand(16, (256, 16), jnp.bfloat16), rand(17, (16, 128), jnp.bfloat16)
     b, lb_in = (q, lb) if b_layout == "kn" else (q.T, lb.T)
@@ -146,8 +148,8 @@ def test_dequant_smem():
     """Two scratch tiles per warpgroup take one tile_k x tile_n 16-bit tile more per warpgroup than one; QDoRA's
     tuned ring is the deepest that still fits: 3 stages at rank 16, 2 at rank 64 (4 and 3 with one scratch tile)."""
     config = dora_sm90.qdora_config(4096, 4096, 4096, 16, jnp.bfloat16)
-    single = dataclasses.replace(config, dequant_overlap=False)
-    assert config.dequant_overlap
+    single = dataclasses.replace(config, overlap_wgmma=False)
+    assert config.overlap_wgmma
     extra = _sm90.smem_bytes(config, 2, 1, 2, dequant=True) - _sm90.smem_bytes(single, 2, 1, 2, dequant=True)
     assert extra == 2 * config.tile_k * config.tile_n * 2
     for rank, stages in ((16, 3), (64, 2)):
@@ -211,6 +213,77 @@ def test_smem_limit():
                      out_dtype=jnp.bfloat16, config=big, name="t", lowrank=(la, lb), interpret=True)
 
 
+def _fp8_scaled(config, m, k, n, name):
+    a = rand(20, (m, k), scale=4.0).astype(jnp.float8_e4m3fn)
+    bt = rand(21, (n, k), scale=4.0).astype(jnp.float8_e4m3fn)
+    sa, sb = rand(22, (m,), offset=2.0), rand(23, (n,), offset=2.0)
+    out = _sm90.matmul(a, bt, b_layout="nk", row_vecs=(sa,), col_vecs=(sb,), epilogue=fp8_sm90._row_col_scales,
+                       out_dtype=jnp.float32, config=config, name=name, interpret=True)
+    ref = (to64(a) * to64(sa)[:, None]) @ (to64(bt) * to64(sb)[:, None]).T
+    np.testing.assert_allclose(to64(out), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+
+
+@needs_interpret
+@pytest.mark.parametrize("cluster,wg_split,overlap", [("m", "n", False), ("n", "m", False), ("m", "m", True),
+                                                      ("n", "n", True)])
+def test_cluster(cluster, wg_split, overlap):
+    """Two CTAs per cluster sharing b's tile (cluster "m") or a's ("n") through multicast loads, 3 K steps through
+    a 2-deep ring, several cluster tiles per cluster."""
+    config = _sm90.TileConfig(tile_m=64, tile_n=64, tile_k=64, max_concurrent_steps=2, wg_split=wg_split,
+                              cluster=cluster, overlap_wgmma=overlap)
+    _fp8_scaled(config, 256, 192, 512, "test_cluster")
+
+
+@needs_interpret
+@pytest.mark.parametrize("k,stages", [(64, 2), (192, 2), (192, 4), (320, 3)])
+def test_overlap_wgmma(k, stages):
+    """One wgmma in flight: each step's stage released one step late (the last after the loop), with one K step,
+    a ring the pipeline shrinks to K's steps, and K steps that are not a multiple of the ring."""
+    config = _sm90.TileConfig(tile_m=64, tile_n=64, tile_k=64, max_concurrent_steps=stages, overlap_wgmma=True)
+    _fp8_scaled(config, 256, k, 256, "test_overlap")
+
+
+@needs_interpret
+def test_cluster_promote_dequant_lowrank():
+    """The cluster with the per-K-step promotion (its stage released early), with b dequantised in shared memory,
+    and with the low-rank step."""
+    config = _sm90.TileConfig(tile_m=64, tile_n=64, tile_k=128, max_concurrent_steps=2, wg_split="m",
+                              early_release=True, cluster="n")
+    (a, bt, sa, sb), want = _blockwise_operands(256, 384, 256)
+    out = _sm90.matmul(a, bt, b_layout="nk", step_row_vecs=(sa,), step_col_vecs=(sb,), promote=fp8_sm90._promote_blocks,
+                       epilogue=fp8_sm90._identity, out_dtype=jnp.float32, config=config, name="t", interpret=True)
+    np.testing.assert_allclose(to64(out), want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
+
+    config = dataclasses.replace(SMALL, cluster="m")
+    x, q = rand(24, (256, 192), jnp.bfloat16), jnp.clip(jnp.round(rand(25, (192, 256), scale=60.0)), -127, 127)
+    la, lb = rand(26, (256, 16), jnp.bfloat16), rand(27, (16, 256), jnp.bfloat16)
+    out = _sm90.matmul(x, q.astype(jnp.int8), b_layout="kn", dequant=lambda t: t.astype(jnp.float32),
+                       epilogue=lambda acc, rows, cols: acc, out_dtype=jnp.float32, config=config, name="t",
+                       interpret=True)
+    ref = to64(x) @ to64(q)
+    np.testing.assert_allclose(to64(out), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+    out = _sm90.matmul(x, q.astype(jnp.bfloat16), b_layout="kn", lowrank=(la, lb), epilogue=lambda acc, r, c: acc,
+                       out_dtype=jnp.float32, config=dataclasses.replace(config, overlap_wgmma=True), name="t",
+                       interpret=True)
+    ref = ref + to64(la) @ to64(lb)
+    np.testing.assert_allclose(to64(out), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("change,kwargs,match", [
+    (dict(cluster="k"), {}, "config.cluster must be None, 'm' or 'n'"),
+    (dict(overlap_wgmma=True), dict(promote=lambda p, r, c: p), "overlap_wgmma is not for promote"),
+    (dict(cluster="m"), {}, r"multiples of the tile \(128, 128, 64\)"),
+])
+def test_cluster_bad_config(change, kwargs, match):
+    """A cluster value that is none, a wgmma overlap where the step must wait, a shape that is no multiple of the
+    cluster tile: refused before Mosaic compiles anything."""
+    x = rand(0, (64, 128), jnp.bfloat16)
+    with pytest.raises(ValueError, match=match):
+        _sm90.matmul(x, jnp.ones((128, 128), jnp.bfloat16), b_layout="kn", epilogue=lambda acc, r, c: acc,
+                     out_dtype=jnp.float32, config=dataclasses.replace(SMALL, **change), name="t", **kwargs,
+                     interpret=True)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "single"])
 @pytest.mark.parametrize("rank", [16, 64])
@@ -222,7 +295,7 @@ def test_gpu_int8_dequant_schedules(overlap, rank, b_layout):
     if not _backend.is_hopper():
         pytest.skip("a Hopper kernel")
     config = dataclasses.replace(dora_sm90.qdora_config(4096, 4096, 4096, rank, jnp.bfloat16),
-                                 dequant_overlap=overlap)
+                                 overlap_wgmma=overlap)
     x, q = rand(20, (4096, 4096), jnp.bfloat16), _codes(21, (4096, 4096))
     la, lb = rand(22, (4096, rank), jnp.bfloat16), rand(23, (rank, 4096), jnp.bfloat16, scale=30.0)
     b, lb_in = (q, lb) if b_layout == "kn" else (q.T, lb.T)

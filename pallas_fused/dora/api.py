@@ -221,7 +221,7 @@ def _forward(statics, x, ops, a, b, m, bias, scale):
         if not _sm90_ok(kind, x.shape[0], ap.shape[0], bp.shape[1], x.dtype, ap.shape[1], interpret):
             cfg = kernel_sm90.config_for(x.shape[0], bp.shape[1], ap.shape[0], ap.shape[1])
             raise ValueError(f"dora_dense: implementation='pallas:sm90' needs a dense 16-bit kernel on one Hopper GPU "
-                             f"(or 'interpret:sm90') and shapes that are multiples of the tile {cfg.cta_tile} x "
+                             f"(or 'interpret:sm90') and shapes that are multiples of the tile {cfg.cluster_tile} x "
                              f"{cfg.tile_k}; got x {x.shape} {x.dtype}, "
                              f"kernel {ops[0].shape}")
         n, g = _column_norm_scale(ops, kind, ap, bp, scale, m, interpret, config)

@@ -99,7 +99,7 @@ def scaled_matmul(x, w, g=None, bias=None, *, lowrank=None, b_layout: str = "kn"
     config = config or config_for(m, n, k, rank)
     if x.dtype != w.dtype or not supported(m, n, k, x.dtype, config):
         raise ValueError(f"dora.kernel_sm90.scaled_matmul: x {x.shape} {x.dtype} and w {w.shape} {w.dtype} must share "
-                         f"a 16-bit dtype and be multiples of the tile {config.cta_tile + (config.tile_k,)}")
+                         f"a 16-bit dtype and be multiples of the tile {config.cluster_tile + (config.tile_k,)}")
     cols = (() if g is None else (g.astype(jnp.float32),)) + (() if bias is None else (bias,))
     return _sm90.matmul(x, w, b_layout=b_layout, col_vecs=cols, epilogue=_bias if g is None else _scale_bias,
                         out_dtype=x.dtype, config=config, name="pallas_fused_dora_gemm_sm90", lowrank=lowrank,
@@ -107,11 +107,12 @@ def scaled_matmul(x, w, g=None, bias=None, *, lowrank=None, b_layout: str = "kn"
 
 
 # QDoRA: the Int8Kernel's codes are b, dequantised tile by tile inside the GEMM (`_sm90.matmul(dequant=)`), and the
-# low-rank term rides the skeleton's low-rank step. tile_k 64: the int8 ring, the two bf16 scratch tiles per
-# warpgroup (dequant_overlap), the epilogue staging and the low-rank slices then fit one CTA's shared memory with a
-# 3-deep ring at rank 16 and a 2-deep one at rank 64 (tile_k 128 leaves room for 2 at most at rank 16);
+# low-rank term rides the skeleton's low-rank step. One wgmma in flight (overlap_wgmma): a K step's int8 tile is
+# converted while the previous step's wgmma runs, into the other of two bf16 scratch tiles per warpgroup. tile_k 64:
+# the int8 ring, the scratch tiles, the epilogue staging and the low-rank slices then fit one CTA's shared memory
+# with a 3-deep ring at rank 16 and a 2-deep one at rank 64 (at tile_k 128 the scratch tiles alone take 128 KiB);
 # `qdora_config` takes the deepest ring that fits.
-QDORA_HEURISTIC = dict(tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=4)
+QDORA_HEURISTIC = dict(tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=4, overlap_wgmma=True)
 
 
 def qdora_config(m: int, n: int, k: int, rank: int, dtype) -> _sm90.TileConfig:

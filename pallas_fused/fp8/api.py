@@ -174,20 +174,32 @@ def sm90_config(m, n, k, num_sms: int | None = None):
     fraction is tuning data) leaves most SMs idle: the weight gradients of narrow projections (2048x16384x512: 32
     tiles for 132 SMs). The small tile, 128 x 128 per CTA, doubles the tiles in flight there: rowwise 374 -> 726
     TFLOP/s at 2048x16384x512 and 420 -> 600 at 512x16384x2048 on an H100 (benchmarks/results/user_path_dev/); with
-    128 tiles or more the larger tile wins. The tiles are `kernel_sm90.tiles()` (this device kind's tuning table)."""
+    128 tiles or more the larger tile wins. The tiles are `kernel_sm90.tiles()` (this device kind's tuning table).
+
+    A tile may name a 2-CTA cluster (TileConfig.cluster): it is kept where the shape is a multiple of the cluster
+    tile (a cluster is never worth padding for) and, for the large tile, where the GEMM has at least
+    "cluster_min_tiles_per_sm" large CTA tiles per SM (tuning data); elsewhere the same tile runs without it."""
     from pallas_fused.fp8 import kernel_sm90
 
     config, small, small_max_tiles_per_sm = kernel_sm90.tiles()
-    split_m = dataclasses.replace(config, wg_split="m")
+    table = _backend.tuned("fp8_sm90", kernel_sm90.HEURISTIC)
     fp8 = jnp.float8_e4m3fn
-    fits = [c for c in (config, split_m) if kernel_sm90.supported(m, n, k, fp8, fp8, c)]
-    # Neither fits: pad as little as possible (the first on a tie).
+    fits = lambda c: kernel_sm90.supported(m, n, k, fp8, fp8, c)  # noqa: E731
+    alone = lambda c: dataclasses.replace(c, cluster=None)  # noqa: E731
+    splits = (config, dataclasses.replace(config, wg_split="m"))
+    # The first that fits: with the cluster, then without it; none fits: pad as little as possible (the first on a
+    # tie), without the cluster.
+    fitting = [c for c in (*splits, *map(alone, splits)) if fits(c)]
     padded = lambda c: (m + -m % c.cta_tile[0]) * (n + -n % c.cta_tile[1])  # noqa: E731
-    chosen = fits[0] if fits else min((config, split_m), key=padded)
+    chosen = fitting[0] if fitting else min(map(alone, splits), key=padded)
     tiles = -(-m // chosen.cta_tile[0]) * -(-n // chosen.cta_tile[1])
     num_sms = _backend.num_sms() if num_sms is None else num_sms
-    if tiles <= small_max_tiles_per_sm * num_sms and kernel_sm90.supported(m, n, k, fp8, fp8, small):
-        return small
+    if tiles <= small_max_tiles_per_sm * num_sms:
+        small_fits = [c for c in (small, alone(small)) if fits(c)]
+        if small_fits:
+            return small_fits[0]
+    if tiles < table["cluster_min_tiles_per_sm"] * num_sms:
+        return alone(chosen)
     return chosen
 
 
@@ -231,7 +243,7 @@ def _mm_nt(a, bt, sa, sb, out_dtype, fast_accum, impl):
         def launch(a, bt, sa, sb, out_dtype):
             m, n = a.shape[0], bt.shape[0]
             config = sm90_config(m, n, a.shape[1])
-            cm, cn = config.cta_tile
+            cm, cn = config.cluster_tile
             out = kernel_sm90.scaled_matmul_nt(
                 _pad_to(a, cm, config.tile_k), _pad_to(bt, cn, config.tile_k), _pad_vec(sa, cm), _pad_vec(sb, cn),
                 out_dtype=jnp.dtype(out_dtype), config=config)
@@ -260,7 +272,7 @@ def _mm_nt_blockwise(a, bt, sa_t, sb_t, out_dtype, scale_rows=(1, 1)):
     def launch(a, bt, sa_t, sb_t):
         m, n = a.shape[0], bt.shape[0]
         config = kernel_sm90.blockwise_tile(m, n, out_dtype)
-        cm, cn = config.cta_tile
+        cm, cn = config.cluster_tile
         # A shard starts at a block boundary where the shards' extents are block multiples; else the kernel is
         # not told that a scale covers whole tiles.
         rows = tuple(r if size % r == 0 else 1 for r, size in zip(scale_rows, (m, n)))

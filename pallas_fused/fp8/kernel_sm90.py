@@ -40,10 +40,13 @@ TileConfig = _sm90.TileConfig
 # The tiles of a GPU without a tuning table: the H200's (pallas_fused/tuning/nvidia_h200.json cites the sweeps).
 # "large": 128 x 128 per warpgroup, tile_k 128 (bytes), 4 stages = 192 KiB of shared memory; "small": half as wide,
 # for a GEMM whose large tiles number at most "small_max_tiles_per_sm" per SM (`api.sm90_config`); "xla_*": where
-# plain "pallas" calls XLA's fp8 dot instead (`api.cublas_wins`).
-HEURISTIC = {"large": dict(tile_m=128, tile_n=128, tile_k=128, max_concurrent_steps=4),
+# plain "pallas" calls XLA's fp8 dot instead (`api.cublas_wins`). A tile may carry any TileConfig field: the large
+# one a 2-CTA cluster along M (its two CTAs share b's tiles by multicast); "cluster_min_tiles_per_sm": the fewest
+# large CTA tiles per SM at which the large tile keeps its cluster (`api.sm90_config`).
+HEURISTIC = {"large": dict(tile_m=128, tile_n=128, tile_k=128, max_concurrent_steps=4, cluster="m"),
              "small": dict(tile_m=128, tile_n=64, tile_k=128, max_concurrent_steps=4),
-             "small_max_tiles_per_sm": 0.5, "xla_max_tiles_per_sm": 0.5, "xla_min_k": 8192}
+             "small_max_tiles_per_sm": 0.5, "xla_max_tiles_per_sm": 0.5, "xla_min_k": 8192,
+             "cluster_min_tiles_per_sm": 0.0}
 
 
 def tiles() -> tuple[TileConfig, TileConfig, float]:
@@ -71,7 +74,7 @@ def scaled_matmul_nt(a, bt, a_scale, b_scale, *, out_dtype, config: TileConfig):
     m, k = a.shape
     if not supported(m, bt.shape[0], k, a.dtype, bt.dtype, config):
         raise ValueError(f"kernel_sm90.scaled_matmul_nt: shapes {a.shape} x {bt.shape} must be multiples of the "
-                         f"tile {config.cta_tile + (config.tile_k,)} with one fp8 dtype")
+                         f"tile {config.cluster_tile + (config.tile_k,)} with one fp8 dtype")
     return _sm90.matmul(a, bt, b_layout="nk", row_vecs=(a_scale.astype(jnp.float32),),
                         col_vecs=(b_scale.astype(jnp.float32),), epilogue=_row_col_scales, out_dtype=out_dtype,
                         config=config, name="pallas_fused_fp8_scaled_matmul_sm90")
@@ -146,7 +149,7 @@ def blockwise_matmul_nt(a, bt, a_scales_t, b_scales_t, *, out_dtype, config: Til
         raise ValueError(f"{op}: config.tile_k must be {BLOCK_K} (one scale block per K step), got {config.tile_k}")
     if not supported(m, n, k, a.dtype, bt.dtype, config) or bt.shape[1] != k:
         raise ValueError(f"{op}: shapes {a.shape} x {bt.shape} must share K and be multiples of the tile "
-                         f"{config.cta_tile + (config.tile_k,)} with one fp8 dtype")
+                         f"{config.cluster_tile + (config.tile_k,)} with one fp8 dtype")
     for name, s, want in (("a_scales_t", a_scales_t, (k // BLOCK_K, m)), ("b_scales_t", b_scales_t, (k // BLOCK_K, n))):
         if s.shape != want:
             raise ValueError(f"{op}: {name} must have shape (K / {BLOCK_K}, {'M' if name[0] == 'a' else 'N'}) = "

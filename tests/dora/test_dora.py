@@ -261,7 +261,7 @@ def test_sm90_needs_hopper_and_tile_shapes():
     x, w, a, b, m, bias, _ = make(46, (5,), 64, 48, 4, jnp.bfloat16)
     with pytest.raises(ValueError, match="implementation='pallas:sm90' needs"):
         dora_dense(x, w, a, b, m, bias, scale=0.5, implementation="pallas:sm90")
-    if getattr(_backend.mosaic_gpu(), "InterpretGPUParams", None) is None:
+    if not _backend.has_mosaic_interpret():
         with pytest.raises(_backend.ImplementationError, match="jax >= 0.12"):
             dora_dense(x, w, a, b, m, bias, scale=0.5, implementation="interpret:sm90")
     else:
@@ -270,7 +270,7 @@ def test_sm90_needs_hopper_and_tile_shapes():
 
 
 needs_mosaic_interpret = pytest.mark.skipif(
-    getattr(_backend.mosaic_gpu(), "InterpretGPUParams", None) is None,
+    not _backend.has_mosaic_interpret(),
     reason="Mosaic GPU interpret mode needs jax >= 0.12")
 
 

@@ -11,7 +11,7 @@ from pallas_fused import _backend
 from pallas_fused.dora import lora_dense, lora_dense_reference
 from tests.helpers import assert_close, rand
 
-HAS_MOSAIC_INTERPRET = getattr(_backend.mosaic_gpu(), "InterpretGPUParams", None) is not None
+HAS_MOSAIC_INTERPRET = _backend.has_mosaic_interpret()
 
 
 def _make(seed, lead, fin, fout, r, dtype):
@@ -106,3 +106,17 @@ def test_linen_lora_dense():
     np.testing.assert_allclose(layer.apply({"params": params}, x), want, rtol=1e-5, atol=1e-5)
     with pytest.raises(ValueError, match="LoRADense: rank"):
         LoRADense(16, rank=0).init(jax.random.key(0), x)
+
+
+def test_runs_sm90_rank_rule():
+    """On Hopper, plain "pallas" runs the sm90 kernels up to DoRA's tuned rank and XLA's dots above it."""
+    from pallas_fused.dora import kernel_sm90
+    from pallas_fused.dora.lora import runs_sm90
+
+    with _backend.gpu_target((9, 0)):
+        assert kernel_sm90.max_rank() == 16
+        assert runs_sm90(4096, 4096, 4096, jnp.bfloat16, 16, False)
+        assert runs_sm90(4096, 4096, 4096, jnp.bfloat16, 5, False)  # padded to 16
+        assert not runs_sm90(4096, 4096, 11008, jnp.bfloat16, 64, False)
+        assert not runs_sm90(4096, 4096, 4096, jnp.float32, 16, False)  # 16-bit x only
+    assert runs_sm90(4096, 4096, 11008, jnp.bfloat16, 64, True) == _backend.has_mosaic_interpret()

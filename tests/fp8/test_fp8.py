@@ -530,6 +530,76 @@ def test_gpu_scaled_matmul_nt_tiles(granularity, m, k, n, cta_tile):
     assert sqnr(out, want) >= 40
 
 
+# A tuning table whose tiles carry a cluster and the wgmma overlap (the fields the table may set per tile).
+CLUSTER_TABLE = {"large": dict(tile_m=128, tile_n=128, tile_k=128, max_concurrent_steps=4, cluster="m",
+                               overlap_wgmma=True),
+                 "small": dict(tile_m=128, tile_n=64, tile_k=128, max_concurrent_steps=4, cluster="n"),
+                 "cluster_min_tiles_per_sm": 2.0}
+
+
+@pytest.fixture
+def cluster_table(monkeypatch):
+    """"fp8_sm90" of this device kind's tuning table replaced by CLUSTER_TABLE."""
+    tuned = _backend.tuned
+    monkeypatch.setattr(_backend, "tuned", lambda section, heuristic: {**tuned(section, heuristic), **CLUSTER_TABLE}
+                        if section == "fp8_sm90" else tuned(section, heuristic))
+
+
+@pytest.mark.parametrize("m,n,num_sms,cluster,cta_tile", [
+    (4096, 4096, 132, "m", (128, 256)),  # 512 CTA tiles: 3.9 per SM, at least cluster_min_tiles_per_sm
+    (4096, 2048, 132, None, (128, 256)),  # 256 CTA tiles: 1.9 per SM, fewer
+    (384, 4096, 1, None, (128, 256)),  # M = 3 x 128: no multiple of either cluster tile along M
+    (512, 5504, 1, "m", (256, 128)),  # N = 43 x 128: the split along M, clustered
+    (1024, 1024, 132, "n", (128, 128)),  # few tiles: the small tile, with its own cluster
+    (1024, 1152, 132, None, (128, 128)),  # N = 9 x 128: the small tile without its cluster
+])
+def test_sm90_tile_cluster_rule(cluster_table, m, n, num_sms, cluster, cta_tile):
+    """A tuned tile keeps its cluster where the shape is a multiple of the cluster tile and (the large tile) the
+    GEMM has at least cluster_min_tiles_per_sm CTA tiles per SM; elsewhere the same tile runs without it."""
+    from pallas_fused.fp8 import api, kernel_sm90
+
+    config = api.sm90_config(m, n, 4096, num_sms=num_sms)
+    assert (config.cluster, config.cta_tile) == (cluster, cta_tile)
+    assert kernel_sm90.supported(m, n, 4096, E4, E4, config)
+    assert config.overlap_wgmma is (cta_tile != (128, 128))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("granularity", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize("cluster,overlap", [("m", False), ("n", False), ("m", True), ("n", True), (None, True)])
+def test_gpu_scaled_matmul_nt_cluster(granularity, cluster, overlap):
+    """The Hopper kernel with a 2-CTA cluster (the shared operand tile multicast) and / or one wgmma in flight
+    against the reference, at a multiple of the cluster tile with several cluster tiles per cluster."""
+    from pallas_fused.fp8 import kernel_sm90
+
+    if not _backend.is_hopper():
+        pytest.skip("needs Hopper")
+    config = dataclasses.replace(kernel_sm90.tiles()[0], cluster=cluster, overlap_wgmma=overlap)
+    m, k, n = 4096, 1024, 6144
+    axis = None if granularity == "tensorwise" else -1
+    a8, sa = quantize(rand(37, (m, k), jnp.bfloat16), E4, axis)
+    bt8, sb = quantize(rand(38, (n, k), jnp.bfloat16), E4, axis)
+    sa_v, sb_v = (jnp.broadcast_to(s.reshape(-1), (rows,)) for s, rows in ((sa, m), (sb, n)))
+    out = kernel_sm90.scaled_matmul_nt(a8, bt8, sa_v, sb_v, out_dtype=jnp.bfloat16, config=config)
+    want = scaled_matmul_nt(a8, bt8, sa, sb, implementation="xla")
+    assert sqnr(out, want) >= 40
+
+
+@pytest.mark.gpu
+def test_gpu_scaled_matmul_nt_cluster_user_path(cluster_table):
+    """The user's call picks the tuned cluster tile (CLUSTER_TABLE) and matches XLA."""
+    from pallas_fused.fp8 import api
+
+    if not _backend.is_hopper():
+        pytest.skip("needs Hopper")
+    m, k, n = 8192, 768, 4096
+    assert api.sm90_config(m, n, k).cluster == "m"
+    a8, sa = quantize(rand(39, (m, k), jnp.bfloat16), E4, -1)
+    bt8, sb = quantize(rand(40, (n, k), jnp.bfloat16), E4, -1)
+    out = jax.jit(scaled_matmul_nt)(a8, bt8, sa, sb)
+    assert sqnr(out, scaled_matmul_nt(a8, bt8, sa, sb, implementation="xla")) >= 40
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_gpu_dense_matches_xla(recipe):

@@ -1,7 +1,7 @@
 """Blockwise FP8 GEMM on Hopper (dev probe): compile, check against the exact reference, time.
 
-python -m benchmarks.results.fp8_dev.blockwise_probe [small|large|shapes|sweep|dense|schedules|quantize ...]
-(default: all but schedules and quantize)
+python -m benchmarks.results.fp8_dev.blockwise_probe [small|large|shapes|sweep|dense|schedules|quantize|cluster ...]
+(default: all but schedules, quantize and cluster)
 
 small: 256x512x384 with every tile config that takes it; large: 8192^3 with the api's tile; shapes: the example's
 GEMMs through the api (padding included); sweep: tile / stage variants at 8192^3; dense: the blockwise Dense
@@ -10,7 +10,8 @@ early_release) and the scalar read of b's block scales (scale_rows) by tile and 
 rowwise kernel at the same tiles (the ceiling without promotion); then the fastest four and the tuned tile with
 vector scales at the example's GEMMs 16384x2048x{2048,5504,512} (M x K x N); torch._scaled_mm's blockwise mode
 at each shape. With MOSAIC_GPU_DUMP_PTXAS=1 each kernel's ptxas report (registers, spills, wgmma serialization)
-precedes its line on stderr ("compiling <label>" marks where each begins). quantize: the one-pass quantize kernel
+precedes its line on stderr ("compiling <label>" marks where each begins). cluster: the tuned tile as a 2-CTA cluster
+along M and N beside it alone, at 8192^3 and the example's GEMMs. quantize: the one-pass quantize kernel
 writing both copies at 16384x8192 bf16 by warps per program, in GB/s of HBM traffic (4.8 TB/s peak); it runs
 before schedules, and both stop starting cases some BUDGET_S seconds (default 170) after the probe starts.
 (benchmarks/results/logs/h200_2026-11-26_blockwise_schedules.log also timed promotion schedules and a quantize
@@ -263,3 +264,19 @@ if "schedules" in WHAT:
                  direct(cfg, scale_rows=rows), args, want, 2 * m * n * k, n=30)
         torch_blockwise(f"sched {m}x{k}x{n}", args, want, 2 * m * n * k, n=30)
     print(f"schedules: {time.time() - start:.0f} s", flush=True)
+
+if "cluster" in WHAT:
+    # The tuned tile as a 2-CTA cluster (TileConfig.cluster: "m" shares b's tiles and their scale rows by multicast,
+    # "n" a's), at 8192^3 and the example's GEMMs, beside the tuned tile alone and torch's blockwise mode.
+    for m, k, n in ((8192, 8192, 8192), (16384, 2048, 2048), (16384, 2048, 5504), (16384, 2048, 512)):
+        if time.time() - START > BUDGET_S:
+            break
+        args, want, _ = operands(m, k, n)
+        here = kernel_sm90.blockwise_tile(m, n, jnp.bfloat16)
+        for cluster in (None, "m", "n"):
+            cfg = dataclasses.replace(here, cluster=cluster)
+            if not kernel_sm90.supported(m, n, k, E4, E4, cfg):
+                continue
+            case(f"cluster {m}x{k}x{n} {cfg.tile_m}x{cfg.tile_n}/{cfg.wg_split} st{cfg.max_concurrent_steps} "
+                 f"cluster={cluster}", direct(cfg, scale_rows=(1, 128)), args, want, 2 * m * n * k, n=30)
+        torch_blockwise(f"cluster {m}x{k}x{n}", args, want, 2 * m * n * k, n=30)

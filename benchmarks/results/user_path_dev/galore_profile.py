@@ -38,9 +38,14 @@ def fresh(tx, M, N, dtype):
     return params, grads, jax.tree.map(jnp.copy, state)
 
 
-for M, N, r, dtype in ((4096, 4096, 128, jnp.float32), (4096, 11008, 128, jnp.float32),
-                       (4096, 4096, 128, jnp.bfloat16), (4096, 4096, 32, jnp.float32), (4096, 4096, 512, jnp.float32)):
+CASES = ((4096, 4096, 128, jnp.float32), (4096, 11008, 128, jnp.float32),
+         (4096, 4096, 128, jnp.bfloat16), (4096, 4096, 32, jnp.float32), (4096, 4096, 512, jnp.float32),
+         (4096, 11008, 512, jnp.float32), (4096, 4096, 512, jnp.bfloat16))
+ONLY = [c for c in os.environ.get("GALORE_PROFILE_CASES", "").split(",") if c]  # e.g. "4096x4096 r128 bfloat16"
+for M, N, r, dtype in CASES:
     case = f"{M}x{N} r{r} {jnp.dtype(dtype).name}"
+    if ONLY and case not in ONLY:
+        continue
     for name, make in TXS.items():
         tx = make(r)
 
@@ -51,7 +56,7 @@ for M, N, r, dtype in ((4096, 4096, 128, jnp.float32), (4096, 11008, 128, jnp.fl
 
         try:
             carry = fresh(tx, M, N, dtype)
-            if r == 128:
+            if r in (128, 512):
                 with open(f"{OUT}/hlo/{M}x{N}_{jnp.dtype(dtype).name}_{name}.txt", "w") as f:
                     f.write(step.lower(*carry).compile().as_text())
             ms = bench_carry(step, carry, n=50, reps=7)

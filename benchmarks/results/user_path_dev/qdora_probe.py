@@ -6,9 +6,9 @@ output returned beside the gradients of x, A, B and m, so XLA cannot drop the fo
 call (bench: median of means):
 
   int8:overlap        the default sm90_dequant GEMMs: two scratch tiles per warpgroup, one wgmma in flight
-                      (TileConfig.dequant_overlap; its ring as deep as shared memory allows: 3 at r16, 2 at r64)
+                      (TileConfig.overlap_wgmma; its ring as deep as shared memory allows: 3 at r16, 2 at r64)
   int8:overlap_epi32  the same with 32 x 32 epilogue stores (24 KiB less staging: a 4-deep ring at r16)
-  int8:single         one scratch tile per warpgroup and a wait for each wgmma (dequant_overlap=False; 4 / 3 deep)
+  int8:single         one scratch tile per warpgroup and a wait for each wgmma (overlap_wgmma=False; 4 / 3 deep)
   bf16                bf16 DoRA (implementation="pallas": the sm90 GEMM at r16, cuBLAS on the merged weight at r64)
   xla:int8            W dequantised in full, then XLA's GEMMs (implementation="xla")
   base                x @ W alone (bf16), the floor
@@ -42,7 +42,7 @@ DEFAULT = dict(kernel_sm90.QDORA_HEURISTIC)
 CPU = jax.default_backend() == "cpu"
 BF16_IMPL, INT8_IMPL = ("interpret", "interpret:sm90_dequant") if CPU else ("pallas", "pallas")
 INT8 = {"int8:overlap": DEFAULT, "int8:overlap_epi32": {**DEFAULT, "epi_tile": 32},
-        "int8:single": {**DEFAULT, "dequant_overlap": False}}
+        "int8:single": {**DEFAULT, "overlap_wgmma": False}}
 
 
 def data(tokens, fin, fout, r):
