@@ -7,7 +7,8 @@ call (bench: median of means):
 
   int8:overlap        the default sm90_dequant GEMMs: two scratch tiles per warpgroup, one wgmma in flight
                       (TileConfig.overlap_wgmma; its ring as deep as shared memory allows: 3 at r16, 2 at r64)
-  int8:overlap_epi32  the same with 32 x 32 epilogue stores (24 KiB less staging: a 4-deep ring at r16)
+  int8:overlap_epi32  the same with 32 x 32 epilogue stores (24 KiB less staging: a 4-deep ring at r16; r16 only,
+                      at r64 the ring stays 2 deep)
   int8:single         one scratch tile per warpgroup and a wait for each wgmma (overlap_wgmma=False; 4 / 3 deep)
   bf16                bf16 DoRA (implementation="pallas": the sm90 GEMM at r16, cuBLAS on the merged weight at r64)
   xla:int8            W dequantised in full, then XLA's GEMMs (implementation="xla")
@@ -18,7 +19,7 @@ Frobenius error, `err`); `stages` is the ring depth its forward GEMM got. A row 
 its time over bf16 DoRA's.
 
     python -m benchmarks.results.user_path_dev.qdora_probe OUT_DIR
-    (NPROC=4 on a CPU: a dry run; set qdora_probe.CASES to small shapes first)
+    (NPROC=8 on a CPU: a dry run; set qdora_probe.CASES to small shapes first)
 """
 
 import os
@@ -28,7 +29,8 @@ import time
 import jax
 import jax.numpy as jnp
 
-from benchmarks.common import bench, error_text, probe_recorder, rnd
+from benchmarks.bench_dora import _data
+from benchmarks.common import bench, error_text, probe_recorder
 from pallas_fused.dora import dora_dense, kernel_sm90, quantize_int8
 from pallas_fused.dora.api import choose_variant
 
@@ -43,16 +45,6 @@ CPU = jax.default_backend() == "cpu"
 BF16_IMPL, INT8_IMPL = ("interpret", "interpret:sm90_dequant") if CPU else ("pallas", "pallas")
 INT8 = {"int8:overlap": DEFAULT, "int8:overlap_epi32": {**DEFAULT, "epi_tile": 32},
         "int8:single": {**DEFAULT, "overlap_wgmma": False}}
-
-
-def data(tokens, fin, fout, r):
-    x = rnd(1, (tokens, fin), jnp.bfloat16)
-    w = rnd(2, (fin, fout), jnp.bfloat16, scale=fin ** -0.5)
-    a = rnd(3, (fin, r), jnp.bfloat16, scale=r ** -0.5)
-    b = rnd(4, (r, fout), jnp.bfloat16, scale=0.01)
-    m = jnp.linalg.norm(w.astype(jnp.float32), axis=0).astype(jnp.bfloat16)
-    dy = rnd(5, (tokens, fout), jnp.bfloat16)
-    return x, w, a, b, m, dy
 
 
 def layer(impl):
@@ -75,7 +67,7 @@ def rel_err(got, want):
 
 def probe_case(tokens, fin, fout, r, t0):
     case = f"{tokens}x{fin}->{fout} r{r}"
-    x, w, a, b, m, dy = data(tokens, fin, fout, r)
+    x, w, a, b, m, dy = _data(tokens, fin, fout, r)
     qw = quantize_int8(w)
     record(case=case, variant=choose_variant("int8", tokens, fin, fout, jnp.bfloat16, False, r))
     times = {}
@@ -99,6 +91,8 @@ def probe_case(tokens, fin, fout, r, t0):
     timed("fwd", "xla:int8", xfwd, x, qw, a, b, m)
     timed("fwdbwd", "xla:int8", xfwdbwd, x, qw, a, b, m, dy)
     for impl, table in INT8.items():
+        if impl == "int8:overlap_epi32" and r > 16:
+            continue
         kernel_sm90.QDORA_HEURISTIC = table
         jax.clear_caches()  # the tile configuration is read when the jitted GEMMs trace
         stages = kernel_sm90.qdora_config(tokens, fout, fin, -(-r // 16) * 16, jnp.bfloat16).max_concurrent_steps
