@@ -8,7 +8,7 @@ Cases (ANCHORS.md): fp32 W and G, TF32 allowed, non-refresh step, proj_type "std
   pallas:inplace_api  galore_adamw_inplace's step (count 1: the refresh lax.cond is taken but skips)
   pallas:tx       (section user_path, the rows of record) the user's path: jit(galore_adamw update ->
                   optax.apply_updates), params, grads and state donated, count > 0 (the refresh lax.cond skips),
-                  fp32 and bf16 params; with no weight decay it is XLA's graph, whose up-projection GEMM takes
+                  fp32 and bf16 params, one matrix per step and a Llama-7B layer's seven in one step; with no weight decay it is XLA's graph, whose up-projection GEMM takes
                   apply_updates' add; pallas:tx_wd with weight_decay=0.01 (the Pallas kernels);
                   pallas:tx_optax_convention with convention="optax": the peer's algorithm (it projects the larger
                   side: smaller moments, a larger projector), i.e. the same work as the peer's row
@@ -340,49 +340,73 @@ def _time_once(fn, *args, reps=3):
     return float(np.median(ts))
 
 
+LLAMA7B_LAYER = {"q": (4096, 4096), "k": (4096, 4096), "v": (4096, 4096), "o": (4096, 4096),
+                 "gate": (4096, 11008), "up": (4096, 11008), "down": (11008, 4096)}
+
+
+def _user_path_txs(r):
+    """(row name, make the optimizer) for the user-path rows at rank r."""
+    return [("pallas:tx", lambda: api.galore_adamw(LR, rank=r, update_proj_gap=10**9, scale=SCALE, eps=EPS)),
+            ("pallas:tx_wd", lambda: api.galore_adamw(LR, rank=r, update_proj_gap=10**9, scale=SCALE, eps=EPS,
+                                                      weight_decay=0.01)),
+            # the peer's own algorithm (its side, eps and scale convention): the same work as the peer's row
+            ("pallas:tx_optax_convention", lambda: api.galore_adamw(LR, rank=r, update_proj_gap=10**9, scale=SCALE,
+                                                                    convention="optax")),
+            ("peer:optax_contrib_galore", lambda: optax.contrib.galore(LR, rank=r, update_proj_gap=10**9,
+                                                                       scale=SCALE)),
+            ("pallas:inplace_api", lambda: api.galore_adamw_inplace(LR, rank=r, update_proj_gap=10**9, scale=SCALE,
+                                                                    eps=EPS))]
+
+
+def _user_path_rows(rec, case, shapes, r, dtype, quick, kw):
+    """Each optimizer's donated `update -> apply_updates` step (or the in-place step) on params {name: shape}."""
+    for impl, make in _user_path_txs(r):
+        try:
+            tx = make()
+            params = {k: rnd(3 + i, s, dtype) for i, (k, s) in enumerate(shapes.items())}
+            grads = {k: rnd(40 + i, s, dtype) for i, (k, s) in enumerate(shapes.items())}
+            state = tx.init(params)
+            if impl == "pallas:inplace_api":
+                def step(p, g, s, tx=tx):
+                    p, s = tx.step(p, g, s)
+                    return p, g, s
+            else:
+                def step(p, g, s, tx=tx):
+                    u, s = tx.update(g, s, p)
+                    return optax.apply_updates(p, u), g, s
+            step = jax.jit(step, donate_argnums=(0, 1, 2))
+            # the refresh step (count 0) once, outside the timed loop
+            params, grads, state = step(params, grads, state)
+            rec.add(OP, case, impl, bench_carry(step, (params, grads, state), n=20 if quick else 50), **kw)
+        except Exception as e:  # noqa: BLE001
+            rec.add(OP, case, impl, None, error=error_text(e))
+
+
+def _user_path_bytes(shapes, r, item):
+    """The optax path's fewest bytes: read G, write the update, apply_updates reads it and p and writes p, plus the
+    low-rank state (fp32 moments in and out, the projector)."""
+    return sum(4 * m * n * item + (4 * min(m, n) * r + r * max(m, n)) * 4 for m, n in shapes.values())
+
+
 def user_path(rec, quick):
     """The rows of record: what a user writes, `jit(tx.update -> optax.apply_updates)` with params, grads and
-    state donated, one (M, N) weight, count > 0 (the refresh lax.cond is taken and skips), beside
-    optax.contrib.galore and galore_adamw_inplace's step in the same harness. floor_ms: the optax path's fewest
-    bytes (read G, write the update, apply_updates reads it and p and writes p, plus the low-rank state)."""
+    state donated, count > 0 (the refresh lax.cond is taken and skips), beside optax.contrib.galore and
+    galore_adamw_inplace's step in the same harness: one (M, N) weight per step, and a Llama-7B layer's seven
+    matrices in one step (the refresh predicate's read-back and the launches shared by the layer, as a model's
+    step shares them). floor_ms: `_user_path_bytes`."""
     cases = [(4096, 4096, 32, jnp.float32), (4096, 4096, 128, jnp.float32), (4096, 4096, 512, jnp.float32),
              (4096, 11008, 128, jnp.float32), (4096, 4096, 128, jnp.bfloat16), (4096, 11008, 128, jnp.bfloat16)]
     if not quick:
         cases += [(4096, 11008, 32, jnp.float32), (4096, 11008, 512, jnp.float32), (4096, 4096, 512, jnp.bfloat16)]
     for M, N, r, dtype in cases:
         (M, N), r = _d(M, N), _r(r)
-        case = f"user path {M}x{N} r{r} {jnp.dtype(dtype).name}"
-        item = jnp.dtype(dtype).itemsize
-        kw = dict(nbytes=4 * M * N * item + (4 * min(M, N) * r + r * max(M, N)) * 4)
-        txs = [("pallas:tx", lambda r=r: api.galore_adamw(LR, rank=r, update_proj_gap=10**9, scale=SCALE, eps=EPS)),
-               ("pallas:tx_wd", lambda r=r: api.galore_adamw(LR, rank=r, update_proj_gap=10**9, scale=SCALE, eps=EPS,
-                                                             weight_decay=0.01)),
-               # the peer's own algorithm (its side, eps and scale convention): the same work as the peer's row
-               ("pallas:tx_optax_convention", lambda r=r: api.galore_adamw(LR, rank=r, update_proj_gap=10**9,
-                                                                           scale=SCALE, convention="optax")),
-               ("peer:optax_contrib_galore", lambda r=r: optax.contrib.galore(LR, rank=r, update_proj_gap=10**9,
-                                                                              scale=SCALE)),
-               ("pallas:inplace_api", lambda r=r: api.galore_adamw_inplace(LR, rank=r, update_proj_gap=10**9,
-                                                                           scale=SCALE, eps=EPS))]
-        for impl, make in txs:
-            try:
-                tx = make()
-                params, grads = {"w": rnd(3, (M, N), dtype)}, {"w": rnd(4, (M, N), dtype)}
-                state = tx.init(params)
-                if impl == "pallas:inplace_api":
-                    def step(p, g, s, tx=tx):
-                        p, s = tx.step(p, g, s)
-                        return p, g, s
-                else:
-                    def step(p, g, s, tx=tx):
-                        u, s = tx.update(g, s, p)
-                        return optax.apply_updates(p, u), g, s
-                step = jax.jit(step, donate_argnums=(0, 1, 2))
-                # the refresh step (count 0) once, outside the timed loop
-                params, grads, state = step(params, grads, state)
-                rec.add(OP, case, impl, bench_carry(step, (params, grads, state), n=20 if quick else 50), **kw)
-            except Exception as e:  # noqa: BLE001
-                rec.add(OP, case, impl, None, error=error_text(e))
+        shapes = {"w": (M, N)}
+        _user_path_rows(rec, f"user path {M}x{N} r{r} {jnp.dtype(dtype).name}", shapes, r, dtype, quick,
+                        dict(nbytes=_user_path_bytes(shapes, r, jnp.dtype(dtype).itemsize)))
+    for dtype in (jnp.float32, jnp.bfloat16):
+        shapes, r = {k: _d(*s) for k, s in LLAMA7B_LAYER.items()}, _r(128)
+        _user_path_rows(rec, f"user path llama7b layer r{r} {jnp.dtype(dtype).name}", shapes, r, dtype, quick,
+                        dict(nbytes=_user_path_bytes(shapes, r, jnp.dtype(dtype).itemsize)))
 
 
 def refresh_cases(rec, quick):
@@ -417,8 +441,7 @@ def refresh_cases(rec, quick):
 
 def llama_layer(rec, quick):
     """The 7 matrices of a Llama-7B layer, rank 128, update_proj_gap 200: step + refresh / 200."""
-    shapes = {"q": _d(4096, 4096), "k": _d(4096, 4096), "v": _d(4096, 4096), "o": _d(4096, 4096),
-              "gate": _d(4096, 11008), "up": _d(4096, 11008), "down": _d(11008, 4096)}
+    shapes = {k: _d(*s) for k, s in LLAMA7B_LAYER.items()}
     params = {k: rnd(i, s) for i, (k, s) in enumerate(shapes.items())}
     grads = {k: rnd(100 + i, s) for i, (k, s) in enumerate(shapes.items())}
     case = "llama7b layer r128 gap200"

@@ -170,6 +170,21 @@ def test_fp8_blockwise(cc, pow2):
         assert sum(both.count(t) for t in MOSAIC) == 3, both
 
 
+def test_fp8_quantize_blockwise_launches():
+    """The blockwise quantize pass at each tuned launch: both activation copies packed (rows a multiple of 4) and
+    unpacked, by chunks in a loop; one copy alone; a weight's square tiles; bf16 and fp32 x."""
+    from pallas_fused.fp8 import kernel
+
+    act, weight = (1, 128), (128, 128)
+    with _backend.gpu_target((9, 0)):
+        for rows, (block_n, block_t), dtype in itertools.product(
+                (256, 130), ((act, act[::-1]), (act, None), (None, act[::-1]), (weight, weight)),
+                (jnp.bfloat16, jnp.float32)):
+            fn = functools.partial(kernel.quantize_blockwise, dtype=jnp.float8_e4m3fn, block_n=block_n,
+                                   block_t=block_t)
+            assert kernels(fn, rnd(0, (rows, 300), dtype)).count(TRITON) == 1, (rows, block_n, block_t)
+
+
 def test_blockwise_gemm_promotion():
     """The blockwise GEMM's per-K-step promotion at the tiles it runs (64 x 128 split along M, the tuned one, and
     128 x 64 split along N), with the step's stage released after the promotion or early, and each scale read

@@ -75,6 +75,36 @@ def test_matches_reference(shape, dtype, pow2):
     np.testing.assert_array_equal(np.asarray(s), np.asarray(st).T)  # one scale per tile, in both layouts
 
 
+# Launches beside the heuristic's (packed by 64-row chunks for both copies, 32-row chunks for one, square tiles at
+# once): the whole tile at once for both copies and one, square tiles by chunks. With a row count that is a multiple
+# of 4 and one that is not, the two cover the packed and the unpacked two-copy pass, each looped and at once.
+OTHER_LAUNCH = {"both": {"num_warps": 4, "rows": None, "packed": True}, "one": {"num_warps": 4, "rows": None},
+                "square": {"num_warps": 4, "rows": 32}}
+
+
+@pytest.fixture(params=["tuned", "other"])
+def launch(request, monkeypatch):
+    """The launch `quantize_blockwise` takes (on the CPU: BLOCKWISE_HEURISTIC), its jit cache cleared around it."""
+    if request.param == "other":
+        monkeypatch.setattr(kernel, "BLOCKWISE_HEURISTIC", OTHER_LAUNCH)
+    kernel.quantize_blockwise.clear_cache()
+    yield kernel.BLOCKWISE_HEURISTIC
+    kernel.quantize_blockwise.clear_cache()
+
+
+@pytest.mark.parametrize("shape,dtype,pow2", [((260, 200), jnp.bfloat16, False), ((130, 129), jnp.float32, True)])
+def test_launches_match_reference(launch, shape, dtype, pow2):
+    """Each launch form, bit for bit: both activation copies packed (rows % 4 == 0) or not, each copy alone, square
+    tiles; ragged edges, bf16 and fp32, +-inf and NaN."""
+    x = _x(10, shape, dtype).at[3, 5].set(jnp.inf).at[shape[0] - 1, 7].set(jnp.nan).at[9, 128].set(-jnp.inf)
+    for block_n, block_t in ((ACT, ACT[::-1]), (ACT, None), (None, ACT[::-1]), (WEIGHT, WEIGHT)):
+        tile, _, chunk, packed = kernel._blockwise_launch(shape[0], block_n, block_t)
+        mode = "square" if block_n == block_t else "both" if block_n and block_t else "one"
+        assert chunk == min(launch[mode]["rows"] or tile[0], tile[0])
+        assert packed == (mode == "both" and launch[mode].get("packed", False) and shape[0] % 4 == 0)
+        _check(x, block_n, block_t, pow2)
+
+
 @pytest.mark.parametrize("block_n,block_t", [(ACT, None), (None, ACT[::-1]), (WEIGHT, None), (None, WEIGHT),
                                              ((1, 32), (64, 1)), ((32, 64), (32, 64))])
 def test_one_copy_and_other_blocks(block_n, block_t):
@@ -148,12 +178,15 @@ def test_layer_mixed_blockwise_and_rowwise():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shape", [(4096, 2048), (1000, 700)])
+@pytest.mark.parametrize("shape", [(4096, 2048), (1000, 700), (1001, 700)])
 def test_gpu_matches_reference(shape):
-    """The compiled kernel (products and a correctly rounded reciprocal, PTX rcp.rn) against XLA's reference on
-    the GPU: scales bit for bit, codes as `_check` says."""
+    """The compiled kernel at its tuned launches (the packed two-copy pass where rows % 4 == 0, the unpacked one
+    where not; the conversion's own saturation; products and a correctly rounded reciprocal, PTX rcp.rn) against
+    XLA's reference on the GPU: scales bit for bit, codes as `_check` says."""
     for dtype in (jnp.bfloat16, jnp.float32):
-        x = _x(9, shape, dtype).at[7, 9].set(jnp.inf).at[8, 10].set(jnp.nan)
+        x = _x(9, shape, dtype).at[7, 9].set(jnp.inf).at[8, 10].set(jnp.nan).at[300, 5].set(-jnp.inf)
         for pow2 in (False, True):
             _check(x, ACT, ACT[::-1], pow2, interpret=False)
             _check(x, WEIGHT, WEIGHT, pow2, interpret=False)
+        _check(x, ACT, None, False, interpret=False)
+        _check(x, None, ACT[::-1], True, interpret=False)
