@@ -5,8 +5,9 @@ import os
 
 # Mosaic GPU's interpret mode runs a kernel's warpgroups as threads whose barrier waits block inside host
 # callbacks, which XLA runs on its CPU thread pool (NPROC threads, default the core count): with fewer pool threads
-# than warpgroups that can wait at once (3), a 2-core machine deadlocks. Read when jax starts its CPU client.
-os.environ["NPROC"] = str(max(4, int(os.environ.get("NPROC", 0)), os.cpu_count() or 1))
+# than warpgroups that can wait at once (3 per CTA, 6 in a 2-CTA cluster), a 2-core machine deadlocks. Read when jax
+# starts its CPU client.
+os.environ["NPROC"] = str(max(8, int(os.environ.get("NPROC", 0)), os.cpu_count() or 1))
 
 import jax  # noqa: E402
 import pytest

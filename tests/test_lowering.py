@@ -208,7 +208,8 @@ def test_blockwise_gemm_promotion():
 def test_sm90_cluster_and_overlap(cluster):
     """The sm90 skeleton with a 2-CTA cluster (the shared operand tile one multicast TMA load) and with one wgmma in
     flight, at the FP8 GEMM's tiles (both splits), and the cluster with the per-K-step promotion, with b dequantised
-    in shared memory and with the low-rank step (DoRA's 16-bit GEMM): Mosaic GPU's lowering of each runs here."""
+    in shared memory (one scratch tile, and two with one wgmma in flight beside the low-rank step) and with the
+    low-rank step (DoRA's 16-bit GEMM): Mosaic GPU's lowering of each runs here."""
     from pallas_fused import _sm90
     from pallas_fused.dora import kernel_sm90 as dora_sm90
     from pallas_fused.fp8 import kernel_sm90
@@ -232,6 +233,11 @@ def test_sm90_cluster_and_overlap(cluster):
                                             epilogue=kernel_sm90._identity, out_dtype=jnp.bfloat16, config=config,
                                             name="t"), (x, q)))
             config = dataclasses.replace(config, overlap_wgmma=True)
+            # QDoRA's dx: int8 b read "nk", two scratch tiles with one wgmma in flight, the low-rank step
+            calls.append((lambda x, q, la, lb, config=config: _sm90.matmul(
+                x, q, b_layout="nk", dequant=dora_sm90._int8_codes, lowrank=(la, lb), epilogue=kernel_sm90._identity,
+                out_dtype=jnp.bfloat16, config=config, name="t"),
+                (x, jax.ShapeDtypeStruct((1024, 512), jnp.int8), la, jax.ShapeDtypeStruct((1024, 16), jnp.bfloat16))))
             calls.append((lambda x, w, g, la, lb, config=config: dora_sm90.scaled_matmul(x, w, g, lowrank=(la, lb),
                                                                                           config=config),
                           (x, jax.ShapeDtypeStruct((512, 1024), jnp.bfloat16), vec, la, lb)))

@@ -87,30 +87,77 @@ def test_interpret_needs_new_jax():
                      out_dtype=jnp.bfloat16, config=SMALL, name="t", interpret=True)
 
 
+def _codes(seed, shape):
+    return jnp.clip(jnp.round(rand(seed, shape, scale=60.0)), -127, 127).astype(jnp.int8)
+
+
+# The int8 codes converted straight to bf16 (QDoRA's dequant) or through float32 (any dequant's result dtype is
+# converted to a's).
+DEQUANTS = {"direct": lambda t: t, "f32": lambda t: t.astype(jnp.float32)}
+
+
 @needs_interpret
-def test_kn_int8_dequant():
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "single"])
+@pytest.mark.parametrize("dequant", ["direct", "f32"])
+def test_kn_int8_dequant(overlap, dequant):
     """b int8 (K, N) converted in shared memory, its per-column scale and g in the epilogue; 3 K steps, several
-    output tiles per CTA."""
-    x = rand(8, (256, 192), jnp.bfloat16)
-    q = jnp.clip(jnp.round(rand(9, (192, 256), scale=60.0)), -127, 127).astype(jnp.int8)
+    output tiles per CTA; two scratch tiles and one wgmma in flight, or one scratch tile."""
+    config = dataclasses.replace(SMALL, overlap_wgmma=overlap)
+    x, q = rand(8, (256, 192), jnp.bfloat16), _codes(9, (192, 256))
     colscale = rand(10, (256,), scale=0.01, offset=0.02)
-    out = _sm90.matmul(x, q, b_layout="kn", col_vecs=(colscale,), dequant=lambda t: t.astype(jnp.float32),
-                       epilogue=dora_sm90._scale_bias, out_dtype=jnp.bfloat16, config=SMALL, name="test_kn_int8",
+    out = _sm90.matmul(x, q, b_layout="kn", col_vecs=(colscale,), dequant=DEQUANTS[dequant],
+                       epilogue=dora_sm90._scale_bias, out_dtype=jnp.bfloat16, config=config, name="test_kn_int8",
                        interpret=True)
     ref = (to64(x) @ to64(q)) * to64(colscale)[None]
     np.testing.assert_allclose(to64(out), ref, rtol=1e-2, atol=1e-2 * np.abs(ref).max())
 
 
 @needs_interpret
-def test_nk_int8_dequant():
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "single"])
+def test_nk_int8_dequant(overlap):
     """b int8 stored (N, K) (an Int8Kernel's codes (in, out) in the backward's dx = dy q^T), converted as is."""
-    x = rand(12, (128, 192), jnp.bfloat16)
-    q = jnp.clip(jnp.round(rand(13, (128, 192), scale=60.0)), -127, 127).astype(jnp.int8)
-    out = _sm90.matmul(x, q, b_layout="nk", dequant=lambda t: t.astype(jnp.float32),
-                       epilogue=lambda acc, rows, cols: acc, out_dtype=jnp.float32, config=SMALL, name="test_nk_int8",
-                       interpret=True)
+    config = dataclasses.replace(SMALL, overlap_wgmma=overlap)
+    x, q = rand(12, (128, 192), jnp.bfloat16), _codes(13, (128, 192))
+    out = _sm90.matmul(x, q, b_layout="nk", dequant=DEQUANTS["direct"], epilogue=lambda acc, rows, cols: acc,
+                       out_dtype=jnp.float32, config=config, name="test_nk_int8", interpret=True)
     ref = to64(x) @ to64(q).T
     np.testing.assert_allclose(to64(out), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+
+
+@needs_interpret
+@pytest.mark.parametrize("k, steps, cluster", [(64, 2, None), (256, 3, None), (192, 2, "m")],
+                         ids=["one_step", "ring3_k4", "cluster_m"])
+@pytest.mark.parametrize("b_layout", ["kn", "nk"])
+def test_int8_overlap_ring(k, steps, cluster, b_layout):
+    """Dequant with one wgmma in flight: a single K step (a ring the pipeline shrinks to one stage; the last stage
+    released after the loop), 4 K steps through a 3-deep ring (stages reused out of phase with the two scratch
+    tiles), and a 2-CTA cluster sharing b's tiles (stages released to both CTAs), with the low-rank wgmma after the
+    drain, over several output tiles per CTA (each one a new pipeline run over the same barriers)."""
+    config = dataclasses.replace(SMALL, max_concurrent_steps=steps, wg_split="m", cluster=cluster, overlap_wgmma=True)
+    x, q = rand(14, (256, k), jnp.bfloat16), _codes(15, (k, 128))
+    la, lb = rand(16, (256, 16), jnp.bfloat16), rand(17, (16, 128), jnp.bfloat16)
+    b, lb_in = (q, lb) if b_layout == "kn" else (q.T, lb.T)
+    out = _sm90.matmul(x, b, b_layout=b_layout, dequant=DEQUANTS["direct"], epilogue=lambda acc, rows, cols: acc,
+                       out_dtype=jnp.float32, config=config, name="test_int8_ring", lowrank=(la, lb_in),
+                       interpret=True)
+    ref = to64(x) @ to64(q) + to64(la) @ to64(lb)
+    np.testing.assert_allclose(to64(out), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+
+
+def test_dequant_smem():
+    """Two scratch tiles per warpgroup take one tile_k x tile_n 16-bit tile more per warpgroup than one; QDoRA's
+    tuned ring is the deepest that still fits: 3 stages at rank 16, 2 at rank 64 (4 and 3 with one scratch tile)."""
+    config = dora_sm90.qdora_config(4096, 4096, 4096, 16, jnp.bfloat16)
+    single = dataclasses.replace(config, overlap_wgmma=False)
+    assert config.overlap_wgmma
+    extra = _sm90.smem_bytes(config, 2, 1, 2, dequant=True) - _sm90.smem_bytes(single, 2, 1, 2, dequant=True)
+    assert extra == 2 * config.tile_k * config.tile_n * 2
+    for rank, stages in ((16, 3), (64, 2)):
+        config = dora_sm90.qdora_config(4096, 11008, 4096, rank, jnp.bfloat16)
+        assert config.max_concurrent_steps == stages, rank
+        assert dora_sm90._qdora_smem(config, rank, 2) <= _sm90.SMEM_LIMIT
+        deeper = dataclasses.replace(config, max_concurrent_steps=stages + 1)
+        assert dora_sm90._qdora_smem(deeper, rank, 2) > _sm90.SMEM_LIMIT
 
 
 @needs_interpret
@@ -224,7 +271,7 @@ def test_cluster_promote_dequant_lowrank():
 
 @pytest.mark.parametrize("change,kwargs,match", [
     (dict(cluster="k"), {}, "config.cluster must be None, 'm' or 'n'"),
-    (dict(overlap_wgmma=True), dict(dequant=lambda t: t), "overlap_wgmma is for the plain path only"),
+    (dict(overlap_wgmma=True), dict(promote=lambda p, r, c: p), "overlap_wgmma is not for promote"),
     (dict(cluster="m"), {}, r"multiples of the tile \(128, 128, 64\)"),
 ])
 def test_cluster_bad_config(change, kwargs, match):
@@ -235,3 +282,26 @@ def test_cluster_bad_config(change, kwargs, match):
         _sm90.matmul(x, jnp.ones((128, 128), jnp.bfloat16), b_layout="kn", epilogue=lambda acc, r, c: acc,
                      out_dtype=jnp.float32, config=dataclasses.replace(SMALL, **change), name="t", **kwargs,
                      interpret=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "single"])
+@pytest.mark.parametrize("rank", [16, 64])
+@pytest.mark.parametrize("b_layout", ["kn", "nk"])
+def test_gpu_int8_dequant_schedules(overlap, rank, b_layout):
+    """The compiled QDoRA GEMM (int8 b, the low-rank step, QDoRA's tile configuration: its ring as deep as shared
+    memory allows) with two scratch tiles and one wgmma in flight, or one scratch tile, at 4096 x 4096 x 4096 (dx is
+    the "nk" layout): many K steps and output tiles per SM, where a stage or scratch tile reused too early shows."""
+    if not _backend.is_hopper():
+        pytest.skip("a Hopper kernel")
+    config = dataclasses.replace(dora_sm90.qdora_config(4096, 4096, 4096, rank, jnp.bfloat16),
+                                 overlap_wgmma=overlap)
+    x, q = rand(20, (4096, 4096), jnp.bfloat16), _codes(21, (4096, 4096))
+    la, lb = rand(22, (4096, rank), jnp.bfloat16), rand(23, (rank, 4096), jnp.bfloat16, scale=30.0)
+    b, lb_in = (q, lb) if b_layout == "kn" else (q.T, lb.T)
+    out = _sm90.matmul(x, b, b_layout=b_layout, dequant=dora_sm90._int8_codes, epilogue=lambda acc, rows, cols: acc,
+                       out_dtype=jnp.float32, config=config, name="test_gpu_int8", lowrank=(la, lb_in))
+    f32 = jnp.float32
+    ref = (jnp.dot(x.astype(f32), q.astype(f32), precision="highest")
+           + jnp.dot(la.astype(f32), lb.astype(f32), precision="highest"))
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-4, atol=1e-4 * float(jnp.abs(ref).max()))

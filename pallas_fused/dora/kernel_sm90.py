@@ -107,10 +107,12 @@ def scaled_matmul(x, w, g=None, bias=None, *, lowrank=None, b_layout: str = "kn"
 
 
 # QDoRA: the Int8Kernel's codes are b, dequantised tile by tile inside the GEMM (`_sm90.matmul(dequant=)`), and the
-# low-rank term rides the skeleton's low-rank step. tile_k 64: the int8 ring, the per-warpgroup bf16 scratch, the
-# epilogue staging and the low-rank slices then fit one CTA's shared memory with a 3- or 4-deep ring (tile_k 128
-# leaves room for 2 at most); `qdora_config` takes the deepest ring that fits.
-QDORA_HEURISTIC = dict(tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=4)
+# low-rank term rides the skeleton's low-rank step. One wgmma in flight (overlap_wgmma): a K step's int8 tile is
+# converted while the previous step's wgmma runs, into the other of two bf16 scratch tiles per warpgroup. tile_k 64:
+# the int8 ring, the scratch tiles, the epilogue staging and the low-rank slices then fit one CTA's shared memory
+# with a 3-deep ring at rank 16 and a 2-deep one at rank 64 (at tile_k 128 the scratch tiles alone take 128 KiB);
+# `qdora_config` takes the deepest ring that fits.
+QDORA_HEURISTIC = dict(tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=4, overlap_wgmma=True)
 
 
 def qdora_config(m: int, n: int, k: int, rank: int, dtype) -> _sm90.TileConfig:
@@ -136,7 +138,9 @@ def qdora_supported(m: int, n: int, k: int, rank: int, dtype) -> bool:
 
 
 def _int8_codes(tile):
-    return tile.astype(jnp.float32)  # |q| <= 127: exact in bf16 / fp16
+    # |q| <= 127 is exact in bf16 / fp16, so the kernel converts the int8 codes straight to x's dtype (Mosaic GPU has
+    # a two-instruction int8 -> bf16 pair conversion; through float32 it would be two conversions per element).
+    return tile
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",))
