@@ -8,8 +8,9 @@ Cases (ANCHORS.md): fp32 W and G, TF32 allowed, non-refresh step, proj_type "std
   pallas:inplace_api  galore_adamw_inplace's step (count 1: the refresh lax.cond is taken but skips)
   pallas:tx       (section user_path, the rows of record) the user's path: jit(galore_adamw update ->
                   optax.apply_updates), params, grads and state donated, count > 0 (the refresh lax.cond skips),
-                  fp32 and bf16 params, one matrix per step and a Llama-7B layer's seven in one step; with no weight decay it is XLA's graph, whose up-projection GEMM takes
-                  apply_updates' add; pallas:tx_wd with weight_decay=0.01 (the Pallas kernels);
+                  fp32 and bf16 params, one matrix per step and a Llama-7B layer's seven in one step; with no
+                  weight decay it is XLA's graph, whose up-projection GEMM takes apply_updates' add;
+                  pallas:tx_wd with weight_decay=0.01 (the Pallas kernels);
                   pallas:tx_optax_convention with convention="optax": the peer's algorithm (it projects the larger
                   side: smaller moments, a larger projector), i.e. the same work as the peer's row
   xla             our plain-jnp reference step (donated), default precision (TF32)

@@ -263,10 +263,11 @@ def test_dora(cc, implementation):
 
 
 def test_lora(cc):
-    """On Hopper the forward and dx are the sm90 GEMM with the low-rank step (no Triton launch); elsewhere XLA."""
+    """On Hopper the forward and dx are the sm90 GEMM with the low-rank step (no Triton launch) up to the tuned rank
+    (12 pads to 16); elsewhere XLA."""
     from pallas_fused.dora import lora_dense
 
-    fin, fout, rank = 512, 768, 24
+    fin, fout, rank = 512, 768, 12
     x, w = rnd(0, (256, fin), jnp.bfloat16), rnd(1, (fin, fout), jnp.bfloat16)
     a, b, bias = rnd(2, (fin, rank), jnp.bfloat16), rnd(3, (rank, fout), jnp.bfloat16), rnd(4, (fout,), jnp.bfloat16)
     layer = lambda x, a, b, bias: lora_dense(x, w, a, b, bias, scale=2.0)  # noqa: E731
