@@ -43,14 +43,6 @@ instead of two trips through L2, and a stage is refilled only once both CTAs hav
 Shapes must then be multiples of the cluster tile (`TileConfig.cluster_tile`). Every path (vectors, promotion,
 dequant, low-rank step) runs with it: their other loads stay per CTA.
 
-One wgmma in flight (optional, TileConfig.overlap_wgmma; not with promote, which reads each step's product at once):
-each K step issues its wgmma and waits only for the previous step's (wgmma_wait(1)), then releases that step's SMEM
-stage by hand (manual consumed barriers); the last step's stage is released after the loop. So the warpgroup issues
-a step's wgmma as soon as its tiles land instead of after the previous one drains. With dequant each warpgroup then
-has two b scratch tiles, alternating by K step: step k's tile is converted into one while step k-1's wgmma still
-reads the other, so the conversion no longer leaves the tensor cores idle (with one scratch tile each step converts,
-issues its wgmma and waits for it before the next conversion may overwrite the tile).
-
 Users: fp8/kernel_sm90.py (row and column scales) and dora/kernel_sm90.py (column scale g and bias).
 Shapes must be multiples of the CTA (cluster) tile and tile_k; callers pad or route elsewhere.
 """
@@ -85,10 +77,6 @@ class TileConfig:
     # Two CTAs of a cluster side by side along "m" (they share b's tile) or "n" (they share a's): the shared tile
     # is loaded once per cluster and multicast into both CTAs' shared memory, halving its trips through L2.
     cluster: str | None = None
-    # Not with promote: keep each K step's wgmma in flight while the next step's is issued, releasing a step's SMEM
-    # stage once the following wgmma is issued and the step's own is done; with dequant, two b scratch tiles per
-    # warpgroup, so a step's conversion runs beside the previous step's wgmma.
-    overlap_wgmma: bool = False
 
     @property
     def cta_tile(self) -> tuple[int, int]:
@@ -135,7 +123,6 @@ def _kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: in
     cta_m, cta_n = config.cta_tile
     clu_m, clu_n = config.cluster_tile
     m_iters, n_iters, k_iters = m // clu_m, n // clu_n, k // tile_k
-    ring = min(config.max_concurrent_steps, k_iters)  # the pipeline's stages (it shrinks a ring longer than K)
     epi = config.epi_tile
     transforms = _smem_transforms(plgpu, tile_k, a_gmem.dtype)
     # b's minor dimension is K ("nk") or N ("kn"), of which a warpgroup reads its tile_n columns.
@@ -145,8 +132,6 @@ def _kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: in
     split_m = config.wg_split == "m"
     minor = 1 if config.grid_minor_dim == "n" else 0  # planar_snake's minor_dim: 0 = M, 1 = N
     early = config.early_release and promote is not None
-    overlap = config.overlap_wgmma
-    n_deq = 2 if overlap else 1  # b scratch tiles per compute warpgroup (with dequant)
     smem_spec = functools.partial(plgpu.BlockSpec, memory_space=plgpu.SMEM)
     # The operand both CTAs of a cluster read is one collective (multicast) load.
     a_shared = dict(collective_axes=("cluster",)) if config.cluster == "n" else {}
@@ -172,7 +157,7 @@ def _kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: in
             num_compute_wgs=2,
             max_concurrent_steps=config.max_concurrent_steps,
             compute_context=compute_context,
-            manual_consumed_barriers=early or overlap,
+            manual_consumed_barriers=early,
         )
 
     ignore = lambda *_, **__: None  # noqa: E731 - the bodies do not change the allocations
@@ -197,9 +182,9 @@ def _kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: in
         # One per warpgroup and vector, then (with the low-rank step) one per warpgroup for la and for lb.
         vec_barrier=plgpu.Barrier(num_barriers=n_barriers) if n_barriers else None,
         lr_smem=lr_smem,
-        # n_deq dequantised b tiles per compute warpgroup
+        # one dequantised b tile per compute warpgroup
         deq_smem=None if dequant is None else plgpu.SMEM(
-            (2, n_deq, *deq_shape), a_gmem.dtype, transforms=_smem_transforms(plgpu, deq_shape[1], a_gmem.dtype)),
+            (2, *deq_shape), a_gmem.dtype, transforms=_smem_transforms(plgpu, deq_shape[1], a_gmem.dtype)),
         collective_axes="wg",
     )
     def _scope(pipeline_allocs, out_smem, vec_smem, vec_barrier, lr_smem, deq_smem):
@@ -262,9 +247,6 @@ def _kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: in
                     @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tile_m, tile_n), jnp.float32))
                     def _acc_scope(acc_ref):
                         eval_pipeline(acc_ref)
-                        if overlap:  # the last step's wgmma is still in flight: wait for it, release its stage
-                            plgpu.wgmma_wait(0)
-                            release_stage((k_iters - 1) % ring)
                         if lowrank:
                             # One more wgmma into the accumulator. The next tile's copies into these slices are
                             # issued by this warpgroup after the wait, so they never race the read.
@@ -288,30 +270,20 @@ def _kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: in
                         for v in step_smems[n_step_rows:]]
                 return [r.astype(jnp.float32) for r in rows], [c.astype(jnp.float32) for c in cols]
 
-            def release_stage(slot):
-                for barrier in pipeline_allocs["flat_consumed_barrier_refs"]:
-                    plgpu.barrier_arrive(barrier.at[slot])
-
-            def mma_body(idxs, a_smem, b_smem, *rest):
+            def mma_body(_, a_smem, b_smem, *rest):
                 step_smems, consumed, carry = rest[:len(step_gmems)], rest[len(step_gmems):-1], rest[-1]
                 b_wg = b_smem.at[wg_n] if b_layout == "nk" else b_smem.at[:, wg_n]
                 if dequant is not None:
-                    # The stored tile through registers into this warpgroup's 16-bit scratch (with two, the K
-                    # step's parity picks one); commit_smem fences the stores for the wgmma (async proxy) and syncs
-                    # the warpgroup. The last wgmma that read this scratch tile is done: with one, the previous
-                    # step's, waited for before that step returned; with two (overlap), the one two steps back,
-                    # which the previous step's wgmma_wait(1) saw finish.
-                    scratch = deq_smem.at[wg, lax.rem(idxs[0], n_deq) if n_deq > 1 else 0]
-                    scratch[...] = dequant(b_wg[...]).astype(deq_smem.dtype)
+                    # The stored tile through registers into this warpgroup's 16-bit scratch; commit_smem fences
+                    # the stores for the wgmma (async proxy) and syncs the warpgroup. The previous step's wgmma,
+                    # which read the scratch, was waited for before this step began.
+                    deq_smem[wg] = dequant(b_wg[...]).astype(deq_smem.dtype)
                     plgpu.commit_smem()
-                    b_wg = scratch
+                    b_wg = deq_smem.at[wg]
                 b_tile = plgpu.transpose_ref(b_wg, (1, 0)) if b_layout == "nk" else b_wg
                 if promote is None:
                     plgpu.wgmma(carry, a_smem.at[wg_m], b_tile)
-                    plgpu.wgmma_wait(1 if overlap else 0)
-                    if overlap:  # the previous step's wgmma is done (this one runs on): release its stage
-                        step = idxs[0]
-                        pl.when(step > 0)(lambda: release_stage(lax.rem(step + ring - 1, ring)))
+                    plgpu.wgmma_wait(0)
                     return carry
 
                 def release():  # the stage's tiles are no longer read: its scales are in registers
@@ -342,13 +314,12 @@ SMEM_LIMIT = 227 * 1024  # bytes of shared memory one CTA may allocate on sm90
 def smem_bytes(config: TileConfig, a_itemsize: int, b_itemsize: int, out_itemsize: int, rank: int = 0,
                lowrank_itemsize: int = 2, dequant: bool = False) -> int:
     """Shared memory of one CTA (the ring, the epilogue staging, the low-rank slices and, with `dequant`, the two
-    warpgroups' 16-bit b scratch tiles, two each with overlap_wgmma; the vector slices and the barriers take under
-    2 KiB more). A cluster changes none of
-    it: each CTA holds its whole a and b tiles, one of them written by the other CTA's multicast."""
+    warpgroups' 16-bit b scratch tiles; the vector slices and the barriers take under 2 KiB more). A cluster changes
+    none of it: each CTA holds its whole a and b tiles, one of them written by the other CTA's multicast."""
     cta_m, cta_n = config.cta_tile
     ring = config.max_concurrent_steps * config.tile_k * (cta_m * a_itemsize + cta_n * b_itemsize)
     out = 2 * 2 * config.epi_tile * config.epi_tile * out_itemsize
-    deq = 2 * (2 if config.overlap_wgmma else 1) * config.tile_k * config.tile_n * a_itemsize if dequant else 0
+    deq = 2 * config.tile_k * config.tile_n * a_itemsize if dequant else 0
     return ring + out + 2 * rank * (config.tile_m + config.tile_n) * lowrank_itemsize + deq
 
 
@@ -383,7 +354,8 @@ def matmul(a, b, *, b_layout: str, row_vecs: Sequence[jax.Array] = (), col_vecs:
     plgpu = _backend.mosaic_gpu()
     if b_layout not in ("kn", "nk"):
         raise ValueError(f"{name}: b_layout must be 'kn' or 'nk', got {b_layout!r}")
-    _check_config(config, promote, name)
+    if config.cluster not in (None, "m", "n"):
+        raise ValueError(f"{name}: config.cluster must be None, 'm' or 'n', got {config.cluster!r}")
     if dequant is not None:
         if jnp.dtype(a.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
             raise ValueError(f"{name}: with dequant, a must be bfloat16 or float16 (b's tiles are converted to its "
@@ -437,14 +409,6 @@ def matmul(a, b, *, b_layout: str, row_vecs: Sequence[jax.Array] = (), col_vecs:
     )
     return jax.custom_batching.sequential_vmap(kernel)(a, b, *row_vecs, *col_vecs, *step_row_vecs, *step_col_vecs,
                                                        *(lowrank or ()))
-
-
-def _check_config(config: TileConfig, promote, name: str):
-    if config.cluster not in (None, "m", "n"):
-        raise ValueError(f"{name}: config.cluster must be None, 'm' or 'n', got {config.cluster!r}")
-    if config.overlap_wgmma and promote is not None:
-        raise ValueError(f"{name}: config.overlap_wgmma is not for promote: it reads each step's product, which must "
-                         f"wait for the step's wgmma")
 
 
 def _check_lowrank(lowrank, a, m: int, n: int, b_layout: str, name: str):

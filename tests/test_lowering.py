@@ -10,7 +10,6 @@ custom calls. What it cannot show: Triton's own compile to PTX and the kernel's 
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import itertools
 import re
@@ -205,11 +204,11 @@ def test_blockwise_gemm_promotion():
 
 
 @pytest.mark.parametrize("cluster", ["m", "n", None])
-def test_sm90_cluster_and_overlap(cluster):
-    """The sm90 skeleton with a 2-CTA cluster (the shared operand tile one multicast TMA load) and with one wgmma in
-    flight, at the FP8 GEMM's tiles (both splits), and the cluster with the per-K-step promotion, with b dequantised
-    in shared memory (one scratch tile, and two with one wgmma in flight beside the low-rank step) and with the
-    low-rank step (DoRA's 16-bit GEMM): Mosaic GPU's lowering of each runs here."""
+def test_sm90_cluster(cluster):
+    """The sm90 skeleton with a 2-CTA cluster (the shared operand tile one multicast TMA load) or without, at the
+    FP8 GEMM's tiles (both splits), and the cluster with the per-K-step promotion, with b dequantised in shared
+    memory (alone, and read "nk" beside the low-rank step) and with the low-rank step (DoRA's 16-bit GEMM): Mosaic
+    GPU's lowering of each runs here."""
     from pallas_fused import _sm90
     from pallas_fused.dora import kernel_sm90 as dora_sm90
     from pallas_fused.fp8 import kernel_sm90
@@ -220,8 +219,8 @@ def test_sm90_cluster_and_overlap(cluster):
     la, lb = jax.ShapeDtypeStruct((1024, 16), jnp.bfloat16), jax.ShapeDtypeStruct((16, 1024), jnp.bfloat16)
     with _backend.gpu_target((9, 0)):
         calls = []
-        for split, overlap in itertools.product("nm", (False, True)):
-            config = _sm90.TileConfig(wg_split=split, cluster=cluster, overlap_wgmma=overlap)
+        for split in "nm":
+            config = _sm90.TileConfig(wg_split=split, cluster=cluster)
             calls.append((functools.partial(kernel_sm90.scaled_matmul_nt, out_dtype=jnp.bfloat16, config=config),
                           (a, a, vec, vec)))
         if cluster:
@@ -232,8 +231,7 @@ def test_sm90_cluster_and_overlap(cluster):
             calls.append((functools.partial(_sm90.matmul, b_layout="kn", dequant=dora_sm90._int8_codes,
                                             epilogue=kernel_sm90._identity, out_dtype=jnp.bfloat16, config=config,
                                             name="t"), (x, q)))
-            config = dataclasses.replace(config, overlap_wgmma=True)
-            # QDoRA's dx: int8 b read "nk", two scratch tiles with one wgmma in flight, the low-rank step
+            # QDoRA's dx: int8 b read "nk", the low-rank step
             calls.append((lambda x, q, la, lb, config=config: _sm90.matmul(
                 x, q, b_layout="nk", dequant=dora_sm90._int8_codes, lowrank=(la, lb), epilogue=kernel_sm90._identity,
                 out_dtype=jnp.bfloat16, config=config, name="t"),

@@ -1,6 +1,6 @@
 """The shared Hopper GEMM skeleton (pallas_fused/_sm90.py) in Mosaic GPU's interpret mode (jax >= 0.12): its
 16-bit "kn" and 8-bit "nk" paths with epilogue vectors, its per-K-step promotion, its 2-CTA cluster (multicast
-loads, cluster barriers) and its wgmma overlap (stages released by hand) against plain jnp, on the CPU
+loads, cluster barriers), its B dequantisation and its low-rank step against plain jnp, on the CPU
 (tests/test_lowering.py lowers the promotion's configurations for an sm90 GPU). The GPU tests of its users run the
 compiled kernel."""
 
@@ -97,43 +97,37 @@ DEQUANTS = {"direct": lambda t: t, "f32": lambda t: t.astype(jnp.float32)}
 
 
 @needs_interpret
-@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "single"])
 @pytest.mark.parametrize("dequant", ["direct", "f32"])
-def test_kn_int8_dequant(overlap, dequant):
-    """b int8 (K, N) converted in shared memory, its per-column scale and g in the epilogue; 3 K steps, several
-    output tiles per CTA; two scratch tiles and one wgmma in flight, or one scratch tile."""
-    config = dataclasses.replace(SMALL, overlap_wgmma=overlap)
+def test_kn_int8_dequant(dequant):
+    """b int8 (K, N) converted in shared memory, its per-column scale and g in the epilogue; 3 K steps through a
+    2-deep ring (the scratch tile rewritten each step), several output tiles per CTA."""
     x, q = rand(8, (256, 192), jnp.bfloat16), _codes(9, (192, 256))
     colscale = rand(10, (256,), scale=0.01, offset=0.02)
     out = _sm90.matmul(x, q, b_layout="kn", col_vecs=(colscale,), dequant=DEQUANTS[dequant],
-                       epilogue=dora_sm90._scale_bias, out_dtype=jnp.bfloat16, config=config, name="test_kn_int8",
+                       epilogue=dora_sm90._scale_bias, out_dtype=jnp.bfloat16, config=SMALL, name="test_kn_int8",
                        interpret=True)
     ref = (to64(x) @ to64(q)) * to64(colscale)[None]
     np.testing.assert_allclose(to64(out), ref, rtol=1e-2, atol=1e-2 * np.abs(ref).max())
 
 
 @needs_interpret
-@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "single"])
-def test_nk_int8_dequant(overlap):
+def test_nk_int8_dequant():
     """b int8 stored (N, K) (an Int8Kernel's codes (in, out) in the backward's dx = dy q^T), converted as is."""
-    config = dataclasses.replace(SMALL, overlap_wgmma=overlap)
     x, q = rand(12, (128, 192), jnp.bfloat16), _codes(13, (128, 192))
     out = _sm90.matmul(x, q, b_layout="nk", dequant=DEQUANTS["direct"], epilogue=lambda acc, rows, cols: acc,
-                       out_dtype=jnp.float32, config=config, name="test_nk_int8", interpret=True)
+                       out_dtype=jnp.float32, config=SMALL, name="test_nk_int8", interpret=True)
     ref = to64(x) @ to64(q).T
     np.testing.assert_allclose(to64(out), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
 
 
 @needs_interpret
-@pytest.mark.parametrize("k, steps, cluster", [(64, 2, None), (256, 3, None), (192, 2, "m")],
-                         ids=["one_step", "ring3_k4", "cluster_m"])
+@pytest.mark.parametrize("k, cluster", [(64, None), (192, "m")], ids=["one_step", "cluster_m"])
 @pytest.mark.parametrize("b_layout", ["kn", "nk"])
-def test_int8_overlap_ring(k, steps, cluster, b_layout):
-    """Dequant with one wgmma in flight: a single K step (a ring the pipeline shrinks to one stage; the last stage
-    released after the loop), 4 K steps through a 3-deep ring (stages reused out of phase with the two scratch
-    tiles), and a 2-CTA cluster sharing b's tiles (stages released to both CTAs), with the low-rank wgmma after the
-    drain, over several output tiles per CTA (each one a new pipeline run over the same barriers)."""
-    config = dataclasses.replace(SMALL, max_concurrent_steps=steps, wg_split="m", cluster=cluster, overlap_wgmma=True)
+def test_int8_dequant_lowrank(k, cluster, b_layout):
+    """Dequant with the low-rank wgmma after the main loop: a single K step (a ring the pipeline shrinks to one
+    stage) and a 2-CTA cluster sharing b's int8 tiles (each stage released to both CTAs), over several output tiles
+    per CTA (each one a new pipeline run over the same barriers and scratch tile)."""
+    config = dataclasses.replace(SMALL, wg_split="m", cluster=cluster)
     x, q = rand(14, (256, k), jnp.bfloat16), _codes(15, (k, 128))
     la, lb = rand(16, (256, 16), jnp.bfloat16), rand(17, (16, 128), jnp.bfloat16)
     b, lb_in = (q, lb) if b_layout == "kn" else (q.T, lb.T)
@@ -145,14 +139,12 @@ def test_int8_overlap_ring(k, steps, cluster, b_layout):
 
 
 def test_dequant_smem():
-    """Two scratch tiles per warpgroup take one tile_k x tile_n 16-bit tile more per warpgroup than one; QDoRA's
-    tuned ring is the deepest that still fits: 3 stages at rank 16, 2 at rank 64 (4 and 3 with one scratch tile)."""
+    """The dequant takes one tile_k x tile_n 16-bit scratch tile per warpgroup; QDoRA's tuned ring is the deepest
+    that still fits: 4 stages at rank 16, 3 at rank 64."""
     config = dora_sm90.qdora_config(4096, 4096, 4096, 16, jnp.bfloat16)
-    single = dataclasses.replace(config, overlap_wgmma=False)
-    assert config.overlap_wgmma
-    extra = _sm90.smem_bytes(config, 2, 1, 2, dequant=True) - _sm90.smem_bytes(single, 2, 1, 2, dequant=True)
+    extra = _sm90.smem_bytes(config, 2, 1, 2, dequant=True) - _sm90.smem_bytes(config, 2, 1, 2)
     assert extra == 2 * config.tile_k * config.tile_n * 2
-    for rank, stages in ((16, 3), (64, 2)):
+    for rank, stages in ((16, 4), (64, 3)):
         config = dora_sm90.qdora_config(4096, 11008, 4096, rank, jnp.bfloat16)
         assert config.max_concurrent_steps == stages, rank
         assert dora_sm90._qdora_smem(config, rank, 2) <= _sm90.SMEM_LIMIT
@@ -224,23 +216,13 @@ def _fp8_scaled(config, m, k, n, name):
 
 
 @needs_interpret
-@pytest.mark.parametrize("cluster,wg_split,overlap", [("m", "n", False), ("n", "m", False), ("m", "m", True),
-                                                      ("n", "n", True)])
-def test_cluster(cluster, wg_split, overlap):
+@pytest.mark.parametrize("cluster,wg_split", [("m", "n"), ("n", "m")])
+def test_cluster(cluster, wg_split):
     """Two CTAs per cluster sharing b's tile (cluster "m") or a's ("n") through multicast loads, 3 K steps through
     a 2-deep ring, several cluster tiles per cluster."""
     config = _sm90.TileConfig(tile_m=64, tile_n=64, tile_k=64, max_concurrent_steps=2, wg_split=wg_split,
-                              cluster=cluster, overlap_wgmma=overlap)
+                              cluster=cluster)
     _fp8_scaled(config, 256, 192, 512, "test_cluster")
-
-
-@needs_interpret
-@pytest.mark.parametrize("k,stages", [(64, 2), (192, 2), (192, 4), (320, 3)])
-def test_overlap_wgmma(k, stages):
-    """One wgmma in flight: each step's stage released one step late (the last after the loop), with one K step,
-    a ring the pipeline shrinks to K's steps, and K steps that are not a multiple of the ring."""
-    config = _sm90.TileConfig(tile_m=64, tile_n=64, tile_k=64, max_concurrent_steps=stages, overlap_wgmma=True)
-    _fp8_scaled(config, 256, k, 256, "test_overlap")
 
 
 @needs_interpret
@@ -263,7 +245,7 @@ def test_cluster_promote_dequant_lowrank():
     ref = to64(x) @ to64(q)
     np.testing.assert_allclose(to64(out), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
     out = _sm90.matmul(x, q.astype(jnp.bfloat16), b_layout="kn", lowrank=(la, lb), epilogue=lambda acc, r, c: acc,
-                       out_dtype=jnp.float32, config=dataclasses.replace(config, overlap_wgmma=True), name="t",
+                       out_dtype=jnp.float32, config=config, name="t",
                        interpret=True)
     ref = ref + to64(la) @ to64(lb)
     np.testing.assert_allclose(to64(out), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
@@ -271,12 +253,11 @@ def test_cluster_promote_dequant_lowrank():
 
 @pytest.mark.parametrize("change,kwargs,match", [
     (dict(cluster="k"), {}, "config.cluster must be None, 'm' or 'n'"),
-    (dict(overlap_wgmma=True), dict(promote=lambda p, r, c: p), "overlap_wgmma is not for promote"),
     (dict(cluster="m"), {}, r"multiples of the tile \(128, 128, 64\)"),
 ])
 def test_cluster_bad_config(change, kwargs, match):
-    """A cluster value that is none, a wgmma overlap where the step must wait, a shape that is no multiple of the
-    cluster tile: refused before Mosaic compiles anything."""
+    """A cluster value that is none, a shape that is no multiple of the cluster tile: refused before Mosaic compiles
+    anything."""
     x = rand(0, (64, 128), jnp.bfloat16)
     with pytest.raises(ValueError, match=match):
         _sm90.matmul(x, jnp.ones((128, 128), jnp.bfloat16), b_layout="kn", epilogue=lambda acc, r, c: acc,
@@ -285,17 +266,15 @@ def test_cluster_bad_config(change, kwargs, match):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "single"])
 @pytest.mark.parametrize("rank", [16, 64])
 @pytest.mark.parametrize("b_layout", ["kn", "nk"])
-def test_gpu_int8_dequant_schedules(overlap, rank, b_layout):
+def test_gpu_int8_dequant(rank, b_layout):
     """The compiled QDoRA GEMM (int8 b, the low-rank step, QDoRA's tile configuration: its ring as deep as shared
-    memory allows) with two scratch tiles and one wgmma in flight, or one scratch tile, at 4096 x 4096 x 4096 (dx is
-    the "nk" layout): many K steps and output tiles per SM, where a stage or scratch tile reused too early shows."""
+    memory allows) at 4096 x 4096 x 4096 (dx is the "nk" layout): many K steps and output tiles per SM, where a
+    stage or the scratch tile reused too early shows."""
     if not _backend.is_hopper():
         pytest.skip("a Hopper kernel")
-    config = dataclasses.replace(dora_sm90.qdora_config(4096, 4096, 4096, rank, jnp.bfloat16),
-                                 overlap_wgmma=overlap)
+    config = dora_sm90.qdora_config(4096, 4096, 4096, rank, jnp.bfloat16)
     x, q = rand(20, (4096, 4096), jnp.bfloat16), _codes(21, (4096, 4096))
     la, lb = rand(22, (4096, rank), jnp.bfloat16), rand(23, (rank, 4096), jnp.bfloat16, scale=30.0)
     b, lb_in = (q, lb) if b_layout == "kn" else (q.T, lb.T)

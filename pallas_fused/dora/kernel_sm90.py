@@ -107,12 +107,13 @@ def scaled_matmul(x, w, g=None, bias=None, *, lowrank=None, b_layout: str = "kn"
 
 
 # QDoRA: the Int8Kernel's codes are b, dequantised tile by tile inside the GEMM (`_sm90.matmul(dequant=)`), and the
-# low-rank term rides the skeleton's low-rank step. One wgmma in flight (overlap_wgmma): a K step's int8 tile is
-# converted while the previous step's wgmma runs, into the other of two bf16 scratch tiles per warpgroup. tile_k 64:
-# the int8 ring, the scratch tiles, the epilogue staging and the low-rank slices then fit one CTA's shared memory
-# with a 3-deep ring at rank 16 and a 2-deep one at rank 64 (at tile_k 128 the scratch tiles alone take 128 KiB);
-# `qdora_config` takes the deepest ring that fits.
-QDORA_HEURISTIC = dict(tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=4, overlap_wgmma=True)
+# low-rank term rides the skeleton's low-rank step. One bf16 scratch tile per warpgroup: each K step converts its
+# int8 tile, then issues and waits for its wgmma (a second scratch tile, to convert beside the previous step's wgmma,
+# costs a ring stage and was slower at every shape measured). tile_k 64: the int8 ring, the scratch tiles, the
+# epilogue staging and the low-rank slices then fit one CTA's shared memory with a 4-deep ring at rank 16 and a
+# 3-deep one at rank 64 (at tile_k 128 not even a 2-deep ring fits beside them); `qdora_config` takes the deepest
+# ring that fits.
+QDORA_HEURISTIC = dict(tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=4)
 
 
 def qdora_config(m: int, n: int, k: int, rank: int, dtype) -> _sm90.TileConfig:

@@ -530,9 +530,9 @@ def test_gpu_scaled_matmul_nt_tiles(granularity, m, k, n, cta_tile):
     assert sqnr(out, want) >= 40
 
 
-# A tuning table whose tiles carry a cluster and the wgmma overlap (the fields the table may set per tile).
+# A tuning table whose tiles carry a cluster and a grid walk (fields the table may set per tile).
 CLUSTER_TABLE = {"large": dict(tile_m=128, tile_n=128, tile_k=128, max_concurrent_steps=4, cluster="m",
-                               overlap_wgmma=True),
+                               grid_tile_width=16),
                  "small": dict(tile_m=128, tile_n=64, tile_k=128, max_concurrent_steps=4, cluster="n"),
                  "cluster_min_tiles_per_sm": 2.0}
 
@@ -561,20 +561,20 @@ def test_sm90_tile_cluster_rule(cluster_table, m, n, num_sms, cluster, cta_tile)
     config = api.sm90_config(m, n, 4096, num_sms=num_sms)
     assert (config.cluster, config.cta_tile) == (cluster, cta_tile)
     assert kernel_sm90.supported(m, n, 4096, E4, E4, config)
-    assert config.overlap_wgmma is (cta_tile != (128, 128))
+    assert config.grid_tile_width == (8 if cta_tile == (128, 128) else 16)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("granularity", ["tensorwise", "rowwise"])
-@pytest.mark.parametrize("cluster,overlap", [("m", False), ("n", False), ("m", True), ("n", True), (None, True)])
-def test_gpu_scaled_matmul_nt_cluster(granularity, cluster, overlap):
-    """The Hopper kernel with a 2-CTA cluster (the shared operand tile multicast) and / or one wgmma in flight
-    against the reference, at a multiple of the cluster tile with several cluster tiles per cluster."""
+@pytest.mark.parametrize("cluster", ["m", "n"])
+def test_gpu_scaled_matmul_nt_cluster(granularity, cluster):
+    """The Hopper kernel with a 2-CTA cluster (the shared operand tile multicast) against the reference, at a
+    multiple of the cluster tile with several cluster tiles per cluster."""
     from pallas_fused.fp8 import kernel_sm90
 
     if not _backend.is_hopper():
         pytest.skip("needs Hopper")
-    config = dataclasses.replace(kernel_sm90.tiles()[0], cluster=cluster, overlap_wgmma=overlap)
+    config = dataclasses.replace(kernel_sm90.tiles()[0], cluster=cluster)
     m, k, n = 4096, 1024, 6144
     axis = None if granularity == "tensorwise" else -1
     a8, sa = quantize(rand(37, (m, k), jnp.bfloat16), E4, axis)

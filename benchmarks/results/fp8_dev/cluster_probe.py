@@ -1,4 +1,4 @@
-"""The sm90 FP8 GEMM's 2-CTA cluster and wgmma overlap against torch._scaled_mm (development probe).
+"""The sm90 FP8 GEMM's 2-CTA cluster against torch._scaled_mm (development probe).
 
     python -m benchmarks.results.fp8_dev.cluster_probe OUT_DIR [quick] [MxKxN[:tensorwise|:rowwise] ...]
 
@@ -6,15 +6,15 @@ At each shape (M x K x N: a (M, K), bt (N, K); default: the shapes where the ker
 16384x4096x4096, with their granularity) it times, in one process: torch._scaled_mm (bf16 out, use_fast_accum=True;
 scalar scales tensorwise, per-row scales rowwise), the user's call (`fp8.scaled_matmul_nt` fed by `quantize`),
 then `kernel_sm90.scaled_matmul_nt` at the tuned tile (`api.sm90_config`) and its variants: first the tuned tile
-with a cluster along M / N (TileConfig.cluster), each with and without one wgmma in flight (overlap_wgmma); then,
-around the two fastest of those, grid_tile_width 4 / 8 / 16 and grid_minor_dim m / n and the other warpgroup split
-(full mode). Each timed call is one jit over several distinct operand sets that pass the L2 together
-(as common.bench_amortized times), so host dispatch is not timed. Every config's output (and torch's) is checked against
+without a cluster and with one along M / N (TileConfig.cluster); then, around the two fastest of those,
+grid_tile_width 4 / 8 / 16 and grid_minor_dim m / n and the other warpgroup split (full mode). Each timed call is one
+jit over several distinct operand sets that pass the L2 together (as common.bench_amortized times), so host dispatch
+is not timed. Every config's output (and torch's) is checked against
 XLA's fp8 dot with the same scales first; a mismatch is recorded as such and not timed. One line per (shape,
 config): ms, TFLOP/s and the ratio to torch; rows go to OUT_DIR/cluster_probe.json as they come. Configs that start
 after BUDGET_S seconds (default 420) are skipped, and each shape's grid variants stop at its share of that budget,
-so the probe ends within a device call's limit; quick mode times the six cluster / overlap variants only, with
-fewer calls.
+so the probe ends within a device call's limit; quick mode times the three cluster variants only, with fewer
+calls.
 """
 
 from __future__ import annotations
@@ -58,8 +58,8 @@ def label(config, tuned) -> str:
 
 
 def variants(tuned):
-    """The tuned tile with a cluster along M / N or none, each with and without the wgmma overlap."""
-    return [dataclasses.replace(tuned, cluster=c, overlap_wgmma=o) for c in (None, "m", "n") for o in (False, True)]
+    """The tuned tile with a cluster along M / N or none."""
+    return [dataclasses.replace(tuned, cluster=c) for c in (None, "m", "n")]
 
 
 def neighbours(config):

@@ -1,21 +1,18 @@
-"""QDoRA int8 on Hopper (development probe): does converting a K step's int8 tile while the previous step's wgmma
-runs close the gap to bf16 DoRA (issue targets: int8 <= 1.25x bf16 DoRA forward and forward+backward)?
+"""QDoRA int8 on Hopper (development probe): how far is the int8 GEMM with B dequantised in shared memory from
+bf16 DoRA (issue targets: int8 <= 1.25x bf16 DoRA forward and forward+backward)?
 
 At 4096 and 8192 tokens, 4096 -> 4096 r16 and 4096 -> 11008 r64, bf16, forward and forward+backward (the forward
 output returned beside the gradients of x, A, B and m, so XLA cannot drop the forward), each timed as one jitted
 call (bench: median of means):
 
-  int8:overlap        the default sm90_dequant GEMMs: two scratch tiles per warpgroup, one wgmma in flight
-                      (TileConfig.overlap_wgmma; its ring as deep as shared memory allows: 3 at r16, 2 at r64)
-  int8:overlap_epi32  the same with 32 x 32 epilogue stores (24 KiB less staging: a 4-deep ring at r16; r16 only,
-                      at r64 the ring stays 2 deep)
-  int8:single         one scratch tile per warpgroup and a wait for each wgmma (overlap_wgmma=False; 4 / 3 deep)
+  int8                the sm90_dequant GEMMs: one scratch tile per warpgroup and a wait for each wgmma
+                      (QDORA_HEURISTIC; its ring as deep as shared memory allows: 4 at r16, 3 at r64)
   bf16                bf16 DoRA (implementation="pallas": the sm90 GEMM at r16, cuBLAS on the merged weight at r64)
   xla:int8            W dequantised in full, then XLA's GEMMs (implementation="xla")
   base                x @ W alone (bf16), the floor
 
-Each int8 configuration's forward output and gradients are checked once per shape against the "xla" ones (relative
-Frobenius error, `err`); `stages` is the ring depth its forward GEMM got. A row per (case, op, impl), with `x_bf16`
+The int8 forward output and gradients are checked once per shape against the "xla" ones (relative Frobenius
+error, `err`); `stages` is the ring depth its forward GEMM got. A row per (case, op, impl), with `x_bf16`
 its time over bf16 DoRA's.
 
     python -m benchmarks.results.user_path_dev.qdora_probe OUT_DIR
@@ -39,12 +36,9 @@ os.makedirs(OUT, exist_ok=True)
 record = probe_recorder(f"{OUT}/qdora_probe.json")
 CASES = [(4096, 4096, 4096, 16), (4096, 4096, 11008, 64), (8192, 4096, 4096, 16), (8192, 4096, 11008, 64)]
 SCALE = 2.0
-DEFAULT = dict(kernel_sm90.QDORA_HEURISTIC)
 # On a CPU (a dry run of the probe at small shapes) the kernels run in interpret mode.
 CPU = jax.default_backend() == "cpu"
 BF16_IMPL, INT8_IMPL = ("interpret", "interpret:sm90_dequant") if CPU else ("pallas", "pallas")
-INT8 = {"int8:overlap": DEFAULT, "int8:overlap_epi32": {**DEFAULT, "epi_tile": 32},
-        "int8:single": {**DEFAULT, "overlap_wgmma": False}}
 
 
 def layer(impl):
@@ -90,22 +84,15 @@ def probe_case(tokens, fin, fout, r, t0):
     want_fwd, want_fb = xfwd(x, qw, a, b, m), xfwdbwd(x, qw, a, b, m, dy)
     timed("fwd", "xla:int8", xfwd, x, qw, a, b, m)
     timed("fwdbwd", "xla:int8", xfwdbwd, x, qw, a, b, m, dy)
-    for impl, table in INT8.items():
-        if impl == "int8:overlap_epi32" and r > 16:
-            continue
-        kernel_sm90.QDORA_HEURISTIC = table
-        jax.clear_caches()  # the tile configuration is read when the jitted GEMMs trace
-        stages = kernel_sm90.qdora_config(tokens, fout, fin, -(-r // 16) * 16, jnp.bfloat16).max_concurrent_steps
-        fwd, fwdbwd = layer(INT8_IMPL)
-        try:
-            err_fwd, err_fb = rel_err(fwd(x, qw, a, b, m), want_fwd), rel_err(fwdbwd(x, qw, a, b, m, dy), want_fb)
-        except Exception as e:  # noqa: BLE001
-            record(case=case, impl=impl, error=error_text(e))
-            continue
-        timed("fwd", impl, fwd, x, qw, a, b, m, stages=stages, err=err_fwd)
-        timed("fwdbwd", impl, fwdbwd, x, qw, a, b, m, dy, stages=stages, err=err_fb)
-    kernel_sm90.QDORA_HEURISTIC = DEFAULT
-    jax.clear_caches()
+    stages = kernel_sm90.qdora_config(tokens, fout, fin, -(-r // 16) * 16, jnp.bfloat16).max_concurrent_steps
+    fwd, fwdbwd = layer(INT8_IMPL)
+    try:
+        err_fwd, err_fb = rel_err(fwd(x, qw, a, b, m), want_fwd), rel_err(fwdbwd(x, qw, a, b, m, dy), want_fb)
+    except Exception as e:  # noqa: BLE001 - a failing kernel is a result
+        record(case=case, impl="int8", error=error_text(e))
+        return
+    timed("fwd", "int8", fwd, x, qw, a, b, m, stages=stages, err=err_fwd)
+    timed("fwdbwd", "int8", fwdbwd, x, qw, a, b, m, dy, stages=stages, err=err_fb)
 
 
 def main():
