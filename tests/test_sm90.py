@@ -278,9 +278,12 @@ def test_gpu_int8_dequant(rank, b_layout):
     x, q = rand(20, (4096, 4096), jnp.bfloat16), _codes(21, (4096, 4096))
     la, lb = rand(22, (4096, rank), jnp.bfloat16), rand(23, (rank, 4096), jnp.bfloat16, scale=30.0)
     b, lb_in = (q, lb) if b_layout == "kn" else (q.T, lb.T)
+    # bf16 out, as QDoRA's: the configuration's shared memory counts that output staging
     out = _sm90.matmul(x, b, b_layout=b_layout, dequant=dora_sm90._int8_codes, epilogue=lambda acc, rows, cols: acc,
-                       out_dtype=jnp.float32, config=config, name="test_gpu_int8", lowrank=(la, lb_in))
+                       out_dtype=jnp.bfloat16, config=config, name="test_gpu_int8", lowrank=(la, lb_in))
     f32 = jnp.float32
     ref = (jnp.dot(x.astype(f32), q.astype(f32), precision="highest")
            + jnp.dot(la.astype(f32), lb.astype(f32), precision="highest"))
-    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), rtol=1e-4, atol=1e-4 * float(jnp.abs(ref).max()))
+    # one bf16 rounding of the fp32 result (2^-8 relative); a tile read from a stage reused too early is off by O(1)
+    np.testing.assert_allclose(np.asarray(out.astype(f32)), np.asarray(ref), rtol=8e-3,
+                               atol=8e-3 * float(jnp.abs(ref).max()))
