@@ -252,7 +252,7 @@ def _kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: in
                             # issued by this warpgroup after the wait, so they never race the read.
                             plgpu.barrier_wait(la_bar)
                             plgpu.barrier_wait(lb_bar)
-                            lb_tile = (plgpu.transpose_ref(lb_smem.at[wg], (1, 0)) if b_layout == "nk"
+                            lb_tile = (lb_smem.at[wg].transpose((1, 0)) if b_layout == "nk"
                                        else lb_smem.at[wg])
                             plgpu.wgmma(acc_ref, la_smem.at[wg], lb_tile)
                             plgpu.wgmma_wait(0)
@@ -280,7 +280,7 @@ def _kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: in
                     deq_smem[wg] = dequant(b_wg[...]).astype(deq_smem.dtype)
                     plgpu.commit_smem()
                     b_wg = deq_smem.at[wg]
-                b_tile = plgpu.transpose_ref(b_wg, (1, 0)) if b_layout == "nk" else b_wg
+                b_tile = b_wg.transpose((1, 0)) if b_layout == "nk" else b_wg
                 if promote is None:
                     plgpu.wgmma(carry, a_smem.at[wg_m], b_tile)
                     plgpu.wgmma_wait(0)
