@@ -18,7 +18,7 @@ from pallas_fused.dora import kernel_sm90 as dora_sm90
 from pallas_fused.fp8 import kernel_sm90 as fp8_sm90
 from tests.helpers import rand, to64
 
-needs_interpret = pytest.mark.skipif(getattr(_backend.mosaic_gpu(), "InterpretGPUParams", None) is None,
+needs_interpret = pytest.mark.skipif(not _backend.has_mosaic_interpret(),
                                      reason="Mosaic GPU interpret mode needs jax >= 0.12")
 SMALL = _sm90.TileConfig(tile_m=64, tile_n=64, tile_k=64, max_concurrent_steps=2)
 
@@ -79,7 +79,7 @@ def test_promote_blockwise(tile_n, split, uniform, early):
 
 def test_interpret_needs_new_jax():
     """Where jax has no Mosaic GPU interpret mode, asking for it names the version that has it."""
-    if getattr(_backend.mosaic_gpu(), "InterpretGPUParams", None) is not None:
+    if _backend.has_mosaic_interpret():
         pytest.skip("this jax has Mosaic GPU interpret mode")
     x = rand(0, (128, 64), jnp.bfloat16)
     with pytest.raises(_backend.ImplementationError, match="jax >= 0.12"):

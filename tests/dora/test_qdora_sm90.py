@@ -12,7 +12,7 @@ from pallas_fused.dora import dora_dense, quantize_int8, quantize_nf4
 from pallas_fused.dora.api import choose_variant
 from tests.dora.test_dora import check_against_reference, make
 
-needs_interpret = pytest.mark.skipif(getattr(_backend.mosaic_gpu(), "InterpretGPUParams", None) is None,
+needs_interpret = pytest.mark.skipif(not _backend.has_mosaic_interpret(),
                                      reason="Mosaic GPU interpret mode needs jax >= 0.12")
 IMPL = "interpret:sm90_dequant"
 
@@ -45,7 +45,7 @@ def test_interpret_zero_scale_column_and_empty():
 def test_refusals():
     """What sm90_dequant does not take is named before any kernel is built."""
     x, w, a, b, m, bias, _ = make(320, (128,), 256, 512, 8, jnp.bfloat16, w_dtype=jnp.float32)
-    if getattr(_backend.mosaic_gpu(), "InterpretGPUParams", None) is not None:
+    if _backend.has_mosaic_interpret():
         with pytest.raises(ValueError, match="multiples of its tiles"):  # 100 tokens: no whole tile
             dora_dense(x[:100], quantize_int8(w), a, b, m, bias, scale=0.5, implementation=IMPL)
         with pytest.raises(ValueError, match="needs an Int8Kernel"):
