@@ -147,9 +147,9 @@ def test_dequant_smem():
     for rank, stages in ((16, 4), (64, 3)):
         config = dora_sm90.qdora_config(4096, 11008, 4096, rank, jnp.bfloat16)
         assert config.max_concurrent_steps == stages, rank
-        assert dora_sm90._qdora_smem(config, rank, 2) <= _sm90.SMEM_LIMIT
+        assert dora_sm90._smem(config, rank, 2, dequant=True) <= _sm90.SMEM_LIMIT
         deeper = dataclasses.replace(config, max_concurrent_steps=stages + 1)
-        assert dora_sm90._qdora_smem(deeper, rank, 2) > _sm90.SMEM_LIMIT
+        assert dora_sm90._smem(deeper, rank, 2, dequant=True) > _sm90.SMEM_LIMIT
 
 
 @needs_interpret

@@ -51,9 +51,7 @@ def choose_variant(kind: str, tokens: int, fin: int, fout: int, dtype, interpret
     if kind != "dense":
         ok = not interpret and _sm90_dequant_ok(kind, tokens, fin, fout, pow2(rank), dtype, interpret)
         return "sm90_dequant" if ok else "gemm"
-    from pallas_fused.dora import kernel_sm90
-
-    if not interpret and pow2(rank) <= kernel_sm90.max_rank() and _sm90_ok(kind, tokens, fin, fout, dtype, pow2(rank)):
+    if not interpret and _sm90_tuned(kind, tokens, fin, fout, dtype, pow2(rank)):
         return "sm90"
     merged_bytes, epilogue_bytes = 4 * fin * fout, 2 * tokens * fin + 4 * tokens * fout
     return "epilogue" if merged_bytes > epilogue_bytes else "merged"
@@ -191,6 +189,14 @@ def _sm90_ok(kind, tokens, fin, fout, dtype, rank, interpret=False) -> bool:
     return (kind == "dense" and (interpret or _backend.is_hopper()) and jax.device_count() == 1
             and kernel_sm90.supported(tokens, fout, fin, dtype, rank=rank)
             and kernel_sm90.supported(tokens, fin, fout, dtype, rank=rank))
+
+
+def _sm90_tuned(kind, tokens, fin, fout, dtype, rank) -> bool:
+    """Whether plain "pallas" takes the sm90 GEMM with the low-rank step on a GPU (DoRA's "sm90", `lora_dense`'s
+    kernels): where it runs (`_sm90_ok`), up to the tuned padded rank (`kernel_sm90.max_rank`)."""
+    from pallas_fused.dora import kernel_sm90
+
+    return rank <= kernel_sm90.max_rank() and _sm90_ok(kind, tokens, fin, fout, dtype, rank)
 
 
 def _sm90_dequant_ok(kind, tokens, fin, fout, rank, dtype, interpret) -> bool:

@@ -51,13 +51,19 @@ def config_for(m: int, n: int, k: int, rank: int = 0, itemsize: int = 2) -> _sm9
     return fit_lowrank(config, rank, itemsize)
 
 
-def fit_lowrank(config: _sm90.TileConfig, rank: int, itemsize: int = 2) -> _sm90.TileConfig:
+def _smem(config: _sm90.TileConfig, rank: int, itemsize: int, dequant: bool = False) -> int:
+    """Shared memory of a DoRA GEMM: x, the output and the low-rank slices in `itemsize` bytes, W too or (`dequant`)
+    int8 with a 16-bit scratch tile per warpgroup."""
+    return _sm90.smem_bytes(config, itemsize, 1 if dequant else itemsize, itemsize, rank, itemsize, dequant=dequant)
+
+
+def fit_lowrank(config: _sm90.TileConfig, rank: int, itemsize: int = 2, dequant: bool = False) -> _sm90.TileConfig:
     """`config` with its ring shrunk until the low-rank slices (2 (tile_m + tile_n) R bytes per warpgroup) fit
     beside it: fewer stages first, then half the K step with twice the stages (the same K depth in flight), never
     under 2 stages. The large tiles (128 x 128 x 128, 2 stages) fill shared memory on their own; at rank 16 they
-    become 128 x 128 x 64 x 3 stages."""
+    become 128 x 128 x 64 x 3 stages. `dequant`: W's int8 ring and the scratch tiles (`_smem`)."""
     def fits(c):
-        return _sm90.smem_bytes(c, itemsize, itemsize, itemsize, rank, itemsize) <= _sm90.SMEM_LIMIT
+        return _smem(c, rank, itemsize, dequant) <= _sm90.SMEM_LIMIT
 
     tile_k, depth = config.tile_k, config.tile_k * config.max_concurrent_steps
     while tile_k >= 64:
@@ -112,22 +118,14 @@ def scaled_matmul(x, w, g=None, bias=None, *, lowrank=None, b_layout: str = "kn"
 # costs a ring stage and was slower at every shape measured). tile_k 64: the int8 ring, the scratch tiles, the
 # epilogue staging and the low-rank slices then fit one CTA's shared memory with a 4-deep ring at rank 16 and a
 # 3-deep one at rank 64 (at tile_k 128 not even a 2-deep ring fits beside them); `qdora_config` takes the deepest
-# ring that fits.
+# ring that fits (`fit_lowrank`).
 QDORA_HEURISTIC = dict(tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=4)
 
 
 def qdora_config(m: int, n: int, k: int, rank: int, dtype) -> _sm90.TileConfig:
     """The tile configuration of a QDoRA GEMM (m, k) x (k, n) with a low-rank term of rank `rank` (padded)."""
     table = _backend.tuned("dora_sm90_int8", QDORA_HEURISTIC)
-    config = _sm90.TileConfig(**table)
-    item = jnp.dtype(dtype).itemsize
-    while config.max_concurrent_steps > 2 and _qdora_smem(config, rank, item) > _sm90.SMEM_LIMIT:
-        config = dataclasses.replace(config, max_concurrent_steps=config.max_concurrent_steps - 1)
-    return config
-
-
-def _qdora_smem(config: _sm90.TileConfig, rank: int, item: int) -> int:
-    return _sm90.smem_bytes(config, item, 1, item, rank, item, dequant=True)
+    return fit_lowrank(_sm90.TileConfig(**table), rank, jnp.dtype(dtype).itemsize, dequant=True)
 
 
 def qdora_supported(m: int, n: int, k: int, rank: int, dtype) -> bool:
@@ -135,7 +133,7 @@ def qdora_supported(m: int, n: int, k: int, rank: int, dtype) -> bool:
     if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) or rank % 16:
         return False
     config = qdora_config(m, n, k, rank, dtype)
-    return _sm90.supported(m, n, k, config) and _qdora_smem(config, rank, jnp.dtype(dtype).itemsize) <= _sm90.SMEM_LIMIT
+    return _sm90.supported(m, n, k, config) and _smem(config, rank, jnp.dtype(dtype).itemsize, True) <= _sm90.SMEM_LIMIT
 
 
 def _int8_codes(tile):

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from pallas_fused import _backend
 from pallas_fused.dora import kernel_sm90
-from pallas_fused.dora.api import _check, _pad_rank, _sm90_ok
+from pallas_fused.dora.api import _check, _pad_rank, _sm90_ok, _sm90_tuned
 from pallas_fused.dora.kernel_util import pow2
 
 
@@ -82,7 +82,7 @@ def runs_sm90(tokens: int, fin: int, fout: int, dtype, rank: int, interpret: boo
     XLA's dots win (4096 tokens, 4096 -> 11008 r64 on an H200: forward+backward 1.244 ms against 1.332)."""
     if interpret:
         return _backend.has_mosaic_interpret() and _sm90_ok("dense", tokens, fin, fout, dtype, pow2(rank), True)
-    return pow2(rank) <= kernel_sm90.max_rank() and _sm90_ok("dense", tokens, fin, fout, dtype, pow2(rank))
+    return _sm90_tuned("dense", tokens, fin, fout, dtype, pow2(rank))
 
 
 def lora_dense(x, kernel, lora_a, lora_b, bias=None, *, scale, implementation: str | None = None):

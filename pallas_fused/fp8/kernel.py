@@ -395,9 +395,14 @@ def blockwise_supported(block_n, block_t) -> bool:
             and (block_t is None or (block_t[1] == 1 and pow2(block_t[0]))))
 
 
+def _is_square(block_n, block_t) -> bool:
+    """Whether supported blocks are one tile shared by q and q^T (a weight's), not 1 x b / b x 1 blocks."""
+    return all(b[0] > 1 and b[1] > 1 for b in (block_n, block_t) if b is not None)
+
+
 def _blockwise_launch(rows, block_n, block_t):
     """(tile, num_warps, chunk, packed) of `quantize_blockwise` for an x of `rows` rows and supported blocks."""
-    square = all(b[0] > 1 and b[1] > 1 for b in (block_n, block_t) if b is not None)
+    square = _is_square(block_n, block_t)
     both = block_n is not None and block_t is not None
     if square:
         tile = block_n or block_t
@@ -440,7 +445,7 @@ def quantize_blockwise(x, *, dtype, block_n=None, block_t=None, power_of_2=False
         raise ValueError(f"quantize_blockwise: blocks (block_n={block_n}, block_t={block_t}) must be 1 x 2^a and/or "
                          f"2^b x 1, or one 2^a x 2^b tile")
     (r, c), emit_n, emit_t = x.shape, block_n is not None, block_t is not None
-    square = all(b[0] > 1 and b[1] > 1 for b in (block_n, block_t) if b is not None)
+    square = _is_square(block_n, block_t)
     tile, warps, chunk, packed = _blockwise_launch(r, block_n, block_t)
     grid = (pl.cdiv(r, tile[0]), pl.cdiv(c, tile[1]))
     f32 = jnp.float32
