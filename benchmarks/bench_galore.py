@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from benchmarks.common import bench_carry, bench_carry_amortized, error_text, rnd
+from benchmarks.common import bench_carry, bench_carry_amortized, bench_carry_interleaved, error_text, rnd
 from pallas_fused import _backend
 from pallas_fused.galore import api, kernel, projector, reference
 
@@ -360,7 +360,10 @@ def _user_path_txs(r):
 
 
 def _user_path_rows(rec, case, shapes, r, dtype, quick, kw):
-    """Each optimizer's donated `update -> apply_updates` step (or the in-place step) on params {name: shape}."""
+    """Each optimizer's donated `update -> apply_updates` step (or the in-place step) on params {name: shape}, the
+    candidates timed in turn (`bench_carry_interleaved`: every step waits on the refresh predicate's read-back, so
+    host latency is part of each time and must drift alike for all)."""
+    steps = {}
     for impl, make in _user_path_txs(r):
         try:
             tx = make()
@@ -377,10 +380,16 @@ def _user_path_rows(rec, case, shapes, r, dtype, quick, kw):
                     return optax.apply_updates(p, u), g, s
             step = jax.jit(step, donate_argnums=(0, 1, 2))
             # the refresh step (count 0) once, outside the timed loop
-            params, grads, state = step(params, grads, state)
-            rec.add(OP, case, impl, bench_carry(step, (params, grads, state), n=20 if quick else 50), **kw)
+            steps[impl] = (step, step(params, grads, state))
         except Exception as e:  # noqa: BLE001
             rec.add(OP, case, impl, None, error=error_text(e))
+    try:
+        times = bench_carry_interleaved(steps, n=20 if quick else 50, reps=5 if quick else 9)
+    except Exception as e:  # noqa: BLE001
+        times = {impl: None for impl in steps}
+        kw = dict(kw, error=error_text(e))
+    for impl in steps:
+        rec.add(OP, case, impl, times[impl], timing="interleaved", **kw)
 
 
 def _user_path_bytes(shapes, r, item):

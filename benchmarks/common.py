@@ -56,6 +56,32 @@ def bench_carry(step: Callable, state: tuple, n: int = 50, reps: int = 5) -> flo
     return _median_of_means(call, jax.block_until_ready, n, reps)
 
 
+def bench_carry_interleaved(steps: dict[str, tuple[Callable, tuple]], n: int = 50, reps: int = 5) -> dict[str, float]:
+    """`bench_carry` of several candidates {name: (step, state)} taken in turn: each of the `reps` rounds times `n`
+    calls of every candidate, one after another, and each candidate's median over the rounds is reported (ms).
+
+    A step whose host waits on the device every call (a lax.cond's predicate read-back) times host latency as much
+    as GPU work, which drifts within a process (clocks, background compilation, allocator state); timed in turn,
+    candidates compared in one run see the same drift, where timed one after another the first could see more."""
+    carries = {name: [state] for name, (_, state) in steps.items()}
+    times: dict[str, list[float]] = {name: [] for name in steps}
+
+    def run(name, calls):
+        step, carry = steps[name][0], carries[name]
+        start = time.perf_counter()
+        for _ in range(calls):
+            carry[0] = step(*carry[0])
+        jax.block_until_ready(carry[0])
+        return (time.perf_counter() - start) / calls * 1e3
+
+    for name in steps:  # warm-up
+        run(name, 1)
+    for _ in range(reps):
+        for name in steps:
+            times[name].append(run(name, n))
+    return {name: float(np.median(t)) for name, t in times.items()}
+
+
 def bench_amortized(fn: Callable, arg_sets, n: int = 20, reps: int = 5) -> float:
     """ms of one `fn(*args)`: one jit runs fn on each of the k = len(arg_sets) argument tuples, `bench` of it / k.
 
