@@ -261,7 +261,7 @@ def _forward(statics, x, ops, a, b, m, bias, scale):
         safe = jnp.where(wscale == 0, 1.0, wscale)
         lb = (bp.astype(jnp.float32) * (scale / safe)[None, :]).astype(dt)
         y = kernel_sm90.qdora_forward(x, ops[0], xa, lb, g * wscale, bias, interpret=interpret)
-        return _zero_scale_columns(y, wscale, xa, bp, g, scale, bias), (ap, bp, n, g, xa, (None, None))
+        return _zero_scale_columns(y, wscale, xa, bp, g, scale), (ap, bp, n, g, xa, (None, None))
     if variant == "gemm":
         def fwd(x, *a):  # sharded: tokens and output features split; K and the rank gathered
             ops_, (xa_, bp_, g_, scale_, *bias_) = a[:len(ops)], a[len(ops):]
@@ -395,17 +395,17 @@ def _dm_at_zero_magnitude(dm, dy, x, xa, ops, kind, bp, scale, n, m, fin):
     return jax.lax.cond(jnp.any(zero), recompute, lambda dm: dm, dm)
 
 
-def _zero_scale_columns(y, wscale, xa, bp, g, scale, bias):
+def _zero_scale_columns(y, wscale, xa, bp, g, scale):
     """Columns whose int8 scale is exactly 0 (W's column is 0 there; quantize_int8 never makes one): the kernel's
-    epilogue scaled their low-rank term by g * 0 too, so they are recomputed as s (x A) B g + bias, in a branch that
-    runs only when such a column exists."""
+    epilogue scaled their low-rank term by g * 0 too, leaving the bias alone there, so their s (x A) B g is added
+    back, in a branch that runs only when such a column exists. B's other columns are zeroed, so the GEMM adds
+    exactly 0 elsewhere and y is its addend: the branch holds no (tokens, out) float32 product (a 16-bit output
+    GEMM, rounded once more than the reference in those columns)."""
     zero = wscale == 0
 
     def fix(y):
-        low = scale * jnp.dot(xa, bp, preferred_element_type=jnp.float32) * g[None, :]
-        if bias is not None:
-            low = low + bias.astype(jnp.float32)[None, :]
-        return jnp.where(zero[None, :], low.astype(y.dtype), y)
+        col = jnp.where(zero, scale * g.astype(jnp.float32), 0.0)
+        return y + jnp.dot(xa, (bp.astype(jnp.float32) * col[None, :]).astype(xa.dtype)).astype(y.dtype)
 
     return jax.lax.cond(jnp.any(zero), fix, lambda y: y, y)
 
