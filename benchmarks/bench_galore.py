@@ -384,12 +384,14 @@ def _user_path_rows(rec, case, shapes, r, dtype, quick, kw):
         except Exception as e:  # noqa: BLE001
             rec.add(OP, case, impl, None, error=error_text(e))
     try:
-        times = bench_carry_interleaved(steps, n=20 if quick else 50, reps=5 if quick else 9)
+        rounds: dict[str, list[float]] = {}
+        times = bench_carry_interleaved(steps, n=20 if quick else 50, reps=5 if quick else 9, rounds=rounds)
     except Exception as e:  # noqa: BLE001
-        times = {impl: None for impl in steps}
+        times, rounds = {impl: None for impl in steps}, {}
         kw = dict(kw, error=error_text(e))
     for impl in steps:
-        rec.add(OP, case, impl, times[impl], timing="interleaved", **kw)
+        rec.add(OP, case, impl, times[impl], timing="interleaved",
+                rounds_ms=[round(t, 4) for t in rounds.get(impl, [])], **kw)
 
 
 def _user_path_bytes(shapes, r, item):

@@ -56,15 +56,18 @@ def bench_carry(step: Callable, state: tuple, n: int = 50, reps: int = 5) -> flo
     return _median_of_means(call, jax.block_until_ready, n, reps)
 
 
-def bench_carry_interleaved(steps: dict[str, tuple[Callable, tuple]], n: int = 50, reps: int = 5) -> dict[str, float]:
+def bench_carry_interleaved(steps: dict[str, tuple[Callable, tuple]], n: int = 50, reps: int = 5,
+                            rounds: dict[str, list[float]] | None = None) -> dict[str, float]:
     """`bench_carry` of several candidates {name: (step, state)} taken in turn: each of the `reps` rounds times `n`
-    calls of every candidate, one after another, and each candidate's median over the rounds is reported (ms).
+    calls of every candidate, one after another (the order rotated by one each round), and each candidate's median
+    over the rounds is reported (ms); `rounds`, if given, receives every round's time per candidate.
 
     A step whose host waits on the device every call (a lax.cond's predicate read-back) times host latency as much
     as GPU work, which drifts within a process (clocks, background compilation, allocator state); timed in turn,
     candidates compared in one run see the same drift, where timed one after another the first could see more."""
     carries = {name: [state] for name, (_, state) in steps.items()}
-    times: dict[str, list[float]] = {name: [] for name in steps}
+    times: dict[str, list[float]] = {name: [] for name in steps} if rounds is None else rounds
+    times.update({name: [] for name in steps})
 
     def run(name, calls):
         step, carry = steps[name][0], carries[name]
@@ -74,10 +77,11 @@ def bench_carry_interleaved(steps: dict[str, tuple[Callable, tuple]], n: int = 5
         jax.block_until_ready(carry[0])
         return (time.perf_counter() - start) / calls * 1e3
 
-    for name in steps:  # warm-up
+    names = list(steps)
+    for name in names:  # warm-up
         run(name, 1)
-    for _ in range(reps):
-        for name in steps:
+    for rep in range(reps):  # each round starts at the next candidate: none is always first (or after the same one)
+        for name in names[rep % len(names):] + names[:rep % len(names)]:
             times[name].append(run(name, n))
     return {name: float(np.median(t)) for name, t in times.items()}
 
