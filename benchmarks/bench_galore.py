@@ -359,6 +359,25 @@ def _user_path_txs(r):
                                                                     eps=EPS))]
 
 
+def user_path_step(impl, make, shapes, dtype):
+    """One candidate of the user path (`_user_path_txs`): its jitted step (params, grads, state donated) and the carry
+    after its first call, the refresh step (count 0), so that timing starts between refreshes."""
+    tx = make()
+    params = {k: rnd(3 + i, s, dtype) for i, (k, s) in enumerate(shapes.items())}
+    grads = {k: rnd(40 + i, s, dtype) for i, (k, s) in enumerate(shapes.items())}
+    state = tx.init(params)
+    if impl == "pallas:inplace_api":
+        def step(p, g, s):
+            p, s = tx.step(p, g, s)
+            return p, g, s
+    else:
+        def step(p, g, s):
+            u, s = tx.update(g, s, p)
+            return optax.apply_updates(p, u), g, s
+    step = jax.jit(step, donate_argnums=(0, 1, 2))
+    return step, step(params, grads, state)
+
+
 def _user_path_rows(rec, case, shapes, r, dtype, quick, kw):
     """Each optimizer's donated `update -> apply_updates` step (or the in-place step) on params {name: shape}, the
     candidates timed in turn (`bench_carry_interleaved`: every step waits on the refresh predicate's read-back, so
@@ -366,21 +385,7 @@ def _user_path_rows(rec, case, shapes, r, dtype, quick, kw):
     steps = {}
     for impl, make in _user_path_txs(r):
         try:
-            tx = make()
-            params = {k: rnd(3 + i, s, dtype) for i, (k, s) in enumerate(shapes.items())}
-            grads = {k: rnd(40 + i, s, dtype) for i, (k, s) in enumerate(shapes.items())}
-            state = tx.init(params)
-            if impl == "pallas:inplace_api":
-                def step(p, g, s, tx=tx):
-                    p, s = tx.step(p, g, s)
-                    return p, g, s
-            else:
-                def step(p, g, s, tx=tx):
-                    u, s = tx.update(g, s, p)
-                    return optax.apply_updates(p, u), g, s
-            step = jax.jit(step, donate_argnums=(0, 1, 2))
-            # the refresh step (count 0) once, outside the timed loop
-            steps[impl] = (step, step(params, grads, state))
+            steps[impl] = user_path_step(impl, make, shapes, dtype)
         except Exception as e:  # noqa: BLE001
             rec.add(OP, case, impl, None, error=error_text(e))
     try:

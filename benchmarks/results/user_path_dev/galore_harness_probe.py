@@ -9,12 +9,10 @@ optimized HLO's thunk order around the conditional written to OUT/.
 import os
 import sys
 
-import jax
 import jax.numpy as jnp
-import optax
 
-from benchmarks.bench_galore import _user_path_txs
-from benchmarks.common import bench_carry_interleaved, error_text, probe_recorder, rnd
+from benchmarks.bench_galore import _user_path_txs, user_path_step
+from benchmarks.common import bench_carry_interleaved, error_text, probe_recorder
 from benchmarks.trace import trace_steps
 
 OUT = sys.argv[1]
@@ -23,32 +21,16 @@ record = probe_recorder(f"{OUT}/galore_harness_probe.json")
 CASES = sys.argv[2:] or ["4096x4096:128:bfloat16", "4096x4096:128:float32"]
 
 
-def build(make, impl, shape, dtype):
-    tx = make()
-    params, grads = {"w": rnd(3, shape, dtype)}, {"w": rnd(40, shape, dtype)}
-    state = tx.init(params)
-    if impl == "pallas:inplace_api":
-        def step(p, g, s, tx=tx):
-            p, s = tx.step(p, g, s)
-            return p, g, s
-    else:
-        def step(p, g, s, tx=tx):
-            u, s = tx.update(g, s, p)
-            return optax.apply_updates(p, u), g, s
-    step = jax.jit(step, donate_argnums=(0, 1, 2))
-    return step, step(params, grads, state)
-
-
 for spec in CASES:
     dims, r, dtype = spec.split(":")
     shape, r, dtype = tuple(int(d) for d in dims.split("x")), int(r), jnp.dtype(dtype)
     case = f"{dims} r{r} {dtype.name}"
-    steps = {impl: build(make, impl, shape, dtype) for impl, make in _user_path_txs(r)}
+    steps = {impl: user_path_step(impl, make, {"w": shape}, dtype) for impl, make in _user_path_txs(r)}
     rounds: dict = {}
     times = bench_carry_interleaved(steps, n=50, reps=5, rounds=rounds)
     for impl, make in _user_path_txs(r):
         try:
-            step, carry = build(make, impl, shape, dtype)  # the timed carries were donated: a fresh one
+            step, carry = user_path_step(impl, make, {"w": shape}, dtype)  # the timed carries were donated
             with open(f"{OUT}/{case.replace(' ', '_')}_{impl.replace(':', '_')}.hlo.txt", "w") as f:
                 f.write(step.lower(*carry).compile().as_text())
             tr = trace_steps(step, carry, 20, top=8)
