@@ -56,34 +56,53 @@ def bench_carry(step: Callable, state: tuple, n: int = 50, reps: int = 5) -> flo
     return _median_of_means(call, jax.block_until_ready, n, reps)
 
 
+def _interleaved(calls: dict[str, Callable[[], Any]], sync: Callable, n: int, reps: int,
+                 rounds: dict[str, list[float]] | None) -> dict[str, float]:
+    """`_median_of_means` of several candidates {name: call} taken in turn: a warm-up call each, then `reps` rounds,
+    each timing `n` calls of every candidate one after another, the order rotated by one each round (no candidate
+    always first, or always after the same one); each candidate's median over the rounds (ms). `rounds`, if given,
+    receives every round's time per candidate."""
+    times: dict[str, list[float]] = {} if rounds is None else rounds
+    times.update({name: [] for name in calls})
+    names = list(calls)
+    for name in names:
+        sync(calls[name]())
+    for rep in range(reps):
+        for name in names[rep % len(names):] + names[:rep % len(names)]:
+            call = calls[name]
+            start = time.perf_counter()
+            for _ in range(n):
+                out = call()
+            sync(out)
+            times[name].append((time.perf_counter() - start) / n * 1e3)
+    return {name: float(np.median(t)) for name, t in times.items()}
+
+
+def bench_interleaved(fns: dict[str, tuple[Callable, tuple]], n: int = 50, reps: int = 5,
+                      rounds: dict[str, list[float]] | None = None) -> dict[str, float]:
+    """`bench` of several candidates {name: (fn, args)} taken in turn (`_interleaved`): candidates compared in one
+    run then see the same drift of clocks and host latency within the process, where timed one after another the
+    first one measured could run slower than the same call later."""
+    return _interleaved({name: (lambda fn=fn, args=args: fn(*args)) for name, (fn, args) in fns.items()},
+                        jax.block_until_ready, n, reps, rounds)
+
+
 def bench_carry_interleaved(steps: dict[str, tuple[Callable, tuple]], n: int = 50, reps: int = 5,
                             rounds: dict[str, list[float]] | None = None) -> dict[str, float]:
-    """`bench_carry` of several candidates {name: (step, state)} taken in turn: each of the `reps` rounds times `n`
-    calls of every candidate, one after another (the order rotated by one each round), and each candidate's median
-    over the rounds is reported (ms); `rounds`, if given, receives every round's time per candidate.
+    """`bench_carry` of several candidates {name: (step, state)} taken in turn (`_interleaved`). A step whose host
+    waits on the device every call (a lax.cond's predicate read-back) times host latency as much as GPU work, which
+    drifts within a process (clocks, background compilation, allocator state): timed in turn, the candidates see
+    the same drift."""
+    def carried(step, state):
+        carry = [state]
 
-    A step whose host waits on the device every call (a lax.cond's predicate read-back) times host latency as much
-    as GPU work, which drifts within a process (clocks, background compilation, allocator state); timed in turn,
-    candidates compared in one run see the same drift, where timed one after another the first could see more."""
-    carries = {name: [state] for name, (_, state) in steps.items()}
-    times: dict[str, list[float]] = {name: [] for name in steps} if rounds is None else rounds
-    times.update({name: [] for name in steps})
-
-    def run(name, calls):
-        step, carry = steps[name][0], carries[name]
-        start = time.perf_counter()
-        for _ in range(calls):
+        def call():
             carry[0] = step(*carry[0])
-        jax.block_until_ready(carry[0])
-        return (time.perf_counter() - start) / calls * 1e3
+            return carry[0]
+        return call
 
-    names = list(steps)
-    for name in names:  # warm-up
-        run(name, 1)
-    for rep in range(reps):  # each round starts at the next candidate: none is always first (or after the same one)
-        for name in names[rep % len(names):] + names[:rep % len(names)]:
-            times[name].append(run(name, n))
-    return {name: float(np.median(t)) for name, t in times.items()}
+    return _interleaved({name: carried(step, state) for name, (step, state) in steps.items()},
+                        jax.block_until_ready, n, reps, rounds)
 
 
 def bench_amortized(fn: Callable, arg_sets, n: int = 20, reps: int = 5) -> float:
@@ -214,6 +233,29 @@ class Recorder:
     def time(self, op: str, case: str, impl: str, fn: Callable, *args, n: int = 50, reps: int = 5, **kw) -> Row:
         """Time `fn(*args)` (`bench`) and record it, as `measure`."""
         return self.measure(op, case, impl, lambda: bench(fn, *args, n=n, reps=reps), **kw)
+
+    def time_interleaved(self, op: str, case: str, candidates: dict[str, tuple[Callable, tuple, dict]], n: int = 50,
+                         reps: int = 5, **kw) -> None:
+        """Time candidates {impl: (fn, args, extra)} in turn (`bench_interleaved`) and record one row each (its
+        `extra` and `kw` beside it, every round's time as `rounds_ms`). A candidate whose first call fails is recorded
+        as failed and left out; a failure while timing is recorded for all."""
+        rounds: dict[str, list[float]] = {}
+        for impl, (fn, args, extra) in list(candidates.items()):
+            try:
+                jax.block_until_ready(fn(*args))
+            except Exception as e:  # noqa: BLE001 - a failing candidate is a result, not a crash
+                self.add(op, case, impl, None, error=error_text(e), **extra)
+                candidates = {k: v for k, v in candidates.items() if k != impl}
+        try:
+            times = bench_interleaved({impl: (fn, args) for impl, (fn, args, _) in candidates.items()}, n=n, reps=reps,
+                                      rounds=rounds)
+        except Exception as e:  # noqa: BLE001 - a failing candidate is a result, not a crash
+            for impl, (_, _, extra) in candidates.items():
+                self.add(op, case, impl, None, error=error_text(e), **extra)
+            return
+        for impl, (_, _, extra) in candidates.items():
+            self.add(op, case, impl, times[impl], timing="interleaved", rounds_ms=[round(t, 4) for t in rounds[impl]],
+                     **extra, **kw)
 
     def time_amortized(self, op: str, case: str, impl: str, fn: Callable, arg_sets, n: int = 20, reps: int = 5,
                        **kw) -> Row:
