@@ -100,15 +100,26 @@ def _data(tokens, fin, fout, r, seed=0):
 AMORTIZE_TOKENS = 512  # layer rows at this many tokens or fewer are timed amortized over 4 distinct layers
 
 
-def _layer_timer(rec, case, sets):
-    """time(op, impl, fn, n_args, **kw): fn(*set[:n_args]) timed single-call on the first (x, w, a, b, m, dy) set, or
-    amortized over all of them when there are several (each with its own W: nothing per-weight is shared)."""
-    def time(op, impl, fn, n_args, **kw):
-        args = [s[:n_args] for s in sets]
-        if len(sets) == 1:
-            return rec.time(op, case, impl, jax.jit(fn), *args[0], **kw)
-        return rec.time_amortized(op, case, impl, fn, args, **kw)
-    return time
+class _LayerGroup:
+    """The layer rows of one op and case, timed together: `add(impl, fn, n_args, **kw)` collects fn(*set[:n_args])
+    (one call on the first (x, w, a, b, m, dy) set, or amortized over all of them when there are several, each with
+    its own W: nothing per-weight is shared, k beside the row), `time()` times them in turn (`time_interleaved`): the
+    first of several ~0.2 ms layers timed one after another can run slower than the same call later, which would
+    tilt the ratios between them (DoRA over the base GEMM, over LoRA)."""
+
+    def __init__(self, rec, op, case, sets):
+        self.rec, self.op, self.case, self.sets, self.candidates = rec, op, case, sets, {}
+
+    def add(self, impl, fn, n_args, **kw):
+        args = [s[:n_args] for s in self.sets]
+        if len(self.sets) == 1:
+            self.candidates[impl] = (jax.jit(fn), tuple(args[0]), kw)
+        else:
+            many = jax.jit(lambda sets, fn=fn: [fn(*a) for a in sets])
+            self.candidates[impl] = (many, (args,), dict(kw, k=len(args)))
+
+    def time(self):
+        self.rec.time_interleaved(self.op, self.case, self.candidates, calls=len(self.sets))
 
 
 AMORTIZE_BYTES = 256e6  # column norm: k distinct weights per jit, together well past the 50 MB L2
@@ -204,37 +215,38 @@ def main_cases(rec: Recorder, quick: bool) -> None:
         # At few tokens a layer takes ~0.03-0.1 ms, near the ~0.03 ms host dispatch of one call: amortized there.
         sets = [_data(tokens, fin, fout, r, seed=10 * i) for i in range(4 if tokens <= AMORTIZE_TOKENS else 1)]
         x, w, a, b, m, dy = sets[0]
-        layer = _layer_timer(rec, case, sets)
-
         # Layer forward: the base GEMM's FLOPs plus the low-rank terms; bytes: x, W, y once.
         fwd_flops = 2 * tokens * fin * fout + 2 * tokens * r * (fin + fout) + norm_flops
         fwd_bytes = (tokens * fin + fin * fout + tokens * fout) * item
-        layer("dora_fwd", "peer:base_matmul", lambda x, w: x @ w, 2, nbytes=fwd_bytes, flops=2 * tokens * fin * fout)
-        layer("dora_fwd", "xla", lambda x, w, a, b, m: dora_dense(x, w, a, b, m, scale=scale, implementation="xla"),
-              5, nbytes=fwd_bytes, flops=fwd_flops)
+        fwd = _LayerGroup(rec, "dora_fwd", case, sets)
+        fwd.add("peer:base_matmul", lambda x, w: x @ w, 2, nbytes=fwd_bytes, flops=2 * tokens * fin * fout)
+        fwd.add("xla", lambda x, w, a, b, m: dora_dense(x, w, a, b, m, scale=scale, implementation="xla"),
+                5, nbytes=fwd_bytes, flops=fwd_flops)
         for impl in _wanted(IMPLS):
-            layer("dora_fwd", impl, lambda x, w, a, b, m, impl=impl: dora_dense(
+            fwd.add(impl, lambda x, w, a, b, m, impl=impl: dora_dense(
                 x, w, a, b, m, scale=scale, implementation=impl), 5, nbytes=fwd_bytes, flops=fwd_flops)
         # The same layer as plain LoRA (x W + s (x A) B), what DoRA costs over it: fused (the sm90 kernel with the
         # low-rank step on Hopper) and XLA's dots.
         lora_flops = 2 * tokens * fin * fout + 2 * tokens * r * (fin + fout)
         for impl in ("pallas", "xla"):
-            layer("dora_fwd", f"lora:{impl}", lambda x, w, a, b, impl=impl: lora_dense(
+            fwd.add(f"lora:{impl}", lambda x, w, a, b, impl=impl: lora_dense(
                 x, w, a, b, scale=scale, implementation=impl), 4, nbytes=fwd_bytes, flops=lora_flops)
+        fwd.time()
 
         # Forward + backward (grads of x, A, B, m; W frozen), as ANCHORS' "XLA layer fwd+bwd".
         fb_flops = fwd_flops + 2 * tokens * fin * fout + 6 * tokens * r * (fin + fout)
-
-        layer("dora_fwdbwd", "peer:base_matmul", _base_fwdbwd, 6, flops=4 * tokens * fin * fout)
+        fb = _LayerGroup(rec, "dora_fwdbwd", case, sets)
+        fb.add("peer:base_matmul", _base_fwdbwd, 6, flops=4 * tokens * fin * fout)
         for impl in ("pallas", "xla"):
-            layer("dora_fwdbwd", f"lora:{impl}", _lora_fwdbwd(impl, scale), 6,
-                  flops=lora_flops + 2 * tokens * fin * fout + 6 * tokens * r * (fin + fout))
-        layer("dora_fwdbwd", "user:DoRADense", _module_fwdbwd(scale), 6, flops=fb_flops)
-        layer("dora_fwdbwd", "xla", _fwdbwd("xla", scale), 6, flops=fb_flops)
+            fb.add(f"lora:{impl}", _lora_fwdbwd(impl, scale), 6,
+                   flops=lora_flops + 2 * tokens * fin * fout + 6 * tokens * r * (fin + fout))
+        fb.add("user:DoRADense", _module_fwdbwd(scale), 6, flops=fb_flops)
+        fb.add("xla", _fwdbwd("xla", scale), 6, flops=fb_flops)
         for impl in _wanted([*IMPLS, "pallas:gemm"]):
-            layer("dora_fwdbwd", impl, _fwdbwd(impl, scale), 6, flops=fb_flops)
+            fb.add(impl, _fwdbwd(impl, scale), 6, flops=fb_flops)
         for impl in _wanted(SM90_FWDBWD_CONFIGS):
-            layer("dora_fwdbwd", impl, _fwdbwd("pallas:sm90", scale, SM90_FWDBWD_CONFIGS[impl]), 6, flops=fb_flops)
+            fb.add(impl, _fwdbwd("pallas:sm90", scale, SM90_FWDBWD_CONFIGS[impl]), 6, flops=fb_flops)
+        fb.time()
 
         # QDoRA forward: W int8 / NF4, dequantised inside the kernels (compare with the bf16 "pallas" forward).
         for name, quantize, wbytes in (("int8", quantize_int8, fin * fout), ("nf4", quantize_nf4, fin * fout // 2)):

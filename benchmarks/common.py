@@ -235,10 +235,11 @@ class Recorder:
         return self.measure(op, case, impl, lambda: bench(fn, *args, n=n, reps=reps), **kw)
 
     def time_interleaved(self, op: str, case: str, candidates: dict[str, tuple[Callable, tuple, dict]], n: int = 50,
-                         reps: int = 5, **kw) -> None:
+                         reps: int = 5, calls: int = 1, **kw) -> None:
         """Time candidates {impl: (fn, args, extra)} in turn (`bench_interleaved`) and record one row each (its
-        `extra` and `kw` beside it, every round's time as `rounds_ms`). A candidate whose first call fails is recorded
-        as failed and left out; a failure while timing is recorded for all."""
+        `extra` and `kw` beside it, every round's time as `rounds_ms`), a time per call of fn / `calls` (the ops one
+        call runs: `bench_amortized`'s k). A candidate whose first call fails is recorded as failed and left out; a
+        failure while timing is recorded for all."""
         rounds: dict[str, list[float]] = {}
         for impl, (fn, args, extra) in list(candidates.items()):
             try:
@@ -254,8 +255,8 @@ class Recorder:
                 self.add(op, case, impl, None, error=error_text(e), **extra)
             return
         for impl, (_, _, extra) in candidates.items():
-            self.add(op, case, impl, times[impl], timing="interleaved", rounds_ms=[round(t, 4) for t in rounds[impl]],
-                     **extra, **kw)
+            self.add(op, case, impl, times[impl] / calls, timing="interleaved",
+                     rounds_ms=[round(t / calls, 4) for t in rounds[impl]], **extra, **kw)
 
     def time_amortized(self, op: str, case: str, impl: str, fn: Callable, arg_sets, n: int = 20, reps: int = 5,
                        **kw) -> Row:
