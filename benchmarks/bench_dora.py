@@ -58,7 +58,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from benchmarks.common import Recorder, error_text, rnd
+from benchmarks.common import Recorder, amortized, error_text, rnd
 from pallas_fused.dora import (
     ColumnsConfig,
     Config,
@@ -115,8 +115,7 @@ class _LayerGroup:
         if len(self.sets) == 1:
             self.candidates[impl] = (jax.jit(fn), tuple(args[0]), kw)
         else:
-            many = jax.jit(lambda sets, fn=fn: [fn(*a) for a in sets])
-            self.candidates[impl] = (many, (args,), dict(kw, k=len(args)))
+            self.candidates[impl] = (amortized(fn), (args,), dict(kw, k=len(args)))
 
     def time(self):
         self.rec.time_interleaved(self.op, self.case, self.candidates, calls=len(self.sets))

@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from benchmarks.common import bench_carry, bench_carry_amortized, bench_carry_interleaved, error_text, rnd
+from benchmarks.common import bench_carry, bench_carry_amortized, error_text, rnd
 from pallas_fused import _backend
 from pallas_fused.galore import api, kernel, projector, reference
 
@@ -385,18 +385,10 @@ def _user_path_rows(rec, case, shapes, r, dtype, quick, kw):
     steps = {}
     for impl, make in _user_path_txs(r):
         try:
-            steps[impl] = user_path_step(impl, make, shapes, dtype)
+            steps[impl] = (*user_path_step(impl, make, shapes, dtype), {})
         except Exception as e:  # noqa: BLE001
             rec.add(OP, case, impl, None, error=error_text(e))
-    try:
-        rounds: dict[str, list[float]] = {}
-        times = bench_carry_interleaved(steps, n=20 if quick else 50, reps=5 if quick else 9, rounds=rounds)
-    except Exception as e:  # noqa: BLE001
-        times, rounds = {impl: None for impl in steps}, {}
-        kw = dict(kw, error=error_text(e))
-    for impl in steps:
-        rec.add(OP, case, impl, times[impl], timing="interleaved",
-                rounds_ms=[round(t, 4) for t in rounds.get(impl, [])], **kw)
+    rec.time_interleaved(OP, case, steps, n=20 if quick else 50, reps=5 if quick else 9, carried=True, **kw)
 
 
 def _user_path_bytes(shapes, r, item):

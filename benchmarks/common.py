@@ -65,6 +65,8 @@ def _interleaved(calls: dict[str, Callable[[], Any]], sync: Callable, n: int, re
     times: dict[str, list[float]] = {} if rounds is None else rounds
     times.update({name: [] for name in calls})
     names = list(calls)
+    if not names:
+        return {}
     for name in names:
         sync(calls[name]())
     for rep in range(reps):
@@ -105,14 +107,18 @@ def bench_carry_interleaved(steps: dict[str, tuple[Callable, tuple]], n: int = 5
                         jax.block_until_ready, n, reps, rounds)
 
 
+def amortized(fn: Callable) -> Callable:
+    """One jit that runs fn on each argument tuple of its one argument, a list of them (`bench_amortized`'s call)."""
+    return jax.jit(lambda sets: [fn(*args) for args in sets])
+
+
 def bench_amortized(fn: Callable, arg_sets, n: int = 20, reps: int = 5) -> float:
     """ms of one `fn(*args)`: one jit runs fn on each of the k = len(arg_sets) argument tuples, `bench` of it / k.
 
     On the H200 a jitted call costs ~0.03 ms of host dispatch, so a single call of an op under ~0.05 ms times the
     dispatch, not the GPU; here it is paid once per k calls and overlaps their GPU work. Give distinct buffers
     that together pass the 50 MB L2, so the k calls do not measure the cache."""
-    many = jax.jit(lambda sets: [fn(*args) for args in sets])
-    return bench(many, list(arg_sets), n=n, reps=reps) / len(arg_sets)
+    return bench(amortized(fn), list(arg_sets), n=n, reps=reps) / len(arg_sets)
 
 
 def bench_carry_amortized(step: Callable, states, n: int = 50, reps: int = 5) -> float:
@@ -235,24 +241,26 @@ class Recorder:
         return self.measure(op, case, impl, lambda: bench(fn, *args, n=n, reps=reps), **kw)
 
     def time_interleaved(self, op: str, case: str, candidates: dict[str, tuple[Callable, tuple, dict]], n: int = 50,
-                         reps: int = 5, calls: int = 1, **kw) -> None:
+                         reps: int = 5, calls: int = 1, carried: bool = False, **kw) -> None:
         """Time candidates {impl: (fn, args, extra)} in turn (`bench_interleaved`) and record one row each (its
         `extra` and `kw` beside it, every round's time as `rounds_ms`), a time per call of fn / `calls` (the ops one
         call runs: `bench_amortized`'s k). A candidate whose first call fails is recorded as failed and left out; a
-        failure while timing is recorded for all."""
+        failure while timing is recorded for all. `carried`: each fn is a donating step and its args the state it
+        carries (`bench_carry_interleaved`), already the output of a first call."""
         rounds: dict[str, list[float]] = {}
-        for impl, (fn, args, extra) in list(candidates.items()):
+        for impl, (fn, args, extra) in [] if carried else list(candidates.items()):
             try:
                 jax.block_until_ready(fn(*args))
             except Exception as e:  # noqa: BLE001 - a failing candidate is a result, not a crash
-                self.add(op, case, impl, None, error=error_text(e), **extra)
+                self.add(op, case, impl, None, error=error_text(e), **extra, **kw)
                 candidates = {k: v for k, v in candidates.items() if k != impl}
+        timer = bench_carry_interleaved if carried else bench_interleaved
         try:
-            times = bench_interleaved({impl: (fn, args) for impl, (fn, args, _) in candidates.items()}, n=n, reps=reps,
-                                      rounds=rounds)
+            times = timer({impl: (fn, args) for impl, (fn, args, _) in candidates.items()}, n=n, reps=reps,
+                          rounds=rounds)
         except Exception as e:  # noqa: BLE001 - a failing candidate is a result, not a crash
             for impl, (_, _, extra) in candidates.items():
-                self.add(op, case, impl, None, error=error_text(e), **extra)
+                self.add(op, case, impl, None, error=error_text(e), **extra, **kw)
             return
         for impl, (_, _, extra) in candidates.items():
             self.add(op, case, impl, times[impl] / calls, timing="interleaved",
