@@ -12,7 +12,9 @@ Cases (ANCHORS.md): fp32 W and G, TF32 allowed, non-refresh step, proj_type "std
                   weight decay it is XLA's graph, whose up-projection GEMM takes apply_updates' add;
                   pallas:tx_wd with weight_decay=0.01 (the Pallas kernels);
                   pallas:tx_optax_convention with convention="optax": the peer's algorithm (it projects the larger
-                  side: smaller moments, a larger projector), i.e. the same work as the peer's row
+                  side: smaller moments, a larger projector), i.e. the same work as the peer's row;
+                  pallas:tx_host_refresh / pallas:inplace_host_refresh: the refresh schedule on the host
+                  (`refresh=False` static between refreshes): no conditional, so no predicate read-back per step
   xla             our plain-jnp reference step (donated), default precision (TF32)
   xla:g_copied    the same with G not donated (peers_jax.py's method: XLA returns G as a 2 x M N x 4 byte copy,
                   which ANCHORS.md's XLA and optax.contrib.galore figures include)
@@ -356,7 +358,12 @@ def _user_path_txs(r):
             ("peer:optax_contrib_galore", lambda: optax.contrib.galore(LR, rank=r, update_proj_gap=10**9,
                                                                        scale=SCALE)),
             ("pallas:inplace_api", lambda: api.galore_adamw_inplace(LR, rank=r, update_proj_gap=10**9, scale=SCALE,
-                                                                    eps=EPS))]
+                                                                    eps=EPS)),
+            # the refresh schedule on the host (refresh= static): no conditional, no read-back between refreshes
+            ("pallas:tx_host_refresh", lambda: api.galore_adamw(LR, rank=r, update_proj_gap=10**9, scale=SCALE,
+                                                                eps=EPS)),
+            ("pallas:inplace_host_refresh", lambda: api.galore_adamw_inplace(LR, rank=r, update_proj_gap=10**9,
+                                                                             scale=SCALE, eps=EPS))]
 
 
 def user_path_step(impl, make, shapes, dtype):
@@ -366,15 +373,19 @@ def user_path_step(impl, make, shapes, dtype):
     params = {k: rnd(3 + i, s, dtype) for i, (k, s) in enumerate(shapes.items())}
     grads = {k: rnd(40 + i, s, dtype) for i, (k, s) in enumerate(shapes.items())}
     state = tx.init(params)
-    if impl == "pallas:inplace_api":
-        def step(p, g, s):
-            p, s = tx.step(p, g, s)
+    # the host's schedule passes refresh (static) to the optimizer; the others leave it to the device (None)
+    host = impl.endswith("_host_refresh")
+    if impl.startswith("pallas:inplace"):
+        def step(p, g, s, refresh=None):
+            p, s = tx.step(p, g, s, refresh=refresh)
             return p, g, s
     else:
-        def step(p, g, s):
-            u, s = tx.update(g, s, p)
+        def step(p, g, s, refresh=None):
+            u, s = (tx.update(g, s, p, refresh=refresh) if host else tx.update(g, s, p))
             return optax.apply_updates(p, u), g, s
-    step = jax.jit(step, donate_argnums=(0, 1, 2))
+    step = jax.jit(step, donate_argnums=(0, 1, 2), static_argnames="refresh")
+    if host:
+        return partial(step, refresh=False), step(params, grads, state, refresh=True)
     return step, step(params, grads, state)
 
 

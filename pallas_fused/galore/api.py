@@ -29,6 +29,19 @@ in optax; galore-torch decays the post-step W, a difference of order lr^2 wd).
 side (proj_type "reverse_std": the smaller dimension is kept) and its eps placement
 m_hat / (sqrt(v_hat) + eps); the learning rate is applied after scale and weight decay as there.
 
+The refresh schedule on the host: `update(grads, state, params, refresh=...)` (through optax.chain too, which hands
+its transforms every extra argument) and `step(params, grads, state, refresh=...)` take `refresh`, None (the default:
+the schedule above, decided on the device by a lax.cond whose predicate the host reads back each step, so each step
+waits for the one before it to finish) or a bool known when the step is traced: True refreshes every projector
+unconditionally, False keeps them, with no conditional at all, so the host can queue steps ahead of the GPU (two
+compiled steps: jit with static_argnames="refresh"). The host then owns the schedule: pass True on the first step
+(projectors start at zero, and a zero projector gives a zero update) and every `update_proj_gap` steps after; a
+refresh that saw a non-finite gradient sets `state.pending_refresh`, which only the next refresh=True clears.
+
+    step = jax.jit(train_step, static_argnames="refresh", donate_argnums=(0, 1))
+    for t in range(steps):
+        params, state = step(params, state, batch, refresh=t % gap == 0)   # update(..., refresh=refresh) inside
+
 Non-finite gradients: on a refresh step whose gradient (of a projected leaf) is not finite, that leaf
 keeps its previous projector and moments and its update is zero (the step is skipped for that leaf, the
 step count still advances) and every projector is refreshed again on the next step. On other steps a
@@ -108,8 +121,9 @@ class GaLoreAdamState(NamedTuple):
 
 
 class GaLoreInplace(NamedTuple):
-    """`init(params) -> state`; `step(params, grads, state) -> (params, state)`: jit it with
-    donate_argnums=(0, 2) so the update kernels write params and moments in place."""
+    """`init(params) -> state`; `step(params, grads, state, refresh=None) -> (params, state)`: jit it with
+    donate_argnums=(0, 2) so the update kernels write params and moments in place (`refresh`: see the module
+    docstring)."""
 
     init: Callable
     step: Callable
@@ -161,6 +175,20 @@ def _state_side(m_shape, p_shape) -> str:
     side left, with r <= min(M, N). The shapes fit both sides only when M = N = r, where the sides coincide."""
     right = m_shape[1] == p_shape[0] and m_shape[1] <= m_shape[0] and p_shape[0] <= p_shape[1]
     return "right" if right else "left"
+
+
+def _refresh_arg(refresh) -> bool | None:
+    """`update`'s / `step`'s `refresh`: None (the refresh schedule runs on the device) or a bool known when the step
+    is traced (a Python or NumPy bool, or a concrete bool scalar array)."""
+    if refresh is None or isinstance(refresh, (bool, np.bool_)):
+        return None if refresh is None else bool(refresh)
+    if isinstance(refresh, jax.core.Tracer):
+        raise ValueError("galore: refresh must be known when the step is traced (it selects the compiled step): got "
+                         "a traced value; pass a Python bool and mark it static, e.g. jax.jit(train_step, "
+                         "static_argnames='refresh')")
+    if isinstance(refresh, (np.ndarray, jax.Array)) and refresh.shape == () and refresh.dtype == np.bool_:
+        return bool(refresh)
+    raise ValueError(f"galore: refresh must be None or a bool, got {refresh!r}")
 
 
 def _check_grads(updates, state: GaLoreAdamState):
@@ -419,7 +447,7 @@ class _GaLore:
         return leaf_step(variant, w, g, m, v, p, side, s, inplace=inplace, interpret=base == "interpret",
                          dtype=dtype)
 
-    def _update(self, updates, state: GaLoreAdamState, params, inplace: bool):
+    def _update(self, updates, state: GaLoreAdamState, params, inplace: bool, refresh: bool | None):
         cfg = self.cfg
         with_lr = self.lr is not None
         # A literal weight_decay=0 (the default) reads no W; a traced one (inject_hyperparams) may change.
@@ -431,7 +459,6 @@ class _GaLore:
         lr = jnp.asarray(self.lr(count) if callable(self.lr) else (self.lr if with_lr else 1.0), jnp.float32)
         b1, b2, eps, alpha, beta, c = self._scalars(count, lr, with_lr)
         wd = jnp.asarray(wd_arg if has_wd else 0.0, jnp.float32)
-        refresh = (count % cfg.update_proj_gap == 0) | state.pending_refresh
 
         treedef = jax.tree.structure(updates)
         _check_grads(updates, state)
@@ -460,11 +487,14 @@ class _GaLore:
         def keep_all():
             return [flat_p[i] for i in proj_idx], state.pending_refresh
 
-        if proj_idx:
-            new_projs, pending = lax.cond(refresh, refresh_all, keep_all)
-            refreshed = dict(zip(proj_idx, new_projs))
-        else:
-            refreshed, pending = {}, jnp.zeros([], jnp.bool_)
+        if not proj_idx:
+            new_projs, pending = [], jnp.zeros([], jnp.bool_)
+        elif refresh is None:  # the schedule on the device: a read-back of the predicate per step
+            due = (count % cfg.update_proj_gap == 0) | state.pending_refresh
+            new_projs, pending = lax.cond(due, refresh_all, keep_all)
+        else:  # the host's schedule (`refresh` static): no conditional, so nothing waits for the device
+            new_projs, pending = refresh_all() if refresh else keep_all()
+        refreshed = dict(zip(proj_idx, new_projs))
         outs, mus, nus, projs = [], [], [], []
         count_inc = optax.safe_int32_increment(count)
         # A leaf whose refresh saw a non-finite gradient kept its projector, and skips this step through the
@@ -499,12 +529,12 @@ class _GaLore:
         )
         return treedef.unflatten(outs), new_state
 
-    def update(self, updates, state, params=None, **extra_args):
-        del extra_args
-        return self._update(updates, state, params, inplace=False)
+    def update(self, updates, state, params=None, *, refresh=None, **extra_args):
+        del extra_args  # optax.chain hands every transform the extra arguments of all
+        return self._update(updates, state, params, inplace=False, refresh=_refresh_arg(refresh))
 
-    def step(self, params, grads, state):
-        return self._update(grads, state, params, inplace=True)
+    def step(self, params, grads, state, *, refresh=None):
+        return self._update(grads, state, params, inplace=True, refresh=_refresh_arg(refresh))
 
 
 def state_shardings(state: GaLoreAdamState, param_shardings, *, mesh=None) -> GaLoreAdamState:

@@ -2,13 +2,15 @@
 term (XLA's graph for every projected leaf): its values, its non-finite skip, and the ops it runs on full-size
 arrays."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 
-from pallas_fused.galore import galore_adamw
+from pallas_fused.galore import galore_adamw, galore_adamw_inplace
 from tests.galore.ref_impl import RefGaLoreAdamW
 from tests.helpers import rand
 
@@ -159,3 +161,90 @@ def test_user_path_full_size_work_is_two_gemms_and_the_add(convention, dtype):
     conds = [e for e in jaxpr.eqns if e.primitive.name == "cond"]
     keep = conds[0].params["branches"][0].jaxpr if len(conds) == 1 else None
     assert keep is not None and not keep.eqns and all(any(v is i for i in keep.invars) for v in keep.outvars)
+
+
+def _prims(jaxpr, found):
+    """Every primitive's name in `jaxpr`, nested jaxprs included."""
+    for eqn in jaxpr.eqns:
+        found.add(eqn.primitive.name)
+        for v in eqn.params.values():
+            for j in v if isinstance(v, (tuple, list)) else [v]:
+                j = getattr(j, "jaxpr", j)
+                if hasattr(j, "eqns"):
+                    _prims(j, found)
+    return found
+
+
+@pytest.mark.parametrize("api", ["chain", "inplace"])
+@pytest.mark.parametrize("convention", ["galore", "optax"])
+def test_host_refresh_matches_device_schedule(convention, api):
+    # refresh=t % GAP == 0 from the host (static: two compiled steps, no conditional) gives the device schedule's
+    # params and state, bit for bit, through optax.chain (which hands the extra argument on) and the in-place step
+    params = _params(jnp.float32)
+    kw = dict(rank=RANK, update_proj_gap=GAP, scale=0.25, eps=1e-8, convention=convention, weight_decay=0.01)
+    if api == "chain":
+        tx = optax.chain(optax.clip_by_global_norm(10.0), galore_adamw(1e-2, **kw))
+
+        def step(p, g, s, refresh=None):
+            u, s = tx.update(g, s, p, refresh=refresh)
+            return optax.apply_updates(p, u), s
+        init = tx.init
+    else:
+        opt = galore_adamw_inplace(1e-2, **kw)
+        step, init = opt.step, opt.init
+    device = jax.jit(step)
+    host = jax.jit(step, static_argnames="refresh")
+    a, sa = _copy(params), init(params)
+    b, sb = _copy(params), init(params)
+    for t in range(7):
+        g = _grads(t, params)
+        a, sa = device(a, g, sa)
+        b, sb = host(b, g, sb, refresh=t % GAP == 0)
+        for x, y in zip(jax.tree.leaves((a, sa)), jax.tree.leaves((b, sb))):
+            np.testing.assert_array_equal(x, y, err_msg=f"step {t}")
+    # the step given refresh=False has no conditional (nothing to read back); the device's schedule has one
+    shapes = jax.eval_shape(init, params)
+    assert "cond" not in _prims(jax.make_jaxpr(functools.partial(step, refresh=False))(params, params, shapes).jaxpr,
+                                set())
+    assert "cond" in _prims(jax.make_jaxpr(step)(params, params, shapes).jaxpr, set())
+
+
+def test_host_refresh_leaves_a_failed_refresh_pending():
+    # a refresh that saw a non-finite gradient keeps that leaf's projector and sets pending_refresh; under the host's
+    # schedule only the next refresh=True clears it (steps in between use the kept projector and move every leaf)
+    params = _params(jnp.float32)
+    tx = galore_adamw(1e-2, rank=RANK, update_proj_gap=GAP)
+
+    def step(p, g, s, refresh):
+        u, s = tx.update(g, s, p, refresh=refresh)
+        return optax.apply_updates(p, u), s
+    step = jax.jit(step, static_argnames="refresh")
+    p, s = step(_copy(params), _grads(0, params), tx.init(params), refresh=True)
+    bad = _grads(1, params)
+    bad["w"] = bad["w"].at[0, 0].set(jnp.nan)
+    kept = s.projector["w"]
+    p, s = step(p, bad, s, refresh=True)
+    np.testing.assert_array_equal(s.projector["w"], kept)
+    assert bool(s.pending_refresh)
+    before = _copy(p)
+    p, s = step(p, _grads(2, params), s, refresh=False)
+    assert bool(s.pending_refresh)
+    assert all(np.any(np.asarray(p[k]) != np.asarray(before[k])) for k in params)
+    p, s = step(p, _grads(3, params), s, refresh=True)
+    assert not bool(s.pending_refresh)
+    assert np.any(np.asarray(s.projector["w"]) != np.asarray(kept))
+
+
+@pytest.mark.parametrize("refresh", [1, "yes", jnp.ones((2,), jnp.bool_)])
+def test_host_refresh_rejects_non_bool(refresh):
+    params = _params(jnp.float32)
+    tx = galore_adamw(1e-2, rank=RANK)
+    with pytest.raises(ValueError, match="refresh must be None or a bool"):
+        tx.update(params, tx.init(params), params, refresh=refresh)
+
+
+def test_host_refresh_traced_is_a_clear_error():
+    params = _params(jnp.float32)
+    tx = galore_adamw(1e-2, rank=RANK)
+    with pytest.raises(ValueError, match="refresh must be known when the step is traced.*static_argnames"):
+        jax.jit(lambda g, s, r: tx.update(g, s, params, refresh=r))(params, tx.init(params), True)
