@@ -1,0 +1,77 @@
+"""Development probe: the structure of the non-finite skip in GaLore's XLA-graph optax step, on the host's refresh
+schedule (no conditional: the step's time is the GPU's and its launches'). Two formulations of the same skip:
+
+    after    the package's: the new moments, then one reduction over them (XLA fuses the moments into the
+             reduction as side outputs), then a select per output
+    before   the reduction first, over the new moments computed and dropped, then one elementwise pass computing
+             the moments with the selects inside (reference.lowrank_adam with s.ok)
+
+timed in turn in a fresh process beside optax.contrib.galore, then traced.
+
+    python benchmarks/results/user_path_dev/galore_skip_probe.py OUT_DIR [MxN:r:dtype ...]
+"""
+
+import os
+import sys
+
+import jax.numpy as jnp
+
+from benchmarks.bench_galore import _user_path_txs, user_path_step
+from benchmarks.common import bench_carry_interleaved, error_text, probe_recorder
+from benchmarks.trace import trace_steps
+from pallas_fused.galore import api, reference
+
+F32 = jnp.float32
+AFTER = api._GaLore._leaf
+
+
+def _leaf_before(self, w, g, m, v, p, side, s, inplace, dtype):
+    r = reference.project(g, p, side)
+    m_try = (s.b1 * m.astype(F32) + (1 - s.b1) * r).astype(m.dtype)
+    v_try = (s.b2 * v.astype(F32) + (1 - s.b2) * r * r).astype(v.dtype)
+    keep = jnp.all(jnp.isfinite(m_try) & jnp.isfinite(v_try)) & (s.ok > 0)
+    s = s._replace(ok=keep.astype(F32))
+    m_new, v_new, n = reference.lowrank_adam(r, m, v, s)
+    return reference.finish_step(w, n, p, side, s, inplace=inplace, dtype=dtype), m_new, v_new
+
+
+def main():
+    out = sys.argv[1]
+    os.makedirs(out, exist_ok=True)
+    record = probe_recorder(f"{out}/galore_skip_probe.json")
+    cases = sys.argv[2:] or ["4096x4096:128:bfloat16", "4096x4096:128:float32", "4096x4096:32:float32",
+                             "4096x11008:128:bfloat16"]
+    for spec in cases:
+        dims, r, dtype = spec.split(":")
+        shape, r, dtype = tuple(int(d) for d in dims.split("x")), int(r), jnp.dtype(dtype)
+        case = f"{dims} r{r} {dtype.name}"
+        txs = dict(_user_path_txs(r))
+
+        def build(name, txs=txs, shape=shape, dtype=dtype):
+            if name == "contrib":
+                return user_path_step("peer", txs["peer:optax_contrib_galore"], {"w": shape}, dtype)
+            api._GaLore._leaf = _leaf_before if name == "before" else AFTER
+            try:
+                return user_path_step("pallas:tx_host_refresh", txs["pallas:tx_host_refresh"], {"w": shape}, dtype)
+            finally:
+                api._GaLore._leaf = AFTER
+
+        steps = {}
+        for name in ("after", "before", "contrib"):
+            try:
+                steps[name] = build(name)
+            except Exception as e:  # noqa: BLE001
+                record(case=case, impl=name, error=error_text(e))
+        rounds: dict = {}
+        times = bench_carry_interleaved(steps, n=50, reps=7, rounds=rounds)
+        for name in steps:
+            try:
+                tr = trace_steps(*build(name), 20, top=8)
+                record(case=case, impl=name, ms=round(times[name], 4), rounds=[round(t, 4) for t in rounds[name]],
+                       ratio_vs_contrib=round(times[name] / times["contrib"], 3), **tr)
+            except Exception as e:  # noqa: BLE001
+                record(case=case, impl=name, error=error_text(e))
+
+
+if __name__ == "__main__":
+    main()
