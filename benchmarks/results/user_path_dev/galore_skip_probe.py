@@ -5,6 +5,8 @@ schedule (no conditional: the step's time is the GPU's and its launches'). Two f
              reduction as side outputs), then a select per output
     before   the reduction first, over the new moments computed and dropped, then one elementwise pass computing
              the moments with the selects inside (reference.lowrank_adam with s.ok)
+    staged   the package's, its reduction split over the rank axis first, then the rest (staged_barrier: with an
+             optimization barrier between the two)
 
 timed in turn in a fresh process beside optax.contrib.galore, then traced.
 
@@ -15,6 +17,7 @@ import os
 import sys
 
 import jax.numpy as jnp
+from jax import lax
 
 from benchmarks.bench_galore import _user_path_txs, user_path_step
 from benchmarks.common import bench_carry_interleaved, error_text, probe_recorder
@@ -35,6 +38,26 @@ def _leaf_before(self, w, g, m, v, p, side, s, inplace, dtype):
     return reference.finish_step(w, n, p, side, s, inplace=inplace, dtype=dtype), m_new, v_new
 
 
+def _leaf_staged(barrier):
+    """The package's skip with its reduction in two stages: over the rank axis first (a row or column reduction
+    with the moments as side outputs), then over what is left; `barrier` keeps XLA from folding the two back into
+    one reduction."""
+    def leaf(self, w, g, m, v, p, side, s, inplace, dtype):
+        m_new, v_new, n = reference.lowrank_adam(reference.project(g, p, side), m, v, s)
+        ok = jnp.isfinite(m_new) & jnp.isfinite(v_new)
+        part = jnp.all(ok, axis=1 if side == "right" else 0)
+        if barrier:
+            part = lax.optimization_barrier(part)
+        keep = jnp.all(part) & (s.ok > 0)
+        m_new, v_new = jnp.where(keep, m_new, m), jnp.where(keep, v_new, v)
+        s = s._replace(ok=keep.astype(F32))
+        return reference.finish_step(w, n, p, side, s, inplace=inplace, dtype=dtype), m_new, v_new
+    return leaf
+
+
+LEAVES = {"after": AFTER, "before": _leaf_before, "staged": _leaf_staged(False), "staged_barrier": _leaf_staged(True)}
+
+
 def main():
     out = sys.argv[1]
     os.makedirs(out, exist_ok=True)
@@ -50,14 +73,14 @@ def main():
         def build(name, txs=txs, shape=shape, dtype=dtype):
             if name == "contrib":
                 return user_path_step("peer", txs["peer:optax_contrib_galore"], {"w": shape}, dtype)
-            api._GaLore._leaf = _leaf_before if name == "before" else AFTER
+            api._GaLore._leaf = LEAVES[name]
             try:
                 return user_path_step("pallas:tx_host_refresh", txs["pallas:tx_host_refresh"], {"w": shape}, dtype)
             finally:
                 api._GaLore._leaf = AFTER
 
         steps = {}
-        for name in ("after", "before", "contrib"):
+        for name in (*LEAVES, "contrib"):
             try:
                 steps[name] = build(name)
             except Exception as e:  # noqa: BLE001
