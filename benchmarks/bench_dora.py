@@ -290,7 +290,8 @@ def _peak_mib(fn, *args) -> float | None:
 def qdora(rec: Recorder, quick: bool) -> None:
     """QDoRA beside bf16 DoRA and LoRA at the issue's shapes: qdora_fwd and qdora_fwdbwd rows (grads of x, A, B, m),
     each with its compiled program's peak memory (`peak_mib`: arguments, outputs and temporaries; W int8 is 1 byte
-    per weight, NF4 ~0.53, bf16 2). peer:lora_xla is x W + s (x A) B under XLA (no norm), peer:base_matmul x W."""
+    per weight, NF4 ~0.53, bf16 2). peer:lora_xla is x W + s (x A) B under XLA (no norm), peer:base_matmul x W.
+    A case's forward candidates are timed in turn, then its forward+backward ones (`Recorder.time_interleaved`)."""
     scale = 2.0
     quantizers = {"int8": quantize_int8, "nf4": quantize_nf4}
     for tokens, fin, fout, r in QDORA_CASES[:2] if quick else QDORA_CASES:
@@ -299,28 +300,32 @@ def qdora(rec: Recorder, quick: bool) -> None:
         weights = {None: w, **{k: q(w) for k, q in quantizers.items()}}
         fwd_flops = 2 * tokens * fin * fout + 2 * tokens * r * (fin + fout)
 
-        def record(op, impl, fn, *args, case=case, **kw):
+        groups: dict[str, dict] = {"qdora_fwd": {}, "qdora_fwdbwd": {}}
+
+        def add(op, impl, fn, *args, flops, groups=groups):
             try:
                 peak = _peak_mib(fn, *args)
-            except Exception:  # noqa: BLE001 - the timing below records the failure
+            except Exception:  # noqa: BLE001 - the timing records the failure
                 peak = None
-            rec.time(op, case, impl, jax.jit(fn), *args, peak_mib=peak, **kw)
+            groups[op][impl] = (jax.jit(fn), args, dict(peak_mib=peak, flops=flops))
 
-        record("qdora_fwd", "peer:base_matmul", lambda x, w: x @ w, x, w, flops=2 * tokens * fin * fout)
-        record("qdora_fwd", "peer:lora_xla", _lora, x, w, a, b, flops=fwd_flops)
-        record("qdora_fwdbwd", "peer:lora_xla",
-               lambda x, w, a, b, dy: _with_output(lambda x, a, b: _lora(x, w, a, b), x, a, b, dy=dy), x, w, a, b, dy,
-               flops=3 * fwd_flops)
+        add("qdora_fwd", "peer:base_matmul", lambda x, w: x @ w, x, w, flops=2 * tokens * fin * fout)
+        add("qdora_fwd", "peer:lora_xla", _lora, x, w, a, b, flops=fwd_flops)
+        add("qdora_fwdbwd", "peer:lora_xla",
+            lambda x, w, a, b, dy: _with_output(lambda x, a, b: _lora(x, w, a, b), x, a, b, dy=dy), x, w, a, b, dy,
+            flops=3 * fwd_flops)
         for name in _wanted(QDORA_IMPLS):
             fmt, impl = QDORA_IMPLS[name]
             qw = weights[fmt]
-            record("qdora_fwd", name, lambda x, qw, a, b, m, impl=impl: dora_dense(
+            add("qdora_fwd", name, lambda x, qw, a, b, m, impl=impl: dora_dense(
                 x, qw, a, b, m, scale=scale, implementation=impl), x, qw, a, b, m, flops=fwd_flops)
 
             def fb(x, qw, a, b, m, dy, impl=impl):
                 return _with_output(lambda x, a, b, m: dora_dense(x, qw, a, b, m, scale=scale, implementation=impl),
                                     x, a, b, m, dy=dy)
-            record("qdora_fwdbwd", name, fb, x, qw, a, b, m, dy, flops=3 * fwd_flops)
+            add("qdora_fwdbwd", name, fb, x, qw, a, b, m, dy, flops=3 * fwd_flops)
+        for op, candidates in groups.items():  # each case's candidates in turn (one clock regime for all)
+            rec.time_interleaved(op, case, candidates)
 
 
 # ---------------------------------------------------------------------------------------------------- tuning

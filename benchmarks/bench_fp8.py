@@ -50,7 +50,7 @@ import os
 import jax
 import jax.numpy as jnp
 
-from benchmarks.common import bench_torch, error_text, rnd
+from benchmarks.common import amortized, bench_torch, error_text, rnd, torch_sync
 
 FP8_PEAK = 1979.0  # datasheet dense fp8 TFLOP/s (H100 SXM / H200)
 L2_PASS_BYTES = 100e6  # operand sets of one timed call pass the 50 MB L2 together (see `_sets`)
@@ -103,18 +103,23 @@ def _matmul(rec, quick):
                 vec_sets.append((a8, bt8, jnp.broadcast_to(sa.reshape(-1), (m,)),
                                  jnp.broadcast_to(sb.reshape(-1), (n,))))
             case = f"{m}x{k}x{n} {gran}"
-            kw = dict(flops=flops, matmul_ceiling="fp8_peak", peak_tflops=FP8_PEAK, **n_rep)
-            rec.time_amortized("fp8_mm", case, "user:scaled_matmul_nt", scaled_matmul_nt, user_sets,
-                               tile=str(api.sm90_config(m, n, k)), **kw)
             sm90 = functools.partial(api._mm_nt, out_dtype=jnp.bfloat16, fast_accum=True, impl="pallas:sm90")
-            rec.time_amortized("fp8_mm", case, "pallas:sm90", sm90, vec_sets, layout="a (M,K), bt (N,K)", **kw)
-            if m == 8192 or (not quick and m * n * k <= 8192**3):  # the portable fallback: ~3.5x slower
-                tri = functools.partial(kernel.scaled_matmul_nt, out_dtype=jnp.bfloat16)
-                rec.time_amortized("fp8_mm", case, "pallas:triton", tri, vec_sets, **kw)
             # the reference: XLA's fp8 dot (cuBLASLt) to fp32, then an fp32 rescale pass
             xla = functools.partial(api._mm_nt, out_dtype=jnp.bfloat16, fast_accum=True, impl="xla")
-            rec.time_amortized("fp8_mm", case, "xla", xla, vec_sets, **kw)
-            _torch_scaled_mm(rec, case, user_sets, gran, kw)
+            # each timed call runs the k operand sets (one jit for ours, k calls for torch); the candidates in turn
+            cands = {"user:scaled_matmul_nt": (amortized(scaled_matmul_nt), (user_sets,),
+                                               dict(tile=str(api.sm90_config(m, n, k)))),
+                     "pallas:sm90": (amortized(sm90), (vec_sets,), dict(layout="a (M,K), bt (N,K)")),
+                     "xla": (amortized(xla), (vec_sets,), {})}
+            if m == 8192 or (not quick and m * n * k <= 8192**3):  # the portable fallback: ~3.5x slower
+                tri = functools.partial(kernel.scaled_matmul_nt, out_dtype=jnp.bfloat16)
+                cands["pallas:triton"] = (amortized(tri), (vec_sets,), {})
+            try:  # torch._scaled_mm over the same operand sets, use_fast_accum=True
+                cands["peer:torch_scaled_mm"] = (torch_scaled_mm_fn(user_sets, gran), (), {})
+            except Exception as e:  # noqa: BLE001 - a missing peer is a recorded result
+                rec.add("fp8_mm", case, "peer:torch_scaled_mm", None, error=error_text(e))
+            rec.time_interleaved("fp8_mm", case, cands, calls=count, syncs={"peer:torch_scaled_mm": torch_sync},
+                                 k=count, flops=flops, matmul_ceiling="fp8_peak", peak_tflops=FP8_PEAK, **n_rep)
             if gran == "rowwise" and not quick:
                 rec.time_amortized("fp8_mm", case, "peer:bf16_xla", lambda a, wt: a @ wt.T, hp, flops=flops, **n_rep)
 
@@ -141,18 +146,6 @@ def torch_scaled_mm_fn(sets, gran):
                 for ta, tb, tsa, tsb in tsets]
 
     return fn
-
-
-def _torch_scaled_mm(rec, case, sets, gran, kw):
-    """torch._scaled_mm over the same operand sets (one call each per timed call, as ours), use_fast_accum=True."""
-    try:
-        fn = torch_scaled_mm_fn(sets, gran)
-        n_rep = {k: kw[k] for k in ("n", "reps") if k in kw}
-        ms = bench_torch(fn, **n_rep) / len(sets)
-        extra = {k: v for k, v in kw.items() if k not in ("n", "reps")}
-        rec.add("fp8_mm", case, "peer:torch_scaled_mm", ms, k=len(sets), **extra)
-    except Exception as e:  # noqa: BLE001 - a missing peer is a recorded result
-        rec.add("fp8_mm", case, "peer:torch_scaled_mm", None, error=error_text(e))
 
 
 def _quantize(rec, quick):

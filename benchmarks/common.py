@@ -56,37 +56,48 @@ def bench_carry(step: Callable, state: tuple, n: int = 50, reps: int = 5) -> flo
     return _median_of_means(call, jax.block_until_ready, n, reps)
 
 
-def _interleaved(calls: dict[str, Callable[[], Any]], sync: Callable, n: int, reps: int,
+def _interleaved(calls: dict[str, Callable[[], Any]], sync: Callable | dict[str, Callable], n: int, reps: int,
                  rounds: dict[str, list[float]] | None) -> dict[str, float]:
     """`_median_of_means` of several candidates {name: call} taken in turn: a warm-up call each, then `reps` rounds,
     each timing `n` calls of every candidate one after another, the order rotated by one each round (no candidate
-    always first, or always after the same one); each candidate's median over the rounds (ms). `rounds`, if given,
+    always first, or always after the same one); each candidate's median over the rounds (ms). `sync`: one wait for
+    all, or one per candidate ({name: sync}: a torch peer synchronises its CUDA device). `rounds`, if given,
     receives every round's time per candidate."""
+    syncs = sync if isinstance(sync, dict) else dict.fromkeys(calls, sync)
     times: dict[str, list[float]] = {} if rounds is None else rounds
     times.update({name: [] for name in calls})
     names = list(calls)
     if not names:
         return {}
     for name in names:
-        sync(calls[name]())
+        syncs[name](calls[name]())
     for rep in range(reps):
         for name in names[rep % len(names):] + names[:rep % len(names)]:
             call = calls[name]
             start = time.perf_counter()
             for _ in range(n):
                 out = call()
-            sync(out)
+            syncs[name](out)
             times[name].append((time.perf_counter() - start) / n * 1e3)
     return {name: float(np.median(t)) for name, t in times.items()}
 
 
+def torch_sync(_=None) -> None:
+    """Wait for the CUDA device (a torch peer's `sync`)."""
+    import torch
+
+    torch.cuda.synchronize()
+
+
 def bench_interleaved(fns: dict[str, tuple[Callable, tuple]], n: int = 50, reps: int = 5,
-                      rounds: dict[str, list[float]] | None = None) -> dict[str, float]:
+                      rounds: dict[str, list[float]] | None = None,
+                      syncs: dict[str, Callable] | None = None) -> dict[str, float]:
     """`bench` of several candidates {name: (fn, args)} taken in turn (`_interleaved`): candidates compared in one
     run then see the same drift of clocks and host latency within the process, where timed one after another the
-    first one measured could run slower than the same call later."""
+    first one measured could run slower than the same call later. `syncs`: {name: sync} for candidates that are
+    not jax (`torch_sync`); the others block on their output."""
     return _interleaved({name: (lambda fn=fn, args=args: fn(*args)) for name, (fn, args) in fns.items()},
-                        jax.block_until_ready, n, reps, rounds)
+                        {name: (syncs or {}).get(name, jax.block_until_ready) for name in fns}, n, reps, rounds)
 
 
 def bench_carry_interleaved(steps: dict[str, tuple[Callable, tuple]], n: int = 50, reps: int = 5,
@@ -131,9 +142,7 @@ def bench_carry_amortized(step: Callable, states, n: int = 50, reps: int = 5) ->
 
 def bench_torch(fn: Callable, n: int = 50, reps: int = 5) -> float:
     """The same method for a torch peer (synchronising the CUDA device instead of blocking on arrays)."""
-    import torch
-
-    return _median_of_means(fn, lambda _: torch.cuda.synchronize(), n, reps)
+    return _median_of_means(fn, torch_sync, n, reps)
 
 
 def error_text(e: Exception) -> str:
@@ -241,23 +250,28 @@ class Recorder:
         return self.measure(op, case, impl, lambda: bench(fn, *args, n=n, reps=reps), **kw)
 
     def time_interleaved(self, op: str, case: str, candidates: dict[str, tuple[Callable, tuple, dict]], n: int = 50,
-                         reps: int = 5, calls: int = 1, carried: bool = False, **kw) -> None:
+                         reps: int = 5, calls: int = 1, carried: bool = False,
+                         syncs: dict[str, Callable] | None = None, **kw) -> None:
         """Time candidates {impl: (fn, args, extra)} in turn (`bench_interleaved`) and record one row each (its
         `extra` and `kw` beside it, every round's time as `rounds_ms`), a time per call of fn / `calls` (the ops one
         call runs: `bench_amortized`'s k). A candidate whose first call fails is recorded as failed and left out; a
         failure while timing is recorded for all. `carried`: each fn is a donating step and its args the state it
-        carries (`bench_carry_interleaved`), already the output of a first call."""
+        carries (`bench_carry_interleaved`), already the output of a first call. `syncs`: {impl: sync} for
+        candidates that are not jax (a torch peer: `torch_sync`)."""
         rounds: dict[str, list[float]] = {}
+        syncs = syncs or {}
         for impl, (fn, args, extra) in [] if carried else list(candidates.items()):
             try:
-                jax.block_until_ready(fn(*args))
+                syncs.get(impl, jax.block_until_ready)(fn(*args))
             except Exception as e:  # noqa: BLE001 - a failing candidate is a result, not a crash
                 self.add(op, case, impl, None, error=error_text(e), **extra, **kw)
                 candidates = {k: v for k, v in candidates.items() if k != impl}
-        timer = bench_carry_interleaved if carried else bench_interleaved
+        fns = {impl: (fn, args) for impl, (fn, args, _) in candidates.items()}
         try:
-            times = timer({impl: (fn, args) for impl, (fn, args, _) in candidates.items()}, n=n, reps=reps,
-                          rounds=rounds)
+            if carried:
+                times = bench_carry_interleaved(fns, n=n, reps=reps, rounds=rounds)
+            else:
+                times = bench_interleaved(fns, n=n, reps=reps, rounds=rounds, syncs=syncs)
         except Exception as e:  # noqa: BLE001 - a failing candidate is a result, not a crash
             for impl, (_, _, extra) in candidates.items():
                 self.add(op, case, impl, None, error=error_text(e), **extra, **kw)
