@@ -58,9 +58,11 @@ def bench_carry(step: Callable, state: tuple, n: int = 50, reps: int = 5) -> flo
 
 def _interleaved(calls: dict[str, Callable[[], Any]], sync: Callable | dict[str, Callable], n: int, reps: int,
                  rounds: dict[str, list[float]] | None) -> dict[str, float]:
-    """`_median_of_means` of several candidates {name: call} taken in turn: a warm-up call each, then `reps` rounds,
-    each timing `n` calls of every candidate one after another, the order rotated by one each round (no candidate
-    always first, or always after the same one); each candidate's median over the rounds (ms). `sync`: one wait for
+    """`_median_of_means` of several candidates {name: call} taken in turn: a warm-up call each, then `reps` rounds
+    (at least one per candidate), each timing `n` calls of every candidate one after another, the order rotated by
+    one each round, so that every candidate takes every place in the order once (the GPU's clocks drift down over the
+    first rounds of sustained work: a candidate always timed early would gain); each candidate's median over the
+    rounds (ms). `sync`: one wait for
     all, or one per candidate ({name: sync}: a torch peer synchronises its CUDA device). `rounds`, if given,
     receives every round's time per candidate."""
     syncs = sync if isinstance(sync, dict) else dict.fromkeys(calls, sync)
@@ -71,7 +73,7 @@ def _interleaved(calls: dict[str, Callable[[], Any]], sync: Callable | dict[str,
         return {}
     for name in names:
         syncs[name](calls[name]())
-    for rep in range(reps):
+    for rep in range(max(reps, len(names))):
         for name in names[rep % len(names):] + names[:rep % len(names)]:
             call = calls[name]
             start = time.perf_counter()
