@@ -105,6 +105,14 @@ SPLITK = {
     "splitk_64x128s8": dict(bm=64, bk=128, splits=8, warps=4, stages=3),
     "splitk_128x32s8": dict(bm=128, bk=32, splits=8, warps=8, stages=4),
 }
+# no split (R itself, no partial sums for XLA to add): one program per `bm` kept rows, the whole contraction each
+NOSPLIT = {
+    "nosplit_32x128": dict(bm=32, bk=128, splits=1, warps=4, stages=4),
+    "nosplit_64x64": dict(bm=64, bk=64, splits=1, warps=4, stages=4),
+    "nosplit_64x128": dict(bm=64, bk=128, splits=1, warps=4, stages=3),
+}
+if os.environ.get("DOWN_PROBE_NOSPLIT"):  # only the unsplit kernels beside XLA's
+    SPLITK = NOSPLIT
 
 
 def main():
