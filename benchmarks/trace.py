@@ -102,3 +102,30 @@ def trace_steps(step, carry, steps: int, top: int = 12) -> dict:
         jax.block_until_ready(carry)
     return dict(kernel_us_per_step=round(kt.total_us / steps, 2),
                 top=[(name, round(us / steps, 2), c // steps) for name, us, c in kt.top(top)])
+
+
+def time_then_trace(build, names, record, *, ref: str, n: int = 50, reps: int = 7, steps: int = 20, top: int = 8,
+                    **row) -> None:
+    """Development probes' comparison of donating steps: `build(name) -> (step, carry)` for each name, the steps timed
+    in turn (`bench_carry_interleaved`), then each built again (the timed carries were donated) and traced; one
+    `record(**row, impl=name, ...)` per name with its ms, every round's time, its ratio to `ref`'s time, its host gap
+    (wall minus GPU kernel time, us) and `trace_steps`' table. A name that fails is recorded with its error."""
+    from benchmarks.common import bench_carry_interleaved, error_text
+
+    built = {}
+    for name in names:
+        try:
+            built[name] = build(name)
+        except Exception as e:  # noqa: BLE001 - a failing candidate is a result
+            record(**row, impl=name, error=error_text(e))
+    rounds: dict = {}
+    times = bench_carry_interleaved(built, n=n, reps=reps, rounds=rounds)
+    del built
+    for name in times:
+        try:
+            tr = trace_steps(*build(name), steps, top=top)
+            record(**row, impl=name, ms=round(times[name], 4), rounds=[round(t, 4) for t in rounds[name]],
+                   ratio_vs_ref=round(times[name] / times[ref], 3) if ref in times else None,
+                   host_gap_us=round(times[name] * 1e3 - tr["kernel_us_per_step"], 1), **tr)
+        except Exception as e:  # noqa: BLE001
+            record(**row, impl=name, error=error_text(e))

@@ -24,8 +24,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from benchmarks.bench_galore import _user_path_txs, user_path_step
-from benchmarks.common import bench_carry_interleaved, error_text, probe_recorder
-from benchmarks.trace import trace_steps
+from benchmarks.common import error_text, probe_recorder
+from benchmarks.trace import time_then_trace
 from pallas_fused import _backend
 from pallas_fused.galore import reference
 
@@ -141,28 +141,14 @@ def main():
         side = reference.projector_side(shape, "std")
         p = jax.random.normal(jax.random.key(2), reference.projector_shape(shape, r, side), F32).astype(dtype)
         want = ORIG(g, p, side, lax.Precision.HIGHEST)
-        steps = {}
-        for name in [*formulations, "contrib"]:
+        for name in formulations:
             try:
-                if name != "contrib":
-                    got = formulations[name](g, p, side)
-                    err = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
-                    record(case=case, impl=name, check="R vs HIGHEST", max_rel_err=err)
-                steps[name] = build(name)
+                got = formulations[name](g, p, side)
+                err = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
+                record(case=case, impl=name, check="R vs HIGHEST", max_rel_err=err)
             except Exception as e:  # noqa: BLE001
                 record(case=case, impl=name, error=error_text(e))
-        rounds: dict = {}
-        times = bench_carry_interleaved(steps, n=50, reps=7, rounds=rounds)
-        for name in steps:
-            try:
-                step, carry = build(name)  # the timed carries were donated
-                tr = trace_steps(step, carry, 20, top=6)
-                record(case=case, impl=name, ms=round(times[name], 4), rounds=[round(t, 4) for t in rounds[name]],
-                       ratio_vs_contrib=round(times[name] / times["contrib"], 3),
-                       host_gap_us=round(times[name] * 1e3 - tr["kernel_us_per_step"], 1), **tr)
-            except Exception as e:  # noqa: BLE001
-                record(case=case, impl=name, error=error_text(e))
-        del steps
+        time_then_trace(build, [*formulations, "contrib"], record, ref="contrib", top=6, case=case)
 
 
 if __name__ == "__main__":

@@ -20,8 +20,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from benchmarks.bench_galore import _user_path_txs, user_path_step
-from benchmarks.common import bench_carry_interleaved, error_text, probe_recorder
-from benchmarks.trace import trace_steps
+from benchmarks.common import probe_recorder
+from benchmarks.trace import time_then_trace
 from pallas_fused.galore import api, reference
 
 F32 = jnp.float32
@@ -79,21 +79,7 @@ def main():
             finally:
                 api._GaLore._leaf = AFTER
 
-        steps = {}
-        for name in (*LEAVES, "contrib"):
-            try:
-                steps[name] = build(name)
-            except Exception as e:  # noqa: BLE001
-                record(case=case, impl=name, error=error_text(e))
-        rounds: dict = {}
-        times = bench_carry_interleaved(steps, n=50, reps=7, rounds=rounds)
-        for name in steps:
-            try:
-                tr = trace_steps(*build(name), 20, top=8)
-                record(case=case, impl=name, ms=round(times[name], 4), rounds=[round(t, 4) for t in rounds[name]],
-                       ratio_vs_contrib=round(times[name] / times["contrib"], 3), **tr)
-            except Exception as e:  # noqa: BLE001
-                record(case=case, impl=name, error=error_text(e))
+        time_then_trace(build, [*LEAVES, "contrib"], record, ref="contrib", case=case)
 
 
 if __name__ == "__main__":
