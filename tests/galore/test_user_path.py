@@ -248,3 +248,17 @@ def test_host_refresh_traced_is_a_clear_error():
     tx = galore_adamw(1e-2, rank=RANK)
     with pytest.raises(ValueError, match="refresh must be known when the step is traced.*static_argnames"):
         jax.jit(lambda g, s, r: tx.update(g, s, params, refresh=r))(params, tx.init(params), True)
+
+
+def test_host_refresh_through_inject_hyperparams():
+    # optax.inject_hyperparams hands update's extra arguments to the inner transform: the host's schedule works there
+    params = _params(jnp.float32)
+    tx = optax.inject_hyperparams(galore_adamw)(learning_rate=1e-2, rank=RANK, update_proj_gap=GAP)
+    state = tx.init(params)
+    step = jax.jit(lambda g, s, refresh: tx.update(g, s, params, refresh=refresh), static_argnames="refresh")
+    _, s1 = step(_grads(0, params), state, refresh=True)
+    _, s2 = step(_grads(1, params), s1, refresh=False)
+    assert np.any(np.asarray(s1.inner_state.projector["w"]) != 0)
+    np.testing.assert_array_equal(s2.inner_state.projector["w"], s1.inner_state.projector["w"])
+    jaxpr = jax.make_jaxpr(lambda g, s: tx.update(g, s, params, refresh=False))(params, state).jaxpr
+    assert "cond" not in _prims(jaxpr, set())
