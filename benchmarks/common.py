@@ -62,9 +62,8 @@ def _interleaved(calls: dict[str, Callable[[], Any]], sync: Callable | dict[str,
     (at least one per candidate), each timing `n` calls of every candidate one after another, the order rotated by
     one each round, so that every candidate takes every place in the order once (the GPU's clocks drift down over the
     first rounds of sustained work: a candidate always timed early would gain); each candidate's median over the
-    rounds (ms). `sync`: one wait for
-    all, or one per candidate ({name: sync}: a torch peer synchronises its CUDA device). `rounds`, if given,
-    receives every round's time per candidate."""
+    rounds (ms). `sync`: one wait for all, or one per candidate ({name: sync}: a torch peer synchronises its CUDA
+    device). `rounds`, if given, receives every round's time per candidate."""
     syncs = sync if isinstance(sync, dict) else dict.fromkeys(calls, sync)
     times: dict[str, list[float]] = {} if rounds is None else rounds
     times.update({name: [] for name in calls})
