@@ -375,6 +375,10 @@ USER_PATH_PAIRS = [
     *[(f"galore_adamw step {case} vs optax.contrib.galore", "galore", f"user path {case}", "pallas:tx",
        "peer:optax_contrib_galore")
       for case in ("4096x4096 r128 float32", "4096x11008 r128 float32", "4096x4096 r128 bfloat16")],
+    *[(f"galore_adamw step {case}, refresh= from the host, vs optax.contrib.galore", "galore", f"user path {case}",
+       "pallas:tx_host_refresh", "peer:optax_contrib_galore")
+      for case in ("4096x4096 r128 float32", "4096x4096 r128 bfloat16", "llama7b layer r128 float32",
+                   "llama7b layer r128 bfloat16")],
     ("galore_adamw, Llama-7B layer, refresh amortized", "galore", "llama7b layer r128 gap200", "pallas:tx",
      "peer:optax_contrib_galore"),
     ("adamw (composable) 105M vs optax.adamw", "adam", "105M fp32 params, 4x(4096, 6400)", "xla:optax",
