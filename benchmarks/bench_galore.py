@@ -31,10 +31,12 @@ flat spectrum on which "captured energy" says nothing about real gradients.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
 from functools import partial
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -384,9 +386,28 @@ def user_path_step(impl, make, shapes, dtype):
             u, s = (tx.update(g, s, p, refresh=refresh) if host else tx.update(g, s, p))
             return optax.apply_updates(p, u), g, s
     step = jax.jit(step, donate_argnums=(0, 1, 2), static_argnames="refresh")
-    if host:
-        return partial(step, refresh=False), step(params, grads, state, refresh=True)
+    if host:  # the refresh step, then the jitted step between refreshes (a jit of its own, as a user's would be)
+        carry = step(params, grads, state, refresh=True)
+        return jax.jit(partial(step, refresh=False), donate_argnums=(0, 1, 2)), carry
     return step, step(params, grads, state)
+
+
+def probe_case(spec: str):
+    """A development probe's case "MxN:r:dtype" -> (its name as the user-path rows name it, (M, N), r, dtype)."""
+    dims, r, dtype = spec.split(":")
+    dtype = jnp.dtype(dtype)
+    return f"{dims} r{r} {dtype.name}", tuple(int(d) for d in dims.split("x")), int(r), dtype
+
+
+def probe_step(name, r, shape, dtype, *, impl, patch=None):
+    """A development probe's candidate on one (M, N) weight: optax.contrib.galore's user step for name "contrib",
+    else `user_path_step(impl)` traced with `patch` = (object, attribute, value) in place (a variant of the
+    package's code), which is restored after."""
+    txs = dict(_user_path_txs(r))
+    if name == "contrib":
+        return user_path_step("peer", txs["peer:optax_contrib_galore"], {"w": shape}, dtype)
+    with mock.patch.object(*patch) if patch else contextlib.nullcontext():
+        return user_path_step(impl, txs[impl], {"w": shape}, dtype)
 
 
 def _user_path_rows(rec, case, shapes, r, dtype, quick, kw):

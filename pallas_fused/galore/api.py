@@ -180,8 +180,10 @@ def _state_side(m_shape, p_shape) -> str:
 def _refresh_arg(refresh) -> bool | None:
     """`update`'s / `step`'s `refresh`: None (the refresh schedule runs on the device) or a bool known when the step
     is traced (a Python or NumPy bool, or a concrete bool scalar array)."""
-    if refresh is None or isinstance(refresh, (bool, np.bool_)):
-        return None if refresh is None else bool(refresh)
+    if refresh is None:
+        return None
+    if isinstance(refresh, (bool, np.bool_)):
+        return bool(refresh)
     if isinstance(refresh, jax.core.Tracer):
         raise ValueError("galore: refresh must be known when the step is traced (it selects the compiled step): got "
                          "a traced value; pass a Python bool and mark it static, e.g. jax.jit(train_step, "

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from benchmarks.bench_galore import _user_path_txs, user_path_step
+from benchmarks.bench_galore import probe_case, probe_step
 from benchmarks.common import error_text, probe_recorder
 from benchmarks.trace import time_then_trace
 from pallas_fused import _backend
@@ -84,7 +84,7 @@ def down_splitk(g, p, *, side, bm, bk, splits, warps, stages):
     return call(g, p)
 
 
-ORIG = reference.project
+ORIG = reference.project  # the package's (the patched candidates' reference)
 
 
 def project_t(g, p, side, precision=None):
@@ -123,19 +123,11 @@ def main():
                              "4096x4096:128:float32", "4096x11008:128:float32"]
     formulations = {"xla": ORIG, "xla_t": project_t, **{k: project_splitk(c) for k, c in SPLITK.items()}}
     for spec in cases:
-        dims, r, dtype = spec.split(":")
-        shape, r, dtype = tuple(int(d) for d in dims.split("x")), int(r), jnp.dtype(dtype)
-        case = f"{dims} r{r} {dtype.name}"
-        txs = dict(_user_path_txs(r))
+        case, shape, r, dtype = probe_case(spec)
 
-        def build(name, txs=txs, shape=shape, dtype=dtype):
-            if name == "contrib":
-                return user_path_step("peer", txs["peer:optax_contrib_galore"], {"w": shape}, dtype)
-            reference.project = formulations[name]
-            try:
-                return user_path_step("pallas:tx", txs["pallas:tx"], {"w": shape}, dtype)
-            finally:
-                reference.project = ORIG
+        def build(name, r=r, shape=shape, dtype=dtype):
+            patch = None if name == "contrib" else (reference, "project", formulations[name])
+            return probe_step(name, r, shape, dtype, impl="pallas:tx", patch=patch)
 
         g = jax.random.normal(jax.random.key(1), shape, F32).astype(dtype)
         side = reference.projector_side(shape, "std")

@@ -9,9 +9,7 @@ optimized HLO's thunk order around the conditional written to OUT/.
 import os
 import sys
 
-import jax.numpy as jnp
-
-from benchmarks.bench_galore import _user_path_txs, user_path_step
+from benchmarks.bench_galore import _user_path_txs, probe_case, user_path_step
 from benchmarks.common import bench_carry_interleaved, error_text, probe_recorder
 from benchmarks.trace import trace_steps
 
@@ -22,9 +20,7 @@ CASES = sys.argv[2:] or ["4096x4096:128:bfloat16", "4096x4096:128:float32"]
 
 
 for spec in CASES:
-    dims, r, dtype = spec.split(":")
-    shape, r, dtype = tuple(int(d) for d in dims.split("x")), int(r), jnp.dtype(dtype)
-    case = f"{dims} r{r} {dtype.name}"
+    case, shape, r, dtype = probe_case(spec)
     steps = {impl: user_path_step(impl, make, {"w": shape}, dtype) for impl, make in _user_path_txs(r)}
     rounds: dict = {}
     times = bench_carry_interleaved(steps, n=50, reps=5, rounds=rounds)

@@ -14,7 +14,7 @@ from benchmarks.bench_galore import _user_path_txs, user_path_step
 txs = dict(_user_path_txs(128))
 for shape, dtype in [((4096, 4096), jnp.bfloat16), ((4096, 4096), jnp.float32)]:
     step, carry = user_path_step("pallas:tx_host_refresh", txs["pallas:tx_host_refresh"], {"w": shape}, dtype)
-    text = step.func.lower(*carry, **step.keywords).compile().as_text()
+    text = step.lower(*carry).compile().as_text()
     with open(f"{sys.argv[1]}/hlo_{shape[0]}x{shape[1]}_{jnp.dtype(dtype).name}.txt", "w") as f:
         f.write(text)
     for m in re.finditer(r"^(%?\S*input_reduce_fusion\S*) = .*$", text, re.M):

@@ -19,7 +19,7 @@ import sys
 import jax.numpy as jnp
 from jax import lax
 
-from benchmarks.bench_galore import _user_path_txs, user_path_step
+from benchmarks.bench_galore import probe_case, probe_step
 from benchmarks.common import probe_recorder
 from benchmarks.trace import time_then_trace
 from pallas_fused.galore import api, reference
@@ -65,19 +65,11 @@ def main():
     cases = sys.argv[2:] or ["4096x4096:128:bfloat16", "4096x4096:128:float32", "4096x4096:32:float32",
                              "4096x11008:128:bfloat16"]
     for spec in cases:
-        dims, r, dtype = spec.split(":")
-        shape, r, dtype = tuple(int(d) for d in dims.split("x")), int(r), jnp.dtype(dtype)
-        case = f"{dims} r{r} {dtype.name}"
-        txs = dict(_user_path_txs(r))
+        case, shape, r, dtype = probe_case(spec)
 
-        def build(name, txs=txs, shape=shape, dtype=dtype):
-            if name == "contrib":
-                return user_path_step("peer", txs["peer:optax_contrib_galore"], {"w": shape}, dtype)
-            api._GaLore._leaf = LEAVES[name]
-            try:
-                return user_path_step("pallas:tx_host_refresh", txs["pallas:tx_host_refresh"], {"w": shape}, dtype)
-            finally:
-                api._GaLore._leaf = AFTER
+        def build(name, r=r, shape=shape, dtype=dtype):
+            patch = None if name == "contrib" else (api._GaLore, "_leaf", LEAVES[name])
+            return probe_step(name, r, shape, dtype, impl="pallas:tx_host_refresh", patch=patch)
 
         time_then_trace(build, [*LEAVES, "contrib"], record, ref="contrib", case=case)
 
