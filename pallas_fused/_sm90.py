@@ -43,14 +43,6 @@ instead of two trips through L2, and a stage is refilled only once both CTAs hav
 Shapes must then be multiples of the cluster tile (`TileConfig.cluster_tile`). Every path (vectors, promotion,
 dequant, low-rank step) runs with it: their other loads stay per CTA.
 
-Schedule (TileConfig.schedule): "cooperative" (above) has both compute warpgroups on every K step, so the tensor
-cores idle while both run the epilogue, a cost that grows as K shrinks. "pingpong" streams the CTA tile's two
-warpgroup halves through the ring one after the other (2 K / tile_k steps, each stage holding one half's a and b
-tiles): warpgroup w issues wgmma on its own half's steps only, runs its epilogue right after its last step, and lets
-the other half's stages pass. While one warpgroup stores, the other computes from the stages in the ring, up to
-`max_concurrent_steps` of them, as far as the other warpgroup's release of them allows. The operand shared by the
-two halves is loaded twice (once per half) instead of once. Not with `promote`.
-
 Users: fp8/kernel_sm90.py (row and column scales) and dora/kernel_sm90.py (column scale g and bias).
 Shapes must be multiples of the CTA (cluster) tile and tile_k; callers pad or route elsewhere.
 """
@@ -85,10 +77,6 @@ class TileConfig:
     # Two CTAs of a cluster side by side along "m" (they share b's tile) or "n" (they share a's): the shared tile
     # is loaded once per cluster and multicast into both CTAs' shared memory, halving its trips through L2.
     cluster: str | None = None
-    # "cooperative": both compute warpgroups work on each K step of the CTA tile, then both run the epilogue.
-    # "pingpong": the ring streams the CTA tile's two warpgroup halves one after the other, each warpgroup computing
-    # its own, so one warpgroup's epilogue overlaps the other's main loop (module docstring).
-    schedule: str = "cooperative"
 
     @property
     def cta_tile(self) -> tuple[int, int]:
@@ -118,6 +106,11 @@ def _smem_transforms(plgpu, minor: int, dtype):
     return plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)
 
 
+def _load_stored(ref):
+    """A warpgroup's stored (quantised) b tile into registers for `dequant`, in the layout Mosaic GPU infers."""
+    return ref[...]
+
+
 def _kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: int, n_vecs: int, n_step_rows: int,
             epilogue: Epilogue, promote: Promote | None, uniform_steps: tuple[bool, bool], dequant: Dequant | None,
             lowrank: bool):
@@ -144,29 +137,14 @@ def _kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: in
     split_m = config.wg_split == "m"
     minor = 1 if config.grid_minor_dim == "n" else 0  # planar_snake's minor_dim: 0 = M, 1 = N
     early = config.early_release and promote is not None
-    pingpong = config.schedule == "pingpong"
-    # Ping-pong keeps one wgmma in flight per warpgroup (its warpgroup alone feeds the tensor cores while the other
-    # stores): a step's stage is then released one step later, once its wgmma is done. Not with `dequant`, whose
-    # single scratch tile the next step rewrites.
-    in_flight = 1 if pingpong and dequant is None else 0
-    smem_spec = functools.partial(plgpu.BlockSpec, memory_space=plgpu.SMEM, delay_release=in_flight)
+    smem_spec = functools.partial(plgpu.BlockSpec, memory_space=plgpu.SMEM)
     # The operand both CTAs of a cluster read is one collective (multicast) load.
     a_shared = dict(collective_axes=("cluster",)) if config.cluster == "n" else {}
     b_shared = dict(collective_axes=("cluster",)) if config.cluster == "m" else {}
-    if pingpong:
-        # Step kk is K step kk % k_iters of warpgroup half kk // k_iters: its a rows (split "m") or its b columns.
-        k_of = lambda kk: lax.rem(kk, k_iters)  # noqa: E731
-        half = lambda kk: lax.div(kk, k_iters)  # noqa: E731
-        a_rows, b_cols = tile_m, tile_n
-        a_index = (lambda kk: (half(kk), k_of(kk))) if split_m else (lambda kk: (0, k_of(kk)))
-        b_index = (lambda kk: (0, k_of(kk))) if split_m else (lambda kk: (half(kk), k_of(kk)))
-    else:
-        a_rows, b_cols = cta_m, cta_n
-        a_index = b_index = lambda kk: (0, kk)  # noqa: E731
     if b_layout == "nk":
-        b_spec = smem_spec((b_cols, tile_k), b_index, transforms=b_transforms, **b_shared)
+        b_spec = smem_spec((cta_n, tile_k), lambda kk: (0, kk), transforms=b_transforms, **b_shared)
     else:
-        b_spec = smem_spec((tile_k, b_cols), lambda kk: b_index(kk)[::-1], transforms=b_transforms, **b_shared)
+        b_spec = smem_spec((tile_k, cta_n), lambda kk: (kk, 0), transforms=b_transforms, **b_shared)
     # The step vectors ride the pipeline beside a and b (one (1, cta) row of each per K step, in the same SMEM
     # ring stage and under the same barrier), so a step's scales are in SMEM exactly when its tiles are; a
     # separate per-step TMA would need its own barrier ring.
@@ -176,9 +154,9 @@ def _kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: in
     def get_pipeline(body, compute_context):
         return plgpu.emit_pipeline_warp_specialized(
             body,
-            grid=(2 * k_iters if pingpong else k_iters,),
+            grid=(k_iters,),
             memory_registers=40,
-            in_specs=[smem_spec((a_rows, tile_k), a_index, transforms=transforms, **a_shared), b_spec,
+            in_specs=[smem_spec((cta_m, tile_k), lambda kk: (0, kk), transforms=transforms, **a_shared), b_spec,
                       *step_specs],
             wg_axis="wg",
             num_compute_wgs=2,
@@ -274,24 +252,18 @@ def _kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: in
                     @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tile_m, tile_n), jnp.float32))
                     def _acc_scope(acc_ref):
                         eval_pipeline(acc_ref)
-                        if not pingpong:  # (pingpong: finish runs in the pipeline body)
-                            finish(acc_ref)
+                        if lowrank:
+                            # One more wgmma into the accumulator. The next tile's copies into these slices are
+                            # issued by this warpgroup after the wait, so they never race the read.
+                            plgpu.barrier_wait(la_bar)
+                            plgpu.barrier_wait(lb_bar)
+                            lb_tile = (lb_smem.at[wg].transpose((1, 0)) if b_layout == "nk"
+                                       else lb_smem.at[wg])
+                            plgpu.wgmma(acc_ref, la_smem.at[wg], lb_tile)
+                            plgpu.wgmma_wait(0)
+                        store(acc_ref[...])
                 else:
                     store(eval_pipeline(jnp.zeros((tile_m, tile_n), jnp.float32)))
-
-            def finish(acc_ref):
-                """The low-rank step, if any, then the epilogue."""
-                if lowrank:
-                    # One more wgmma into the accumulator. The next tile's copies into these slices are issued by
-                    # this warpgroup after the wait, so they never race the read.
-                    la_smem, lb_smem = lr_smem
-                    first = 2 * len(vec_gmems)
-                    plgpu.barrier_wait(vec_barrier.at[first + wg])
-                    plgpu.barrier_wait(vec_barrier.at[first + 2 + wg])
-                    lb_tile = lb_smem.at[wg].transpose((1, 0)) if b_layout == "nk" else lb_smem.at[wg]
-                    plgpu.wgmma(acc_ref, la_smem.at[wg], lb_tile)
-                    plgpu.wgmma_wait(0)
-                store(acc_ref[...])
 
             def step_scales(step_smems):
                 """The K step's row and column scales of the warpgroup's tile, fp32 in WGMMA layouts."""
@@ -303,37 +275,21 @@ def _kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: in
                         for v in step_smems[n_step_rows:]]
                 return [r.astype(jnp.float32) for r in rows], [c.astype(jnp.float32) for c in cols]
 
-            def b_operand(b_wg):
-                """The warpgroup's b tile as wgmma's B operand, dequantised first (with `dequant`)."""
+            def mma_body(_, a_smem, b_smem, *rest):
+                step_smems, consumed, carry = rest[:len(step_gmems)], rest[len(step_gmems):-1], rest[-1]
+                b_wg = b_smem.at[wg_n] if b_layout == "nk" else b_smem.at[:, wg_n]
                 if dequant is not None:
                     # The stored tile through registers into this warpgroup's 16-bit scratch; commit_smem fences
                     # the stores for the wgmma (async proxy) and syncs the warpgroup. The previous step's wgmma,
                     # which read the scratch, was waited for before this step began.
-                    deq_smem[wg] = dequant(b_wg[...]).astype(deq_smem.dtype)
+                    deq_smem[wg] = dequant(_load_stored(b_wg)).astype(deq_smem.dtype)
                     plgpu.commit_smem()
                     b_wg = deq_smem.at[wg]
-                return b_wg.transpose((1, 0)) if b_layout == "nk" else b_wg
-
-            def mma(carry, a_wg, b_wg, in_flight=0):
-                plgpu.wgmma(carry, a_wg, b_operand(b_wg))
-                plgpu.wgmma_wait(in_flight)
-
-            def mma_body(idx, a_smem, b_smem, *rest):
-                step_smems, consumed, carry = rest[:len(step_gmems)], rest[len(step_gmems):-1], rest[-1]
-                if pingpong:  # the stage holds one warpgroup's half: its own steps, then its epilogue
-                    (kk,) = idx
-                    pl.when(half(kk) == wg)(lambda: mma(carry, a_smem, b_smem, in_flight))
-
-                    @pl.when(kk == wg * k_iters + k_iters - 1)
-                    def _last():
-                        plgpu.wgmma_wait(0)
-                        finish(carry)
-                    return carry
-                b_wg = b_smem.at[wg_n] if b_layout == "nk" else b_smem.at[:, wg_n]
+                b_tile = b_wg.transpose((1, 0)) if b_layout == "nk" else b_wg
                 if promote is None:
-                    mma(carry, a_smem.at[wg_m], b_wg)
+                    plgpu.wgmma(carry, a_smem.at[wg_m], b_tile)
+                    plgpu.wgmma_wait(0)
                     return carry
-                b_tile = b_operand(b_wg)
 
                 def release():  # the stage's tiles are no longer read: its scales are in registers
                     for barrier in consumed:
@@ -366,8 +322,6 @@ def smem_bytes(config: TileConfig, a_itemsize: int, b_itemsize: int, out_itemsiz
     warpgroups' 16-bit b scratch tiles; the vector slices and the barriers take under 2 KiB more). A cluster changes
     none of it: each CTA holds its whole a and b tiles, one of them written by the other CTA's multicast."""
     cta_m, cta_n = config.cta_tile
-    if config.schedule == "pingpong":  # a stage holds one warpgroup's half
-        cta_m, cta_n = config.tile_m, config.tile_n
     ring = config.max_concurrent_steps * config.tile_k * (cta_m * a_itemsize + cta_n * b_itemsize)
     out = 2 * 2 * config.epi_tile * config.epi_tile * out_itemsize
     deq = 2 * config.tile_k * config.tile_n * a_itemsize if dequant else 0
@@ -407,10 +361,6 @@ def matmul(a, b, *, b_layout: str, row_vecs: Sequence[jax.Array] = (), col_vecs:
         raise ValueError(f"{name}: b_layout must be 'kn' or 'nk', got {b_layout!r}")
     if config.cluster not in (None, "m", "n"):
         raise ValueError(f"{name}: config.cluster must be None, 'm' or 'n', got {config.cluster!r}")
-    if config.schedule not in ("cooperative", "pingpong"):
-        raise ValueError(f"{name}: config.schedule must be 'cooperative' or 'pingpong', got {config.schedule!r}")
-    if config.schedule == "pingpong" and promote is not None:
-        raise ValueError(f"{name}: config.schedule 'pingpong' does not support promote")
     if dequant is not None:
         if jnp.dtype(a.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
             raise ValueError(f"{name}: with dequant, a must be bfloat16 or float16 (b's tiles are converted to its "

@@ -265,63 +265,16 @@ def test_cluster_bad_config(change, kwargs, match):
                      interpret=True)
 
 
-PINGPONG = dataclasses.replace(SMALL, schedule="pingpong")
-
-
-@needs_interpret
-@pytest.mark.parametrize("wg_split,cluster", [("n", None), ("m", None), ("n", "m"), ("m", "n")])
-def test_pingpong_fp8(wg_split, cluster):
-    """The ping-pong schedule: the CTA tile's two warpgroup halves stream through the ring one after the other (3 K
-    steps each through a 2-deep ring), each warpgroup's epilogue inside the pipeline after its last step; row and
-    column vectors, with and without a 2-CTA cluster, several CTA tiles per CTA."""
-    _fp8_scaled(dataclasses.replace(PINGPONG, wg_split=wg_split, cluster=cluster), 256, 192, 512, "test_pingpong")
-
-
-@needs_interpret
-@pytest.mark.parametrize("b_layout", ["kn", "nk"])
-@pytest.mark.parametrize("k", [64, 192])
-def test_pingpong_dequant_lowrank(b_layout, k):
-    """Ping-pong with b dequantised into each warpgroup's scratch and the low-rank wgmma before the epilogue; one K
-    step (each half a single stage) and three."""
-    x, q = rand(30, (256, k), jnp.bfloat16), _codes(31, (k, 256))
-    la, lb = rand(32, (256, 16), jnp.bfloat16), rand(33, (16, 256), jnp.bfloat16)
-    g = rand(34, (256,), offset=1.0)
-    b, lb_in = (q, lb) if b_layout == "kn" else (q.T, lb.T)
-    out = _sm90.matmul(x, b, b_layout=b_layout, col_vecs=(g,), dequant=DEQUANTS["direct"],
-                       epilogue=dora_sm90._scale_bias, out_dtype=jnp.float32, config=PINGPONG, name="test_pp_int8",
-                       lowrank=(la, lb_in), interpret=True)
-    ref = (to64(x) @ to64(q) + to64(la) @ to64(lb)) * to64(g)[None]
-    np.testing.assert_allclose(to64(out), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
-
-
-def test_pingpong_smem_and_bad_config():
-    """A ping-pong stage holds one warpgroup's a and b tiles; an unknown schedule, or ping-pong with the per-K-step
-    promotion, is refused before Mosaic compiles anything."""
-    coop = _sm90.TileConfig()
-    ring = coop.max_concurrent_steps * coop.tile_k * (coop.tile_m + coop.tile_n)
-    pingpong = dataclasses.replace(coop, schedule="pingpong")
-    assert _sm90.smem_bytes(coop, 1, 1, 2) - _sm90.smem_bytes(pingpong, 1, 1, 2) == coop.max_concurrent_steps * \
-        coop.tile_k * coop.tile_n == ring // 2
-    x = rand(0, (128, 128), jnp.bfloat16)
-    with pytest.raises(ValueError, match="config.schedule must be 'cooperative' or 'pingpong'"):
-        _sm90.matmul(x, x, b_layout="kn", epilogue=lambda acc, r, c: acc, out_dtype=jnp.float32,
-                     config=dataclasses.replace(SMALL, schedule="ping"), name="t", interpret=True)
-    with pytest.raises(ValueError, match="'pingpong' does not support promote"):
-        _sm90.matmul(x, x, b_layout="kn", epilogue=lambda acc, r, c: acc, promote=fp8_sm90._promote_blocks,
-                     out_dtype=jnp.float32, config=PINGPONG, name="t", interpret=True)
-
-
 @pytest.mark.gpu
-@pytest.mark.parametrize("schedule", ["cooperative", "pingpong"])
 @pytest.mark.parametrize("rank", [16, 64])
 @pytest.mark.parametrize("b_layout", ["kn", "nk"])
-def test_gpu_int8_dequant(rank, b_layout, schedule):
+def test_gpu_int8_dequant(rank, b_layout):
     """The compiled QDoRA GEMM (int8 b, the low-rank step, QDoRA's tile configuration: its ring as deep as shared
     memory allows) at 4096 x 4096 x 4096 (dx is the "nk" layout): many K steps and output tiles per SM, where a
-    stage or the scratch tile reused too early shows; both schedules."""
+    stage or the scratch tile reused too early shows."""
     if not _backend.is_hopper():
         pytest.skip("a Hopper kernel")
-    config = dataclasses.replace(dora_sm90.qdora_config(4096, 4096, 4096, rank, jnp.bfloat16), schedule=schedule)
+    config = dora_sm90.qdora_config(4096, 4096, 4096, rank, jnp.bfloat16)
     x, q = rand(20, (4096, 4096), jnp.bfloat16), _codes(21, (4096, 4096))
     la, lb = rand(22, (4096, rank), jnp.bfloat16), rand(23, (rank, 4096), jnp.bfloat16, scale=30.0)
     b, lb_in = (q, lb) if b_layout == "kn" else (q.T, lb.T)
@@ -334,24 +287,3 @@ def test_gpu_int8_dequant(rank, b_layout, schedule):
     # one bf16 rounding of the fp32 result (2^-8 relative); a tile read from a stage reused too early is off by O(1)
     np.testing.assert_allclose(np.asarray(out.astype(f32)), np.asarray(ref), rtol=8e-3,
                                atol=8e-3 * float(jnp.abs(ref).max()))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("wg_split,cluster,steps", [("n", "m", 6), ("m", None, 4), ("n", "n", 5)])
-def test_gpu_pingpong_fp8(wg_split, cluster, steps):
-    """The compiled ping-pong schedule on fp8 operands with row and column scales at 2048 x 4096 x 3072: 32 K steps
-    per warpgroup half and several CTA tiles per SM, where a warpgroup reading a stage of the other half, or an
-    epilogue racing the next tile's main loop, shows."""
-    if not _backend.is_hopper():
-        pytest.skip("a Hopper kernel")
-    config = _sm90.TileConfig(max_concurrent_steps=steps, wg_split=wg_split, cluster=cluster, schedule="pingpong")
-    m, k, n = 2048, 4096, 3072
-    a = rand(40, (m, k), scale=4.0).astype(jnp.float8_e4m3fn)
-    bt = rand(41, (n, k), scale=4.0).astype(jnp.float8_e4m3fn)
-    sa, sb = rand(42, (m,), offset=2.0), rand(43, (n,), offset=2.0)
-    out = fp8_sm90.scaled_matmul_nt(a, bt, sa, sb, out_dtype=jnp.bfloat16, config=config)
-    f32 = jnp.float32
-    ref = jnp.dot(a.astype(f32) * sa[:, None], (bt.astype(f32) * sb[:, None]).T, precision="highest")
-    # fp8 products are exact in fp32; the fast accumulation and one bf16 rounding stay within 1e-2 of the largest
-    np.testing.assert_allclose(np.asarray(out.astype(f32)), np.asarray(ref), rtol=1e-2,
-                               atol=1e-2 * float(jnp.abs(ref).max()))

@@ -1,0 +1,81 @@
+"""What DoRA's and QDoRA's zero-column conditionals cost on the user's path (development probe).
+
+    python -m benchmarks.results.user_path_dev.dora_cond_probe OUT_DIR [TOKENSxINxOUT:R ...]
+
+`dora_dense`'s forward on an Int8Kernel has a lax.cond for columns whose int8 scale is 0 (`_zero_scale_columns`),
+and every backward one for magnitudes of exactly 0 (`_dm_at_zero_magnitude`). On a GPU, XLA reads a conditional's
+predicate back to the host, which then waits for the device before it launches anything after it. At each case
+(default 4096x4096->4096 r16) this times in turn, then traces (benchmarks.trace.time_then_trace: ms per call, the
+host gap = wall minus GPU kernel time, the top kernels), forward and forward+backward: bf16 DoRA and int8 QDoRA as
+they are and with the conditionals compiled out (the module functions patched to the identity while tracing).
+Rows go to OUT_DIR/dora_cond_probe.json.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from unittest import mock
+
+import jax
+
+from benchmarks.bench_dora import _data, _with_output
+from benchmarks.common import probe_recorder
+from benchmarks.trace import time_then_trace
+from pallas_fused.dora import api, dora_dense, quantize_int8
+
+SCALE = 2.0
+
+
+def no_conds():
+    """Both zero-column conditionals replaced by the identity (for tracing only: exact only without such columns)."""
+    return (mock.patch.object(api, "_zero_scale_columns", lambda y, *a: y),
+            mock.patch.object(api, "_dm_at_zero_magnitude", lambda dm, *a: dm))
+
+
+def build_case(tokens, fin, fout, r):
+    x, w, a, b, m, dy = _data(tokens, fin, fout, r)
+    weights = {"bf16": w, "int8": quantize_int8(w)}
+
+    def build(name):
+        fmt, part, cond = name.split()
+        qw = weights[fmt]
+        if part == "fwd":
+            def fn(x, a, b, m, dy):
+                return dora_dense(x, qw, a, b, m, scale=SCALE)
+        else:
+            def fn(x, a, b, m, dy):
+                return _with_output(lambda x, a, b, m: dora_dense(x, qw, a, b, m, scale=SCALE), x, a, b, m, dy=dy)
+        jitted = jax.jit(fn)
+        patches = no_conds() if cond == "no-cond" else ()
+        for p in patches:
+            p.start()
+        try:
+            out = jitted(x, a, b, m, dy)  # traced (and compiled) here, under the patches
+        finally:
+            for p in patches:
+                p.stop()
+
+        def step(_, *args):  # the output rides the carry, so each call's wait is on that call's work
+            return (jitted(*args), *args)
+        return step, (out, x, a, b, m, dy)
+
+    return build
+
+
+def main():
+    out_dir, args = sys.argv[1], sys.argv[2:]
+    os.makedirs(out_dir, exist_ok=True)
+    record = probe_recorder(os.path.join(out_dir, "dora_cond_probe.json"))
+    cases = [tuple(int(v) for v in c.replace(":", "x").split("x")) for c in args] or [(4096, 4096, 4096, 16)]
+    print(jax.devices(), flush=True)
+    for tokens, fin, fout, r in cases:
+        build = build_case(tokens, fin, fout, r)
+        for part in ("fwd", "fwdbwd"):
+            names = [f"{fmt} {part} {cond}" for fmt in ("bf16", "int8") for cond in ("cond", "no-cond")]
+            time_then_trace(build, names, record, ref=f"bf16 {part} cond", n=30, reps=len(names) + 1,
+                            case=f"{tokens}x{fin}->{fout} r{r}")
+
+
+if __name__ == "__main__":
+    main()
