@@ -114,11 +114,15 @@ def scaled_matmul(x, w, g=None, bias=None, *, lowrank=None, b_layout: str = "kn"
 
 # QDoRA: the Int8Kernel's codes are b, dequantised tile by tile inside the GEMM (`_sm90.matmul(dequant=)`), and the
 # low-rank term rides the skeleton's low-rank step. One bf16 scratch tile per warpgroup: each K step converts its
-# int8 tile, then issues and waits for its wgmma (a second scratch tile, to convert beside the previous step's wgmma,
-# costs a ring stage and was slower at every shape measured). tile_k 64: the int8 ring, the scratch tiles, the
-# epilogue staging and the low-rank slices then fit one CTA's shared memory with a 4-deep ring at rank 16 and a
-# 3-deep one at rank 64 (at tile_k 128 not even a 2-deep ring fits beside them); `qdora_config` takes the deepest
-# ring that fits (`fit_lowrank`).
+# int8 tile, then issues and waits for its wgmma. A second scratch tile, converting step s + 1 while step s's wgmma
+# runs (one wgmma in flight, each stage released a step later), costs a ring stage and was no faster: at 4096 x 4096
+# -> 4096 r16 the GEMM took 1.42x the bf16 DoRA GEMM either way (benchmarks/results/logs/
+# h200_2026-11-26e_qdora_overlap.log), and loading the int8 tile in another register layout moved it by under 5%
+# (h200_2026-11-26e_qdora_layout_probe.log). The round trip through shared memory (read 1, write 2 and wgmma-read 2
+# bytes per weight, beside the ring's traffic) is what costs, not its latency.
+# tile_k 64: the int8 ring, the scratch tiles, the epilogue staging and the low-rank slices then fit one CTA's shared
+# memory with a 4-deep ring at rank 16 and a 3-deep one at rank 64 (at tile_k 128 not even a 2-deep ring fits beside
+# them); `qdora_config` takes the deepest ring that fits (`fit_lowrank`).
 QDORA_HEURISTIC = dict(tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=4)
 
 
