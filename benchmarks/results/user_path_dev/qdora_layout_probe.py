@@ -22,6 +22,7 @@ import numpy as np
 from benchmarks.common import bench_interleaved, error_text, probe_recorder, rnd
 from pallas_fused import _backend, _sm90
 from pallas_fused.dora import kernel_sm90 as dora_sm90
+from pallas_fused.dora import quantize_int8
 
 
 def layouts():
@@ -42,8 +43,8 @@ def main():
     x, w = rnd(1, (tokens, d_in), bf), rnd(2, (d_in, d_out), bf)
     xa, lb = rnd(3, (tokens, rank), bf), rnd(4, (rank, d_out), bf) * 0.1
     g, bias = 1.0 + 0.1 * rnd(5, (d_out,), jnp.float32), rnd(6, (d_out,), bf)
-    wscale = jnp.max(jnp.abs(w.astype(jnp.float32)), axis=0) / 127.0
-    q = jnp.clip(jnp.round(w.astype(jnp.float32) / wscale), -127, 127).astype(jnp.int8)
+    qw = quantize_int8(w)
+    q, wscale = qw.q, qw.scale
     lbq = (lb.astype(jnp.float32) / wscale).astype(bf)
     colscale = g * wscale
     f32 = jnp.float32
@@ -56,6 +57,7 @@ def main():
                                                                            lowrank=(a[4], a[5]))),
                                 (x, w, g, bias, xa, lb))}
     for name, layout in layouts().items():
+        # qdora_forward's GEMM, jitted afresh per layout: qdora_forward's own jit would reuse its first trace
         def fn(x, q, xa, lb, colscale, bias):
             return _sm90.matmul(x, q, b_layout="kn", col_vecs=(colscale, bias), dequant=dora_sm90._int8_codes,
                                 lowrank=(xa, lb), epilogue=dora_sm90._scale_bias, out_dtype=bf, config=config,
