@@ -15,12 +15,13 @@ step's SMEM stage is released is tuning data (TileConfig.early_release). A step 
 allocation (zeroed, as wgmma accumulates onto it) and the sum a loop carry, so the path runs in Mosaic GPU's
 interpret mode too (it cannot run a re-zeroing store into an accumulator ref).
 
-B dequantisation (optional: `dequant`, for quantised weights; QDoRA uses it): b arrives by TMA in its stored dtype
-(int8 / uint8: half the bytes of bf16 through HBM and the SMEM ring), and each compute warpgroup converts its slice
-of the step's b tile to a's 16-bit dtype, dequant(stored tile), in registers, stores it into its own SMEM scratch
-with the 16-bit swizzle and runs the wgmma on that: wgmma reads a 16-bit B operand only from SMEM, and 8-bit
-operands only K-major and of one element type with A. Per-column scales belong in the epilogue (and a low-rank term
-beside them in `lowrank`, divided by them): the dequant sees the tile alone.
+A dequantisation (optional: `a_dequant`, for quantised weights; QDoRA uses it): a arrives by TMA in its stored dtype
+(int8 / uint8: half the bytes of bf16 through HBM and the SMEM ring), and each compute warpgroup loads its slice of
+the step's a tile into registers, converts it to b's 16-bit dtype there, a_dequant(stored tile), and feeds it to
+the wgmma as its A operand, which may live in registers (B may not): no round trip through shared memory. Per-row
+scales belong in the epilogue (and a low-rank term beside them in `lowrank`, divided by them): the dequant sees the
+tile alone. The result may be stored transposed (`transpose_out`: each 16-bit epilogue tile written into SMEM
+transposed, then TMA-stored as any tile), so the caller computes c^T = b^T a^T with the quantised operand as a.
 
 Low-rank step (optional: `lowrank` = (la (M, R), lb (R, N) or (N, R) in b's layout), 16-bit, R a multiple of 16):
 la @ lb goes into the same fp32 accumulator as a @ b before the epilogue (not with `promote`), so
@@ -41,9 +42,10 @@ takes its half. The two CTAs of a cluster along M read the same b tile each K st
 BlockSpec is collective over the cluster, so each step's shared tile is one multicast TMA load into both CTAs' rings
 instead of two trips through L2, and a stage is refilled only once both CTAs have released it (cluster barriers).
 Shapes must then be multiples of the cluster tile (`TileConfig.cluster_tile`). Every path (vectors, promotion,
-dequant, low-rank step) runs with it: their other loads stay per CTA.
+a's dequant, low-rank step, transposed store) runs with it: their other loads stay per CTA.
 
-Users: fp8/kernel_sm90.py (row and column scales) and dora/kernel_sm90.py (column scale g and bias).
+Users: fp8/kernel_sm90.py (row and column scales, per-K-step promotion) and dora/kernel_sm90.py (column scale g and
+bias with the low-rank step; QDoRA: int8 a, row scales, the result stored transposed).
 Shapes must be multiples of the CTA (cluster) tile and tile_k; callers pad or route elsewhere.
 """
 
@@ -94,8 +96,8 @@ class TileConfig:
 Epilogue = Callable[[jax.Array, Sequence[jax.Array], Sequence[jax.Array]], jax.Array]
 # promote(step product, step row slices, step column slices) -> the fp32 tile added to the running accumulator.
 Promote = Epilogue
-# dequant(b's stored tile of one warpgroup: (tile_k, tile_n) "kn", (tile_n, tile_k) "nk") -> that tile in a's
-# 16-bit dtype, or in any dtype the kernel then converts to it (integer codes exact in 16 bits as they are).
+# a_dequant(a's stored (tile_m, tile_k) tile of one warpgroup) -> that tile in b's 16-bit dtype, or in any dtype
+# the kernel then converts to it (integer codes exact in 16 bits as they are).
 Dequant = Callable[[jax.Array], jax.Array]
 
 
@@ -107,13 +109,14 @@ def _smem_transforms(plgpu, minor: int, dtype):
 
 
 def _load_stored(ref):
-    """A warpgroup's stored (quantised) b tile into registers for `dequant`, in the layout Mosaic GPU infers."""
+    """A warpgroup's stored (quantised) a tile into registers for `a_dequant`, in the layout Mosaic GPU infers
+    (wgmma's register A operand layout)."""
     return ref[...]
 
 
 def _kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: int, n_vecs: int, n_step_rows: int,
-            epilogue: Epilogue, promote: Promote | None, uniform_steps: tuple[bool, bool], dequant: Dequant | None,
-            lowrank: bool):
+            epilogue: Epilogue, promote: Promote | None, uniform_steps: tuple[bool, bool], a_dequant: Dequant | None,
+            lowrank: bool, transpose_out: bool):
     plgpu = _backend.mosaic_gpu()
     *vec_gmems, out_gmem = refs
     la_gmem = lb_gmem = None
@@ -122,7 +125,7 @@ def _kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: in
     vec_gmems, step_gmems = vec_gmems[:n_vecs], vec_gmems[n_vecs:]
     row_gmems, col_gmems = vec_gmems[:n_rows], vec_gmems[n_rows:]
     m, k = a_gmem.shape
-    n = out_gmem.shape[1]
+    n = out_gmem.shape[0 if transpose_out else 1]
     out_dtype = out_gmem.dtype
     tile_m, tile_n, tile_k = config.tile_m, config.tile_n, config.tile_k
     cta_m, cta_n = config.cta_tile
@@ -132,7 +135,6 @@ def _kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: in
     transforms = _smem_transforms(plgpu, tile_k, a_gmem.dtype)
     # b's minor dimension is K ("nk") or N ("kn"), of which a warpgroup reads its tile_n columns.
     b_transforms = _smem_transforms(plgpu, tile_k if b_layout == "nk" else tile_n, b_gmem.dtype)
-    deq_shape = (tile_n, tile_k) if b_layout == "nk" else (tile_k, tile_n)
     out_transforms = _smem_transforms(plgpu, epi, out_dtype)
     split_m = config.wg_split == "m"
     minor = 1 if config.grid_minor_dim == "n" else 0  # planar_snake's minor_dim: 0 = M, 1 = N
@@ -187,12 +189,9 @@ def _kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: in
         # One per warpgroup and vector, then (with the low-rank step) one per warpgroup for la and for lb.
         vec_barrier=plgpu.Barrier(num_barriers=n_barriers) if n_barriers else None,
         lr_smem=lr_smem,
-        # one dequantised b tile per compute warpgroup
-        deq_smem=None if dequant is None else plgpu.SMEM(
-            (2, *deq_shape), a_gmem.dtype, transforms=_smem_transforms(plgpu, deq_shape[1], a_gmem.dtype)),
         collective_axes="wg",
     )
-    def _scope(pipeline_allocs, out_smem, vec_smem, vec_barrier, lr_smem, deq_smem):
+    def _scope(pipeline_allocs, out_smem, vec_smem, vec_barrier, lr_smem):
         wg = lax.axis_index("wg")
 
         @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
@@ -224,14 +223,17 @@ def _kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: in
                 for ei in range(tile_m // epi):
                     for ej in range(tile_n // epi):
                         plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-                        out_smem[wg, slot] = out[ei * epi:(ei + 1) * epi, ej * epi:(ej + 1) * epi]
+                        piece = out[ei * epi:(ei + 1) * epi, ej * epi:(ej + 1) * epi]
+                        rows, cols = pl.ds(ei * epi, epi), pl.ds(ej * epi, epi)
+                        if transpose_out:  # stored transposed into SMEM (stmatrix.trans), then as any tile
+                            piece = plgpu.layout_cast(piece, plgpu.Layout.WGMMA_TRANSPOSED)
+                            out_smem.at[wg, slot].transpose((1, 0))[...] = piece
+                            dst = out_gmem.at[cta_n_slice, cta_m_slice].at[wg_n, wg_m].at[cols, rows]
+                        else:
+                            out_smem[wg, slot] = piece
+                            dst = out_gmem.at[cta_m_slice, cta_n_slice].at[wg_m, wg_n].at[rows, cols]
                         plgpu.commit_smem()
-                        plgpu.copy_smem_to_gmem(
-                            out_smem.at[wg, slot],
-                            out_gmem.at[cta_m_slice, cta_n_slice]
-                            .at[wg_m, wg_n]
-                            .at[pl.ds(ei * epi, epi), pl.ds(ej * epi, epi)],
-                        )
+                        plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], dst)
                         slot = 1 - slot
 
             def compute_context(eval_pipeline):
@@ -278,16 +280,14 @@ def _kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: in
             def mma_body(_, a_smem, b_smem, *rest):
                 step_smems, consumed, carry = rest[:len(step_gmems)], rest[len(step_gmems):-1], rest[-1]
                 b_wg = b_smem.at[wg_n] if b_layout == "nk" else b_smem.at[:, wg_n]
-                if dequant is not None:
-                    # The stored tile through registers into this warpgroup's 16-bit scratch; commit_smem fences
-                    # the stores for the wgmma (async proxy) and syncs the warpgroup. The previous step's wgmma,
-                    # which read the scratch, was waited for before this step began.
-                    deq_smem[wg] = dequant(_load_stored(b_wg)).astype(deq_smem.dtype)
-                    plgpu.commit_smem()
-                    b_wg = deq_smem.at[wg]
                 b_tile = b_wg.transpose((1, 0)) if b_layout == "nk" else b_wg
+                a_tile = a_smem.at[wg_m]
+                if a_dequant is not None:
+                    # a's stored tile converted in registers and fed to wgmma from there (its A operand may be a
+                    # register fragment): no shared-memory round trip.
+                    a_tile = a_dequant(_load_stored(a_tile)).astype(b_gmem.dtype)
                 if promote is None:
-                    plgpu.wgmma(carry, a_smem.at[wg_m], b_tile)
+                    plgpu.wgmma(carry, a_tile, b_tile)
                     plgpu.wgmma_wait(0)
                     return carry
 
@@ -297,7 +297,7 @@ def _kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: in
 
                 # The step accumulator is a fresh zeroed allocation (what wgmma accumulates onto).
                 def step(step_ref):
-                    plgpu.wgmma(step_ref, a_smem.at[wg_m], b_tile)
+                    plgpu.wgmma(step_ref, a_tile, b_tile)
                     scales = step_scales(step_smems)  # loaded while the wgmma runs
                     product = step_ref[...]  # waits for it
                     release()
@@ -317,15 +317,14 @@ SMEM_LIMIT = 227 * 1024  # bytes of shared memory one CTA may allocate on sm90
 
 
 def smem_bytes(config: TileConfig, a_itemsize: int, b_itemsize: int, out_itemsize: int, rank: int = 0,
-               lowrank_itemsize: int = 2, dequant: bool = False) -> int:
-    """Shared memory of one CTA (the ring, the epilogue staging, the low-rank slices and, with `dequant`, the two
-    warpgroups' 16-bit b scratch tiles; the vector slices and the barriers take under 2 KiB more). A cluster changes
-    none of it: each CTA holds its whole a and b tiles, one of them written by the other CTA's multicast."""
+               lowrank_itemsize: int = 2) -> int:
+    """Shared memory of one CTA (the ring, the epilogue staging and the low-rank slices; the vector slices and the
+    barriers take under 2 KiB more). A cluster changes none of it: each CTA holds its whole a and b tiles, one of
+    them written by the other CTA's multicast."""
     cta_m, cta_n = config.cta_tile
     ring = config.max_concurrent_steps * config.tile_k * (cta_m * a_itemsize + cta_n * b_itemsize)
     out = 2 * 2 * config.epi_tile * config.epi_tile * out_itemsize
-    deq = 2 * config.tile_k * config.tile_n * a_itemsize if dequant else 0
-    return ring + out + 2 * rank * (config.tile_m + config.tile_n) * lowrank_itemsize + deq
+    return ring + out + 2 * rank * (config.tile_m + config.tile_n) * lowrank_itemsize
 
 
 def supported(m: int, n: int, k: int, config: TileConfig) -> bool:
@@ -338,8 +337,8 @@ def supported(m: int, n: int, k: int, config: TileConfig) -> bool:
 def matmul(a, b, *, b_layout: str, row_vecs: Sequence[jax.Array] = (), col_vecs: Sequence[jax.Array] = (),
            epilogue: Epilogue, out_dtype, config: TileConfig, name: str, step_row_vecs: Sequence[jax.Array] = (),
            step_col_vecs: Sequence[jax.Array] = (), promote: Promote | None = None,
-           uniform_steps: tuple[bool, bool] = (False, False), dequant: Dequant | None = None,
-           lowrank: tuple[jax.Array, jax.Array] | None = None, interpret: bool = False):
+           uniform_steps: tuple[bool, bool] = (False, False), a_dequant: Dequant | None = None,
+           lowrank: tuple[jax.Array, jax.Array] | None = None, transpose_out: bool = False, interpret: bool = False):
     """epilogue(a @ b, row_vecs, col_vecs) on Hopper; a (M, K), b (K, N) or (N, K) per `b_layout` ("kn" | "nk").
 
     With `promote`, a @ b is replaced by the sum over K steps s of promote(a_s @ b_s, [v[s] for v in
@@ -348,8 +347,10 @@ def matmul(a, b, *, b_layout: str, row_vecs: Sequence[jax.Array] = (), col_vecs:
     the caller's promise that each step row (column) vector is constant over every warpgroup's tile_m rows
     (tile_n columns), as block scales are: the kernel then reads one scalar of it per step and promote gets
     that fp32 scalar instead of a vector (the scale product is then one multiply per row, not per element).
-    With `dequant`, b is stored in another dtype (int8 / uint8, either layout) and each step's b tile is
-    dequant(stored tile) in a's 16-bit dtype before the wgmma (module docstring).
+    With `a_dequant`, a is stored in another dtype (int8 / uint8, (M, K) K-major) and each step's a tile is
+    a_dequant(stored tile), converted to b's 16-bit dtype, in registers: wgmma's A operand straight from there
+    (module docstring).
+    transpose_out: the result is stored transposed, (N, M) (16-bit out_dtype); the epilogue still sees (M, N) tiles.
     lowrank = (la, lb): la @ lb is added to the fp32 accumulator before the epilogue (not with `promote`); la (M, R),
     lb (R, N) ("kn") or (N, R) ("nk"), one 16-bit dtype (a's where a is 16-bit), R a multiple of 16 (pad the rank
     with zeros).
@@ -361,12 +362,14 @@ def matmul(a, b, *, b_layout: str, row_vecs: Sequence[jax.Array] = (), col_vecs:
         raise ValueError(f"{name}: b_layout must be 'kn' or 'nk', got {b_layout!r}")
     if config.cluster not in (None, "m", "n"):
         raise ValueError(f"{name}: config.cluster must be None, 'm' or 'n', got {config.cluster!r}")
-    if dequant is not None:
-        if jnp.dtype(a.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
-            raise ValueError(f"{name}: with dequant, a must be bfloat16 or float16 (b's tiles are converted to its "
-                             f"dtype), got {a.dtype}")
+    if a_dequant is not None:
+        if jnp.dtype(b.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+            raise ValueError(f"{name}: with a_dequant, b must be bfloat16 or float16 (a's tiles are converted to its "
+                             f"dtype), got {b.dtype}")
     elif b_layout == "kn" and jnp.dtype(b.dtype).itemsize < 2:
         raise ValueError(f"{name}: wgmma reads {b.dtype} operands only K-major: pass b as (N, K) with b_layout='nk'")
+    if transpose_out and jnp.dtype(out_dtype).itemsize != 2:
+        raise ValueError(f"{name}: transpose_out stores 16-bit tiles transposed; out_dtype {out_dtype} is not 16-bit")
     m, k = a.shape
     n = b.shape[1] if b_layout == "kn" else b.shape[0]
     if not supported(m, n, k, config):
@@ -387,23 +390,27 @@ def matmul(a, b, *, b_layout: str, row_vecs: Sequence[jax.Array] = (), col_vecs:
         rank = lowrank[0].shape[1]
     out_itemsize = jnp.dtype(out_dtype).itemsize
     need = smem_bytes(config, a.dtype.itemsize, b.dtype.itemsize, out_itemsize, rank,
-                      lowrank[0].dtype.itemsize if rank else 2, dequant is not None)
+                      lowrank[0].dtype.itemsize if rank else 2)
     if need > SMEM_LIMIT:
         raise ValueError(f"{name}: config {config} needs {need} bytes of shared memory (rank {rank}), more than the "
                          f"{SMEM_LIMIT} one CTA may use: lower max_concurrent_steps or tile_k")
 
+    if a_dequant is not None and interpret:
+        # Mosaic GPU's interpret mode takes wgmma operands from SMEM only: there a is converted whole by XLA and
+        # the kernel runs its 16-bit path (its lowering of the register operand is checked for the GPU apart).
+        a, a_dequant = a_dequant(a).astype(b.dtype), None
+
     def body(*refs):
         _kernel(*refs, config=config, b_layout=b_layout, n_rows=len(row_vecs), n_vecs=len(row_vecs) + len(col_vecs),
                 n_step_rows=len(step_row_vecs), epilogue=epilogue, promote=promote, uniform_steps=uniform_steps,
-                dequant=dequant,
-                lowrank=lowrank is not None)
+                a_dequant=a_dequant, lowrank=lowrank is not None, transpose_out=transpose_out)
 
     body.__name__ = body.__qualname__ = name  # the kernel's name in profiles
     # One CTA per SM; with a cluster the grid counts clusters (of two CTAs, on two SMs).
     cluster = dict(cluster=(2,), cluster_names=("cluster",)) if config.cluster else {}
     kernel = plgpu.kernel(
         body,
-        out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
+        out_type=jax.ShapeDtypeStruct((n, m) if transpose_out else (m, n), out_dtype),
         grid=(max(1, _backend.num_sms() // (2 if config.cluster else 1)),),
         grid_names=("sm",),
         **cluster,

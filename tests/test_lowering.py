@@ -206,16 +206,16 @@ def test_blockwise_gemm_promotion():
 @pytest.mark.parametrize("cluster", ["m", "n", None])
 def test_sm90_cluster(cluster):
     """The sm90 skeleton with a 2-CTA cluster (the shared operand tile one multicast TMA load) or without, at the
-    FP8 GEMM's tiles (both splits), and the cluster with the per-K-step promotion, with b dequantised in shared
-    memory (alone, and read "nk" beside the low-rank step) and with the low-rank step (DoRA's 16-bit GEMM): Mosaic
-    GPU's lowering of each runs here."""
+    FP8 GEMM's tiles (both splits), and the cluster with the per-K-step promotion and with the low-rank step (DoRA's
+    16-bit GEMM), and QDoRA's GEMM (int8 a in registers) with or without it: Mosaic GPU's lowering of each runs
+    here."""
     from pallas_fused import _sm90
     from pallas_fused.dora import kernel_sm90 as dora_sm90
     from pallas_fused.fp8 import kernel_sm90
 
     a = jax.ShapeDtypeStruct((1024, 512), jnp.float8_e4m3fn)
     vec, scales = jax.ShapeDtypeStruct((1024,), jnp.float32), jax.ShapeDtypeStruct((4, 1024), jnp.float32)
-    x, q = jax.ShapeDtypeStruct((1024, 512), jnp.bfloat16), jax.ShapeDtypeStruct((512, 1024), jnp.int8)
+    x = jax.ShapeDtypeStruct((1024, 512), jnp.bfloat16)
     la, lb = jax.ShapeDtypeStruct((1024, 16), jnp.bfloat16), jax.ShapeDtypeStruct((16, 1024), jnp.bfloat16)
     with _backend.gpu_target((9, 0)):
         calls = []
@@ -228,17 +228,17 @@ def test_sm90_cluster(cluster):
             calls.append((functools.partial(kernel_sm90.blockwise_matmul_nt, out_dtype=jnp.bfloat16, config=config),
                           (a, a, scales, scales)))
             config = _sm90.TileConfig(tile_k=64, max_concurrent_steps=3, cluster=cluster)
-            calls.append((functools.partial(_sm90.matmul, b_layout="kn", dequant=dora_sm90._int8_codes,
-                                            epilogue=kernel_sm90._identity, out_dtype=jnp.bfloat16, config=config,
-                                            name="t"), (x, q)))
-            # QDoRA's dx: int8 b read "nk", the low-rank step
-            calls.append((lambda x, q, la, lb, config=config: _sm90.matmul(
-                x, q, b_layout="nk", dequant=dora_sm90._int8_codes, lowrank=(la, lb), epilogue=kernel_sm90._identity,
-                out_dtype=jnp.bfloat16, config=config, name="t"),
-                (x, jax.ShapeDtypeStruct((1024, 512), jnp.int8), la, jax.ShapeDtypeStruct((1024, 16), jnp.bfloat16))))
             calls.append((lambda x, w, g, la, lb, config=config: dora_sm90.scaled_matmul(x, w, g, lowrank=(la, lb),
                                                                                           config=config),
                           (x, jax.ShapeDtypeStruct((512, 1024), jnp.bfloat16), vec, la, lb)))
+        # QDoRA's GEMMs: int8 a converted in registers (wgmma's register A operand, which the interpret-mode tests
+        # do not run), the low-rank step, row vectors, the result stored transposed
+        config = _sm90.TileConfig(tile_m=64, tile_n=256, tile_k=64, wg_split="m", cluster=cluster)
+        calls.append((lambda q, x, v, la, lb, config=config: _sm90.matmul(
+            q, x, b_layout="nk", row_vecs=(v,), a_dequant=dora_sm90._int8_codes, lowrank=(la, lb),
+            epilogue=dora_sm90._row_scale_bias, out_dtype=jnp.bfloat16, config=config, transpose_out=True, name="t"),
+            (jax.ShapeDtypeStruct((1024, 512), jnp.int8), jax.ShapeDtypeStruct((1024, 512), jnp.bfloat16), vec, la,
+             jax.ShapeDtypeStruct((1024, 16), jnp.bfloat16))))
         for fn, args in calls:
             found = kernels(fn, *args)
             assert sum(found.count(t) for t in MOSAIC) == 1, (fn, found)

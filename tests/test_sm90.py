@@ -1,6 +1,7 @@
 """The shared Hopper GEMM skeleton (pallas_fused/_sm90.py) in Mosaic GPU's interpret mode (jax >= 0.12): its
 16-bit "kn" and 8-bit "nk" paths with epilogue vectors, its per-K-step promotion, its 2-CTA cluster (multicast
-loads, cluster barriers), its B dequantisation and its low-rank step against plain jnp, on the CPU
+loads, cluster barriers), its int8 a operand (converted before the kernel there: the interpreter takes wgmma operands
+from shared memory only), its transposed store and its low-rank step against plain jnp, on the CPU
 (tests/test_lowering.py lowers the promotion's configurations for an sm90 GPU). The GPU tests of its users run the
 compiled kernel."""
 
@@ -92,64 +93,71 @@ def _codes(seed, shape):
 
 
 # The int8 codes converted straight to bf16 (QDoRA's dequant) or through float32 (any dequant's result dtype is
-# converted to a's).
+# converted to b's).
 DEQUANTS = {"direct": lambda t: t, "f32": lambda t: t.astype(jnp.float32)}
 
 
 @needs_interpret
+@pytest.mark.parametrize("k, cluster", [(64, None), (192, "n")], ids=["one_step", "cluster_n"])
 @pytest.mark.parametrize("dequant", ["direct", "f32"])
-def test_kn_int8_dequant(dequant):
-    """b int8 (K, N) converted in shared memory, its per-column scale and g in the epilogue; 3 K steps through a
-    2-deep ring (the scratch tile rewritten each step), several output tiles per CTA."""
-    x, q = rand(8, (256, 192), jnp.bfloat16), _codes(9, (192, 256))
-    colscale = rand(10, (256,), scale=0.01, offset=0.02)
-    out = _sm90.matmul(x, q, b_layout="kn", col_vecs=(colscale,), dequant=DEQUANTS[dequant],
-                       epilogue=dora_sm90._scale_bias, out_dtype=jnp.bfloat16, config=SMALL, name="test_kn_int8",
-                       interpret=True)
-    ref = (to64(x) @ to64(q)) * to64(colscale)[None]
-    np.testing.assert_allclose(to64(out), ref, rtol=1e-2, atol=1e-2 * np.abs(ref).max())
-
-
-@needs_interpret
-def test_nk_int8_dequant():
-    """b int8 stored (N, K) (an Int8Kernel's codes (in, out) in the backward's dx = dy q^T), converted as is."""
-    x, q = rand(12, (128, 192), jnp.bfloat16), _codes(13, (128, 192))
-    out = _sm90.matmul(x, q, b_layout="nk", dequant=DEQUANTS["direct"], epilogue=lambda acc, rows, cols: acc,
-                       out_dtype=jnp.float32, config=SMALL, name="test_nk_int8", interpret=True)
-    ref = to64(x) @ to64(q).T
-    np.testing.assert_allclose(to64(out), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
-
-
-@needs_interpret
-@pytest.mark.parametrize("k, cluster", [(64, None), (192, "m")], ids=["one_step", "cluster_m"])
-@pytest.mark.parametrize("b_layout", ["kn", "nk"])
-def test_int8_dequant_lowrank(k, cluster, b_layout):
-    """Dequant with the low-rank wgmma after the main loop: a single K step (a ring the pipeline shrinks to one
-    stage) and a 2-CTA cluster sharing b's int8 tiles (each stage released to both CTAs), over several output tiles
-    per CTA (each one a new pipeline run over the same barriers and scratch tile)."""
+@pytest.mark.parametrize("transpose_out", [False, True])
+def test_int8_a_dequant_lowrank(k, cluster, dequant, transpose_out):
+    """int8 a with the low-rank wgmma after the main loop: a single K step (a ring the pipeline shrinks to one stage)
+    and a 2-CTA cluster sharing a's int8 tiles (each stage released to both CTAs), over several output tiles per CTA
+    (each one a new pipeline run over the same barriers), the result stored as is or transposed."""
     config = dataclasses.replace(SMALL, wg_split="m", cluster=cluster)
-    x, q = rand(14, (256, k), jnp.bfloat16), _codes(15, (k, 128))
-    la, lb = rand(16, (256, 16), jnp.bfloat16), rand(17, (16, 128), jnp.bfloat16)
-    b, lb_in = (q, lb) if b_layout == "kn" else (q.T, lb.T)
-    out = _sm90.matmul(x, b, b_layout=b_layout, dequant=DEQUANTS["direct"], epilogue=lambda acc, rows, cols: acc,
-                       out_dtype=jnp.float32, config=config, name="test_int8_ring", lowrank=(la, lb_in),
-                       interpret=True)
-    ref = to64(x) @ to64(q) + to64(la) @ to64(lb)
-    np.testing.assert_allclose(to64(out), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+    q, xt = _codes(14, (256, k)), rand(15, (128, k), jnp.bfloat16)
+    la, lb = rand(16, (256, 16), jnp.bfloat16), rand(17, (128, 16), jnp.bfloat16)
+    out = _sm90.matmul(q, xt, b_layout="nk", a_dequant=DEQUANTS[dequant], epilogue=lambda acc, rows, cols: acc,
+                       out_dtype=jnp.bfloat16, config=config, name="test_int8_ring", lowrank=(la, lb),
+                       transpose_out=transpose_out, interpret=True)
+    ref = to64(q) @ to64(xt).T + to64(la) @ to64(lb).T
+    np.testing.assert_allclose(to64(out), ref.T if transpose_out else ref, rtol=1e-2, atol=1e-2 * np.abs(ref).max())
 
 
-def test_dequant_smem():
-    """The dequant takes one tile_k x tile_n 16-bit scratch tile per warpgroup; QDoRA's tuned ring is the deepest
-    that still fits: 4 stages at rank 16, 3 at rank 64."""
-    config = dora_sm90.qdora_config(4096, 4096, 4096, 16, jnp.bfloat16)
-    extra = _sm90.smem_bytes(config, 2, 1, 2, dequant=True) - _sm90.smem_bytes(config, 2, 1, 2)
-    assert extra == 2 * config.tile_k * config.tile_n * 2
-    for rank, stages in ((16, 4), (64, 3)):
-        config = dora_sm90.qdora_config(4096, 11008, 4096, rank, jnp.bfloat16)
-        assert config.max_concurrent_steps == stages, rank
-        assert dora_sm90._smem(config, rank, 2, dequant=True) <= _sm90.SMEM_LIMIT
-        deeper = dataclasses.replace(config, max_concurrent_steps=stages + 1)
-        assert dora_sm90._smem(deeper, rank, 2, dequant=True) > _sm90.SMEM_LIMIT
+def test_qdora_smem():
+    """QDoRA's int8 a takes one byte of the ring per weight; its tiles are the first of the table whose ring, as deep
+    as shared memory allows beside the low-rank slices, keeps 3 stages: 64 x 256 with 4 stages at rank 16, 128 x 128
+    with 4 at rank 64 (where 64 x 256 keeps 2)."""
+    wide, square = (_sm90.TileConfig(**t) for t in dora_sm90.QDORA_HEURISTIC["tiles"])
+    for rank, tiles in ((16, wide), (64, square)):
+        config = dora_sm90.qdora_config(11008, 4096, 4096, rank, jnp.bfloat16)
+        assert config == tiles, rank
+        assert dora_sm90._smem(config, rank, 2, int8_a=True) <= _sm90.SMEM_LIMIT
+        deeper = dataclasses.replace(config, max_concurrent_steps=5)
+        assert dora_sm90._smem(deeper, rank, 2, int8_a=True) > _sm90.SMEM_LIMIT
+    assert dora_sm90.fit_lowrank(wide, 64, int8_a=True).max_concurrent_steps == 2
+    assert (dora_sm90._smem(wide, 16, 2) - dora_sm90._smem(wide, 16, 2, int8_a=True)
+            == 4 * wide.tile_k * wide.cta_tile[0])
+
+
+@needs_interpret
+@pytest.mark.parametrize("wg_split", ["m", "n"])
+def test_int8_a_transposed_out(wg_split):
+    """QDoRA's GEMMs: int8 a (a_dequant; in the interpreter converted before the kernel), 16-bit b read "nk", the
+    low-rank step, per-row scale and bias in the epilogue, the result stored transposed; 3 K steps through a 2-deep
+    ring, several output tiles per CTA."""
+    config = dataclasses.replace(SMALL, wg_split=wg_split)
+    q, xt = _codes(24, (256, 192)), rand(25, (128, 192), jnp.bfloat16)
+    la, lb = rand(26, (256, 16), jnp.bfloat16), rand(27, (128, 16), jnp.bfloat16)
+    rowscale, bias = rand(28, (256,), scale=0.01, offset=0.02), rand(29, (256,), jnp.bfloat16)
+    out = _sm90.matmul(q, xt, b_layout="nk", row_vecs=(rowscale, bias), a_dequant=dora_sm90._int8_codes,
+                       lowrank=(la, lb), epilogue=dora_sm90._row_scale_bias, out_dtype=jnp.bfloat16, config=config,
+                       transpose_out=True, name="test_int8_a", interpret=True)
+    ref = (to64(q) @ to64(xt).T + to64(la) @ to64(lb).T) * to64(rowscale)[:, None] + to64(bias)[:, None]
+    assert out.shape == (128, 256)
+    np.testing.assert_allclose(to64(out), ref.T, rtol=1e-2, atol=1e-2 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(b=jnp.ones((128, 128), jnp.float32)), "b must be bfloat16 or float16"),
+    (dict(out_dtype=jnp.float32), "transpose_out stores 16-bit"),
+])
+def test_int8_a_bad_input(change, match):
+    kwargs = dict(b=jnp.ones((128, 128), jnp.bfloat16), out_dtype=jnp.bfloat16) | change
+    with pytest.raises(ValueError, match=match):
+        _sm90.matmul(_codes(30, (128, 128)), b_layout="nk", a_dequant=dora_sm90._int8_codes, transpose_out=True,
+                     epilogue=lambda acc, r, c: acc, config=SMALL, name="t", **kwargs)
 
 
 @needs_interpret
@@ -227,8 +235,8 @@ def test_cluster(cluster, wg_split):
 
 @needs_interpret
 def test_cluster_promote_dequant_lowrank():
-    """The cluster with the per-K-step promotion (its stage released early), with b dequantised in shared memory,
-    and with the low-rank step."""
+    """The cluster with the per-K-step promotion (its stage released early), with int8 a (its tiles shared along
+    N), and with the low-rank step."""
     config = _sm90.TileConfig(tile_m=64, tile_n=64, tile_k=128, max_concurrent_steps=2, wg_split="m",
                               early_release=True, cluster="n")
     (a, bt, sa, sb), want = _blockwise_operands(256, 384, 256)
@@ -239,11 +247,11 @@ def test_cluster_promote_dequant_lowrank():
     config = dataclasses.replace(SMALL, cluster="m")
     x, q = rand(24, (256, 192), jnp.bfloat16), jnp.clip(jnp.round(rand(25, (192, 256), scale=60.0)), -127, 127)
     la, lb = rand(26, (256, 16), jnp.bfloat16), rand(27, (16, 256), jnp.bfloat16)
-    out = _sm90.matmul(x, q.astype(jnp.int8), b_layout="kn", dequant=lambda t: t.astype(jnp.float32),
-                       epilogue=lambda acc, rows, cols: acc, out_dtype=jnp.float32, config=config, name="t",
-                       interpret=True)
+    out = _sm90.matmul(q.T.astype(jnp.int8), x, b_layout="nk", a_dequant=lambda t: t.astype(jnp.float32),
+                       epilogue=lambda acc, rows, cols: acc, out_dtype=jnp.bfloat16, config=config, name="t",
+                       transpose_out=True, interpret=True)
     ref = to64(x) @ to64(q)
-    np.testing.assert_allclose(to64(out), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+    np.testing.assert_allclose(to64(out), ref, rtol=1e-2, atol=1e-2 * np.abs(ref).max())
     out = _sm90.matmul(x, q.astype(jnp.bfloat16), b_layout="kn", lowrank=(la, lb), epilogue=lambda acc, r, c: acc,
                        out_dtype=jnp.float32, config=config, name="t",
                        interpret=True)
@@ -267,23 +275,25 @@ def test_cluster_bad_config(change, kwargs, match):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("rank", [16, 64])
-@pytest.mark.parametrize("b_layout", ["kn", "nk"])
-def test_gpu_int8_dequant(rank, b_layout):
-    """The compiled QDoRA GEMM (int8 b, the low-rank step, QDoRA's tile configuration: its ring as deep as shared
-    memory allows) at 4096 x 4096 x 4096 (dx is the "nk" layout): many K steps and output tiles per SM, where a
-    stage or the scratch tile reused too early shows."""
+@pytest.mark.parametrize("direction", ["forward", "dx"])
+def test_gpu_int8_a(rank, direction):
+    """The compiled QDoRA GEMM (int8 a converted in registers, the low-rank step, its result stored transposed,
+    QDoRA's tile configuration: its ring as deep as shared memory allows) at 4096 tokens: 4096 -> 4096 (forward: q^T
+    as a) and 4096 -> 11008's dx (q as stored, 4096 x 11008 as a); many K steps and output tiles per SM, where a
+    stage reused too early shows."""
     if not _backend.is_hopper():
         pytest.skip("a Hopper kernel")
-    config = dora_sm90.qdora_config(4096, 4096, 4096, rank, jnp.bfloat16)
-    x, q = rand(20, (4096, 4096), jnp.bfloat16), _codes(21, (4096, 4096))
-    la, lb = rand(22, (4096, rank), jnp.bfloat16), rand(23, (rank, 4096), jnp.bfloat16, scale=30.0)
-    b, lb_in = (q, lb) if b_layout == "kn" else (q.T, lb.T)
-    # bf16 out, as QDoRA's: the configuration's shared memory counts that output staging
-    out = _sm90.matmul(x, b, b_layout=b_layout, dequant=dora_sm90._int8_codes, epilogue=lambda acc, rows, cols: acc,
-                       out_dtype=jnp.bfloat16, config=config, name="test_gpu_int8", lowrank=(la, lb_in))
+    fm, fk = (4096, 4096) if direction == "forward" else (4096, 11008)
+    config = dora_sm90.qdora_config(fm, 4096, fk, rank, jnp.bfloat16)
+    q, x = _codes(20, (fm, fk)), rand(21, (4096, fk), jnp.bfloat16)
+    la, lb = rand(22, (fm, rank), jnp.bfloat16, scale=30.0), rand(23, (4096, rank), jnp.bfloat16)
+    rowscale = rand(24, (fm,), scale=0.01, offset=0.02)
+    out = _sm90.matmul(q, x, b_layout="nk", row_vecs=(rowscale,), a_dequant=dora_sm90._int8_codes,
+                       lowrank=(la, lb), epilogue=dora_sm90._row_scale_bias, out_dtype=jnp.bfloat16, config=config,
+                       transpose_out=True, name="test_gpu_int8_a")
     f32 = jnp.float32
-    ref = (jnp.dot(x.astype(f32), q.astype(f32), precision="highest")
-           + jnp.dot(la.astype(f32), lb.astype(f32), precision="highest"))
+    ref = ((jnp.dot(q.astype(f32), x.astype(f32).T, precision="highest")
+            + jnp.dot(la.astype(f32), lb.astype(f32).T, precision="highest")) * rowscale[:, None]).T
     # one bf16 rounding of the fp32 result (2^-8 relative); a tile read from a stage reused too early is off by O(1)
     np.testing.assert_allclose(np.asarray(out.astype(f32)), np.asarray(ref), rtol=8e-3,
                                atol=8e-3 * float(jnp.abs(ref).max()))

@@ -28,7 +28,7 @@ VARIANTS = {
     "pallas:epilogue": _backend.Variant("cuBLAS x W, then one Pallas pass (x W + s (x A) B) g + bias; dense W"),
     "pallas:sm90_dequant": _backend.Variant(
         "Int8Kernel on Hopper: the column norm from the codes in-kernel, then one Mosaic GPU GEMM (x W + s (x A) B) g "
-        "+ bias with W's int8 tiles dequantised in shared memory and the low-rank term in the same accumulator; the "
+        "+ bias with W's int8 tiles dequantised in registers and the low-rank term in the same accumulator; the "
         "dx GEMM the same way over W^T (tile-multiple shapes; W never formed in full)", needs=(9, 0), mosaic=True),
     "pallas:gemm": _backend.Variant("Pallas GEMMs both ways (the fused-epilogue forward, the dx GEMM) with W "
                                     "dequantised in-kernel: the variant for Int8Kernel / NF4Kernel weights"),
@@ -206,8 +206,8 @@ def _sm90_dequant_ok(kind, tokens, fin, fout, rank, dtype, interpret) -> bool:
     from pallas_fused.dora import kernel_sm90
 
     return (kind == "int8" and (interpret or _backend.is_hopper()) and jax.device_count() == 1
-            and kernel_sm90.qdora_supported(tokens, fout, fin, rank, dtype)
-            and kernel_sm90.qdora_supported(tokens, fin, fout, rank, dtype))
+            and kernel_sm90.qdora_supported(fout, tokens, fin, rank, dtype)
+            and kernel_sm90.qdora_supported(fin, tokens, fout, rank, dtype))
 
 
 def _xa(x, ap):
@@ -247,15 +247,15 @@ def _forward(statics, x, ops, a, b, m, bias, scale):
     n, g = _column_norm_scale(ops, kind, ap, bp, scale, m, interpret, config)
     xa = _xa(x, ap)
     if variant == "sm90_dequant":
-        # y = (x q + xa (s B / wscale)) (g wscale) + bias in one Mosaic GPU GEMM: q's int8 tiles converted in shared
-        # memory (exact in 16 bits; the norm above read the codes in-kernel too), the per-column int8 scale with g in
-        # the epilogue, so the low-rank operand (rank x out, tiny) carries 1 / wscale.
+        # y = (x q + xa (s B / wscale)) (g wscale) + bias in one Mosaic GPU GEMM: q's int8 tiles converted in
+        # registers (exact in 16 bits; the norm above read the codes in-kernel too), the per-column int8 scale with g
+        # in the epilogue, so the low-rank operand (rank x out, tiny) carries 1 / wscale.
         from pallas_fused.dora import kernel_sm90
 
         if not _sm90_dequant_ok(kind, x.shape[0], ap.shape[0], bp.shape[1], ap.shape[1], dt, interpret):
             raise ValueError(f"dora_dense: implementation='pallas:sm90_dequant' needs an Int8Kernel on one Hopper "
                              f"GPU, a 16-bit x and token / feature counts that are multiples of its tiles "
-                             f"({kernel_sm90.QDORA_HEURISTIC}, split over two warpgroups along out); got x "
+                             f"({kernel_sm90.QDORA_HEURISTIC}: M the features, N the tokens); got x "
                              f"{x.shape} {x.dtype}, kernel {kind} {(ap.shape[0], bp.shape[1])}, rank {ap.shape[1]}")
         wscale = ops[1]
         safe = jnp.where(wscale == 0, 1.0, wscale)
@@ -449,7 +449,7 @@ def dora_dense(x, kernel, lora_a, lora_b, magnitude, bias=None, *, scale, exact_
         such GEMM too. W + s A B is never formed; only x A (tokens x rank) is kept for the backward.
         "pallas:sm90_dequant" (Hopper, Int8Kernel, 16-bit x, tile-multiple shapes; plain "pallas" takes it there): the
         column norm read from the int8 codes in-kernel, then one Mosaic GPU GEMM (x q + (x A)(s B / wscale)) g wscale
-        + bias with q's int8 tiles converted in shared memory and the low-rank term in the same fp32 accumulator; the
+        + bias with q's int8 tiles converted in registers and the low-rank term in the same fp32 accumulator; the
         backward's dx = (dy g wscale) q^T + ((dy g)(s B)^T) A^T likewise. W is never formed in full precision.
         "merged" and "epilogue" run dx on cuBLAS (with many tokens, or int8 weights, one GEMM on the merged weight).
       save_merged: "merged" only: keep the merged weight from the forward for the backward's dx (default

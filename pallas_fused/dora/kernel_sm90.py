@@ -51,19 +51,19 @@ def config_for(m: int, n: int, k: int, rank: int = 0, itemsize: int = 2) -> _sm9
     return fit_lowrank(config, rank, itemsize)
 
 
-def _smem(config: _sm90.TileConfig, rank: int, itemsize: int, dequant: bool = False) -> int:
-    """Shared memory of a DoRA GEMM: x, the output and the low-rank slices in `itemsize` bytes, W too or (`dequant`)
-    int8 with a 16-bit scratch tile per warpgroup."""
-    return _sm90.smem_bytes(config, itemsize, 1 if dequant else itemsize, itemsize, rank, itemsize, dequant=dequant)
+def _smem(config: _sm90.TileConfig, rank: int, itemsize: int, int8_a: bool = False) -> int:
+    """Shared memory of a DoRA GEMM: the 16-bit operand, the output and the low-rank slices in `itemsize` bytes, the
+    other operand too or (`int8_a`, QDoRA's int8 W as a) one byte."""
+    return _sm90.smem_bytes(config, 1 if int8_a else itemsize, itemsize, itemsize, rank, itemsize)
 
 
-def fit_lowrank(config: _sm90.TileConfig, rank: int, itemsize: int = 2, dequant: bool = False) -> _sm90.TileConfig:
+def fit_lowrank(config: _sm90.TileConfig, rank: int, itemsize: int = 2, int8_a: bool = False) -> _sm90.TileConfig:
     """`config` with its ring shrunk until the low-rank slices (2 (tile_m + tile_n) R bytes per warpgroup) fit
     beside it: fewer stages first, then half the K step with twice the stages (the same K depth in flight), never
     under 2 stages. The large tiles (128 x 128 x 128, 2 stages) fill shared memory on their own; at rank 16 they
-    become 128 x 128 x 64 x 3 stages. `dequant`: W's int8 ring and the scratch tiles (`_smem`)."""
+    become 128 x 128 x 64 x 3 stages. `int8_a`: QDoRA's int8 ring (`_smem`)."""
     def fits(c):
-        return _smem(c, rank, itemsize, dequant) <= _sm90.SMEM_LIMIT
+        return _smem(c, rank, itemsize, int8_a) <= _sm90.SMEM_LIMIT
 
     tile_k, depth = config.tile_k, config.tile_k * config.max_concurrent_steps
     while tile_k >= 64:
@@ -112,32 +112,55 @@ def scaled_matmul(x, w, g=None, bias=None, *, lowrank=None, b_layout: str = "kn"
                         interpret=interpret)
 
 
-# QDoRA: the Int8Kernel's codes are b, dequantised tile by tile inside the GEMM (`_sm90.matmul(dequant=)`), and the
-# low-rank term rides the skeleton's low-rank step. One bf16 scratch tile per warpgroup: each K step converts its
-# int8 tile, then issues and waits for its wgmma. A second scratch tile, converting step s + 1 while step s's wgmma
-# runs (one wgmma in flight, each stage released a step later), costs a ring stage and was no faster: at 4096 x 4096
-# -> 4096 r16 the GEMM took 1.42x the bf16 DoRA GEMM either way (benchmarks/results/logs/
-# h200_2026-11-26e_qdora_overlap.log), and loading the int8 tile in another register layout moved it by under 5%
-# (h200_2026-11-26e_qdora_layout_probe.log). The round trip through shared memory (read 1, write 2 and wgmma-read 2
-# bytes per weight, beside the ring's traffic) is what costs, not its latency.
-# tile_k 64: the int8 ring, the scratch tiles, the epilogue staging and the low-rank slices then fit one CTA's shared
-# memory with a 4-deep ring at rank 16 and a 3-deep one at rank 64 (at tile_k 128 not even a 2-deep ring fits beside
-# them); `qdora_config` takes the deepest ring that fits (`fit_lowrank`).
-QDORA_HEURISTIC = dict(tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=4)
+def _row_scale_bias(acc, rows, cols):
+    del cols
+    acc = acc * lax.broadcast_in_dim(rows[0], acc.shape, [0])
+    if len(rows) > 1:
+        acc = acc + lax.broadcast_in_dim(rows[1], acc.shape, [0])
+    return acc
+
+
+# QDoRA: the Int8Kernel's codes are the GEMM's a operand, each K step's int8 tile converted to x's dtype in
+# registers and fed to wgmma from there (its A operand may live in registers; B may not), so the GEMMs run
+# transposed and store their result transposed:
+#   forward  y^T  = q^T x^T + (s B / wscale)^T (x A)^T, scaled per row by g wscale  (q^T: one XLA transpose of q)
+#   backward dx^T = q (dy g wscale)^T + A us^T                                        (q as stored)
+# x, dy g wscale and the low-rank factors are the 16-bit operands, all read K-major ("nk") as stored.
+# Converting b's int8 tile through a 16-bit shared-memory scratch tile instead (wgmma's B) took 1.53x the bf16 DoRA
+# GEMM at 4096 tokens, 4096 -> 4096 r16 on an H200, where the register operand takes 1.07x (q^T given) and 1.20x
+# with the forward's XLA transpose of q; dx 0.305 against 0.214 ms (benchmarks/results/logs/
+# h200_2026-11-26f_qdora_register_a_probe.log). The scratch tile's cost was the round trip through shared memory
+# (read 1, write 2 and wgmma-read 2 bytes per weight beside the ring's traffic).
+# Tiles, as measured there: 64 x 256 per warpgroup split along M (the int8 operand's rows), 64 of K per step, the
+# snake 4 tiles wide; its low-rank slices take 2 x 256 x R x 2 bytes of the ring, so at rank 64 only 2 stages fit
+# beside them and 128 x 128 split along M (4 stages) is faster (forward 1.07x against 1.10x, dx 0.632 against 0.680
+# ms at 4096 -> 11008). `qdora_config` takes the first of "tiles" whose ring, as deep as shared memory allows
+# (`fit_lowrank`), has "min_stages" stages, else the last.
+QDORA_HEURISTIC = {"tiles": [dict(tile_m=64, tile_n=256, tile_k=64, max_concurrent_steps=4, wg_split="m",
+                                  grid_tile_width=4),
+                             dict(tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=4, wg_split="m")],
+                   "min_stages": 3}
 
 
 def qdora_config(m: int, n: int, k: int, rank: int, dtype) -> _sm90.TileConfig:
-    """The tile configuration of a QDoRA GEMM (m, k) x (k, n) with a low-rank term of rank `rank` (padded)."""
+    """The tile configuration of a QDoRA GEMM: the int8 (m, k) times the 16-bit (n, k), a low-rank term of rank
+    `rank` (padded)."""
     table = _backend.tuned("dora_sm90_int8", QDORA_HEURISTIC)
-    return fit_lowrank(_sm90.TileConfig(**table), rank, jnp.dtype(dtype).itemsize, dequant=True)
+    for tiles in table["tiles"]:
+        config = fit_lowrank(_sm90.TileConfig(**tiles), rank, jnp.dtype(dtype).itemsize, int8_a=True)
+        if config.max_concurrent_steps >= table["min_stages"]:
+            break
+    return config
 
 
 def qdora_supported(m: int, n: int, k: int, rank: int, dtype) -> bool:
-    """Whether the QDoRA GEMM runs these shapes: 16-bit, whole tiles, a padded rank whose slices fit SMEM."""
+    """Whether the QDoRA GEMM runs these shapes (`qdora_config`'s): 16-bit, whole tiles, a padded rank whose slices
+    fit SMEM."""
     if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) or rank % 16:
         return False
     config = qdora_config(m, n, k, rank, dtype)
-    return _sm90.supported(m, n, k, config) and _smem(config, rank, jnp.dtype(dtype).itemsize, True) <= _sm90.SMEM_LIMIT
+    return (_sm90.supported(m, n, k, config)
+            and _smem(config, rank, jnp.dtype(dtype).itemsize, int8_a=True) <= _sm90.SMEM_LIMIT)
 
 
 def _int8_codes(tile):
@@ -153,20 +176,21 @@ def qdora_forward(x, q, xa, lb, colscale, bias=None, *, interpret: bool = False)
     are exact in 16 bits, so the dequant is a plain convert and the per-column scale joins g in the epilogue."""
     m, k = x.shape
     n = q.shape[1]
-    config = qdora_config(m, n, k, lb.shape[0], x.dtype)
-    cols = (colscale.astype(jnp.float32),) + (() if bias is None else (bias,))
-    return _sm90.matmul(x, q, b_layout="kn", col_vecs=cols, dequant=_int8_codes, lowrank=(xa, lb),
-                        epilogue=_scale_bias, out_dtype=x.dtype, config=config, name="pallas_fused_qdora_gemm_sm90",
-                        interpret=interpret)
+    config = qdora_config(n, m, k, lb.shape[0], x.dtype)
+    rows = (colscale.astype(jnp.float32),) + (() if bias is None else (bias,))
+    return _sm90.matmul(q.T, x, b_layout="nk", row_vecs=rows, a_dequant=_int8_codes, lowrank=(lb.T, xa),
+                        epilogue=_row_scale_bias, out_dtype=x.dtype, config=config, transpose_out=True,
+                        name="pallas_fused_qdora_gemm_sm90", interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",))
 def qdora_dx(dyg, q, us, a, *, interpret: bool = False):
     """dx = dyg q^T + us A^T in dyg's dtype; dyg = dy g wscale (M, N) (the int8 scale is per contraction index
-    here, so it goes on dy, which is scaled anyway), q int8 (K, N) read as the "nk" operand (no transpose),
-    us (M, R), A (K, R) rank-padded to a multiple of 16."""
+    here, so it goes on dy, which is scaled anyway), q int8 (K, N) as stored, us (M, R), A (K, R) rank-padded to a
+    multiple of 16."""
     m, n = dyg.shape
     k = q.shape[0]
-    config = qdora_config(m, k, n, a.shape[1], dyg.dtype)
-    return _sm90.matmul(dyg, q, b_layout="nk", dequant=_int8_codes, lowrank=(us, a), epilogue=_bias,
-                        out_dtype=dyg.dtype, config=config, name="pallas_fused_qdora_dx_sm90", interpret=interpret)
+    config = qdora_config(k, m, n, a.shape[1], dyg.dtype)
+    return _sm90.matmul(q, dyg, b_layout="nk", a_dequant=_int8_codes, lowrank=(a, us), epilogue=_bias,
+                        out_dtype=dyg.dtype, config=config, transpose_out=True, name="pallas_fused_qdora_dx_sm90",
+                        interpret=interpret)

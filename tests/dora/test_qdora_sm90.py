@@ -1,4 +1,4 @@
-"""QDoRA on the Hopper GEMM ("pallas:sm90_dequant"): an Int8Kernel's codes dequantised tile by tile in shared memory,
+"""QDoRA on the Hopper GEMM ("pallas:sm90_dequant"): an Int8Kernel's codes dequantised tile by tile in registers,
 forward and dx. On the CPU in Mosaic GPU's interpret mode (jax >= 0.12): forward and every gradient against the
 reference with W dequantised; on a GPU (marked gpu) the compiled kernels at 4096 x 4096 r16."""
 
@@ -17,10 +17,10 @@ needs_interpret = pytest.mark.skipif(not _backend.has_mosaic_interpret(),
 IMPL = "interpret:sm90_dequant"
 
 
-# (tokens, in, out, rank, bias): the smallest shapes of whole tiles (128 tokens, 256 features), both ways two K
-# steps or more and two output tiles along out in the forward; odd ranks are zero-padded to 16.
+# (tokens, in, out, rank, bias): the smallest shapes of whole tiles (256 tokens, 128 features), both ways two K
+# steps or more and two output tiles along the features; odd ranks are zero-padded to 16.
 @needs_interpret
-@pytest.mark.parametrize("tokens, fin, fout, rank, with_bias", [(128, 256, 512, 5, True), (256, 512, 256, 16, False)],
+@pytest.mark.parametrize("tokens, fin, fout, rank, with_bias", [(256, 256, 512, 5, True), (256, 512, 256, 16, False)],
                          ids=["r5_bias", "r16_no_bias"])
 def test_interpret_forward_and_grads(tokens, fin, fout, rank, with_bias):
     x, w, a, b, m, bias, dy = make(300, (tokens,), fin, fout, rank, jnp.bfloat16, w_dtype=jnp.float32)
@@ -34,7 +34,7 @@ def test_interpret_zero_scale_column_and_empty():
     tokens give an empty output."""
     from pallas_fused.dora.quant import Int8Kernel
 
-    x, w, a, b, m, bias, dy = make(310, (128,), 256, 512, 8, jnp.bfloat16, w_dtype=jnp.float32)
+    x, w, a, b, m, bias, dy = make(310, (256,), 256, 512, 8, jnp.bfloat16, w_dtype=jnp.float32)
     q = quantize_int8(w)
     kernel = Int8Kernel(q.q, q.scale.at[3].set(0.0))
     check_against_reference(kernel, x, a, b, m, bias, dy, scale=0.5, impl=IMPL, what="zero scale column")
@@ -44,7 +44,7 @@ def test_interpret_zero_scale_column_and_empty():
 
 def test_refusals():
     """What sm90_dequant does not take is named before any kernel is built."""
-    x, w, a, b, m, bias, _ = make(320, (128,), 256, 512, 8, jnp.bfloat16, w_dtype=jnp.float32)
+    x, w, a, b, m, bias, _ = make(320, (256,), 256, 512, 8, jnp.bfloat16, w_dtype=jnp.float32)
     if _backend.has_mosaic_interpret():
         with pytest.raises(ValueError, match="multiples of its tiles"):  # 100 tokens: no whole tile
             dora_dense(x[:100], quantize_int8(w), a, b, m, bias, scale=0.5, implementation=IMPL)
@@ -65,6 +65,7 @@ def test_choose_variant():
         assert choose_variant("int8", 4096, 4096, 4096, jnp.bfloat16, False) == "sm90_dequant"
         assert choose_variant("int8", 4096, 4096, 11008, jnp.bfloat16, False, 64) == "sm90_dequant"
         assert choose_variant("int8", 4000, 4096, 4096, jnp.bfloat16, False) == "gemm"
+        assert choose_variant("int8", 4096 + 128, 4096, 4096, jnp.bfloat16, False) == "gemm"  # tokens: 256-multiples
         assert choose_variant("int8", 4096, 4096, 4096, jnp.float32, False) == "gemm"
         assert choose_variant("int8", 4096, 4096, 4096, jnp.bfloat16, True) == "gemm"
         assert choose_variant("nf4", 4096, 4096, 4096, jnp.bfloat16, False) == "gemm"

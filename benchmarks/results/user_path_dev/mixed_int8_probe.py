@@ -7,6 +7,9 @@ it), against cuBLAS's bf16 GEMM and our QDoRA GEMM (int8 B through a shared-memo
 
 M = N = K = 4096: the example's q^T (N, K) int8 as A times x^T as B is QDoRA's forward transposed. Timed in turn
 (common.bench_interleaved); rows go to OUT_DIR/mixed_int8_probe.json.
+
+Its "ours" row calls `_sm90.matmul(dequant=)`, the int8 b through a shared-memory scratch tile, which the register
+operand (`a_dequant`) replaced: run it at commit 3cb8d5a.
 """
 
 from __future__ import annotations

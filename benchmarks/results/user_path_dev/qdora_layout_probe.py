@@ -6,6 +6,9 @@ At 4096 tokens, 4096 -> 4096, rank 16, bf16, in turn: cuBLAS's x @ W, DoRA's bf1
 and QDoRA's int8 one (`kernel_sm90.qdora_forward`'s GEMM) with the stored tile loaded in the layout Mosaic GPU
 infers and in each explicit layout below (patched while tracing); each checked against XLA first. Rows go to
 OUT_DIR/qdora_layout_probe.json.
+
+It calls `_sm90.matmul(dequant=)`, the int8 b through a shared-memory scratch tile, which the register operand
+(`a_dequant`) replaced: run it at commit 3cb8d5a.
 """
 
 from __future__ import annotations
