@@ -80,12 +80,20 @@ def supported(m: int, n: int, k: int, dtype, config: _sm90.TileConfig | None = N
     return jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) and _sm90.supported(m, n, k, config)
 
 
-def _scale_bias(acc, rows, cols):
-    del rows
-    acc = acc * lax.broadcast_in_dim(cols[0], acc.shape, [1])
-    if len(cols) > 1:
-        acc = acc + lax.broadcast_in_dim(cols[1], acc.shape, [1])
+def _scaled(acc, vecs, dim: int):
+    """acc times vecs[0] plus vecs[1] (if given), both along `dim` of the tile (1: per column, 0: per row)."""
+    acc = acc * lax.broadcast_in_dim(vecs[0], acc.shape, [dim])
+    if len(vecs) > 1:
+        acc = acc + lax.broadcast_in_dim(vecs[1], acc.shape, [dim])
     return acc
+
+
+def _scale_bias(acc, rows, cols):
+    return _scaled(acc, cols, 1)
+
+
+def _row_scale_bias(acc, rows, cols):  # QDoRA's transposed GEMMs: the output features are the rows
+    return _scaled(acc, rows, 0)
 
 
 def _bias(acc, rows, cols):
@@ -110,14 +118,6 @@ def scaled_matmul(x, w, g=None, bias=None, *, lowrank=None, b_layout: str = "kn"
     return _sm90.matmul(x, w, b_layout=b_layout, col_vecs=cols, epilogue=_bias if g is None else _scale_bias,
                         out_dtype=x.dtype, config=config, name="pallas_fused_dora_gemm_sm90", lowrank=lowrank,
                         interpret=interpret)
-
-
-def _row_scale_bias(acc, rows, cols):
-    del cols
-    acc = acc * lax.broadcast_in_dim(rows[0], acc.shape, [0])
-    if len(rows) > 1:
-        acc = acc + lax.broadcast_in_dim(rows[1], acc.shape, [0])
-    return acc
 
 
 # QDoRA: the Int8Kernel's codes are the GEMM's a operand, each K step's int8 tile converted to x's dtype in
