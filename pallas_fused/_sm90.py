@@ -108,12 +108,6 @@ def _smem_transforms(plgpu, minor: int, dtype):
     return plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)
 
 
-def _load_stored(ref):
-    """A warpgroup's stored (quantised) a tile into registers for `a_dequant`, in the layout Mosaic GPU infers
-    (wgmma's register A operand layout)."""
-    return ref[...]
-
-
 def _kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: int, n_vecs: int, n_step_rows: int,
             epilogue: Epilogue, promote: Promote | None, uniform_steps: tuple[bool, bool], a_dequant: Dequant | None,
             lowrank: bool, transpose_out: bool):
@@ -283,9 +277,9 @@ def _kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: in
                 b_tile = b_wg.transpose((1, 0)) if b_layout == "nk" else b_wg
                 a_tile = a_smem.at[wg_m]
                 if a_dequant is not None:
-                    # a's stored tile converted in registers and fed to wgmma from there (its A operand may be a
-                    # register fragment): no shared-memory round trip.
-                    a_tile = a_dequant(_load_stored(a_tile)).astype(b_gmem.dtype)
+                    # a's stored tile loaded (in the layout Mosaic GPU infers for wgmma's register A operand),
+                    # converted in registers and fed to wgmma from there: no shared-memory round trip.
+                    a_tile = a_dequant(a_tile[...]).astype(b_gmem.dtype)
                 if promote is None:
                     plgpu.wgmma(carry, a_tile, b_tile)
                     plgpu.wgmma_wait(0)
