@@ -244,12 +244,12 @@ def _forward(statics, x, ops, a, b, m, bias, scale):
         # product would be written and read back in full otherwise, 2 x 4 bytes per output).
         y = jnp.dot(x, wm) if bias is None else jnp.dot(x, wm) + bias
         return y, (ap, bp, n, g, None, saved)
-    n, g = _column_norm_scale(ops, kind, ap, bp, scale, m, interpret, config)
-    xa = _xa(x, ap)
     if variant == "sm90_dequant":
         # y = (x q + xa (s B / wscale)) (g wscale) + bias in one Mosaic GPU GEMM: q's int8 tiles converted in
-        # registers (exact in 16 bits; the norm above read the codes in-kernel too), the per-column int8 scale with g
-        # in the epilogue, so the low-rank operand (rank x out, tiny) carries 1 / wscale.
+        # registers (exact in 16 bits), the per-column int8 scale with g in the epilogue, so the low-rank operand
+        # (rank x out, tiny) carries 1 / wscale. The GEMM's int8 operand is q^T, written by the column norm's pass
+        # over the codes with the columns of scale 0 zeroed: those take scale 1, so their low-rank term stays and
+        # their x W is 0, with no branch.
         from pallas_fused.dora import kernel_sm90
 
         if not _sm90_dequant_ok(kind, x.shape[0], ap.shape[0], bp.shape[1], ap.shape[1], dt, interpret):
@@ -257,11 +257,15 @@ def _forward(statics, x, ops, a, b, m, bias, scale):
                              f"GPU, a 16-bit x and token / feature counts that are multiples of its tiles "
                              f"({kernel_sm90.QDORA_HEURISTIC}: M the features, N the tokens); got x "
                              f"{x.shape} {x.dtype}, kernel {kind} {(ap.shape[0], bp.shape[1])}, rank {ap.shape[1]}")
-        wscale = ops[1]
-        safe = jnp.where(wscale == 0, 1.0, wscale)
-        lb = (bp.astype(jnp.float32) * (scale / safe)[None, :]).astype(dt)
-        y = kernel_sm90.qdora_forward(x, ops[0], xa, lb, g * wscale, bias, interpret=interpret)
-        return _zero_scale_columns(y, wscale, xa, bp, g, scale), (ap, bp, n, g, xa, (None, None))
+        n, g, qt = kernel_norm.column_norm_scale(ops, kind, ap, bp, scale, m, interpret=interpret,
+                                                 config=config.norm, transposed_codes=True)
+        xa = _xa(x, ap)
+        wscale = jnp.where(ops[1] == 0, 1.0, ops[1])
+        lb = (bp.astype(jnp.float32) * (scale / wscale)[None, :]).astype(dt)
+        y = kernel_sm90.qdora_forward(x, qt, xa, lb, g * wscale, bias, interpret=interpret)
+        return y, (ap, bp, n, g, xa, (None, None))
+    n, g = _column_norm_scale(ops, kind, ap, bp, scale, m, interpret, config)
+    xa = _xa(x, ap)
     if variant == "gemm":
         def fwd(x, *a):  # sharded: tokens and output features split; K and the rank gathered
             ops_, (xa_, bp_, g_, scale_, *bias_) = a[:len(ops)], a[len(ops):]
@@ -393,21 +397,6 @@ def _dm_at_zero_magnitude(dm, dy, x, xa, ops, kind, bp, scale, n, m, fin):
         return jnp.where(zero, jnp.sum(dy.astype(jnp.float32) * z, axis=0) / n, dm).astype(dm.dtype)
 
     return jax.lax.cond(jnp.any(zero), recompute, lambda dm: dm, dm)
-
-
-def _zero_scale_columns(y, wscale, xa, bp, g, scale):
-    """Columns whose int8 scale is exactly 0 (W's column is 0 there; quantize_int8 never makes one): the kernel's
-    epilogue scaled their low-rank term by g * 0 too, leaving the bias alone there, so their s (x A) B g is added
-    back, in a branch that runs only when such a column exists. B's other columns are zeroed, so the GEMM adds
-    exactly 0 elsewhere and y is its addend: the branch holds no (tokens, out) float32 product (a 16-bit output
-    GEMM, rounded once more than the reference in those columns)."""
-    zero = wscale == 0
-
-    def fix(y):
-        col = jnp.where(zero, scale * g.astype(jnp.float32), 0.0)
-        return y + jnp.dot(xa, (bp.astype(jnp.float32) * col[None, :]).astype(xa.dtype)).astype(y.dtype)
-
-    return jax.lax.cond(jnp.any(zero), fix, lambda y: y, y)
 
 
 def _dequant_ops(kind, ops, fin):

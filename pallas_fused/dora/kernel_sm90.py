@@ -123,7 +123,7 @@ def scaled_matmul(x, w, g=None, bias=None, *, lowrank=None, b_layout: str = "kn"
 # QDoRA: the Int8Kernel's codes are the GEMM's a operand, each K step's int8 tile converted to x's dtype in
 # registers and fed to wgmma from there (its A operand may live in registers; B may not), so the GEMMs run
 # transposed and store their result transposed:
-#   forward  y^T  = q^T x^T + (s B / wscale)^T (x A)^T, scaled per row by g wscale  (q^T: one XLA transpose of q)
+#   forward  y^T  = q^T x^T + (s B / wscale)^T (x A)^T, scaled per row by g wscale  (q^T written by the column norm)
 #   backward dx^T = q (dy g wscale)^T + A us^T                                        (q as stored)
 # x, dy g wscale and the low-rank factors are the 16-bit operands, all read K-major ("nk") as stored.
 # Converting b's int8 tile through a 16-bit shared-memory scratch tile instead (wgmma's B) took 1.53x the bf16 DoRA
@@ -170,15 +170,17 @@ def _int8_codes(tile):
 
 
 @functools.partial(jax.jit, static_argnames=("interpret",))
-def qdora_forward(x, q, xa, lb, colscale, bias=None, *, interpret: bool = False):
-    """y = (x q + xa lb) colscale + bias in x's dtype; x (M, K), q int8 (K, N), xa (M, R), lb (R, N) rank-padded to
-    a multiple of 16, colscale float32 (N,). QDoRA passes colscale = g wscale and lb = s B / wscale: the int8 codes
-    are exact in 16 bits, so the dequant is a plain convert and the per-column scale joins g in the epilogue."""
+def qdora_forward(x, qt, xa, lb, colscale, bias=None, *, interpret: bool = False):
+    """y = (x qt^T + xa lb) colscale + bias in x's dtype; x (M, K), qt int8 (N, K): W's codes transposed, as the
+    column norm writes them (Mosaic GPU on Hopper loads no 8-bit tile transposed); xa (M, R), lb (R, N) rank-padded
+    to a multiple of 16, colscale float32 (N,). QDoRA passes colscale = g wscale and lb = s B / wscale: the int8
+    codes are exact in 16 bits, so the dequant is a plain convert and the per-column scale joins g in the
+    epilogue."""
     m, k = x.shape
-    n = q.shape[1]
+    n = qt.shape[0]
     config = qdora_config(n, m, k, lb.shape[0], x.dtype)
     rows = (colscale.astype(jnp.float32),) + (() if bias is None else (bias,))
-    return _sm90.matmul(q.T, x, b_layout="nk", row_vecs=rows, a_dequant=_int8_codes, lowrank=(lb.T, xa),
+    return _sm90.matmul(qt, x, b_layout="nk", row_vecs=rows, a_dequant=_int8_codes, lowrank=(lb.T, xa),
                         epilogue=_row_scale_bias, out_dtype=x.dtype, config=config, transpose_out=True,
                         name="pallas_fused_qdora_gemm_sm90", interpret=interpret)
 

@@ -382,6 +382,34 @@ def test_column_scale_expand(kernel_impl, kind, dtype, cfg):
     np.testing.assert_allclose(g, ref, rtol=2e-6)
 
 
+@pytest.mark.parametrize("cfg", ["fused_finish", "split_ragged", "direct", "direct_prefetch"])
+def test_column_norm_transposed_codes(kernel_impl, cfg):
+    """With `transposed_codes` the norm pass also writes the int8 codes transposed (QDoRA's forward operand), zero in
+    a column whose scale is 0 (its codes are not), and n, g are the plain call's. Ragged tiles both ways."""
+    from pallas_fused.dora import kernel_norm
+    from pallas_fused.dora.quant import Int8Kernel
+
+    fin, fout, r = 150, 36, 16
+    q = quantize_int8(rand(84, (fin, fout), scale=0.1))
+    kernel = Int8Kernel(q.q, q.scale.at[5].set(0.0))
+    assert bool(jnp.any(kernel.q[:, 5] != 0))
+    a, b = rand(85, (fin, r), jnp.bfloat16, scale=0.1), rand(86, (r, fout), jnp.bfloat16, scale=0.1)
+    m = jnp.abs(rand(87, (fout,))) + 0.5
+    norm = NORM_CONFIGS[cfg].norm
+    args = ((kernel.q, kernel.scale), "int8", a, b, 0.7, m)
+    n, g, qt = kernel_norm.column_norm_scale(*args, interpret=kernel_impl == "interpret", config=norm,
+                                             transposed_codes=True)
+    want = np.where(np.asarray(kernel.scale)[None, :] != 0, np.asarray(kernel.q), 0).T
+    assert qt.dtype == jnp.int8 and qt.shape == (fout, fin)
+    np.testing.assert_array_equal(qt, want)
+    n0, g0 = kernel_norm.column_norm_scale(*args, interpret=kernel_impl == "interpret", config=norm)
+    np.testing.assert_allclose(n, n0, rtol=1e-6)  # the same arithmetic, fused differently around the extra store
+    np.testing.assert_allclose(g, g0, rtol=1e-6)
+    with pytest.raises(ValueError, match="transposed_codes needs int8 codes"):
+        kernel_norm.column_norm_scale((kernel.dequantize().astype(jnp.bfloat16),), "dense", a, b, 0.7, m,
+                                      interpret=kernel_impl == "interpret", config=norm, transposed_codes=True)
+
+
 def test_column_norm_scale_outputs(kernel_impl):
     """The fused-finish launch returns n and g = m / n (the layer keeps n for the exact norm gradient)."""
     from pallas_fused.dora import kernel_norm

@@ -1,13 +1,13 @@
-"""What DoRA's and QDoRA's zero-column conditionals cost on the user's path (development probe).
+"""What DoRA's zero-magnitude conditional costs on the user's path (development probe).
 
     python -m benchmarks.results.user_path_dev.dora_cond_probe OUT_DIR [TOKENSxINxOUT:R ...]
 
-`dora_dense`'s forward on an Int8Kernel has a lax.cond for columns whose int8 scale is 0 (`_zero_scale_columns`),
-and every backward one for magnitudes of exactly 0 (`_dm_at_zero_magnitude`). On a GPU, XLA reads a conditional's
+Every `dora_dense` backward has a lax.cond for magnitudes of exactly 0 (`_dm_at_zero_magnitude`); the QDoRA forward
+on Hopper has none (the column norm's q^T zeroes the columns of int8 scale 0). On a GPU, XLA reads a conditional's
 predicate back to the host, which then waits for the device before it launches anything after it. At each case
 (default 4096x4096->4096 r16) this times in turn, then traces (benchmarks.trace.time_then_trace: ms per call, the
 host gap = wall minus GPU kernel time, the top kernels), forward and forward+backward: bf16 DoRA and int8 QDoRA as
-they are and with the conditionals compiled out (the module functions patched to the identity while tracing).
+they are and with the conditional compiled out (the module function patched to the identity while tracing).
 Rows go to OUT_DIR/dora_cond_probe.json.
 """
 
@@ -28,9 +28,9 @@ SCALE = 2.0
 
 
 def no_conds():
-    """Both zero-column conditionals replaced by the identity (for tracing only: exact only without such columns)."""
-    return (mock.patch.object(api, "_zero_scale_columns", lambda y, *a: y),
-            mock.patch.object(api, "_dm_at_zero_magnitude", lambda dm, *a: dm))
+    """The zero-magnitude conditional replaced by the identity (for tracing only: exact only without such
+    magnitudes)."""
+    return (mock.patch.object(api, "_dm_at_zero_magnitude", lambda dm, *a: dm),)
 
 
 def build_case(tokens, fin, fout, r):

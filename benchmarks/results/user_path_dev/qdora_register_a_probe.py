@@ -83,8 +83,8 @@ def case(record, tokens, d_in, d_out, rank, directions):
                 x, q, b_layout="kn", col_vecs=(cs, bias), dequant=dora_sm90._int8_codes, lowrank=(xa, lb),
                 epilogue=dora_sm90._scale_bias, out_dtype=bf, config=cfg, name="qdora_scratch")),
                 (x, q, xa, lbq, colscale, bias))
-            cands["int8 A regs: qdora_forward (q^T by XLA)"] = (dora_sm90.qdora_forward,
-                                                                (x, q, xa, lbq, colscale, bias))
+            cands["int8 A regs: qdora_forward (q^T by XLA)"] = (jax.jit(
+                lambda x, q, *v: dora_sm90.qdora_forward(x, q.T, *v)), (x, q, xa, lbq, colscale, bias))
             for tag, table in REGISTER_A.items():
                 cfg = fit(table, rank, True)
                 cands[f"int8 A regs {tag} (q^T given)"] = (jax.jit(
