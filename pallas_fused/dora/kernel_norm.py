@@ -5,7 +5,7 @@ Two kernels (see kernel_util for the shapes and weight kinds):
   "expand": sum W^2 + 2 s sum_r B (A^T W) + s^2 B^T (A^T A) B, so W is an MMA operand (pipelined by cp.async) and
             never meets the A B tile in registers: 16-bit dense W or int8 codes with 16-bit adapters, up to
             `expand_max_rank` (per program the A^T A accumulation grows as r^2).
-Both can also write int8 codes transposed (`transposed_codes`): QDoRA's Hopper forward takes q^T as its GEMM's
+"direct" can also write int8 codes transposed (`transposed_codes`): QDoRA's Hopper forward takes q^T as its GEMM's
 A operand, and this pass reads every code anyway.
 """
 
@@ -56,12 +56,16 @@ class NormConfig:
     ms against 0.0606 for rows128 without that prefetch (XLA 0.0949). "expand" tiles: 4 warps, 0.0167 ms at 4096^2
     r16 (8 warps 0.0226; XLA 0.0511). At 4096 -> 11008 r64 "direct" beat every "expand" tiling, hence
     `expand_max_rank`. benchmarks/bench_dora.py's tune_norm section re-times the candidates.
+    "codes_t" tiles: the "direct" launch that also writes the int8 codes transposed, for QDoRA's Hopper forward
+    (benchmarks/results/user_path_dev/qdora_norm_probe.py times them; "expand" writing them was slower, its int8
+    tile converted for the MMA and transposed for the store).
     """
 
     mode: str = "expand"  # "expand" where it applies (see expand_supported), else "direct"
     expand_max_rank: int = 32  # above this (padded) rank the column norm uses "direct"
     expand: NormTiles = NormTiles(bn=64, bk=128, rows=1024, warps=4, stages=3)
     direct: NormTiles = NormTiles(bn=64, bk=64, rows=512, warps=4, stages=2)
+    codes_t: NormTiles = NormTiles(bn=128, bk=32, rows=512, warps=4, stages=2)
 
 
 DEFAULT = NormConfig()
@@ -140,57 +144,54 @@ def _store_codes_t(qt_ref, codes, wscale, k0, n0, bk: int, bn: int, K: int, cmas
     store(qt_ref.at[pl.ds(n0, bn), pl.ds(k0, bk)], codes.T, mask(cmask, in_bounds(k0, bk, K, K % bk == 0), (bn, bk)))
 
 
-def _codes_t_shape(weight, kind: str, transposed_codes: bool):
-    if not transposed_codes:
-        return ()
-    if kind != "int8":
-        raise ValueError(f"dora column norm: transposed_codes needs int8 codes, got a {kind} weight")
-    k, n = weight[0].shape
-    return (jax.ShapeDtypeStruct((n, k), weight[0].dtype),)
-
-
 def column_sumsq(weight, kind: str, lora_a, lora_b, scale, *, interpret: bool, config: NormConfig = DEFAULT):
     """sum over the input axis of (W + s A B)^2, float32 (out,). `lora_a` (K, R), `lora_b` (R, N), R padded."""
     return jnp.sum(column_partials(weight, kind, lora_a, lora_b, scale, interpret=interpret, config=config), axis=0)
 
 
 def column_partials(weight, kind: str, lora_a, lora_b, scale, *, interpret: bool, config: NormConfig = DEFAULT,
-                    rows: int | None = None, transposed_codes: bool = False):
+                    rows: int | None = None):
     """Partial sums of squares of W + s A B over row ranges, float32 (nsplit, out): one launch, no reduction
     after it (`merge_weight` or `column_sumsq` sums the nsplit rows). `rows`: rows per program of the "expand"
-    kernel (default config.expand.rows). With `transposed_codes` (int8 only) also q^T (see `_store_codes_t`):
-    returns (partials, q^T)."""
+    kernel (default config.expand.rows)."""
     if config.mode == "expand" and expand_supported(weight, kind, lora_a, config.expand_max_rank):
-        _, out = _expand_launch(weight, kind, lora_a, lora_b, scale, None, interpret=interpret, config=config,
-                                rows=rows, transposed_codes=transposed_codes)
-        return out if transposed_codes else out[0]
+        return _expand_launch(weight, kind, lora_a, lora_b, scale, None, interpret=interpret, config=config,
+                              rows=rows)
+    return _direct_launch(weight, kind, lora_a, lora_b, scale, config.direct, interpret=interpret)[0]
+
+
+def _direct_launch(weight, kind, lora_a, lora_b, scale, tiles: NormTiles, *, interpret, transposed_codes=False):
+    """The "direct" kernel's (nsplit, N) partial sums, and q^T after them with `transposed_codes`."""
     K, R = lora_a.shape
     N = lora_b.shape[1]
     if kind == "nf4":
         bk = NF4_TILE
         kloop = weight[0].shape[0]  # in_padded // 2
     else:
-        bk = tile(K, config.direct.bk)
+        bk = tile(K, tiles.bk)
         kloop = K
-    bn = tile(N, config.direct.bn)
+    bn = tile(N, tiles.bn)
     if kind == "nf4":
-        rows_per_prog = NF4_TILE * math.gcd(kloop // NF4_TILE, max(1, config.direct.rows // NF4_TILE))
+        rows_per_prog = NF4_TILE * math.gcd(kloop // NF4_TILE, max(1, tiles.rows // NF4_TILE))
     else:
-        rows_per_prog = max(bk, min(config.direct.rows, pow2(kloop, bk)))
+        rows_per_prog = max(bk, min(tiles.rows, pow2(kloop, bk)))
     nsplit = cdiv(kloop, rows_per_prog)
-    codes_t = _codes_t_shape(weight, kind, transposed_codes)
+    codes_t = ()
+    if transposed_codes:
+        if kind != "int8":
+            raise ValueError(f"dora column norm: transposed_codes needs int8 codes, got a {kind} weight")
+        codes_t = (jax.ShapeDtypeStruct((N, K), weight[0].dtype),)
     kernel = functools.partial(_colnorm_kernel, kind=kind, K=K, N=N, R=R, bk=bk, bn=bn,
-                               rows_per_prog=rows_per_prog, kloop=kloop, emit_t=bool(codes_t))
-    out = _backend.triton_call(
+                               rows_per_prog=rows_per_prog, kloop=kloop, emit_t=transposed_codes)
+    return _backend.triton_call(
         kernel,
         out_shape=(jax.ShapeDtypeStruct((nsplit, N), jnp.float32), *codes_t),
         grid=(cdiv(N, bn), nsplit),
         name="pallas_fused_dora_colnorm",
         interpret=interpret,
-        num_warps=config.direct.warps,
-        num_stages=config.direct.stages,
+        num_warps=tiles.warps,
+        num_stages=tiles.stages,
     )(*weight, lora_a, lora_b, jnp.reshape(jnp.asarray(scale, jnp.float32), (1,)))
-    return out if transposed_codes else out[0]
 
 
 def _bf16_parts(v, n: int):
@@ -217,7 +218,7 @@ def _dot_f32_exact(a32, b_dtype, b):
     return out
 
 
-def _colnorm_expand_kernel(*refs, kind, K, N, R, bk, bn, rows_per_prog, finish, emit_t):
+def _colnorm_expand_kernel(*refs, kind, K, N, R, bk, bn, rows_per_prog, finish):
     """||W + s A B||^2 per column as sum W^2 + 2 s sum_r B (A^T W) + s^2 sum_r B (A^T A B), per row range.
 
     W is the right operand of an MMA (A^T W), so Triton streams it through shared memory with cp.async
@@ -228,17 +229,15 @@ def _colnorm_expand_kernel(*refs, kind, K, N, R, bk, bn, rows_per_prog, finish, 
     w_refs = refs[:nw]
     a_ref, b_ref, s_ref = refs[nw:nw + 3]
     if finish:
-        m_ref, n_ref, g_ref = refs[nw + 3:nw + 6]
+        m_ref, n_ref, g_ref = refs[nw + 3:]
     else:
-        out_ref = refs[nw + 3]
+        (out_ref,) = refs[nw + 3:]
     j, split = pl.program_id(0), pl.program_id(1)
     n0 = pl.multiple_of(j * bn, bn)
     cmask = in_bounds(n0, bn, N, N % bn == 0)
     k_start = split * rows_per_prog
     rows_aligned = K % rows_per_prog == 0 and rows_per_prog % bk == 0
     mma_dt = a_ref.dtype
-    if kind == "int8":
-        wscale = load(w_refs[1].at[pl.ds(n0, bn)], cmask, 1.0)
 
     def a_tile(k0):  # masked always: the last step's prefetch reads past the row range (maybe past K)
         return load(a_ref.at[pl.ds(k0, bk), :], mask(in_bounds(k0, bk, K, False), None, (bk, R)))
@@ -248,8 +247,6 @@ def _colnorm_expand_kernel(*refs, kind, K, N, R, bk, bn, rows_per_prog, finish, 
         k0 = pl.multiple_of(k_start + i * bk, bk)
         rmask = in_bounds(k0, bk, K, rows_aligned)
         w = load(w_refs[0].at[pl.ds(k0, bk), pl.ds(n0, bn)], mask(rmask, cmask, (bk, bn)))
-        if emit_t:
-            _store_codes_t(refs[-1], w, wscale, k0, n0, bk, bn, K, cmask)
         # The A tile of the next step is loaded now (a hand-made prefetch): A feeds a transposed
         # register operand (A^T A), which Triton's pipeliner leaves as a synchronous load.
         a_next = a_tile(k0 + bk)
@@ -267,6 +264,7 @@ def _colnorm_expand_kernel(*refs, kind, K, N, R, bk, bn, rows_per_prog, finish, 
     b = load(b_ref.at[:, pl.ds(n0, bn)], mask(None, cmask, (R, bn))).astype(jnp.float32)
     sq = jnp.sum(sq, axis=0)
     if kind == "int8":  # W = q * wscale: every term linear in W takes one wscale, W^2 two
+        wscale = load(w_refs[1].at[pl.ds(n0, bn)], cmask, 1.0)
         sq, wa = sq * wscale * wscale, wa * wscale[:, None]
     aab = _dot_f32_exact(aa, b_ref.dtype, load(b_ref.at[:, pl.ds(n0, bn)], mask(None, cmask, (R, bn))))
     total = sq + 2.0 * s * jnp.sum(wa * b.T, axis=1) + (s * s) * jnp.sum(b * aab, axis=0)
@@ -291,21 +289,18 @@ def expand_supported(weight, kind: str, lora_a, max_rank: int | None = None) -> 
     return kind == "dense" and weight[0].dtype == lora_a.dtype
 
 
-def _expand_launch(weight, kind, lora_a, lora_b, scale, magnitude, *, interpret, config, rows=None,
-                   transposed_codes=False):
-    """(finished, outputs): outputs (n, g) when `magnitude` is given and one program covers all rows (finished),
-    otherwise ((nsplit, N) partial sums,); q^T after them with `transposed_codes`."""
+def _expand_launch(weight, kind, lora_a, lora_b, scale, magnitude, *, interpret, config, rows=None):
+    """(n, g) when `magnitude` is given and one program covers all rows; otherwise (nsplit, N) partial sums."""
     K, R = lora_a.shape
     N = lora_b.shape[1]
     bk, bn = tile(K, config.expand.bk), tile(N, config.expand.bn)
     rows_per_prog = max(bk, min(pow2(rows or config.expand.rows, bk), pow2(K, bk)))
     nsplit = cdiv(K, rows_per_prog)
     finish = magnitude is not None and nsplit == 1
-    codes_t = _codes_t_shape(weight, kind, transposed_codes)
     kernel = functools.partial(_colnorm_expand_kernel, kind=kind, K=K, N=N, R=R, bk=bk, bn=bn,
-                               rows_per_prog=rows_per_prog, finish=finish, emit_t=bool(codes_t))
+                               rows_per_prog=rows_per_prog, finish=finish)
     col = jax.ShapeDtypeStruct((N,), jnp.float32)
-    out_shape = ((col, col) if finish else (jax.ShapeDtypeStruct((nsplit, N), jnp.float32),)) + codes_t
+    out_shape = (col, col) if finish else jax.ShapeDtypeStruct((nsplit, N), jnp.float32)
     args = (*weight, lora_a, lora_b, jnp.reshape(jnp.asarray(scale, jnp.float32), (1,)))
     out = _backend.triton_call(
         kernel,
@@ -316,25 +311,29 @@ def _expand_launch(weight, kind, lora_a, lora_b, scale, magnitude, *, interpret,
         num_warps=config.expand.warps,
         num_stages=config.expand.stages,
     )(*args, *((magnitude,) if finish else ()))
-    return finish, tuple(out)
+    return out
 
 
 def column_norm_scale(weight, kind: str, lora_a, lora_b, scale, magnitude, *, interpret: bool,
                       config: NormConfig = DEFAULT, transposed_codes: bool = False):
     """(n, g): n = max(||W + s A B||, NORM_FLOOR) per output column and g = m / n, float32 (N,); A, B rank-padded.
-    With `transposed_codes` (int8 codes) (n, g, q^T), q^T written by the same pass (see `_store_codes_t`).
+    With `transposed_codes` (int8 codes): (n, g, q^T), q^T written by the same pass (the "direct" kernel at
+    config.codes_t tiles; see `_store_codes_t`).
 
     One launch when the "expand" kernel applies and one program covers all input rows; otherwise the
     partial sums of squares are reduced and finished by XLA.
     """
-    if config.mode == "expand" and expand_supported(weight, kind, lora_a, config.expand_max_rank):
-        finished, out = _expand_launch(weight, kind, lora_a, lora_b, scale, magnitude, interpret=interpret,
-                                       config=config, transposed_codes=transposed_codes)
-        if finished:
+    codes_t = None
+    if transposed_codes:
+        parts, codes_t = _direct_launch(weight, kind, lora_a, lora_b, scale, config.codes_t, interpret=interpret,
+                                        transposed_codes=True)
+    elif config.mode == "expand" and expand_supported(weight, kind, lora_a, config.expand_max_rank):
+        out = _expand_launch(weight, kind, lora_a, lora_b, scale, magnitude, interpret=interpret, config=config)
+        if isinstance(out, tuple):
             return out
+        parts = out
     else:
-        out = column_partials(weight, kind, lora_a, lora_b, scale, interpret=interpret, config=config,
-                              transposed_codes=transposed_codes)
-        out = out if transposed_codes else (out,)
-    n = floored_norm(jnp.sum(out[0], axis=0))
-    return (n, magnitude.astype(jnp.float32) / n, *out[1:])
+        parts = column_partials(weight, kind, lora_a, lora_b, scale, interpret=interpret, config=config)
+    n = floored_norm(jnp.sum(parts, axis=0))
+    g = magnitude.astype(jnp.float32) / n
+    return (n, g) if codes_t is None else (n, g, codes_t)

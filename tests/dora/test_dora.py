@@ -382,8 +382,11 @@ def test_column_scale_expand(kernel_impl, kind, dtype, cfg):
     np.testing.assert_allclose(g, ref, rtol=2e-6)
 
 
-@pytest.mark.parametrize("cfg", ["fused_finish", "split_ragged", "direct", "direct_prefetch"])
-def test_column_norm_transposed_codes(kernel_impl, cfg):
+# The "direct" launch that writes q^T: its default tiles (one row range at 150 rows), and small ones: 3 row ranges of
+# 2 steps, the last ragged (its prefetch past K masked).
+@pytest.mark.parametrize("tiles", [NormTiles(128, 32, 512, 4, 2), NormTiles(16, 32, 64, 4, 2)],
+                         ids=["default", "split"])
+def test_column_norm_transposed_codes(kernel_impl, tiles):
     """With `transposed_codes` the norm pass also writes the int8 codes transposed (QDoRA's forward operand), zero in
     a column whose scale is 0 (its codes are not), and n, g are the plain call's. Ragged tiles both ways."""
     from pallas_fused.dora import kernel_norm
@@ -395,7 +398,7 @@ def test_column_norm_transposed_codes(kernel_impl, cfg):
     assert bool(jnp.any(kernel.q[:, 5] != 0))
     a, b = rand(85, (fin, r), jnp.bfloat16, scale=0.1), rand(86, (r, fout), jnp.bfloat16, scale=0.1)
     m = jnp.abs(rand(87, (fout,))) + 0.5
-    norm = NORM_CONFIGS[cfg].norm
+    norm = NormConfig(codes_t=tiles)
     args = ((kernel.q, kernel.scale), "int8", a, b, 0.7, m)
     n, g, qt = kernel_norm.column_norm_scale(*args, interpret=kernel_impl == "interpret", config=norm,
                                              transposed_codes=True)

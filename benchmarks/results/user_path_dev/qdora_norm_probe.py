@@ -5,8 +5,9 @@ against XLA's transpose of the codes alone and bf16 DoRA's norm (development pro
 
 Per weight (in -> out, rank; bf16 adapters), each candidate amortized over k distinct weights per jit
 (common.bench_amortized), all timed in turn (common.bench_interleaved): the "expand" and "direct" kernels at their
-defaults and a few other tiles, each plain and with `transposed_codes`, after a check of the codes and of n against
-the plain call. Rows go to OUT_DIR/qdora_norm_probe.json with the bytes each moves and its % of the HBM ceiling.
+defaults, and the "direct" launch writing q^T (`transposed_codes`) at several tiles (NormConfig.codes_t), after a
+check of the codes and of n against the plain call. Rows go to OUT_DIR/qdora_norm_probe.json with the bytes each
+moves and its % of the HBM ceiling.
 """
 
 from __future__ import annotations
@@ -24,13 +25,11 @@ from pallas_fused.dora.kernel_norm import NormConfig, NormTiles
 
 WEIGHTS = [(4096, 4096, 16), (4096, 11008, 64)]
 K_SETS = 6  # distinct weights per jit: 6 x 16 MiB of codes pass the 50 MB L2
-TILES = {
-    "expand default": NormConfig(expand_max_rank=128),
-    "expand bn128 bk64 rows1024": NormConfig(expand_max_rank=128, expand=NormTiles(128, 64, 1024, 4, 3)),
-    "expand bn64 bk128 rows4096 w8": NormConfig(expand_max_rank=128, expand=NormTiles(64, 128, 4096, 8, 3)),
-    "direct default": NormConfig(mode="direct"),
-    "direct bn128 bk32 rows512": NormConfig(mode="direct", direct=NormTiles(128, 32, 512, 4, 2)),
-}
+PLAIN = {"expand default": NormConfig(), "direct default": NormConfig(mode="direct")}
+# (bn, bk, rows, warps, stages) of the "direct" launch that also writes q^T (NormConfig.codes_t)
+CODES_T = [(128, 32, 512, 4, 2), (64, 64, 512, 4, 2), (128, 64, 512, 4, 2), (128, 64, 1024, 8, 2),
+           (64, 128, 1024, 4, 2), (256, 32, 512, 8, 2), (128, 32, 1024, 4, 2), (32, 128, 512, 4, 2),
+           (128, 128, 512, 8, 2)]
 
 
 def main():
@@ -50,14 +49,15 @@ def main():
         bf16_sets = [(q.astype(jnp.bfloat16) * s.astype(jnp.bfloat16), a, b, m) for q, s, a, b, m in sets]
         cands, nbytes = {}, {}
         codes = fin * fout + 2 * (fin + fout) * r + 8 * fout
-        for name, cfg in TILES.items():
-            for emit in (False, True):
-                def fn(q, s, a, b, m, cfg=cfg, emit=emit):
-                    return kernel_norm.column_norm_scale((q, s), "int8", a, b, 2.0, m, interpret=False, config=cfg,
-                                                         transposed_codes=emit)
-                label = f"int8 {name}" + (" + q^T" if emit else "")
-                cands[label] = (amortized(fn), (sets,))
-                nbytes[label] = codes + (fin * fout if emit else 0)
+        configs = {f"int8 {name}": (cfg, False) for name, cfg in PLAIN.items()}
+        configs.update({"int8 direct bn{} bk{} rows{} w{} s{} + q^T".format(*t): (
+            NormConfig(codes_t=NormTiles(*t)), True) for t in CODES_T})
+        for label, (cfg, emit) in configs.items():
+            def fn(q, s, a, b, m, cfg=cfg, emit=emit):
+                return kernel_norm.column_norm_scale((q, s), "int8", a, b, 2.0, m, interpret=False, config=cfg,
+                                                     transposed_codes=emit)
+            cands[label] = (amortized(fn), (sets,))
+            nbytes[label] = codes + (fin * fout if emit else 0)
         cands["xla q.T alone"] = (amortized(lambda q, *_: q.T), (sets,))
         nbytes["xla q.T alone"] = 2 * fin * fout
         cands["bf16 DoRA norm (default)"] = (amortized(lambda w, a, b, m: kernel_norm.column_norm_scale(
