@@ -56,16 +56,18 @@ class NormConfig:
     ms against 0.0606 for rows128 without that prefetch (XLA 0.0949). "expand" tiles: 4 warps, 0.0167 ms at 4096^2
     r16 (8 warps 0.0226; XLA 0.0511). At 4096 -> 11008 r64 "direct" beat every "expand" tiling, hence
     `expand_max_rank`. benchmarks/bench_dora.py's tune_norm section re-times the candidates.
-    "codes_t" tiles: the "direct" launch that also writes the int8 codes transposed, for QDoRA's Hopper forward
-    (benchmarks/results/user_path_dev/qdora_norm_probe.py times them; "expand" writing them was slower, its int8
-    tile converted for the MMA and transposed for the store).
+    "codes_t" tiles: the "direct" launch that also writes the int8 codes transposed, for QDoRA's Hopper forward;
+    amortized over 6 weights on an H200, 0.0303 ms at 4096^2 r16 and 0.0772 at 4096 -> 11008 r64 against the plain
+    norm and XLA's transpose of the codes, 0.0256 + 0.0171 and 0.0536 + 0.0364 (9 tilings in
+    benchmarks/results/user_path_dev/2026-11-26g_h200_qdora_norm_probe.json); the "expand" kernel writing them
+    took 0.0469 at 4096^2 (..._probe_1.json: its int8 tile is converted for the MMA and transposed for the store).
     """
 
     mode: str = "expand"  # "expand" where it applies (see expand_supported), else "direct"
     expand_max_rank: int = 32  # above this (padded) rank the column norm uses "direct"
     expand: NormTiles = NormTiles(bn=64, bk=128, rows=1024, warps=4, stages=3)
     direct: NormTiles = NormTiles(bn=64, bk=64, rows=512, warps=4, stages=2)
-    codes_t: NormTiles = NormTiles(bn=128, bk=32, rows=512, warps=4, stages=2)
+    codes_t: NormTiles = NormTiles(bn=128, bk=64, rows=512, warps=4, stages=2)
 
 
 DEFAULT = NormConfig()

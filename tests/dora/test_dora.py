@@ -384,7 +384,7 @@ def test_column_scale_expand(kernel_impl, kind, dtype, cfg):
 
 # The "direct" launch that writes q^T: its default tiles (one row range at 150 rows), and small ones: 3 row ranges of
 # 2 steps, the last ragged (its prefetch past K masked).
-@pytest.mark.parametrize("tiles", [NormTiles(128, 32, 512, 4, 2), NormTiles(16, 32, 64, 4, 2)],
+@pytest.mark.parametrize("tiles", [NormTiles(128, 64, 512, 4, 2), NormTiles(16, 32, 64, 4, 2)],
                          ids=["default", "split"])
 def test_column_norm_transposed_codes(kernel_impl, tiles):
     """With `transposed_codes` the norm pass also writes the int8 codes transposed (QDoRA's forward operand), zero in
