@@ -364,6 +364,8 @@ USER_PATH_PAIRS = [
     ("apply_rotary fwd vs XLA", "rotary", "B4 S4096 Hq32 Hk8 D128 fwd", "user:apply_rotary", "xla"),
     ("DoRADense fwd+bwd 4096->4096 vs XLA", "dora_fwdbwd", "4096x4096->4096 r16 bf16", "user:DoRADense", "xla"),
     ("DoRADense fwd+bwd 4096->11008 vs XLA", "dora_fwdbwd", "4096x4096->11008 r64 bf16", "user:DoRADense", "xla"),
+    *[(f"QDoRA int8 dora_dense fwd+bwd {case} vs XLA dequantize + GEMM", "qdora_fwdbwd", f"{case} bf16",
+       "pallas:int8", "xla:int8") for case in ("4096x4096->4096 r16", "4096x4096->11008 r64")],
     ("FP8 Dense tensorwise vs flax fp8", "fp8_dense", "16384x8192->8192 fwd+bwd", "pallas:tensorwise",
      "peer:flax_fp8_direct"),
     ("FP8 Dense rowwise vs bf16 nn.Dense", "fp8_dense", "16384x8192->8192 fwd+bwd", "pallas:rowwise",
