@@ -128,7 +128,7 @@ def scaled_matmul(x, w, g=None, bias=None, *, lowrank=None, b_layout: str = "kn"
 # x, dy g wscale and the low-rank factors are the 16-bit operands, all read K-major ("nk") as stored.
 # Converting b's int8 tile through a 16-bit shared-memory scratch tile instead (wgmma's B) took 1.53x the bf16 DoRA
 # GEMM at 4096 tokens, 4096 -> 4096 r16 on an H200, where the register operand takes 1.07x (q^T given) and 1.20x
-# with the forward's XLA transpose of q; dx 0.305 against 0.214 ms (benchmarks/results/logs/
+# with an XLA transpose of q before it; dx 0.305 against 0.214 ms (benchmarks/results/logs/
 # h200_2026-11-26f_qdora_register_a_probe.log). The scratch tile's cost was the round trip through shared memory
 # (read 1, write 2 and wgmma-read 2 bytes per weight beside the ring's traffic).
 # Tiles, as measured there: 64 x 256 per warpgroup split along M (the int8 operand's rows), 64 of K per step, the
