@@ -168,11 +168,14 @@ def _kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: in
     n_barriers = 2 * len(vec_gmems) + (4 if lowrank else 0)
     if lowrank:
         # wgmma takes one swizzle for both operands and K steps of swizzle / itemsize: both slices are swizzled
-        # by the rank's row width (R = 16 at 16 bits: 32 bytes, one K step of the instruction).
+        # by the rank's row width (R = 16 at 16 bits: 32 bytes, one K step of the instruction). The slice both
+        # warpgroups read (lb's columns when they split M, la's rows when they split N) is held once: warpgroup 0
+        # loads it (`shared_slot`); each warpgroup holds its own slice of the other.
         rank, lr_dtype = la_gmem.shape[1], la_gmem.dtype
         lr_transforms = _smem_transforms(plgpu, rank, lr_dtype)
-        lb_shape = (2, tile_n, rank) if b_layout == "nk" else (2, rank, tile_n)
-        lr_smem = (plgpu.SMEM((2, tile_m, rank), lr_dtype, transforms=lr_transforms),
+        la_slots, lb_slots = (2, 1) if split_m else (1, 2)
+        lb_shape = (lb_slots, tile_n, rank) if b_layout == "nk" else (lb_slots, rank, tile_n)
+        lr_smem = (plgpu.SMEM((la_slots, tile_m, rank), lr_dtype, transforms=lr_transforms),
                    plgpu.SMEM(lb_shape, lr_dtype, transforms=lr_transforms))
 
     @functools.partial(
@@ -183,10 +186,17 @@ def _kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: in
         # One per warpgroup and vector, then (with the low-rank step) one per warpgroup for la and for lb.
         vec_barrier=plgpu.Barrier(num_barriers=n_barriers) if n_barriers else None,
         lr_smem=lr_smem,
+        # Both warpgroups arrive once they have read the shared low-rank slice, so warpgroup 0 overwrites it with
+        # the next tile's only then.
+        shared_free=plgpu.Barrier(num_arrivals=2) if lowrank else None,
         collective_axes="wg",
     )
-    def _scope(pipeline_allocs, out_smem, vec_smem, vec_barrier, lr_smem):
+    def _scope(pipeline_allocs, out_smem, vec_smem, vec_barrier, lr_smem, shared_free):
         wg = lax.axis_index("wg")
+        if lowrank:
+            @pl.when(wg < 2)  # the compute warpgroups (2 is the pipeline's memory warpgroup): the shared slot
+            def _():          # starts free
+                plgpu.barrier_arrive(shared_free)
 
         @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
         def _tiles(loop_info):
@@ -235,14 +245,23 @@ def _kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: in
                 for i, v in enumerate(vec_gmems):
                     window = pl.ds(row0, tile_m) if i < n_rows else pl.ds(col0, tile_n)
                     plgpu.copy_gmem_to_smem(v.at[window], vec_smem[i].at[wg], vec_barrier.at[2 * i + wg])
-                if lowrank:  # this warpgroup's low-rank slices, also while the main loop runs
+                if lowrank:  # the low-rank slices, also while the main loop runs
                     la_smem, lb_smem = lr_smem
                     first = 2 * len(vec_gmems)
-                    la_bar, lb_bar = vec_barrier.at[first + wg], vec_barrier.at[first + 2 + wg]
-                    plgpu.copy_gmem_to_smem(la_gmem.at[pl.ds(row0, tile_m), :], la_smem.at[wg], la_bar)
+                    # The shared slice's barrier is warpgroup 0's; both wait on it.
+                    la_bar = vec_barrier.at[first + (wg if split_m else 0)]
+                    lb_bar = vec_barrier.at[first + 2 + (0 if split_m else wg)]
+                    la_slot, lb_slot = la_smem.at[wg if split_m else 0], lb_smem.at[0 if split_m else wg]
+                    la_src = la_gmem.at[pl.ds(row0, tile_m), :]
                     lb_src = (lb_gmem.at[pl.ds(col0, tile_n), :] if b_layout == "nk"
                               else lb_gmem.at[:, pl.ds(col0, tile_n)])
-                    plgpu.copy_gmem_to_smem(lb_src, lb_smem.at[wg], lb_bar)
+                    own, shared = ((la_src, la_slot, la_bar), (lb_src, lb_slot, lb_bar))[::1 if split_m else -1]
+                    plgpu.copy_gmem_to_smem(*own)
+
+                    @pl.when(wg == 0)
+                    def _():
+                        plgpu.barrier_wait(shared_free)  # both warpgroups are done with the last tile's
+                        plgpu.copy_gmem_to_smem(*shared)
 
                 if promote is None:
                     @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tile_m, tile_n), jnp.float32))
@@ -253,10 +272,10 @@ def _kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: in
                             # issued by this warpgroup after the wait, so they never race the read.
                             plgpu.barrier_wait(la_bar)
                             plgpu.barrier_wait(lb_bar)
-                            lb_tile = (lb_smem.at[wg].transpose((1, 0)) if b_layout == "nk"
-                                       else lb_smem.at[wg])
-                            plgpu.wgmma(acc_ref, la_smem.at[wg], lb_tile)
+                            lb_tile = lb_slot.transpose((1, 0)) if b_layout == "nk" else lb_slot
+                            plgpu.wgmma(acc_ref, la_slot, lb_tile)
                             plgpu.wgmma_wait(0)
+                            plgpu.barrier_arrive(shared_free)
                         store(acc_ref[...])
                 else:
                     store(eval_pipeline(jnp.zeros((tile_m, tile_n), jnp.float32)))
@@ -318,7 +337,8 @@ def smem_bytes(config: TileConfig, a_itemsize: int, b_itemsize: int, out_itemsiz
     cta_m, cta_n = config.cta_tile
     ring = config.max_concurrent_steps * config.tile_k * (cta_m * a_itemsize + cta_n * b_itemsize)
     out = 2 * 2 * config.epi_tile * config.epi_tile * out_itemsize
-    return ring + out + 2 * rank * (config.tile_m + config.tile_n) * lowrank_itemsize
+    # the low-rank slices: each warpgroup's own, and the one both read once (see `_kernel`)
+    return ring + out + rank * (cta_m + cta_n) * lowrank_itemsize
 
 
 def supported(m: int, n: int, k: int, config: TileConfig) -> bool:

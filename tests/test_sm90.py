@@ -117,16 +117,19 @@ def test_int8_a_dequant_lowrank(k, cluster, dequant, transpose_out):
 
 def test_qdora_smem():
     """QDoRA's int8 a takes one byte of the ring per weight; its tiles are the first of the table whose ring, as deep
-    as shared memory allows beside the low-rank slices, keeps 3 stages: 64 x 256 with 4 stages at rank 16, 128 x 128
-    with 4 at rank 64 (where 64 x 256 keeps 2)."""
+    as shared memory allows beside the low-rank slices, keeps 3 stages: 64 x 256 with 4 stages at rank 16 and 3 at
+    rank 64 (the warpgroups split M and hold the low-rank columns once), 128 x 128 at rank 128 (where 64 x 256
+    keeps 2)."""
     wide, square = (_sm90.TileConfig(**t) for t in dora_sm90.QDORA_HEURISTIC["tiles"])
-    for rank, tiles in ((16, wide), (64, square)):
+    for rank, tiles, steps in ((16, wide, 4), (64, wide, 3), (128, square, 3)):
         config = dora_sm90.qdora_config(11008, 4096, 4096, rank, jnp.bfloat16)
-        assert config == tiles, rank
+        assert config == dataclasses.replace(tiles, max_concurrent_steps=steps), rank
         assert dora_sm90._smem(config, rank, 2, int8_a=True) <= _sm90.SMEM_LIMIT
-        deeper = dataclasses.replace(config, max_concurrent_steps=5)
+        deeper = dataclasses.replace(config, max_concurrent_steps=steps + 1)
         assert dora_sm90._smem(deeper, rank, 2, int8_a=True) > _sm90.SMEM_LIMIT
-    assert dora_sm90.fit_lowrank(wide, 64, int8_a=True).max_concurrent_steps == 2
+    assert dora_sm90.fit_lowrank(wide, 128, int8_a=True).max_concurrent_steps == 2
+    # the shared low-rank slice is counted once: (cta_m + cta_n) R bytes per item
+    assert _sm90.smem_bytes(wide, 1, 2, 2, 64) - _sm90.smem_bytes(wide, 1, 2, 2) == 64 * (128 + 256) * 2
     assert (dora_sm90._smem(wide, 16, 2) - dora_sm90._smem(wide, 16, 2, int8_a=True)
             == 4 * wide.tile_k * wide.cta_tile[0])
 

@@ -2,7 +2,10 @@
 result stored transposed) against the int8 weight as B through a 16-bit shared-memory scratch tile
 (`_sm90.matmul(dequant=)`, QDoRA's previous GEMM), DoRA's bf16 GEMM and cuBLAS (development probe).
 
-    python -m benchmarks.results.user_path_dev.qdora_register_a_probe OUT_DIR
+    python -m benchmarks.results.user_path_dev.qdora_register_a_probe OUT_DIR [TOKENSxINxOUT:R ...]
+
+(default: 4096 tokens 4096 -> 4096 r16 and 4096 -> 11008 r64, forward and dx, and 8192 tokens r16 forward; named
+cases run both directions)
 
 Per case (tokens, in -> out, rank; bf16) and direction (forward y = (x q + xa lb) colscale + bias, dx = dyg q^T +
 us A^T), in turn (common.bench_interleaved) after a check against XLA in fp32: the register-A GEMM at several tile
@@ -132,9 +135,13 @@ def main():
     out_dir = sys.argv[1]
     os.makedirs(out_dir, exist_ok=True)
     record = probe_recorder(os.path.join(out_dir, "qdora_register_a_probe.json"))
-    case(record, 4096, 4096, 4096, 16, ("forward", "dx"))
-    case(record, 4096, 4096, 11008, 64, ("forward", "dx"))
-    case(record, 8192, 4096, 4096, 16, ("forward",))
+    named = [tuple(int(v) for v in c.replace(":", "x").split("x")) for c in sys.argv[2:]]
+    for shape in named:
+        case(record, *shape, ("forward", "dx"))
+    if not named:
+        case(record, 4096, 4096, 4096, 16, ("forward", "dx"))
+        case(record, 4096, 4096, 11008, 64, ("forward", "dx"))
+        case(record, 8192, 4096, 4096, 16, ("forward",))
 
 
 if __name__ == "__main__":
