@@ -58,7 +58,7 @@ def _smem(config: _sm90.TileConfig, rank: int, itemsize: int, int8_a: bool = Fal
 
 
 def fit_lowrank(config: _sm90.TileConfig, rank: int, itemsize: int = 2, int8_a: bool = False) -> _sm90.TileConfig:
-    """`config` with its ring shrunk until the low-rank slices (2 (tile_m + tile_n) R bytes per warpgroup) fit
+    """`config` with its ring shrunk until the low-rank slices ((cta_m + cta_n) R 16-bit items, `_sm90.smem_bytes`) fit
     beside it: fewer stages first, then half the K step with twice the stages (the same K depth in flight), never
     under 2 stages. The large tiles (128 x 128 x 128, 2 stages) fill shared memory on their own; at rank 16 they
     become 128 x 128 x 64 x 3 stages. `int8_a`: QDoRA's int8 ring (`_smem`)."""
@@ -132,10 +132,12 @@ def scaled_matmul(x, w, g=None, bias=None, *, lowrank=None, b_layout: str = "kn"
 # h200_2026-11-26f_qdora_register_a_probe.log). The scratch tile's cost was the round trip through shared memory
 # (read 1, write 2 and wgmma-read 2 bytes per weight beside the ring's traffic).
 # Tiles, as measured there: 64 x 256 per warpgroup split along M (the int8 operand's rows), 64 of K per step, the
-# snake 4 tiles wide; its low-rank slices take 2 x 256 x R x 2 bytes of the ring, so at rank 64 only 2 stages fit
-# beside them and 128 x 128 split along M (4 stages) is faster (forward 1.07x against 1.10x, dx 0.632 against 0.680
-# ms at 4096 -> 11008). `qdora_config` takes the first of "tiles" whose ring, as deep as shared memory allows
-# (`fit_lowrank`), has "min_stages" stages, else the last.
+# snake 4 tiles wide. Its low-rank slices take (128 + 256) x R x 2 bytes beside the ring (the 256 columns held once
+# for both warpgroups), so 3 stages fit at rank 64: there it ran the GEMM in 0.621 ms at 4096 tokens 4096 -> 11008
+# against 0.752 for 128 x 128 split along M with 4 stages, dx 0.583 against 0.698
+# (benchmarks/results/logs/h200_2026-11-26g_qdora_register_a_probe.log). 128 x 128 runs from rank 128, where
+# 64 x 256 keeps 2 stages. `qdora_config` takes the first of
+# "tiles" whose ring, as deep as shared memory allows (`fit_lowrank`), has "min_stages" stages, else the last.
 QDORA_HEURISTIC = {"tiles": [dict(tile_m=64, tile_n=256, tile_k=64, max_concurrent_steps=4, wg_split="m",
                                   grid_tile_width=4),
                              dict(tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=4, wg_split="m")],
