@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -154,6 +155,15 @@ def error_text(e: Exception) -> str:
 def rnd(seed: int, shape, dtype=jnp.float32, scale: float = 1.0) -> jax.Array:
     """Random normal benchmark data (never zeros: they can run faster than real data)."""
     return (jax.random.normal(jax.random.key(seed), shape, jnp.float32) * scale).astype(dtype)
+
+
+def probe_command_line(name: str, default_cases) -> tuple[Callable[..., None], list[tuple[int, ...]]]:
+    """A development probe's command line, OUT_DIR [TOKENSxINxOUT:R ...]: its recorder (`probe_recorder` of
+    OUT_DIR/<name>.json, OUT_DIR made if missing) and the cases named, as int tuples, else `default_cases`."""
+    out_dir, args = sys.argv[1], sys.argv[2:]
+    os.makedirs(out_dir, exist_ok=True)
+    cases = [tuple(int(v) for v in c.replace(":", "x").split("x")) for c in args] or list(default_cases)
+    return probe_recorder(os.path.join(out_dir, f"{name}.json")), cases
 
 
 def probe_recorder(path: str | os.PathLike) -> Callable[..., None]:

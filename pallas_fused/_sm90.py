@@ -169,8 +169,8 @@ def _kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: in
     if lowrank:
         # wgmma takes one swizzle for both operands and K steps of swizzle / itemsize: both slices are swizzled
         # by the rank's row width (R = 16 at 16 bits: 32 bytes, one K step of the instruction). The slice both
-        # warpgroups read (lb's columns when they split M, la's rows when they split N) is held once: warpgroup 0
-        # loads it (`shared_slot`); each warpgroup holds its own slice of the other.
+        # warpgroups read (lb's columns when they split M, la's rows when they split N) is held once, loaded by
+        # warpgroup 0; each warpgroup holds its own slice of the other factor.
         rank, lr_dtype = la_gmem.shape[1], la_gmem.dtype
         lr_transforms = _smem_transforms(plgpu, rank, lr_dtype)
         la_slots, lb_slots = (2, 1) if split_m else (1, 2)
@@ -255,7 +255,8 @@ def _kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: in
                     la_src = la_gmem.at[pl.ds(row0, tile_m), :]
                     lb_src = (lb_gmem.at[pl.ds(col0, tile_n), :] if b_layout == "nk"
                               else lb_gmem.at[:, pl.ds(col0, tile_n)])
-                    own, shared = ((la_src, la_slot, la_bar), (lb_src, lb_slot, lb_bar))[::1 if split_m else -1]
+                    la, lb = (la_src, la_slot, la_bar), (lb_src, lb_slot, lb_bar)
+                    own, shared = (la, lb) if split_m else (lb, la)
                     plgpu.copy_gmem_to_smem(*own)
 
                     @pl.when(wg == 0)
@@ -268,8 +269,9 @@ def _kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: in
                     def _acc_scope(acc_ref):
                         eval_pipeline(acc_ref)
                         if lowrank:
-                            # One more wgmma into the accumulator. The next tile's copies into these slices are
-                            # issued by this warpgroup after the wait, so they never race the read.
+                            # One more wgmma into the accumulator. The next tile's copy into this warpgroup's own
+                            # slice is issued by it after the wait, into the shared one by warpgroup 0 once both
+                            # have arrived below, so neither races the read.
                             plgpu.barrier_wait(la_bar)
                             plgpu.barrier_wait(lb_bar)
                             lb_tile = lb_slot.transpose((1, 0)) if b_layout == "nk" else lb_slot

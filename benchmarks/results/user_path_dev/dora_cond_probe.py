@@ -13,14 +13,12 @@ Rows go to OUT_DIR/dora_cond_probe.json.
 
 from __future__ import annotations
 
-import os
-import sys
 from unittest import mock
 
 import jax
 
 from benchmarks.bench_dora import _data, _with_output
-from benchmarks.common import probe_recorder
+from benchmarks.common import probe_command_line
 from benchmarks.trace import time_then_trace
 from pallas_fused.dora import api, dora_dense, quantize_int8
 
@@ -64,10 +62,7 @@ def build_case(tokens, fin, fout, r):
 
 
 def main():
-    out_dir, args = sys.argv[1], sys.argv[2:]
-    os.makedirs(out_dir, exist_ok=True)
-    record = probe_recorder(os.path.join(out_dir, "dora_cond_probe.json"))
-    cases = [tuple(int(v) for v in c.replace(":", "x").split("x")) for c in args] or [(4096, 4096, 4096, 16)]
+    record, cases = probe_command_line("dora_cond_probe", [(4096, 4096, 4096, 16)])
     print(jax.devices(), flush=True)
     for tokens, fin, fout, r in cases:
         build = build_case(tokens, fin, fout, r)

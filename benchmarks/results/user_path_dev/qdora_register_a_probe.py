@@ -21,14 +21,12 @@ commits those rows fail to build and are recorded as errors.
 from __future__ import annotations
 
 import dataclasses
-import os
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import bench_interleaved, error_text, probe_recorder, rnd
+from benchmarks.common import bench_interleaved, error_text, probe_command_line, rnd
 from pallas_fused import _sm90
 from pallas_fused.dora import kernel_sm90 as dora_sm90
 from pallas_fused.dora import quantize_int8
@@ -132,10 +130,7 @@ def case(record, tokens, d_in, d_out, rank, directions):
 
 
 def main():
-    out_dir = sys.argv[1]
-    os.makedirs(out_dir, exist_ok=True)
-    record = probe_recorder(os.path.join(out_dir, "qdora_register_a_probe.json"))
-    named = [tuple(int(v) for v in c.replace(":", "x").split("x")) for c in sys.argv[2:]]
+    record, named = probe_command_line("qdora_register_a_probe", [])
     for shape in named:
         case(record, *shape, ("forward", "dx"))
     if not named:

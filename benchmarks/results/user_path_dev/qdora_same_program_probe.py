@@ -12,23 +12,18 @@ OUT_DIR/qdora_same_program_probe.json.
 from __future__ import annotations
 
 import difflib
-import os
-import sys
 
 import jax
 
 from benchmarks.bench_dora import _data
-from benchmarks.common import bench_interleaved, probe_recorder
+from benchmarks.common import bench_interleaved, probe_command_line
 from pallas_fused.dora import dora_dense, quantize_int8
 
 SCALE = 2.0
 
 
 def main():
-    out_dir, args = sys.argv[1], sys.argv[2:]
-    os.makedirs(out_dir, exist_ok=True)
-    record = probe_recorder(os.path.join(out_dir, "qdora_same_program_probe.json"))
-    cases = [tuple(int(v) for v in c.replace(":", "x").split("x")) for c in args] or [(4096, 4096, 11008, 64)]
+    record, cases = probe_command_line("qdora_same_program_probe", [(4096, 4096, 11008, 64)])
     print(jax.devices(), flush=True)
     for tokens, fin, fout, r in cases:
         case = f"{tokens}x{fin}->{fout} r{r}"
