@@ -108,6 +108,9 @@ def _smem_transforms(plgpu, minor: int, dtype):
     return plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle)
 
 
+COMPUTE_WGS = 2  # compute warpgroups per CTA; the pipeline adds one memory warpgroup after them
+
+
 def _kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: int, n_vecs: int, n_step_rows: int,
             epilogue: Epilogue, promote: Promote | None, uniform_steps: tuple[bool, bool], a_dequant: Dequant | None,
             lowrank: bool, transpose_out: bool):
@@ -155,7 +158,7 @@ def _kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: in
             in_specs=[smem_spec((cta_m, tile_k), lambda kk: (0, kk), transforms=transforms, **a_shared), b_spec,
                       *step_specs],
             wg_axis="wg",
-            num_compute_wgs=2,
+            num_compute_wgs=COMPUTE_WGS,
             max_concurrent_steps=config.max_concurrent_steps,
             compute_context=compute_context,
             manual_consumed_barriers=early,
@@ -165,7 +168,7 @@ def _kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: in
     vec_smem = tuple(plgpu.SMEM((2, tile_m), v.dtype) for v in row_gmems)
     vec_smem += tuple(plgpu.SMEM((2, tile_n), v.dtype) for v in col_gmems)
     lr_smem = None
-    n_barriers = 2 * len(vec_gmems) + (4 if lowrank else 0)
+    n_barriers = 2 * len(vec_gmems) + (3 if lowrank else 0)
     if lowrank:
         # wgmma takes one swizzle for both operands and K steps of swizzle / itemsize: both slices are swizzled
         # by the rank's row width (R = 16 at 16 bits: 32 bytes, one K step of the instruction). The slice both
@@ -183,7 +186,8 @@ def _kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: in
         pipeline_allocs=get_pipeline(ignore, ignore).get_allocations(a_gmem, b_gmem, *step_gmems),
         out_smem=plgpu.SMEM((2, 2, epi, epi), out_dtype, transforms=out_transforms),
         vec_smem=vec_smem,
-        # One per warpgroup and vector, then (with the low-rank step) one per warpgroup for la and for lb.
+        # One per warpgroup and vector, then (with the low-rank step) one per warpgroup for its own low-rank slice
+        # and one for the shared slice.
         vec_barrier=plgpu.Barrier(num_barriers=n_barriers) if n_barriers else None,
         lr_smem=lr_smem,
         # Both warpgroups arrive once they have read the shared low-rank slice, so warpgroup 0 overwrites it with
@@ -194,8 +198,8 @@ def _kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: in
     def _scope(pipeline_allocs, out_smem, vec_smem, vec_barrier, lr_smem, shared_free):
         wg = lax.axis_index("wg")
         if lowrank:
-            @pl.when(wg < 2)  # the compute warpgroups (2 is the pipeline's memory warpgroup): the shared slot
-            def _():          # starts free
+            @pl.when(wg < COMPUTE_WGS)  # not the pipeline's memory warpgroup (the last): the shared slot starts free
+            def _():
                 plgpu.barrier_arrive(shared_free)
 
         @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
@@ -248,9 +252,8 @@ def _kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: in
                 if lowrank:  # the low-rank slices, also while the main loop runs
                     la_smem, lb_smem = lr_smem
                     first = 2 * len(vec_gmems)
-                    # The shared slice's barrier is warpgroup 0's; both wait on it.
-                    la_bar = vec_barrier.at[first + (wg if split_m else 0)]
-                    lb_bar = vec_barrier.at[first + 2 + (0 if split_m else wg)]
+                    own_bar, shared_bar = vec_barrier.at[first + wg], vec_barrier.at[first + 2]  # both wait on it
+                    la_bar, lb_bar = (own_bar, shared_bar) if split_m else (shared_bar, own_bar)
                     la_slot, lb_slot = la_smem.at[wg if split_m else 0], lb_smem.at[0 if split_m else wg]
                     la_src = la_gmem.at[pl.ds(row0, tile_m), :]
                     lb_src = (lb_gmem.at[pl.ds(col0, tile_n), :] if b_layout == "nk"
@@ -430,7 +433,7 @@ def matmul(a, b, *, b_layout: str, row_vecs: Sequence[jax.Array] = (), col_vecs:
         grid=(max(1, _backend.num_sms() // (2 if config.cluster else 1)),),
         grid_names=("sm",),
         **cluster,
-        num_threads=3,
+        num_threads=COMPUTE_WGS + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         **(dict(interpret=_backend.mosaic_interpret(name)) if interpret else {}),

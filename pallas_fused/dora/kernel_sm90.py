@@ -136,8 +136,8 @@ def scaled_matmul(x, w, g=None, bias=None, *, lowrank=None, b_layout: str = "kn"
 # for both warpgroups), so 3 stages fit at rank 64: there it ran the GEMM in 0.621 ms at 4096 tokens 4096 -> 11008
 # against 0.752 for 128 x 128 split along M with 4 stages, dx 0.583 against 0.698
 # (benchmarks/results/logs/h200_2026-11-26g_qdora_register_a_probe.log). 128 x 128 runs from rank 128, where
-# 64 x 256 keeps 2 stages. `qdora_config` takes the first of
-# "tiles" whose ring, as deep as shared memory allows (`fit_lowrank`), has "min_stages" stages, else the last.
+# 64 x 256 keeps 2 stages. `qdora_config` takes the first of "tiles" whose ring, as deep as shared memory allows
+# (`fit_lowrank`), has "min_stages" stages, else the last.
 QDORA_HEURISTIC = {"tiles": [dict(tile_m=64, tile_n=256, tile_k=64, max_concurrent_steps=4, wg_split="m",
                                   grid_tile_width=4),
                              dict(tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=4, wg_split="m")],
