@@ -268,11 +268,13 @@ def main_cases(rec: Recorder, quick: bool) -> None:
 
 QDORA_CASES = [(4096, 4096, 4096, 16), (8192, 4096, 4096, 16), (4096, 4096, 11008, 64), (8192, 4096, 11008, 64)]
 # name -> (weight format, implementation): bf16 DoRA is the yardstick (issue targets: int8 <= 1.25x, NF4 <= 1.5x its
-# forward and forward+backward); "pallas:int8" is the default ("sm90_dequant" on Hopper), "pallas:int8_gemm" the
-# Triton GEMMs it replaced, "xla:<fmt>" dequantises W in full then XLA's GEMMs.
+# forward and forward+backward); "pallas:int8" is the default ("sm90_dequant" on Hopper), "pallas:nf4" too ("merged":
+# a transient merged weight, then cuBLAS), "pallas:<fmt>_gemm" the Triton GEMMs that dequantise in-kernel (never a
+# full-precision W), "xla:<fmt>" dequantises W in full then XLA's GEMMs.
 QDORA_IMPLS = {"pallas:bf16": (None, "pallas"), "pallas:int8": ("int8", "pallas"),
                "pallas:int8_sm90_dequant": ("int8", "pallas:sm90_dequant"), "pallas:int8_gemm": ("int8", "pallas:gemm"),
-               "pallas:nf4": ("nf4", "pallas"), "xla:int8": ("int8", "xla"), "xla:nf4": ("nf4", "xla")}
+               "pallas:nf4": ("nf4", "pallas"), "pallas:nf4_gemm": ("nf4", "pallas:gemm"), "xla:int8": ("int8", "xla"),
+               "xla:nf4": ("nf4", "xla")}
 
 
 def _lora(x, w, a, b, scale=2.0):

@@ -23,24 +23,29 @@ VARIANTS = {
         "(dx = (dy g) W^T + ((dy g)(s B)^T) A^T): W is never merged (Hopper, dense 16-bit W, tile-multiple shapes)",
         needs=(9, 0), mosaic=True),
     "pallas:merged": _backend.Variant(
-        "one Pallas pass forms (W + s A B) g, then one cuBLAS GEMM; dense or Int8Kernel weights (QDoRA at cuBLAS "
-        "speed: the merged weight is then a transient full-precision array)"),
+        "one Pallas pass forms (W + s A B) g, then one cuBLAS GEMM; any weight (QDoRA at cuBLAS speed: the merged "
+        "weight of an Int8Kernel / NF4Kernel is a transient full-precision array, formed again in the backward)"),
     "pallas:epilogue": _backend.Variant("cuBLAS x W, then one Pallas pass (x W + s (x A) B) g + bias; dense W"),
     "pallas:sm90_dequant": _backend.Variant(
         "Int8Kernel on Hopper: the column norm from the codes in-kernel, then one Mosaic GPU GEMM (x W + s (x A) B) g "
         "+ bias with W's int8 tiles dequantised in registers and the low-rank term in the same accumulator; the "
         "dx GEMM the same way over W^T (tile-multiple shapes; W never formed in full)", needs=(9, 0), mosaic=True),
     "pallas:gemm": _backend.Variant("Pallas GEMMs both ways (the fused-epilogue forward, the dx GEMM) with W "
-                                    "dequantised in-kernel: the variant for Int8Kernel / NF4Kernel weights"),
+                                    "dequantised in-kernel: Int8Kernel / NF4Kernel weights never formed in full "
+                                    "precision, at the cost of speed"),
 }
 
 
 def choose_variant(kind: str, tokens: int, fin: int, fout: int, dtype, interpret: bool, rank: int = 16) -> str:
     """The variant plain "pallas" runs: a pure function of the shapes, the dtype and the device kind.
 
-    Int8Kernel weights take "sm90_dequant" where it runs (one Hopper GPU or Mosaic GPU's interpreter, 16-bit,
-    tile-multiple shapes; `rank` the adapters' rank), other quantised weights "gemm" (cuBLAS would need W
-    dequantised in full). Every dense variant reads W once for
+    Int8Kernel weights take "sm90_dequant" where it runs (one Hopper GPU, 16-bit, tile-multiple shapes; `rank` the
+    adapters' rank): W is never formed in full precision. Other quantised weights take "merged" on a GPU: a transient
+    merged weight per layer and cuBLAS, as a dequantise-then-GEMM baseline holds one. For NF4 at 4096 tokens,
+    4096 -> 4096 r16 on an H200, "merged" took 1.19x bf16 DoRA's forward and "gemm", which dequantises inside
+    Triton GEMMs (a codebook lookup per weight and GEMM tile), 4.9x. Interpreted, they take "gemm", whose kernels
+    are the quantised paths' own (Mosaic GPU's interpreter runs "sm90_dequant" by name). Every dense variant reads
+    W once for
     the column norm; beyond that and the base GEMM, "sm90" reads x once more (x A: 2 M K bytes), "merged" reads W
     and writes (W + s A B) g (4 K N bytes), "epilogue" reads x for x A and reads + writes x W (2 M K + 4 M N). So
     "sm90" runs wherever it can (one Hopper GPU, 16-bit, tile-multiple shapes; its Mosaic GPU GEMM ties cuBLAS) up to
@@ -49,8 +54,9 @@ def choose_variant(kind: str, tokens: int, fin: int, fout: int, dtype, interpret
     benchmarks/bench_dora.py measures every variant.
     """
     if kind != "dense":
-        ok = not interpret and _sm90_dequant_ok(kind, tokens, fin, fout, pow2(rank), dtype, interpret)
-        return "sm90_dequant" if ok else "gemm"
+        if interpret:
+            return "gemm"
+        return "sm90_dequant" if _sm90_dequant_ok(kind, tokens, fin, fout, pow2(rank), dtype, interpret) else "merged"
     if not interpret and _sm90_tuned(kind, tokens, fin, fout, dtype, pow2(rank)):
         return "sm90"
     merged_bytes, epilogue_bytes = 4 * fin * fout, 2 * tokens * fin + 4 * tokens * fout
@@ -139,6 +145,12 @@ def _column_norm_scale(ops, kind, ap, bp, scale, m, interpret, config):
     return n, m.astype(jnp.float32) / n
 
 
+def _keeps_merged(config, kind) -> bool:
+    """Whether "merged" keeps its merged weight for the backward: `config.save_merged`, where None means for a dense W
+    only (a quantised W exists to save the memory that a kept full-precision copy per layer would take)."""
+    return kind == "dense" if config.save_merged is None else config.save_merged
+
+
 def _dense_w(kind, ops, dtype):
     """Full-precision W for the cuBLAS GEMMs (dense kernels only)."""
     if kind != "dense":
@@ -147,16 +159,9 @@ def _dense_w(kind, ops, dtype):
     return ops[0].astype(dtype)
 
 
-def _check_mergeable(kind):
-    if kind not in ("dense", "int8"):
-        raise ValueError("dora_dense: implementation='pallas:merged' takes a dense kernel or an Int8Kernel; use "
-                         "'pallas' for an NF4Kernel")
-
-
 def _merged_weight(kind, ops, ap, bp, g, scale, interpret, config):
-    """(W + s A B) * g in the compute dtype (K, N): one Pallas pass over W. Dense or int8 W (QDoRA with
-    "pallas:merged": a transient full-precision weight)."""
-    _check_mergeable(kind)
+    """(W + s A B) * g in the compute dtype (K, N): one Pallas pass over W (QDoRA: a transient full-precision
+    weight)."""
 
     def launch(*a):  # sharded: both weight axes split, the rank gathered
         ap_, bp_, g_, scale_ = a[-4:]
@@ -170,7 +175,6 @@ def _norm_and_merged_weight(kind, ops, ap, bp, scale, m, interpret, config):
     """(n, g, (W + s A B) * g, B g s or None). On one device two launches and no XLA op between them: the column
     norm's partial sums over row ranges, then the merge launch, which finishes g (and B g s) from them; sharded,
     the norm + psum, then the merge."""
-    _check_mergeable(kind)
     if jax.device_count() == 1:
         parts = kernel_norm.column_partials(ops, kind, ap, bp, scale, interpret=interpret, config=config.norm,
                                             rows=config.merge.norm_rows)
@@ -239,7 +243,7 @@ def _forward(statics, x, ops, a, b, m, bias, scale):
         # y = x ((W + s A B) g) + bias: one cuBLAS GEMM on the merged weight (x A is left to the backward). The
         # merged weight is kept for the backward's dx = dy wm^T (one bf16 copy of W per layer in memory).
         n, g, wm, bg = _norm_and_merged_weight(kind, ops, ap, bp, scale, m, interpret, config)
-        saved = (wm, bg) if config.save_merged else (None, bg)
+        saved = (wm, bg) if _keeps_merged(config, kind) else (None, bg)
         # The bias is added in the compute dtype: cuBLAS adds it in its epilogue where XLA fuses it (a float32
         # product would be written and read back in full otherwise, 2 x 4 bytes per output).
         y = jnp.dot(x, wm) if bias is None else jnp.dot(x, wm) + bias
@@ -346,7 +350,7 @@ def _dora_2d_bwd(statics, res, dy):
             dx = kernel_sm90.scaled_matmul(dyg, ops[0], lowrank=(us, ap), b_layout="nk", interpret=interpret)
         elif wm is not None:  # "merged" kept it
             dx = jnp.dot(dy, wm.T)
-        elif kind == "int8" or dy.shape[0] * (fout_ + 3.5 * fin_) >= fin_ * fout_:
+        elif kind != "dense" or dy.shape[0] * (fout_ + 3.5 * fin_) >= fin_ * fout_:
             dx = jnp.dot(dy, _merged_weight(kind, ops, ap, bp, g, scale, interpret, config).T)
         else:
             w = _dense_w(kind, ops, dt)
@@ -425,13 +429,16 @@ def dora_dense(x, kernel, lora_a, lora_b, magnitude, bias=None, *, scale, exact_
       implementation: None (Pallas on a GPU, XLA elsewhere), "xla", "pallas", "interpret", or one variant of the
         Pallas path, "pallas:<variant>" ("interpret:<variant>" runs it in the Pallas interpreter; see `VARIANTS`).
         Plain "pallas" takes `choose_variant`'s pick: "sm90" where that runs, else "merged" or "epilogue" for dense
-        weights, whichever makes the smaller extra pass over memory at this shape, and "gemm" for quantised ones.
-        "pallas:gemm": Pallas GEMMs both ways (the fused-epilogue forward, the dx GEMM; W dequantised in-kernel).
+        weights, whichever makes the smaller extra pass over memory at this shape; for quantised ones
+        "sm90_dequant" where that runs, else "merged" ("gemm" interpreted).
+        "pallas:gemm": Pallas GEMMs both ways (the fused-epilogue forward, the dx GEMM; W dequantised in-kernel, never
+        formed in full precision: the least memory for an Int8Kernel / NF4Kernel off Hopper, and the slowest).
         "pallas:epilogue": cuBLAS x W, then one Pallas pass (x W + s (x A) B) * g + bias (dense W).
         "pallas:merged": one Pallas pass forms (W + s A B) * g, then one cuBLAS GEMM (x A waits for the backward).
-        The merged weight is kept for the backward's dx (one copy of W per layer in the compute dtype, held from the
-        forward to the backward; `save_merged=False` forms it again in the backward instead). Also takes an
-        Int8Kernel (QDoRA at cuBLAS speed; the merged weight is then a transient full-precision array).
+        For a dense W the merged weight is kept for the backward's dx (one copy of W per layer in the compute dtype,
+        held from the forward to the backward; `save_merged=False` forms it again in the backward instead). Also
+        takes an Int8Kernel / NF4Kernel (QDoRA at cuBLAS speed): the merged weight is then a transient
+        full-precision array, formed again in the backward.
         "pallas:sm90" (Hopper, dense 16-bit W, tile-multiple shapes; "interpret:sm90" on jax >= 0.12): the column
         norm's read-only pass over W, then one Mosaic GPU GEMM (x W + (x A)(s B)) g + bias (the low-rank product in
         its accumulator, g and the bias in its epilogue); the backward's dx = (dy g) W^T + ((dy g)(s B)^T) A^T is one
@@ -440,11 +447,12 @@ def dora_dense(x, kernel, lora_a, lora_b, magnitude, bias=None, *, scale, exact_
         column norm read from the int8 codes in-kernel, then one Mosaic GPU GEMM (x q + (x A)(s B / wscale)) g wscale
         + bias with q's int8 tiles converted in registers and the low-rank term in the same fp32 accumulator; the
         backward's dx = (dy g wscale) q^T + ((dy g)(s B)^T) A^T likewise. W is never formed in full precision.
-        "merged" and "epilogue" run dx on cuBLAS (with many tokens, or int8 weights, one GEMM on the merged weight).
-      save_merged: "merged" only: keep the merged weight from the forward for the backward's dx (default
-        True: one copy of W per layer in the compute dtype held until the backward, e.g. ~12.5 GB over a Llama-7B's
-        32 blocks in bf16), or form it again in the backward (False: one more pass over W, ~0.016 ms per
-        4096 x 4096 layer on an H200). None: `config.save_merged` (True by default).
+        "merged" and "epilogue" run dx on cuBLAS (with many tokens, or quantised weights, one GEMM on the merged
+        weight).
+      save_merged: "merged" only: keep the merged weight from the forward for the backward's dx (True: one copy of W
+        per layer in the compute dtype held until the backward, e.g. ~12.5 GB over a Llama-7B's 32 blocks in bf16),
+        or form it again in the backward (False: one more pass over W, ~0.016 ms per 4096 x 4096 layer on an H200).
+        None: `config.save_merged`, whose default None keeps it for a dense W and forms it again for a quantised one.
       config: tile sizes of the Pallas kernels (advanced).
 
     Gradients flow to x, lora_a, lora_b, magnitude and bias; W (and `scale`) get zero cotangents.
@@ -472,7 +480,7 @@ def dora_dense(x, kernel, lora_a, lora_b, magnitude, bias=None, *, scale, exact_
     interpret = base == "interpret"
     mode = variant or choose_variant(kind, x2.shape[0], fin, fout, dt, interpret, rank)
     config = config or DEFAULT
-    if save_merged is not None and bool(save_merged) != config.save_merged:
+    if save_merged is not None and save_merged != config.save_merged:
         config = dataclasses.replace(config, save_merged=bool(save_merged))
     statics = (kind, mode, interpret, config, bool(exact_norm_grad), rank, fin)
     y = _dora_2d(statics, x2, ops, a, b, magnitude, bias_c, jnp.asarray(scale, jnp.float32))

@@ -25,8 +25,9 @@ class Config:
     columns: ColumnsConfig = ColumnsConfig()  # the backward column reductions (kernel_columns)
     # "merged": keep the merged weight from the forward for the backward's dx: one copy of W per layer in
     # the compute dtype held until the backward (Llama-7B: ~12.5 GB over 32 blocks in bf16). False: the backward
-    # forms it again (one more pass over W: read W, write the copy).
-    save_merged: bool = True
+    # forms it again (one more pass over W: read W, write the copy). None: keep it for a dense W only (a quantised
+    # W exists to save that memory).
+    save_merged: bool | None = None
 
 
 DEFAULT = Config()

@@ -97,7 +97,8 @@ class DoRADense(_AdapterDense):
     quantize: str | None = None
     exact_norm_grad: bool = False
     implementation: str | None = None  # as dora_dense: None, "pallas", "pallas:<variant>", "xla", "interpret"
-    save_merged: bool = True  # see dora_dense: keep the merged weight for the backward (memory) or form it again
+    # see dora_dense: keep the merged weight for the backward (memory) or form it again; None: for a dense W only
+    save_merged: bool | None = None
 
     @nn.compact
     def __call__(self, inputs: jax.Array, deterministic: bool | None = None) -> jax.Array:
@@ -218,7 +219,7 @@ class DoRALinear(nnx.Linear):
     def __init__(self, in_features: int, out_features: int, *, rank: int, alpha: float | None = None,
                  use_rslora: bool = False, dropout: float = 0.0, a_initializer=_HE_UNIFORM,
                  b_initializer=_ZEROS, exact_norm_grad: bool = False,
-                 implementation: str | None = None, save_merged: bool = True, rngs: nnx.Rngs,
+                 implementation: str | None = None, save_merged: bool | None = None, rngs: nnx.Rngs,
                  **kwargs):
         super().__init__(in_features, out_features, rngs=rngs, **kwargs)
         if rank < 1 or rank > min(in_features, out_features):

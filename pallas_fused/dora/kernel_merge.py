@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -11,7 +12,18 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_fused import _backend
-from pallas_fused.dora.kernel_util import cdiv, in_bounds, load, mask, num_weight_refs, pow2, store, tile
+from pallas_fused.dora.kernel_util import (
+    NF4_TILE,
+    cdiv,
+    in_bounds,
+    load,
+    mask,
+    nf4_values,
+    num_weight_refs,
+    pow2,
+    store,
+    tile,
+)
 from pallas_fused.dora.reference import floored_norm
 
 
@@ -46,8 +58,8 @@ def _merge_kernel(*refs, kind, K, N, R, bk, bn, steps, nsplit, from_partials, re
         part_ref, m_ref, vg_ref, n_ref, g_ref, bg_ref = refs[nw + 3:]
     else:
         gin_ref, vg_ref = refs[nw + 3:]
-    rows = bk * steps  # rows per program, in `steps` tiles of bk
-    nkb, nnb = cdiv(K, rows), cdiv(N, bn)
+    rows = bk * steps  # rows per program (of W; of the packed codes for NF4), in `steps` tiles of bk
+    nkb, nnb = cdiv(w_refs[0].shape[0], rows), cdiv(N, bn)
     pid = pl.program_id(0)
     if reverse:  # the norm launch read W top to bottom: start where it ended (those tiles are likeliest in L2)
         pid = nkb * nnb - 1 - pid
@@ -69,8 +81,37 @@ def _merge_kernel(*refs, kind, K, N, R, bk, bn, steps, nsplit, from_partials, re
     if from_partials:
         bg = (b.astype(jnp.float32) * (g * s_ref[0])[None, :]).astype(bg_ref.dtype)
         _backend.store(bg_ref.at[:, pl.ds(n0, bn)], bg, mask=jnp.broadcast_to(first[None, :], (R, bn)))
-    wscale = load(w_refs[1].at[pl.ds(n0, bn)], cmask, 1.0)[None, :] if kind == "int8" else None
     k_start = kb * rows
+    # W's rows past K: only in the last program (dense / int8), or in the packed array's padding (NF4)
+    aligned = K == 2 * w_refs[0].shape[0] if kind == "nf4" else K % rows == 0
+
+    def merged(k0, w):
+        """Stores rows [k0, k0 + bk) of (W + s A B) g, w being those rows of W in float32."""
+        rmask = in_bounds(k0, bk, K, aligned)
+        a = load(a_ref.at[pl.ds(k0, bk), :], mask(rmask, None, (bk, R)))
+        v = (w + s_ref[0] * _backend.dot(a, b)) * g[None, :]
+        store(vg_ref.at[pl.ds(k0, bk), pl.ds(n0, bn)], v.astype(vg_ref.dtype), mask(rmask, cmask, (bk, bn)))
+
+    if kind == "nf4":
+        # Packed row k holds W's rows k and k + kloop (kloop = in_padded / 2; quant.py), and a tile of bk = 64
+        # packed rows is one absmax block in each half: every program's rows lie inside the packed array
+        # (`merge_weight` makes them divide it), so only W's rows past K are masked, in `merged`.
+        packed_ref, absmax_ref = w_refs
+        kloop = packed_ref.shape[0]
+
+        def nf4_step(i, carry):
+            k0 = pl.multiple_of(k_start + i * bk, bk)
+            p = load(packed_ref.at[pl.ds(k0, bk), pl.ds(n0, bn)], mask(None, cmask, (bk, bn))).astype(jnp.int32)
+            blk = k0 // NF4_TILE
+            am_hi = load(absmax_ref.at[pl.ds(blk, 1), pl.ds(n0, bn)], mask(None, cmask, (1, bn)))
+            am_lo = load(absmax_ref.at[pl.ds(blk + kloop // NF4_TILE, 1), pl.ds(n0, bn)], mask(None, cmask, (1, bn)))
+            merged(k0, nf4_values(p >> 4) * am_hi)
+            merged(kloop + k0, nf4_values(p & 15) * am_lo)
+            return carry
+
+        lax.fori_loop(0, steps, nf4_step, 0)
+        return
+    wscale = load(w_refs[1].at[pl.ds(n0, bn)], cmask, 1.0)[None, :] if kind == "int8" else None
 
     def w_tile(i):  # masked past K and past this program's rows (the last step's prefetch fetches nothing)
         k0 = k_start + i * bk
@@ -80,19 +121,10 @@ def _merge_kernel(*refs, kind, K, N, R, bk, bn, steps, nsplit, from_partials, re
             ok = jnp.logical_and(k0 + jnp.arange(bk) < K, i < steps)
         return load(w_refs[0].at[pl.ds(k0, bk), pl.ds(n0, bn)], mask(ok, cmask, (bk, bn)))
 
-    def step_tile(i, w):
-        k0 = pl.multiple_of(k_start + i * bk, bk)
-        rmask = in_bounds(k0, bk, K, K % rows == 0)
-        w = w.astype(jnp.float32)
-        if kind == "int8":
-            w = w * wscale
-        a = load(a_ref.at[pl.ds(k0, bk), :], mask(rmask, None, (bk, R)))
-        v = (w + s_ref[0] * _backend.dot(a, b)) * g[None, :]
-        store(vg_ref.at[pl.ds(k0, bk), pl.ds(n0, bn)], v.astype(vg_ref.dtype), mask(rmask, cmask, (bk, bn)))
-
     def body(i, w):  # W is no MMA operand: its next tile is loaded by hand one step ahead
         w_next = w_tile(i + 1) if steps > 1 else w
-        step_tile(i, w)
+        w = w.astype(jnp.float32)
+        merged(pl.multiple_of(k_start + i * bk, bk), w * wscale if kind == "int8" else w)
         return w_next
 
     lax.fori_loop(0, steps, body, w_tile(0))
@@ -100,19 +132,22 @@ def _merge_kernel(*refs, kind, K, N, R, bk, bn, steps, nsplit, from_partials, re
 
 def merge_weight(weight, kind: str, lora_a, lora_b, scale, *, g=None, partials=None, magnitude=None,
                  interpret: bool, config: MergeConfig = DEFAULT):
-    """The merged weight (W + s A B) * g in A's dtype (K, N), for a dense or int8 W; A (K, R), B (R, N) rank-padded.
+    """The merged weight (W + s A B) * g in A's dtype (K, N), for any weight kind; A (K, R), B (R, N) rank-padded.
 
     Either `g` (float32 (N,)) is given, or the column norm's `partials` ((nsplit, N) sums of squares, from
     `column_partials`) and `magnitude`: then g = m / sqrt(sum partials) is formed in this launch (no XLA op
     between the two launches) and (wm, n, g, B g s) is returned (B g s in B's dtype: the backward's
     us = dy (B g s)^T takes it as is).
     """
-    if kind not in ("dense", "int8"):
-        raise ValueError(f"merge_weight: dense or int8 weights only, got {kind!r}")
     K, R = lora_a.shape
     N = lora_b.shape[1]
-    bk, bn = tile(K, config.bk), tile(N, config.bn)
-    steps = max(1, min(config.rows, pow2(K, bk)) // bk)
+    bn = tile(N, config.bn)
+    if kind == "nf4":  # steps of one absmax block (64 packed rows), as many as divide the packed rows
+        bk, kloop = NF4_TILE, weight[0].shape[0]
+        steps = math.gcd(kloop // bk, max(1, config.rows // bk))
+    else:
+        bk, kloop = tile(K, config.bk), K
+        steps = max(1, min(config.rows, pow2(K, bk)) // bk)
     from_partials = partials is not None
     if from_partials:
         # The kernel loads all partial rows as one block, whose height Triton wants a power of two: zero rows
@@ -124,7 +159,7 @@ def merge_weight(weight, kind: str, lora_a, lora_b, scale, *, g=None, partials=N
                                from_partials=from_partials, reverse=config.reverse)
     wm = jax.ShapeDtypeStruct((K, N), lora_a.dtype)
     col = jax.ShapeDtypeStruct((N,), jnp.float32)
-    nkb = cdiv(K, bk * steps)
+    nkb = cdiv(kloop, bk * steps)
     args = (*weight, lora_a, lora_b, jnp.reshape(jnp.asarray(scale, jnp.float32), (1,)))
     if from_partials:
         args += (partials, magnitude)

@@ -304,11 +304,34 @@ def test_few_tokens_no_bias(kernel_impl, variant):
         assert_close(o, e, baseline=bb, dtype=jnp.bfloat16, what=name)
 
 
-def test_qdora_int8_merged(kernel_impl):
-    """int8 W with "pallas:merged": the merged weight is formed from the codes and scales (fwd and dx)."""
+@pytest.mark.parametrize("kind", ["int8", "nf4"])
+def test_qdora_merged(kernel_impl, kind):
+    """Quantised W with "pallas:merged": the merged weight is formed from the codes and scales (fwd and dx), and by
+    default not kept for the backward (only the quantised operands are its residuals). int8: 2 tiles a program;
+    NF4 (150 inputs: 256 padded rows, 128 packed): 2 programs of one absmax block along the packed rows, each
+    writing rows of both halves, those past 150 masked."""
     x, w, a, b, m, bias, dy = make(55, (27,), 150, 36, 6, jnp.bfloat16, w_dtype=jnp.float32)
-    check_against_reference(quantize_int8(w), x, a, b, m, bias, dy, scale=0.5, impl=f"{kernel_impl}:merged",
-                            what="int8 merged", config=Config(merge=MergeConfig(bk=64, rows=128)))  # 2 tiles a program
+    qw, merge = (quantize_int8(w), MergeConfig(bk=64, rows=128)) if kind == "int8" else (quantize_nf4(w),
+                                                                                           MergeConfig(rows=64))
+    check_against_reference(qw, x, a, b, m, bias, dy, scale=0.5, impl=f"{kernel_impl}:merged",
+                            what=f"{kind} merged", config=Config(merge=merge))
+    _, pull = jax.vjp(lambda x: dora_dense(x, qw, a, b, m, bias, scale=0.5, implementation=f"{kernel_impl}:merged"),
+                      x)
+    kept = [leaf for leaf in jax.tree.leaves(pull) if getattr(leaf, "shape", None) == (150, 36)
+            and jnp.issubdtype(leaf.dtype, jnp.floating)]
+    assert not kept, [k.dtype for k in kept]
+
+
+def test_choose_variant_quantized():
+    """Plain "pallas" with a quantised W on Hopper: int8 runs "sm90_dequant" at tile-multiple shapes, "merged" (a
+    transient merged weight and cuBLAS) elsewhere and for NF4; interpreted, "gemm"."""
+    from pallas_fused.dora.api import choose_variant
+
+    with _backend.gpu_target((9, 0)):
+        assert choose_variant("int8", 4096, 4096, 4096, jnp.bfloat16, False, 16) == "sm90_dequant"
+        assert choose_variant("int8", 4000, 4096, 4096, jnp.bfloat16, False, 16) == "merged"
+        assert choose_variant("nf4", 4096, 4096, 4096, jnp.bfloat16, False, 16) == "merged"
+        assert choose_variant("nf4", 4096, 4096, 4096, jnp.bfloat16, True, 16) == "gemm"
 
 
 @pytest.mark.parametrize("kind, dtype, exact", [("int8", jnp.bfloat16, False), ("nf4", jnp.bfloat16, False),
@@ -613,9 +636,6 @@ def test_bad_module_args():
     with pytest.raises(ValueError, match="'pallas:epilogue' takes a dense kernel only"):
         dora_dense(x, quantize_int8(jnp.ones((6, 4))), jnp.ones((6, 2)), jnp.ones((2, 4)), jnp.ones((4,)), scale=1.0,
                    implementation="interpret:epilogue")
-    with pytest.raises(ValueError, match="'pallas:merged' takes a dense kernel or an Int8Kernel"):
-        dora_dense(x, quantize_nf4(jnp.ones((6, 4))), jnp.ones((6, 2)), jnp.ones((2, 4)), jnp.ones((4,)), scale=1.0,
-                   implementation="interpret:merged")
 
 
 # ---------------------------------------------------------------------------------------------------- GPU
@@ -694,11 +714,12 @@ def test_gpu_sm90_scaled_matmul(dtype, with_bias, config):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["pallas", "pallas:gemm"])  # 300 tokens: plain "pallas" takes "merged"
 @pytest.mark.parametrize("kind", ["int8", "nf4"])
-def test_gpu_qdora(kind):
+def test_gpu_qdora(kind, impl):
     x, w, a, b, m, bias, dy = make(210, (300,), 4096, 1024, 16, jnp.bfloat16, w_dtype=jnp.float32)
     qw = quantize_int8(w) if kind == "int8" else quantize_nf4(w)
-    check_against_reference(qw, x, a, b, m, bias, dy, scale=0.5, impl="pallas", what=f"gpu {kind}")
+    check_against_reference(qw, x, a, b, m, bias, dy, scale=0.5, impl=impl, what=f"gpu {kind} {impl}")
 
 
 @pytest.mark.gpu
