@@ -73,10 +73,6 @@ class TileConfig:
     grid_minor_dim: str = "n"
     grid_tile_width: int = 8
     epi_tile: int = 64
-    # SMEM staging tiles per warpgroup for the epilogue's (epi_tile x epi_tile) TMA stores: a piece waits until the
-    # store issued `epi_slots` pieces earlier has read its tile. With (tile_m / epi_tile) (tile_n / epi_tile) of
-    # them the epilogue never waits within a tile, at the cost of shared memory the ring could use.
-    epi_slots: int = 2
     # Used only with `promote`: release a K step's SMEM stage as soon as its wgmma is done, before the promotion
     # (the memory warpgroup refills it meanwhile), instead of after the step's body.
     early_release: bool = False
@@ -188,7 +184,7 @@ def _kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: in
     @functools.partial(
         pl.run_scoped,
         pipeline_allocs=get_pipeline(ignore, ignore).get_allocations(a_gmem, b_gmem, *step_gmems),
-        out_smem=plgpu.SMEM((COMPUTE_WGS, config.epi_slots, epi, epi), out_dtype, transforms=out_transforms),
+        out_smem=plgpu.SMEM((2, 2, epi, epi), out_dtype, transforms=out_transforms),
         vec_smem=vec_smem,
         # One per warpgroup and vector, then (with the low-rank step) one per warpgroup for its own low-rank slice
         # and one for the shared slice.
@@ -234,7 +230,7 @@ def _kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: in
                 slot = 0
                 for ei in range(tile_m // epi):
                     for ej in range(tile_n // epi):
-                        plgpu.wait_smem_to_gmem(config.epi_slots - 1, wait_read_only=True)
+                        plgpu.wait_smem_to_gmem(1, wait_read_only=True)
                         piece = out[ei * epi:(ei + 1) * epi, ej * epi:(ej + 1) * epi]
                         rows, cols = pl.ds(ei * epi, epi), pl.ds(ej * epi, epi)
                         if transpose_out:  # stored transposed into SMEM (stmatrix.trans), then as any tile
@@ -246,7 +242,7 @@ def _kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: in
                             dst = out_gmem.at[cta_m_slice, cta_n_slice].at[wg_m, wg_n].at[rows, cols]
                         plgpu.commit_smem()
                         plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], dst)
-                        slot = (slot + 1) % config.epi_slots
+                        slot = 1 - slot
 
             def compute_context(eval_pipeline):
                 # Fetch this warpgroup's vector slices while the main loop runs.
@@ -345,7 +341,7 @@ def smem_bytes(config: TileConfig, a_itemsize: int, b_itemsize: int, out_itemsiz
     them written by the other CTA's multicast."""
     cta_m, cta_n = config.cta_tile
     ring = config.max_concurrent_steps * config.tile_k * (cta_m * a_itemsize + cta_n * b_itemsize)
-    out = COMPUTE_WGS * config.epi_slots * config.epi_tile * config.epi_tile * out_itemsize
+    out = 2 * 2 * config.epi_tile * config.epi_tile * out_itemsize
     # the low-rank slices: each warpgroup's own, and the one both read once (see `_kernel`)
     return ring + out + rank * (cta_m + cta_n) * lowrank_itemsize
 

@@ -108,8 +108,7 @@ def blockwise_config(config: TileConfig, out_dtype) -> TileConfig:
     staging, each stage holding the step's fp8 tiles and its two scale rows."""
     cta_m, cta_n = config.cta_tile
     stage = (cta_m + cta_n) * BLOCK_K + 4 * (cta_m + cta_n)  # fp8 tiles of a and b, fp32 scale rows
-    fixed = _sm90.smem_bytes(dataclasses.replace(config, max_concurrent_steps=0), 1, 1, jnp.dtype(out_dtype).itemsize)
-    fixed += 1024  # the out staging, then barriers
+    fixed = 4 * config.epi_tile ** 2 * jnp.dtype(out_dtype).itemsize + 1024  # out staging, barriers
     stages = max(2, min(config.max_concurrent_steps, (_sm90.SMEM_LIMIT - fixed) // stage))
     return dataclasses.replace(config, tile_k=BLOCK_K, max_concurrent_steps=stages)
 

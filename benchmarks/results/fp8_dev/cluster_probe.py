@@ -68,9 +68,8 @@ def neighbours(config):
     return out + [dataclasses.replace(config, wg_split="m" if config.wg_split == "n" else "n")]
 
 
-def probe_shape(record, m, k, n, gran, quick, start, budget, share, candidates=variants):
-    """Every line of one shape; the neighbours phase stops `share` seconds after the probe's start. candidates(tuned
-    tile): the configs timed first (the cluster variants)."""
+def probe_shape(record, m, k, n, gran, quick, start, budget, share):
+    """Every line of one shape; the neighbours phase stops `share` seconds after the probe's start."""
     case, flops = f"{m}x{k}x{n} {gran}", 2 * m * n * k
     count = _sets(m, k, n)
     # ~10 ms of GPU work per timed batch (at ~1300 TFLOP/s), as bench_fp8 times these GEMMs
@@ -132,7 +131,7 @@ def probe_shape(record, m, k, n, gran, quick, start, budget, share, candidates=v
         fn = functools.partial(kernel_sm90.scaled_matmul_nt, out_dtype=jnp.bfloat16, config=config)
         return timed(label(config, tuned), fn, vec_sets, config=dataclasses.asdict(config))
 
-    results = {c: kernel(c) for c in candidates(tuned)}
+    results = {c: kernel(c) for c in variants(tuned)}
     if not quick:
         best = sorted((ms, i, c) for i, (c, ms) in enumerate(results.items()) if ms is not None)[:2]
         for _, _, base in best:
