@@ -3,7 +3,9 @@
 out = epilogue(a @ b, row vectors, column vectors), cast to out_dtype. a is (M, K) K-major; b is (K, N) ("kn",
 16-bit only) or (N, K) ("nk": K-major, the only layout wgmma reads for 8-bit operands). The epilogue gets the fp32
 accumulator tile of one warpgroup and the slices of the row vectors ((M,) each) and column vectors ((N,) each)
-that cover it, as float32 in the WGMMA row / column layouts, and returns the fp32 tile to store.
+that cover it, as float32 in the WGMMA row / column layouts, and returns the fp32 tile to store. A vector of shape
+(1,) holds one value for every row (column), as a tensorwise scale does: the kernel reads it once, and the epilogue
+gets it as an fp32 scalar (no vector is materialised or copied per tile).
 
 Per-K-step promotion (optional: `promote` with step row vectors ((K / tile_k, M) each) and step column vectors
 ((K / tile_k, N) each)): each K step's wgmma product goes into a zeroed step accumulator instead, and
@@ -120,7 +122,9 @@ def _kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: in
     if lowrank:
         *vec_gmems, la_gmem, lb_gmem = vec_gmems
     vec_gmems, step_gmems = vec_gmems[:n_vecs], vec_gmems[n_vecs:]
-    row_gmems, col_gmems = vec_gmems[:n_rows], vec_gmems[n_rows:]
+    # A (1,) vector is one value for every row (column): read once per kernel as a scalar, no per-tile copy. The
+    # others are sliced per tile into SMEM, each under its own barrier per warpgroup.
+    sliced = [i for i, v in enumerate(vec_gmems) if v.shape != (1,)]
     m, k = a_gmem.shape
     n = out_gmem.shape[0 if transpose_out else 1]
     out_dtype = out_gmem.dtype
@@ -165,10 +169,9 @@ def _kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: in
         )
 
     ignore = lambda *_, **__: None  # noqa: E731 - the bodies do not change the allocations
-    vec_smem = tuple(plgpu.SMEM((2, tile_m), v.dtype) for v in row_gmems)
-    vec_smem += tuple(plgpu.SMEM((2, tile_n), v.dtype) for v in col_gmems)
+    vec_smem = tuple(plgpu.SMEM((2, tile_m if i < n_rows else tile_n), vec_gmems[i].dtype) for i in sliced)
     lr_smem = None
-    n_barriers = 2 * len(vec_gmems) + (3 if lowrank else 0)
+    n_barriers = 2 * len(sliced) + (3 if lowrank else 0)
     if lowrank:
         # wgmma takes one swizzle for both operands and K steps of swizzle / itemsize: both slices are swizzled
         # by the rank's row width (R = 16 at 16 bits: 32 bytes, one K step of the instruction). The slice both
@@ -186,8 +189,8 @@ def _kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: in
         pipeline_allocs=get_pipeline(ignore, ignore).get_allocations(a_gmem, b_gmem, *step_gmems),
         out_smem=plgpu.SMEM((2, 2, epi, epi), out_dtype, transforms=out_transforms),
         vec_smem=vec_smem,
-        # One per warpgroup and vector, then (with the low-rank step) one per warpgroup for its own low-rank slice
-        # and one for the shared slice.
+        # One per warpgroup and sliced vector, then (with the low-rank step) one per warpgroup for its own low-rank
+        # slice and one for the shared slice.
         vec_barrier=plgpu.Barrier(num_barriers=n_barriers) if n_barriers else None,
         lr_smem=lr_smem,
         # Both warpgroups arrive once they have read the shared low-rank slice, so warpgroup 0 overwrites it with
@@ -197,6 +200,7 @@ def _kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: in
     )
     def _scope(pipeline_allocs, out_smem, vec_smem, vec_barrier, lr_smem, shared_free):
         wg = lax.axis_index("wg")
+        scalars = {i: v[0].astype(jnp.float32) for i, v in enumerate(vec_gmems) if i not in sliced}
         if lowrank:
             @pl.when(wg < COMPUTE_WGS)  # not the pipeline's memory warpgroup (the last): the shared slot starts free
             def _():
@@ -221,8 +225,12 @@ def _kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: in
                 """epilogue() of the warpgroup's fp32 tile, stored through SMEM."""
                 vecs = []
                 for i in range(len(vec_gmems)):
-                    plgpu.barrier_wait(vec_barrier.at[2 * i + wg])
-                    vecs.append(_backend.mosaic_load(vec_smem[i].at[wg],
+                    if i in scalars:
+                        vecs.append(scalars[i])
+                        continue
+                    j = sliced.index(i)
+                    plgpu.barrier_wait(vec_barrier.at[2 * j + wg])
+                    vecs.append(_backend.mosaic_load(vec_smem[j].at[wg],
                                                      layout=plgpu.Layout.WGMMA.reduce(1 if i < n_rows else 0))
                                 .astype(jnp.float32))
                 out = epilogue(acc, vecs[:n_rows], vecs[n_rows:]).astype(out_dtype)
@@ -246,12 +254,12 @@ def _kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: in
 
             def compute_context(eval_pipeline):
                 # Fetch this warpgroup's vector slices while the main loop runs.
-                for i, v in enumerate(vec_gmems):
+                for j, i in enumerate(sliced):
                     window = pl.ds(row0, tile_m) if i < n_rows else pl.ds(col0, tile_n)
-                    plgpu.copy_gmem_to_smem(v.at[window], vec_smem[i].at[wg], vec_barrier.at[2 * i + wg])
+                    plgpu.copy_gmem_to_smem(vec_gmems[i].at[window], vec_smem[j].at[wg], vec_barrier.at[2 * j + wg])
                 if lowrank:  # the low-rank slices, also while the main loop runs
                     la_smem, lb_smem = lr_smem
-                    first = 2 * len(vec_gmems)
+                    first = 2 * len(sliced)
                     own_bar, shared_bar = vec_barrier.at[first + wg], vec_barrier.at[first + 2]  # both wait on it
                     la_bar, lb_bar = (own_bar, shared_bar) if split_m else (shared_bar, own_bar)
                     la_slot, lb_slot = la_smem.at[wg if split_m else 0], lb_smem.at[0 if split_m else wg]
@@ -359,6 +367,7 @@ def matmul(a, b, *, b_layout: str, row_vecs: Sequence[jax.Array] = (), col_vecs:
            uniform_steps: tuple[bool, bool] = (False, False), a_dequant: Dequant | None = None,
            lowrank: tuple[jax.Array, jax.Array] | None = None, transpose_out: bool = False, interpret: bool = False):
     """epilogue(a @ b, row_vecs, col_vecs) on Hopper; a (M, K), b (K, N) or (N, K) per `b_layout` ("kn" | "nk").
+    row_vecs are (M,) or (1,) (one value for every row: the epilogue gets an fp32 scalar), col_vecs (N,) or (1,).
 
     With `promote`, a @ b is replaced by the sum over K steps s of promote(a_s @ b_s, [v[s] for v in
     step_row_vecs], [v[s] for v in step_col_vecs]), each step's product and the sum in fp32 (module docstring);
@@ -394,6 +403,11 @@ def matmul(a, b, *, b_layout: str, row_vecs: Sequence[jax.Array] = (), col_vecs:
     if not supported(m, n, k, config):
         raise ValueError(f"{name}: shapes {a.shape} x {b.shape} ({b_layout}) must be multiples of the tile "
                          f"{config.cluster_tile + (config.tile_k,)}")
+    for kind, vecs, want in (("row_vecs", row_vecs, m), ("col_vecs", col_vecs, n)):
+        for v in vecs:
+            if v.shape not in ((want,), (1,)):
+                raise ValueError(f"{name}: each of {kind} must have shape ({'M' if want == m else 'N'},) = ({want},) "
+                                 f"or (1,), got {v.shape}")
     if (step_row_vecs or step_col_vecs) and promote is None:
         raise ValueError(f"{name}: step_row_vecs / step_col_vecs need a promote function")
     for kind, vecs, want in (("step_row_vecs", step_row_vecs, m), ("step_col_vecs", step_col_vecs, n)):

@@ -48,6 +48,27 @@ def test_nk_fp8_row_column_scales():
     np.testing.assert_allclose(to64(out), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
 
 
+@needs_interpret
+@pytest.mark.parametrize("scalar_rows, scalar_cols", [(True, False), (True, True)])
+def test_nk_fp8_scalar_scales(scalar_rows, scalar_cols):
+    """A (1,) row or column vector is one scale for every row (column): the epilogue gets it as a scalar."""
+    a = rand(4, (128, 256), scale=4.0).astype(jnp.float8_e4m3fn)
+    bt = rand(5, (256, 256), scale=4.0).astype(jnp.float8_e4m3fn)
+    sa = rand(6, (1,), offset=2.0) if scalar_rows else rand(6, (128,), offset=2.0)
+    sb = rand(7, (1,), offset=2.0) if scalar_cols else rand(7, (256,), offset=2.0)
+    out = _sm90.matmul(a, bt, b_layout="nk", row_vecs=(sa,), col_vecs=(sb,), epilogue=fp8_sm90._row_col_scales,
+                       out_dtype=jnp.float32, config=SMALL, name="test_nk_scalar", interpret=True)
+    ref = (to64(a) * to64(sa)[:, None]) @ (to64(bt) * to64(sb)[:, None]).T
+    np.testing.assert_allclose(to64(out), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+
+
+def test_vector_shapes_checked():
+    a = jnp.zeros((128, 256), jnp.float8_e4m3fn)
+    with pytest.raises(ValueError, match=r"row_vecs must have shape \(M,\) = \(128,\) or \(1,\), got \(2,\)"):
+        _sm90.matmul(a, a, b_layout="nk", row_vecs=(jnp.ones(2),), col_vecs=(jnp.ones(128),),
+                     epilogue=fp8_sm90._row_col_scales, out_dtype=jnp.float32, config=SMALL, name="t", interpret=True)
+
+
 def _blockwise_operands(m, k, n):
     """fp8 a (M, K), bt (N, K) and per-step scales: powers of 2 in 2^-4 .. 2^4 per 128 rows (block scales, so the
     same arrays serve the vector and the uniform_steps reads)."""

@@ -60,14 +60,26 @@ def _check_fp8(x, name, op):
 
 
 def _scale_vector(scale, n, name, allowed, op):
-    """A scalar / (1, 1) / per-row-or-column scale -> an fp32 vector of length n."""
+    """A per-row-or-column scale -> an fp32 vector of length n; a scalar / (1,) / (1, 1) one -> an fp32 scalar (0-d),
+    which the GEMMs take as one scale for every row or column (the Hopper kernel reads it once, so no vector of it
+    is written and read per call)."""
     scale = jnp.asarray(scale)
     if scale.shape not in [(), (1,), (1, 1), *allowed]:
         shapes = " or ".join(map(str, allowed))
         raise ValueError(f"{op}: {name} must be a scalar or of shape {shapes}, got {scale.shape}")
     if not jnp.issubdtype(scale.dtype, jnp.floating):
         raise ValueError(f"{op}: {name} must be floating point, got {scale.dtype}")
-    return jnp.broadcast_to(scale.astype(jnp.float32).reshape(-1), (n,))
+    scale = scale.astype(jnp.float32)
+    return scale.reshape(()) if scale.size == 1 and scale.shape in [(), (1,), (1, 1)] else scale.reshape(n)
+
+
+def _per_row(s):
+    """A scale vector (or scalar) as a multiplier of a matrix's rows."""
+    return s[:, None] if s.ndim else s
+
+
+def _per_col(s):
+    return s[None, :] if s.ndim else s
 
 
 # ----------------------------------------------------------------------------------------------
@@ -160,6 +172,9 @@ def _pad_to(x, rows, cols):
 
 
 def _pad_vec(v, multiple):
+    """v padded with ones to a multiple of `multiple`; a scalar as a (1,) vector."""
+    if v.ndim == 0:
+        return v.reshape(1)
     p = -v.shape[0] % multiple
     return v if p == 0 else jnp.pad(v, (0, p), constant_values=1.0)
 
@@ -221,7 +236,8 @@ def cublas_wins(m, n, k, num_sms: int | None = None) -> bool:
 
 
 def _mm_nt(a, bt, sa, sb, out_dtype, fast_accum, impl):
-    """(a * sa[:, None]) @ (bt * sb[:, None])^T; a (M, K), bt (N, K) fp8; sa (M,), sb (N,) fp32."""
+    """(a * sa[:, None]) @ (bt * sb[:, None])^T; a (M, K), bt (N, K) fp8; sa (M,), sb (N,) fp32, either a 0-d
+    scalar instead (one scale for every row)."""
     if 0 in (*a.shape, bt.shape[0]):  # no tokens (or an empty contraction): nothing for a kernel to do
         return jnp.zeros((a.shape[0], bt.shape[0]), out_dtype)
     same = a.dtype == bt.dtype
@@ -232,7 +248,7 @@ def _mm_nt(a, bt, sa, sb, out_dtype, fast_accum, impl):
         precision = None if fast_accum else jax.lax.Precision.HIGHEST
         acc = jax.lax.dot_general(a, bt, (((1,), (1,)), ((), ())), precision=precision,
                                   preferred_element_type=jnp.float32)
-        return (acc * sa[:, None] * sb[None, :]).astype(out_dtype)
+        return (acc * _per_row(sa) * _per_col(sb)).astype(out_dtype)
     if impl == "pallas:sm90":
         from pallas_fused.fp8 import kernel_sm90
 
@@ -246,18 +262,20 @@ def _mm_nt(a, bt, sa, sb, out_dtype, fast_accum, impl):
             cm, cn = config.cluster_tile
             out = kernel_sm90.scaled_matmul_nt(
                 _pad_to(a, cm, config.tile_k), _pad_to(bt, cn, config.tile_k), _pad_vec(sa, cm), _pad_vec(sb, cn),
-                out_dtype=jnp.dtype(out_dtype), config=config)
+                out_dtype=jnp.dtype(out_dtype), config=config)  # a scalar scale as a (1,) vector, read once
             return out[:m, :n]
     else:
         from pallas_fused.fp8 import kernel
 
         def launch(a, bt, sa, sb, out_dtype):
+            sa, sb = jnp.broadcast_to(sa, a.shape[:1]), jnp.broadcast_to(sb, bt.shape[:1])
             return kernel.scaled_matmul_nt(a, bt, sa, sb, out_dtype=jnp.dtype(out_dtype),
                                            interpret=impl == "interpret")
 
     # Sharded: M data parallel, N tensor parallel; a sharded contraction K (tokens, in the weight-gradient
     # GEMM of data-parallel training) gives float32 partial products, all-reduced and then rounded once.
-    return _sharding.partitioned(lambda *args: launch(*args, out_dtype), "m k, n k, m, n -> m n", summed=("k",),
+    rule = f"m k, n k, {'m' if sa.ndim else ''}, {'n' if sb.ndim else ''} -> m n"
+    return _sharding.partitioned(lambda *args: launch(*args, out_dtype), rule, summed=("k",),
                                  partial_fn=lambda *args: launch(*args, jnp.float32))(a, bt, sa, sb)
 
 
@@ -313,7 +331,7 @@ def scaled_matmul(a_fp8, b_fp8, a_scale, b_scale, *, out_dtype=jnp.bfloat16, fas
     sb = _scale_vector(b_scale, n, "b_scale", [(1, n)], op)
     impl = _resolve(implementation, op)
     if impl == "xla":
-        return reference.scaled_matmul_reference(a_fp8, b_fp8, sa[:, None], sb[None, :], out_dtype=out_dtype,
+        return reference.scaled_matmul_reference(a_fp8, b_fp8, _per_row(sa), _per_col(sb), out_dtype=out_dtype,
                                                  fast_accum=fast_accum)
     return _mm_nt(a_fp8, b_fp8.T, sa, sb, out_dtype, fast_accum, impl)
 
@@ -342,10 +360,11 @@ def scaled_matmul_nt(a_fp8, bt_fp8, a_scale, b_scale, *, out_dtype=jnp.bfloat16,
 
 
 class _Operand:
-    """One GEMM argument in K-major form: fp8 `data` with a scale vector per K-major row, or with per-tile scales
-    when `block` is set (blockwise: `scale` in the GEMM's layout, one row per block along K, shape
-    (ceil(K / bk), ceil(rows / bm)), the transpose of `reference.quantize_blockwise_reference`'s), or (when its cast
-    is disabled) the high-precision `data` whose K-major form is data (kmajor) or data.T."""
+    """One GEMM argument in K-major form: fp8 `data` with a scale vector per K-major row (a 0-d scalar for a
+    tensorwise cast), or with per-tile scales when `block` is set (blockwise: `scale` in the GEMM's layout, one row
+    per block along K, shape (ceil(K / bk), ceil(rows / bm)), the transpose of
+    `reference.quantize_blockwise_reference`'s), or (when its cast is disabled) the high-precision `data` whose
+    K-major form is data (kmajor) or data.T."""
 
     def __init__(self, data, scale=None, kmajor=True, block=None):
         self.data, self.scale, self.kmajor, self.block = data, scale, kmajor, block
@@ -360,7 +379,7 @@ class _Operand:
         if self.block is not None:
             return reference.dequantize_blockwise(x, self.scale.T, self.block, dtype)
         if self.fp8:
-            x = x.astype(jnp.float32) * self.scale[:, None]
+            x = x.astype(jnp.float32) * _per_row(self.scale)
         return x.astype(dtype)
 
 
@@ -402,7 +421,7 @@ def _operands(x, cfg_n: CastConfig, cfg_t: CastConfig | None, pow2, impl):
     if cfg_t is not None and cfg_n.scaling == cfg_t.scaling == "tensorwise" and cfg_n.dtype == cfg_t.dtype:
         q, qt, s = _quantize_2d(x, cfg_n.dtype, None, pow2, qimpl, emit_n=True, emit_t=True)
         s = s.reshape(())
-        return _Operand(q, jnp.broadcast_to(s, (x.shape[0],))), _Operand(qt, jnp.broadcast_to(s, (x.shape[1],)))
+        return _Operand(q, s), _Operand(qt, s)
     if cfg_t is not None and cfg_n.scaling == cfg_t.scaling == "blockwise" and cfg_n.dtype == cfg_t.dtype:
         # cfg_t's block is given for x^T: (cols, rows) of x (CastConfig gives every blockwise config a block)
         assert cfg_n.block is not None and cfg_t.block is not None
@@ -422,7 +441,7 @@ def _operands(x, cfg_n: CastConfig, cfg_t: CastConfig | None, pow2, impl):
             axis = None if cfg.scaling == "tensorwise" else (0 if transposed else 1)
             q, qt, s = _quantize_2d(x, cfg.dtype, axis, pow2, qimpl, emit_n=not transposed, emit_t=transposed)
             n = x.shape[1] if transposed else x.shape[0]
-            out.append(_Operand(qt if transposed else q, jnp.broadcast_to(s.reshape(-1), (n,))))
+            out.append(_Operand(qt if transposed else q, s.reshape(()) if axis is None else s.reshape(n)))
     return tuple(out)
 
 
@@ -434,7 +453,7 @@ def _step_scales(o: _Operand, k):
 
     rows, kb = o.data.shape[0], -(-k // BLOCK_K)
     if o.block is None:
-        return jnp.broadcast_to(o.scale[None, :], (kb, rows))
+        return jnp.broadcast_to(_per_col(o.scale), (kb, rows))
     return jnp.repeat(o.scale, o.block[0], axis=1)[:, :rows]
 
 

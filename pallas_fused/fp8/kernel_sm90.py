@@ -62,12 +62,18 @@ def supported(m: int, n: int, k: int, a_dtype, b_dtype, config: TileConfig) -> b
 
 
 def _row_col_scales(acc, rows, cols):
-    return acc * lax.broadcast_in_dim(rows[0], acc.shape, [0]) * lax.broadcast_in_dim(cols[0], acc.shape, [1])
+    """acc times its row scales, then its column scales: WGMMA-layout vectors, or fp32 scalars where one scale
+    covers every row (column), as a tensorwise scale does."""
+    r, c = rows[0], cols[0]
+    r = lax.broadcast_in_dim(r, acc.shape, [0]) if r.ndim else r
+    c = lax.broadcast_in_dim(c, acc.shape, [1]) if c.ndim else c
+    return acc * r * c
 
 
 @functools.partial(jax.jit, static_argnames=("out_dtype", "config"))
 def scaled_matmul_nt(a, bt, a_scale, b_scale, *, out_dtype, config: TileConfig):
-    """(a * a_scale[:, None]) @ (bt * b_scale[:, None])^T on Hopper; shapes must be tile multiples.
+    """(a * a_scale[:, None]) @ (bt * b_scale[:, None])^T on Hopper; shapes must be tile multiples. a_scale is (M,)
+    or (1,), b_scale (N,) or (1,): a tensorwise scale stays a scalar (the kernel reads it once).
 
     Under vmap the batch runs as a loop of kernel launches (the Mosaic GPU kernel has no batching rule).
     """
