@@ -192,7 +192,7 @@ def test_fp8_quantize_blockwise_sm90():
 
     x = jax.ShapeDtypeStruct((1024, 512), jnp.bfloat16)
     configs = (sm90.QuantizeConfig(), sm90.QuantizeConfig(steps=1, stages=1, chunk=128),
-               sm90.QuantizeConfig(steps=4, stages=3, out_slots=2))
+               sm90.QuantizeConfig(steps=4, stages=3, out_slots=2, key_amax=True))
     with _backend.gpu_target((9, 0)):
         for config, pow2, dtype in itertools.product(configs, (False, True), (jnp.float8_e4m3fn, jnp.float8_e5m2)):
             fn = functools.partial(sm90.quantize_blockwise_sm90, dtype=dtype, power_of_2=pow2, config=config)

@@ -30,6 +30,7 @@ from jax.experimental import pallas as pl
 
 from pallas_fused import _backend
 from pallas_fused._sm90 import _smem_transforms
+from pallas_fused.fp8.kernel import _abs_key, _key_amax
 from pallas_fused.fp8.reference import block_scale_from_amax, finite_abs, saturate
 
 TILE = 128  # the block length of both copies: a program's tile is TILE x TILE elements of x
@@ -41,6 +42,9 @@ class QuantizeConfig:
     stages: int = 2  # x tiles in flight per program (the shared-memory ring)
     out_slots: int = 1  # output tiles per program whose TMA stores may still be reading shared memory
     chunk: int = 64  # rows of a register tile at a time (64 or 128)
+    # The amax as a max of integer keys of |x| (`kernel._abs_key`: a shift and an add per element) instead of a max
+    # of `reference.finite_abs` (abs, the finite test and its select).
+    key_amax: bool = False
 
 
 def smem_bytes(config: QuantizeConfig) -> int:
@@ -52,9 +56,12 @@ def supported(r: int, c: int) -> bool:
     return r > 0 and c > 0 and r % TILE == 0 and c % TILE == 0
 
 
-def _quantize_rows(x, dtype, power_of_2: bool, cast):
+def _quantize_rows(x, dtype, power_of_2: bool, cast, key_amax: bool):
     """A (rows, TILE) fp32 register tile, one block per row -> (codes, the rows' scales)."""
-    amax = jnp.max(finite_abs(x), axis=1)
+    if key_amax:
+        amax = _key_amax(jnp.max(_abs_key(x), axis=1))
+    else:
+        amax = jnp.max(finite_abs(x), axis=1)
     scale = block_scale_from_amax(amax, dtype, power_of_2)
     # A correctly rounded fp32 division (LLVM lowers fdiv without fast-math flags to div.rn), as the Triton kernel's
     # rcp.rn: the cast is x * (1 / scale).
@@ -102,13 +109,13 @@ def _kernel(x_gmem, q_gmem, qs_gmem, qt_gmem, qts_gmem, *, config: QuantizeConfi
                 part = pl.ds(k * chunk, chunk)
                 # q: rows [k, k + chunk) of the tile, one block per row
                 x = _backend.mosaic_load(tile.at[part], layout=plgpu.Layout.WGMMA).astype(jnp.float32)
-                q, scale = _quantize_rows(x, dtype, power_of_2, cast)
+                q, scale = _quantize_rows(x, dtype, power_of_2, cast, config.key_amax)
                 q_smem[out, 0, part] = q
                 s_smem[out, 0, part] = scale
                 # q^T: columns [k, k + chunk) of the tile, loaded transposed, one block per (register) row
                 xt = _backend.mosaic_load(tile.at[:, part].transpose((1, 0)), layout=plgpu.Layout.WGMMA_TRANSPOSED)
                 xt = plgpu.layout_cast(xt, plgpu.Layout.WGMMA).astype(jnp.float32)
-                qt, scale_t = _quantize_rows(xt, dtype, power_of_2, cast)
+                qt, scale_t = _quantize_rows(xt, dtype, power_of_2, cast, config.key_amax)
                 q_smem[out, 1, part] = qt
                 s_smem[out, 1, part] = scale_t
             # Every thread's shared-memory reads of the x tile and writes of the outputs are done (a warpgroup

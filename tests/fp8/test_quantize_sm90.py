@@ -36,13 +36,13 @@ def _x(seed, shape):
     return x.astype(jnp.bfloat16)
 
 
-def _check(x, pow2, interpret=True, config=None):
-    got = sm90.quantize_blockwise_sm90(x, dtype=E4, power_of_2=pow2, interpret=interpret, config=config)
-    want = kernel.quantize_blockwise(x, dtype=E4, block_n=ACT, block_t=ACT[::-1], power_of_2=pow2,
+def _check(x, pow2, interpret=True, config=None, dtype=E4):
+    got = sm90.quantize_blockwise_sm90(x, dtype=dtype, power_of_2=pow2, interpret=interpret, config=config)
+    want = kernel.quantize_blockwise(x, dtype=dtype, block_n=ACT, block_t=ACT[::-1], power_of_2=pow2,
                                      interpret=interpret)
     q, s, qt, st = got
     r, c = x.shape
-    assert q.shape == (r, c) and qt.shape == (c, r) and q.dtype == qt.dtype == jnp.dtype(E4)
+    assert q.shape == (r, c) and qt.shape == (c, r) and q.dtype == qt.dtype == jnp.dtype(dtype)
     assert s.shape == (c // 128, r) and st.shape == (r // 128, c) and s.dtype == st.dtype == jnp.float32
     for g, w in zip(got, want):
         if g.dtype == jnp.float32:
@@ -75,12 +75,19 @@ def test_matches_triton_kernel(shape, pow2):
 @needs_interpret
 @pytest.mark.parametrize("config", [sm90.QuantizeConfig(steps=1, stages=1, out_slots=1, chunk=128),
                                     sm90.QuantizeConfig(steps=4, stages=3, out_slots=2, chunk=64),
-                                    sm90.QuantizeConfig(steps=5, stages=2, out_slots=1, chunk=64)],
-                         ids=["one_tile", "deep_ring", "steps_rounded_down"])
+                                    sm90.QuantizeConfig(steps=5, stages=2, out_slots=1, chunk=64),
+                                    sm90.QuantizeConfig(key_amax=True)],
+                         ids=["one_tile", "deep_ring", "steps_rounded_down", "key_amax"])
 def test_launches(config):
     """Other launches: one tile per program, a ring deeper than one output slot, steps that do not divide the tile
-    count (rounded down to a divisor)."""
+    count (rounded down to a divisor), the amax of integer keys."""
     _check(_x(1, (256, 512)), False, config=config)
+
+
+@needs_interpret
+def test_e5m2():
+    _check(_x(3, (256, 256)), True, dtype=jnp.float8_e5m2)
+    _check(_x(3, (256, 256)), False, dtype=jnp.float8_e5m2)
 
 
 def test_unsupported_shapes():

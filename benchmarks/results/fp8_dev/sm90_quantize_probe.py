@@ -24,9 +24,10 @@ from pallas_fused.fp8 import kernel_sm90_quantize as sm90
 E4 = jnp.float8_e4m3fn
 H200_CEILING = 4039  # GB/s, the H200's measured copy ceiling
 C = sm90.QuantizeConfig
-CONFIGS = (  # (steps, stages, out_slots, chunk); shared memory sets the programs per SM (see sm90.smem_bytes)
-    C(1, 1, 1, 64), C(1, 1, 1, 128),  # a plain grid: 3 programs per SM
+CONFIGS = (  # (steps, stages, out_slots, chunk, key_amax); shared memory sets the programs per SM (sm90.smem_bytes)
+    C(1, 1, 1, 64), C(1, 1, 1, 128), C(1, 1, 1, 64, True),  # a plain grid: 3 programs per SM
     C(4, 1, 1, 64), C(8, 2, 1, 64), C(16, 2, 1, 64), C(32, 2, 1, 64), C(8, 2, 1, 128),  # 2 per SM
+    C(8, 2, 1, 64, True), C(16, 2, 1, 64, True),
     C(8, 3, 1, 64), C(16, 4, 1, 64), C(16, 2, 2, 64), C(32, 3, 2, 64),  # 1 per SM, deeper rings
 )
 
@@ -53,7 +54,7 @@ def probe_shape(record, r, c, hbm):
     row("triton", bench_amortized(triton, xs), tile=list(tile), num_warps=warps, rows=chunk, packed=packed)
     for config in CONFIGS:
         launch = dict(steps=config.steps, stages=config.stages, out_slots=config.out_slots, chunk=config.chunk,
-                      smem_kib=sm90.smem_bytes(config) // 1024)
+                      key_amax=config.key_amax, smem_kib=sm90.smem_bytes(config) // 1024)
         fn = functools.partial(sm90.quantize_blockwise_sm90, dtype=E4, config=config)
         try:
             # q, q_scales, qt, qt_scales; timed even where they differ, which the row then says
