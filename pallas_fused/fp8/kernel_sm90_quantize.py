@@ -56,21 +56,21 @@ def supported(r: int, c: int) -> bool:
     return r > 0 and c > 0 and r % TILE == 0 and c % TILE == 0
 
 
-def _quantize_rows(x, dtype, power_of_2: bool, cast, key_amax: bool):
+def _quantize_rows(x, dtype, power_of_2: bool, cast, reciprocal, key_amax: bool):
     """A (rows, TILE) fp32 register tile, one block per row -> (codes, the rows' scales)."""
     if key_amax:
         amax = _key_amax(jnp.max(_abs_key(x), axis=1))
     else:
         amax = jnp.max(finite_abs(x), axis=1)
     scale = block_scale_from_amax(amax, dtype, power_of_2)
-    # A correctly rounded fp32 division (LLVM lowers fdiv without fast-math flags to div.rn), as the Triton kernel's
-    # rcp.rn: the cast is x * (1 / scale).
-    inv = 1.0 / scale
+    # The cast is x * (1 / scale) with the reciprocal correctly rounded, as the Triton kernel's: a last-bit error moves
+    # the codes of values at a rounding tie, which bf16 inputs hit (subnormal fp8 codes above all).
+    inv = reciprocal(scale)
     return cast(x * lax.broadcast_in_dim(inv, x.shape, [0])), scale
 
 
 def _kernel(x_gmem, q_gmem, qs_gmem, qt_gmem, qts_gmem, *, config: QuantizeConfig, programs: int, dtype,
-            power_of_2: bool, cast):
+            power_of_2: bool, cast, reciprocal):
     plgpu = _backend.mosaic_gpu()
     n_cols = x_gmem.shape[1] // TILE
     steps, stages, slots, chunk = config.steps, config.stages, config.out_slots, config.chunk
@@ -109,13 +109,13 @@ def _kernel(x_gmem, q_gmem, qs_gmem, qt_gmem, qts_gmem, *, config: QuantizeConfi
                 part = pl.ds(k * chunk, chunk)
                 # q: rows [k, k + chunk) of the tile, one block per row
                 x = _backend.mosaic_load(tile.at[part], layout=plgpu.Layout.WGMMA).astype(jnp.float32)
-                q, scale = _quantize_rows(x, dtype, power_of_2, cast, config.key_amax)
+                q, scale = _quantize_rows(x, dtype, power_of_2, cast, reciprocal, config.key_amax)
                 q_smem[out, 0, part] = q
                 s_smem[out, 0, part] = scale
                 # q^T: columns [k, k + chunk) of the tile, loaded transposed, one block per (register) row
                 xt = _backend.mosaic_load(tile.at[:, part].transpose((1, 0)), layout=plgpu.Layout.WGMMA_TRANSPOSED)
                 xt = plgpu.layout_cast(xt, plgpu.Layout.WGMMA).astype(jnp.float32)
-                qt, scale_t = _quantize_rows(xt, dtype, power_of_2, cast, config.key_amax)
+                qt, scale_t = _quantize_rows(xt, dtype, power_of_2, cast, reciprocal, config.key_amax)
                 q_smem[out, 1, part] = qt
                 s_smem[out, 1, part] = scale_t
             # Every thread's shared-memory reads of the x tile and writes of the outputs are done (a warpgroup
@@ -164,9 +164,13 @@ def quantize_blockwise_sm90(x, *, dtype, power_of_2: bool = False, interpret: bo
     cast = (lambda v: saturate(v, dtype)) if interpret else (lambda v: v.astype(dtype))
     f32 = jnp.float32
     plgpu = _backend.mosaic_gpu()
+    # A block's scale is one per row of the register tile (a row reduction of the WGMMA layout).
+    reciprocal = (lambda s: 1.0 / s) if interpret else functools.partial(
+        _backend.mosaic_rcp_rn, layout=plgpu.Layout.WGMMA.reduce(1))
 
     def body(*refs):
-        _kernel(*refs, config=config, programs=programs, dtype=dtype, power_of_2=power_of_2, cast=cast)
+        _kernel(*refs, config=config, programs=programs, dtype=dtype, power_of_2=power_of_2, cast=cast,
+                reciprocal=reciprocal)
 
     body.__name__ = body.__qualname__ = name  # the kernel's name in profiles
     kernel = plgpu.kernel(
