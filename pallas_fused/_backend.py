@@ -284,6 +284,19 @@ def mosaic_load(ref, *, layout):
     return plgpu.load(ref, layout=layout)
 
 
+def mosaic_rcp_rn(v, *, layout):
+    """1 / v, correctly rounded (PTX rcp.rn.f32), of an fp32 Mosaic GPU array in `layout`: Mosaic GPU's own fp32
+    division is not correctly rounded. Through Mosaic GPU's own arrays (`plgpu.inline_mgpu`), which its interpret
+    mode does not run: there divide, as XLA's division is correctly rounded."""
+    plgpu = mosaic_gpu()
+
+    @plgpu.inline_mgpu(arg_types=(layout,), return_type=plgpu.ShapeDtypeStruct(v.shape, v.dtype, layout=layout))
+    def rcp(_, array):
+        return array._pointwise(array._lift_fast_instr("rcp.rn.f32"))
+
+    return rcp(v)
+
+
 # The Mosaic GPU ports of Triton kernels (the Adam step is the pilot) are the "pallas:mosaic" variant of their op.
 # They use the API of jax >= 0.11: `plgpu.kernel` + `plgpu.emit_pipeline`, and refs (`jax.new_ref`) that the kernel
 # writes in place (how a `plgpu.kernel` aliases its inputs; `pl.pallas_call` no longer lowers to Mosaic GPU there).

@@ -184,6 +184,22 @@ def test_fp8_quantize_blockwise_launches():
             assert kernels(fn, rnd(0, (rows, 300), dtype)).count(TRITON) == 1, (rows, block_n, block_t)
 
 
+def test_fp8_quantize_blockwise_sm90():
+    """The sm90 blockwise quantize of activations (q and q^T from one read: the tile loaded as it is and transposed
+    from shared memory, both fp8 tiles TMA-stored) at each of its launch knobs, fp32 and power-of-2 scales: Mosaic
+    GPU's layout inference and dialect lowering run here."""
+    from pallas_fused.fp8 import kernel_sm90_quantize as sm90
+
+    x = jax.ShapeDtypeStruct((1024, 512), jnp.bfloat16)
+    configs = (sm90.QuantizeConfig(), sm90.QuantizeConfig(steps=1, stages=1, chunk=128),
+               sm90.QuantizeConfig(steps=4, stages=3, out_slots=2, key_amax=True))
+    with _backend.gpu_target((9, 0)):
+        for config, pow2, dtype in itertools.product(configs, (False, True), (jnp.float8_e4m3fn, jnp.float8_e5m2)):
+            fn = functools.partial(sm90.quantize_blockwise_sm90, dtype=dtype, power_of_2=pow2, config=config)
+            found = kernels(fn, x)
+            assert sum(found.count(t) for t in MOSAIC) == 1, (config, pow2, found)
+
+
 def test_blockwise_gemm_promotion():
     """The blockwise GEMM's per-K-step promotion at the tiles it runs (64 x 128 split along M, the tuned one, and
     128 x 64 split along N), with the step's stage released after the promotion or early, and each scale read

@@ -1,0 +1,107 @@
+"""The sm90 (Mosaic GPU) blockwise quantize of activations against the Triton kernel and the reference, bit for bit,
+in Mosaic GPU's interpret mode (and on a Hopper GPU)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_fused import _backend
+from pallas_fused.fp8 import kernel
+from pallas_fused.fp8 import kernel_sm90_quantize as sm90
+from pallas_fused.fp8 import reference as ref
+from tests.helpers import rand
+
+E4 = jnp.float8_e4m3fn
+ACT = (1, 128)
+needs_interpret = pytest.mark.skipif(not _backend.has_mosaic_interpret(),
+                                     reason="Mosaic GPU interpret mode needs jax >= 0.12")
+
+
+def _bits(q):
+    return np.asarray(jax.lax.bitcast_convert_type(q, jnp.uint8))
+
+
+def _x(seed, shape):
+    """bf16 normal values with magnitudes from 2^-6 to 2^6 by row and by column (every block its own scale), +-inf
+    (saturating to +-448: the amax sees finite values only), NaN, two values near the bf16 maximum (their blocks'
+    amax) and an all-zero 128 x 128 tile (the floor scale)."""
+    r, c = shape
+    k1, k2 = jax.random.split(jax.random.key(seed + 100))
+    mag = jnp.exp2(jax.random.randint(k1, (r, 1), -6, 7) + jax.random.randint(k2, (1, c), -6, 7) // 2)
+    x = rand(seed, shape, jnp.float32, scale=3.0) * mag
+    x = x.at[3, 5].set(jnp.inf).at[4, 6].set(-jnp.inf).at[7, 200].set(jnp.nan).at[130, 9].set(jnp.nan)
+    x = x.at[130, 10].set(3e38).at[131, 11].set(-3e38)  # each its row's and its column's amax
+    x = x.at[r - 128:, c - 128:].set(0.0)
+    return x.astype(jnp.bfloat16)
+
+
+def _check(x, pow2, interpret=True, config=None, dtype=E4):
+    got = sm90.quantize_blockwise_sm90(x, dtype=dtype, power_of_2=pow2, interpret=interpret, config=config)
+    want = kernel.quantize_blockwise(x, dtype=dtype, block_n=ACT, block_t=ACT[::-1], power_of_2=pow2,
+                                     interpret=interpret)
+    q, s, qt, st = got
+    r, c = x.shape
+    assert q.shape == (r, c) and qt.shape == (c, r) and q.dtype == qt.dtype == jnp.dtype(dtype)
+    assert s.shape == (c // 128, r) and st.shape == (r // 128, c) and s.dtype == st.dtype == jnp.float32
+    for g, w in zip(got, want):
+        if g.dtype == jnp.float32:
+            np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+        else:
+            np.testing.assert_array_equal(_bits(g), _bits(w))
+    return got
+
+
+@needs_interpret
+@pytest.mark.parametrize("shape", [(256, 384), (384, 256)])
+@pytest.mark.parametrize("pow2", [False, True], ids=["fp32_scales", "pow2_scales"])
+def test_matches_triton_kernel(shape, pow2):
+    """The default launch (several tiles per program through the ring), and against the reference directly: scales
+    in the K-block-major layout, saturation to +-448, NaN kept, the zero tile at the floor scale."""
+    x = _x(0, shape)
+    q, s, qt, st = _check(x, pow2)
+    for got_q, got_s, operand in ((q, s, x), (qt, st, x.T)):
+        want_q, want_s = ref.quantize_blockwise_reference(operand, E4, ACT, pow2)
+        np.testing.assert_array_equal(np.asarray(kernel.reference_layout(got_s)), np.asarray(want_s))
+        np.testing.assert_array_equal(_bits(got_q), _bits(want_q))
+    qf = np.asarray(q.astype(jnp.float32))
+    assert qf[3, 5] == 448.0 and qf[4, 6] == -448.0
+    if not pow2:  # a block's amax maps to the top of the range (a power-of-2 scale may leave it lower)
+        assert qf[130, 10] == 448.0 and qf[131, 11] == -448.0
+    assert np.isnan(qf[7, 200]) and np.isnan(qf[130, 9]) and np.sum(np.isnan(qf)) == 2
+    assert not np.any(qf[-128:, -128:]) and np.all(np.asarray(s) > 0)
+
+
+@needs_interpret
+@pytest.mark.parametrize("config", [sm90.QuantizeConfig(steps=1, stages=1, out_slots=1, chunk=128),
+                                    sm90.QuantizeConfig(steps=4, stages=3, out_slots=2, chunk=64),
+                                    sm90.QuantizeConfig(steps=5, stages=2, out_slots=1, chunk=64),
+                                    sm90.QuantizeConfig(key_amax=True)],
+                         ids=["one_tile", "deep_ring", "steps_rounded_down", "key_amax"])
+def test_launches(config):
+    """Other launches: one tile per program, a ring deeper than one output slot, steps that do not divide the tile
+    count (rounded down to a divisor), the amax of integer keys."""
+    _check(_x(1, (256, 512)), False, config=config)
+
+
+@needs_interpret
+def test_e5m2():
+    _check(_x(3, (256, 256)), True, dtype=jnp.float8_e5m2)
+    _check(_x(3, (256, 256)), False, dtype=jnp.float8_e5m2)
+
+
+def test_unsupported_shapes():
+    for shape in ((100, 128), (128, 200), (0, 128)):
+        assert not sm90.supported(*shape)
+        with pytest.raises(ValueError, match="multiples of 128"):
+            sm90.quantize_blockwise_sm90(jnp.ones(shape, jnp.bfloat16), dtype=E4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _backend.is_hopper(), reason="needs a Hopper GPU")
+@pytest.mark.parametrize("shape", [(4096, 2048), (1024, 768)])
+def test_gpu_matches_triton_kernel(shape):
+    """Compiled: bit for bit the Triton kernel's (both take x * (1 / scale), the reciprocal correctly rounded, and
+    convert with cvt.rn.satfinite)."""
+    for pow2 in (False, True):
+        _check(_x(2, shape), pow2, interpret=False)
