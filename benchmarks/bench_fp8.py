@@ -15,9 +15,10 @@ GEMMs (jax) or one Python call issues k (torch), so the ~0.03 ms host dispatch o
   peer:torch_scaled_mm torch._scaled_mm, use_fast_accum=True (cuBLAS / CUTLASS rowwise)
   peer:bf16_xla        XLA bf16 matmul, same shape
 
-Blockwise quantize ("fp8_quantize_blockwise"): `kernel.quantize_blockwise` (one read of x writes q and q^T with
-their 1 x 128 scales, or a weight's shared 128 x 128 tiles) beside `reference.quantize_blockwise_reference` under
-jit, GB/s and % of the measured copy ceiling.
+Blockwise quantize ("fp8_quantize_blockwise"): the recipe's quantize pass, "pallas" (one read of x writes q and q^T
+with their 1 x 128 scales, or a weight's shared 128 x 128 tiles: an activation's two copies from
+`kernel_sm90_quantize` on Hopper, the rest from `kernel.quantize_blockwise`, which "pallas:triton" times alone where
+they differ) beside `reference.quantize_blockwise_reference` under jit, GB/s and % of the measured copy ceiling.
 
 blockwise (DeepSeek-V3's recipe: a in 1 x 128 tiles, b in 128 x 128 blocks, e4m3 -> bf16), at 8192^3 and the
 example's shapes, TFLOP/s as above:
@@ -170,8 +171,10 @@ def _quantize(rec, quick):
 
 
 def _blockwise_quantize(rec, quick):
-    """The one-pass blockwise quantize kernel beside XLA's reference under jit, at the example's activation shape
-    and a weight: bytes = read x + write q (+ q^T) + the fp32 scales."""
+    """The one-pass blockwise quantize beside XLA's reference under jit, at the example's activation shape and a
+    weight: bytes = read x + write q (+ q^T) + the fp32 scales. "pallas" is what the recipe's layers call (the api's
+    "pallas" path: an activation's two copies from the Hopper kernel where it runs, else the Triton kernel);
+    "pallas:triton" the Triton kernel by itself where that differs."""
     from pallas_fused.fp8 import api, kernel
 
     act, weight = (1, 128), (128, 128)
@@ -184,8 +187,12 @@ def _blockwise_quantize(rec, quick):
         for name, block_n, block_t, written in cases:
             case = f"{r}x{c} {jnp.dtype(dtype).name} {name}"
             nbytes = r * c * jnp.dtype(dtype).itemsize + written
-            ours = jax.jit(functools.partial(kernel.quantize_blockwise, dtype=E4, block_n=block_n, block_t=block_t))
-            rec.time("fp8_quantize_blockwise", case, "pallas", ours, x, nbytes=nbytes)
+            ours = functools.partial(api._quantize_blockwise, block_n=block_n, block_t=block_t, dtype=E4, pow2=False,
+                                     impl="pallas")
+            rec.time("fp8_quantize_blockwise", case, "pallas", jax.jit(ours), x, nbytes=nbytes)
+            if api._quantize_on_sm90(x, block_n, block_t):
+                triton = functools.partial(kernel.quantize_blockwise, dtype=E4, block_n=block_n, block_t=block_t)
+                rec.time("fp8_quantize_blockwise", case, "pallas:triton", jax.jit(triton), x, nbytes=nbytes)
 
             # the same outputs from the reference (the api's "xla" path: a shared tile quantized once)
             ref = functools.partial(api._quantize_blockwise, block_n=block_n, block_t=block_t, dtype=E4, pow2=False,

@@ -388,6 +388,17 @@ jax.tree_util.register_pytree_node(
     lambda aux, ch: _Operand(ch[0], ch[1], *aux))
 
 
+def _quantize_on_sm90(x, block_n, block_t) -> bool:
+    """Whether an activation's two blockwise copies (1 x 128 blocks along its columns for q, along its rows for q^T)
+    come from the Hopper kernel: it reads x once by TMA and q^T's tile transposed from shared memory, at 88.6% of an
+    H200's HBM bandwidth against the Triton kernel's 64.0% (16384 x 8192 bf16); a 16-bit x of 128-multiple shape."""
+    from pallas_fused.fp8 import kernel_sm90_quantize
+
+    block = kernel_sm90_quantize.TILE
+    return (block_n == (1, block) and block_t == (block, 1) and _backend.is_hopper()
+            and kernel_sm90_quantize.supported(*x.shape, x.dtype))
+
+
 def _quantize_blockwise(x, block_n, block_t, dtype, pow2, impl):
     """x (R, C) -> (q, q_scales, q^T, qt_scales) as `kernel.quantize_blockwise` (blocks in x's coordinates, None: that
     copy not asked for; scales in the GEMM's K-block-major layout): its one pass on the Pallas paths, else the
@@ -397,6 +408,10 @@ def _quantize_blockwise(x, block_n, block_t, dtype, pow2, impl):
     if impl != "xla" and kernel.blockwise_supported(block_n, block_t):
         # Not partitioned: a sharded x is gathered for the kernel (a K-block-major scale grid per shard would not
         # line up with the global one where a shard splits a block).
+        if impl == "pallas" and _quantize_on_sm90(x, block_n, block_t):
+            from pallas_fused.fp8 import kernel_sm90_quantize
+
+            return kernel_sm90_quantize.quantize_blockwise_sm90(x, dtype=jnp.dtype(dtype), power_of_2=pow2)
         return kernel.quantize_blockwise(x, dtype=jnp.dtype(dtype), block_n=block_n, block_t=block_t,
                                          power_of_2=pow2, interpret=impl == "interpret")
     q = s = qt = st = None

@@ -38,13 +38,22 @@ TILE = 128  # the block length of both copies: a program's tile is TILE x TILE e
 
 @dataclasses.dataclass(frozen=True)
 class QuantizeConfig:
-    steps: int = 8  # tiles per program (the largest divisor of the tile count up to it is taken)
-    stages: int = 2  # x tiles in flight per program (the shared-memory ring)
+    steps: int = 1  # tiles per program (the largest divisor of the tile count up to it is taken)
+    stages: int = 1  # x tiles in flight per program (the shared-memory ring)
     out_slots: int = 1  # output tiles per program whose TMA stores may still be reading shared memory
     chunk: int = 64  # rows of a register tile at a time (64 or 128)
     # The amax as a max of integer keys of |x| (`kernel._abs_key`: a shift and an add per element) instead of a max
     # of `reference.finite_abs` (abs, the finite test and its select).
-    key_amax: bool = False
+    key_amax: bool = True
+
+
+# The launch of a GPU without a tuning table: the H200's (pallas_fused/tuning/nvidia_h200.json cites the sweep).
+HEURISTIC = {"launch": dataclasses.asdict(QuantizeConfig())}
+
+
+def launch_config() -> QuantizeConfig:
+    """This device kind's launch (its tuning table's "fp8_blockwise_sm90", else HEURISTIC)."""
+    return QuantizeConfig(**_backend.tuned("fp8_blockwise_sm90", HEURISTIC)["launch"])
 
 
 def smem_bytes(config: QuantizeConfig) -> int:
@@ -52,8 +61,11 @@ def smem_bytes(config: QuantizeConfig) -> int:
     return config.stages * TILE * TILE * 2 + config.out_slots * (2 * TILE * TILE + 2 * TILE * 4)
 
 
-def supported(r: int, c: int) -> bool:
-    return r > 0 and c > 0 and r % TILE == 0 and c % TILE == 0
+def supported(r: int, c: int, x_dtype=jnp.bfloat16) -> bool:
+    """Whether the kernel takes an x of this shape and dtype: 16-bit (its tile is read transposed from shared memory
+    by a 16-bit transposed load), both dimensions multiples of TILE."""
+    return (r > 0 and c > 0 and r % TILE == 0 and c % TILE == 0
+            and jnp.dtype(x_dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)))
 
 
 def _quantize_rows(x, dtype, power_of_2: bool, cast, reciprocal, key_amax: bool):
@@ -149,10 +161,11 @@ def quantize_blockwise_sm90(x, *, dtype, power_of_2: bool = False, interpret: bo
 
     interpret=True runs the kernel in Mosaic GPU's interpret mode on the CPU (jax >= 0.12; slow, for tests)."""
     name = "pallas_fused_fp8_quantize_blockwise_sm90"
-    config = config or QuantizeConfig()
+    config = config or launch_config()
     dtype = jnp.dtype(dtype)
-    if x.ndim != 2 or not supported(*x.shape):
-        raise ValueError(f"{name}: x must be 2-D with both dimensions positive multiples of {TILE}, got {x.shape}")
+    if x.ndim != 2 or not supported(*x.shape, x.dtype):
+        raise ValueError(f"{name}: x must be 2-D bfloat16 or float16 with both dimensions positive multiples of "
+                         f"{TILE}, got {x.shape} {x.dtype}")
     if config.chunk not in (64, 128) or config.stages < 1 or config.out_slots < 1 or config.steps < 1:
         raise ValueError(f"{name}: chunk must be 64 or 128 and steps, stages, out_slots positive, got {config}")
     r, c = x.shape

@@ -56,7 +56,7 @@ def _check(x, pow2, interpret=True, config=None, dtype=E4):
 @pytest.mark.parametrize("shape", [(256, 384), (384, 256)])
 @pytest.mark.parametrize("pow2", [False, True], ids=["fp32_scales", "pow2_scales"])
 def test_matches_triton_kernel(shape, pow2):
-    """The default launch (several tiles per program through the ring), and against the reference directly: scales
+    """The tuned launch (one tile per program), and against the reference directly: scales
     in the K-block-major layout, saturation to +-448, NaN kept, the zero tile at the floor scale."""
     x = _x(0, shape)
     q, s, qt, st = _check(x, pow2)
@@ -73,14 +73,13 @@ def test_matches_triton_kernel(shape, pow2):
 
 
 @needs_interpret
-@pytest.mark.parametrize("config", [sm90.QuantizeConfig(steps=1, stages=1, out_slots=1, chunk=128),
+@pytest.mark.parametrize("config", [sm90.QuantizeConfig(chunk=128, key_amax=False),
                                     sm90.QuantizeConfig(steps=4, stages=3, out_slots=2, chunk=64),
-                                    sm90.QuantizeConfig(steps=5, stages=2, out_slots=1, chunk=64),
-                                    sm90.QuantizeConfig(key_amax=True)],
-                         ids=["one_tile", "deep_ring", "steps_rounded_down", "key_amax"])
+                                    sm90.QuantizeConfig(steps=5, stages=2, out_slots=1, chunk=64)],
+                         ids=["whole_tile_finite_abs", "deep_ring", "steps_rounded_down"])
 def test_launches(config):
-    """Other launches: one tile per program, a ring deeper than one output slot, steps that do not divide the tile
-    count (rounded down to a divisor), the amax of integer keys."""
+    """Other launches: the whole tile at once with the amax of finite |x|, a ring deeper than one output slot, steps
+    that do not divide the tile count (rounded down to a divisor)."""
     _check(_x(1, (256, 512)), False, config=config)
 
 
@@ -91,10 +90,28 @@ def test_e5m2():
 
 
 def test_unsupported_shapes():
-    for shape in ((100, 128), (128, 200), (0, 128)):
-        assert not sm90.supported(*shape)
-        with pytest.raises(ValueError, match="multiples of 128"):
-            sm90.quantize_blockwise_sm90(jnp.ones(shape, jnp.bfloat16), dtype=E4)
+    for shape, dtype in (((100, 128), jnp.bfloat16), ((128, 200), jnp.bfloat16), ((0, 128), jnp.bfloat16),
+                         ((128, 128), jnp.float32)):
+        assert not sm90.supported(*shape, dtype)
+        with pytest.raises(ValueError, match="bfloat16 or float16 with both dimensions positive multiples of 128"):
+            sm90.quantize_blockwise_sm90(jnp.ones(shape, dtype), dtype=E4)
+
+
+def test_api_routes_activations_to_sm90():
+    """fp8's blockwise quantize takes the Hopper kernel for an activation's two copies of a 16-bit x of 128-multiple
+    shape on Hopper, and the Triton kernel for anything else (a weight's shared tiles, a ragged or fp32 x, another
+    GPU)."""
+    from pallas_fused.fp8 import api
+
+    x = jax.ShapeDtypeStruct((256, 384), jnp.bfloat16)
+    with _backend.gpu_target((9, 0)):
+        assert api._quantize_on_sm90(x, (1, 128), (128, 1))
+        assert not api._quantize_on_sm90(x, (128, 128), (128, 128))
+        assert not api._quantize_on_sm90(x, (1, 128), None)
+        assert not api._quantize_on_sm90(jax.ShapeDtypeStruct((200, 384), jnp.bfloat16), (1, 128), (128, 1))
+        assert not api._quantize_on_sm90(jax.ShapeDtypeStruct((256, 384), jnp.float32), (1, 128), (128, 1))
+    with _backend.gpu_target((8, 0)):
+        assert not api._quantize_on_sm90(x, (1, 128), (128, 1))
 
 
 @pytest.mark.gpu
