@@ -18,7 +18,7 @@ from pallas_fused.dora.kernel_util import (
     in_bounds,
     load,
     mask,
-    nf4_values,
+    nf4_rows,
     num_weight_refs,
     pow2,
     store,
@@ -101,12 +101,9 @@ def _merge_kernel(*refs, kind, K, N, R, bk, bn, steps, nsplit, from_partials, re
 
         def nf4_step(i, carry):
             k0 = pl.multiple_of(k_start + i * bk, bk)
-            p = load(packed_ref.at[pl.ds(k0, bk), pl.ds(n0, bn)], mask(None, cmask, (bk, bn))).astype(jnp.int32)
-            blk = k0 // NF4_TILE
-            am_hi = load(absmax_ref.at[pl.ds(blk, 1), pl.ds(n0, bn)], mask(None, cmask, (1, bn)))
-            am_lo = load(absmax_ref.at[pl.ds(blk + kloop // NF4_TILE, 1), pl.ds(n0, bn)], mask(None, cmask, (1, bn)))
-            merged(k0, nf4_values(p >> 4) * am_hi)
-            merged(kloop + k0, nf4_values(p & 15) * am_lo)
+            w_hi, w_lo = nf4_rows(packed_ref, absmax_ref, k0, n0, bn, cmask, kloop)
+            merged(k0, w_hi)
+            merged(kloop + k0, w_lo)
             return carry
 
         lax.fori_loop(0, steps, nf4_step, 0)

@@ -27,7 +27,7 @@ from pallas_fused.dora.kernel_util import (
     in_bounds,
     load,
     mask,
-    nf4_values,
+    nf4_rows,
     num_weight_refs,
     pow2,
     store,
@@ -123,12 +123,7 @@ def _colnorm_kernel(*refs, kind, K, N, R, bk, bn, rows_per_prog, kloop, emit_t):
     def body(i, acc):
         # rows_per_prog divides kloop for NF4 (see column_sumsq): no row masks on packed/absmax.
         k0 = pl.multiple_of(k_start + i * bk, bk)
-        p = load(packed_ref.at[pl.ds(k0, bk), pl.ds(n0, bn)], mask(None, cmask, (bk, bn))).astype(jnp.int32)
-        blk = k0 // NF4_TILE
-        am_hi = load(absmax_ref.at[pl.ds(blk, 1), pl.ds(n0, bn)], mask(None, cmask, (1, bn)))
-        am_lo = load(absmax_ref.at[pl.ds(blk + kloop // NF4_TILE, 1), pl.ds(n0, bn)], mask(None, cmask, (1, bn)))
-        w_hi = nf4_values(p >> 4) * am_hi
-        w_lo = nf4_values(p & 15) * am_lo
+        w_hi, w_lo = nf4_rows(packed_ref, absmax_ref, k0, n0, bn, cmask, kloop)
         v_hi = w_hi + s * _backend.dot(a_tile(k0), b_t)
         v_lo = w_lo + s * _backend.dot(a_tile(kloop + k0), b_t)
         return acc + v_hi * v_hi + v_lo * v_lo

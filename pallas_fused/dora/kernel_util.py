@@ -84,6 +84,16 @@ def nf4_values(codes):
     return level[0]
 
 
+def nf4_rows(packed_ref, absmax_ref, k0, n0, bn: int, cmask, kloop: int):
+    """W's rows [k0, k0 + NF4_TILE) and [kloop + k0, kloop + k0 + NF4_TILE) in float32, from the NF4_TILE packed rows
+    at k0 (each byte a code of each half; kloop = in_padded / 2) and the two halves' absmax rows (one block each)."""
+    p = load(packed_ref.at[pl.ds(k0, NF4_TILE), pl.ds(n0, bn)], mask(None, cmask, (NF4_TILE, bn))).astype(jnp.int32)
+    blk = k0 // NF4_TILE
+    am_hi = load(absmax_ref.at[pl.ds(blk, 1), pl.ds(n0, bn)], mask(None, cmask, (1, bn)))
+    am_lo = load(absmax_ref.at[pl.ds(blk + kloop // NF4_TILE, 1), pl.ds(n0, bn)], mask(None, cmask, (1, bn)))
+    return nf4_values(p >> 4) * am_hi, nf4_values(p & 15) * am_lo
+
+
 def grouped_pid(pid, num_m: int, num_n: int, group_m: int):
     """Map a 1-D program id to (pid_m, pid_n), walking group_m rows of tiles at a time (L2 reuse of W)."""
     width = group_m * num_n

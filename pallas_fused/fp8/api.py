@@ -70,7 +70,7 @@ def _scale_vector(scale, n, name, allowed, op):
     if not jnp.issubdtype(scale.dtype, jnp.floating):
         raise ValueError(f"{op}: {name} must be floating point, got {scale.dtype}")
     scale = scale.astype(jnp.float32)
-    return scale.reshape(()) if scale.size == 1 and scale.shape in [(), (1,), (1, 1)] else scale.reshape(n)
+    return scale.reshape(()) if scale.shape in [(), (1,), (1, 1)] else scale.reshape(n)
 
 
 def _per_row(s):
@@ -79,6 +79,7 @@ def _per_row(s):
 
 
 def _per_col(s):
+    """A scale vector (or scalar) as a multiplier of a matrix's columns."""
     return s[None, :] if s.ndim else s
 
 
