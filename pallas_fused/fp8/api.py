@@ -397,7 +397,7 @@ def _quantize_on_sm90(x, block_n, block_t) -> bool:
 
     block = kernel_sm90_quantize.TILE
     return (block_n == (1, block) and block_t == (block, 1) and _backend.is_hopper()
-            and kernel_sm90_quantize.supported(*x.shape, x.dtype))
+            and kernel_sm90_quantize.supported(x.shape[0], x.shape[1], x.dtype))
 
 
 def _quantize_blockwise(x, block_n, block_t, dtype, pow2, impl):
