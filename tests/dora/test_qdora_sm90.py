@@ -59,18 +59,18 @@ def test_refusals():
 
 
 def test_choose_variant():
-    """Plain "pallas" takes sm90_dequant for an Int8Kernel on Hopper where the shapes fit its tiles, "gemm" otherwise
-    (NF4, ragged shapes, the interpreter, an older GPU)."""
+    """Plain "pallas" takes sm90_dequant for an Int8Kernel on Hopper where the shapes fit its tiles, "merged" otherwise
+    on a GPU (NF4, ragged shapes, fp32, an older GPU) and "gemm" in the interpreter."""
     with _backend.gpu_target((9, 0)):
         assert choose_variant("int8", 4096, 4096, 4096, jnp.bfloat16, False) == "sm90_dequant"
         assert choose_variant("int8", 4096, 4096, 11008, jnp.bfloat16, False, 64) == "sm90_dequant"
-        assert choose_variant("int8", 4000, 4096, 4096, jnp.bfloat16, False) == "gemm"
-        assert choose_variant("int8", 4096 + 128, 4096, 4096, jnp.bfloat16, False) == "gemm"  # tokens: 256-multiples
-        assert choose_variant("int8", 4096, 4096, 4096, jnp.float32, False) == "gemm"
+        assert choose_variant("int8", 4000, 4096, 4096, jnp.bfloat16, False) == "merged"
+        assert choose_variant("int8", 4096 + 128, 4096, 4096, jnp.bfloat16, False) == "merged"  # tokens: 256-multiples
+        assert choose_variant("int8", 4096, 4096, 4096, jnp.float32, False) == "merged"
         assert choose_variant("int8", 4096, 4096, 4096, jnp.bfloat16, True) == "gemm"
-        assert choose_variant("nf4", 4096, 4096, 4096, jnp.bfloat16, False) == "gemm"
+        assert choose_variant("nf4", 4096, 4096, 4096, jnp.bfloat16, False) == "merged"
     with _backend.gpu_target((8, 0)):
-        assert choose_variant("int8", 4096, 4096, 4096, jnp.bfloat16, False) == "gemm"
+        assert choose_variant("int8", 4096, 4096, 4096, jnp.bfloat16, False) == "merged"
 
 
 @pytest.mark.gpu
