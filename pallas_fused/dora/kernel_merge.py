@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +18,7 @@ from pallas_fused.dora.kernel_util import (
     load,
     mask,
     nf4_rows,
+    nf4_rows_per_program,
     num_weight_refs,
     pow2,
     store,
@@ -141,7 +141,7 @@ def merge_weight(weight, kind: str, lora_a, lora_b, scale, *, g=None, partials=N
     bn = tile(N, config.bn)
     if kind == "nf4":  # steps of one absmax block (64 packed rows), as many as divide the packed rows
         bk, kloop = NF4_TILE, weight[0].shape[0]
-        steps = math.gcd(kloop // bk, max(1, config.rows // bk))
+        steps = nf4_rows_per_program(kloop, config.rows) // bk
     else:
         bk, kloop = tile(K, config.bk), K
         steps = max(1, min(config.rows, pow2(K, bk)) // bk)

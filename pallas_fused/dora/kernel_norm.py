@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +27,7 @@ from pallas_fused.dora.kernel_util import (
     load,
     mask,
     nf4_rows,
+    nf4_rows_per_program,
     num_weight_refs,
     pow2,
     store,
@@ -169,7 +169,7 @@ def _direct_launch(weight, kind, lora_a, lora_b, scale, tiles: NormTiles, *, int
         kloop = K
     bn = tile(N, tiles.bn)
     if kind == "nf4":
-        rows_per_prog = NF4_TILE * math.gcd(kloop // NF4_TILE, max(1, tiles.rows // NF4_TILE))
+        rows_per_prog = nf4_rows_per_program(kloop, tiles.rows)
     else:
         rows_per_prog = max(bk, min(tiles.rows, pow2(kloop, bk)))
     nsplit = cdiv(kloop, rows_per_prog)

@@ -14,6 +14,8 @@ Every launch goes through `_backend.triton_call`; all reductions accumulate in f
 
 from __future__ import annotations
 
+import math
+
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
@@ -82,6 +84,12 @@ def nf4_values(codes):
         on = (codes & (1 << bit)) != 0
         level = [jnp.where(on, level[2 * i + 1], level[2 * i]) for i in range(len(level) // 2)]
     return level[0]
+
+
+def nf4_rows_per_program(kloop: int, rows: int) -> int:
+    """Packed rows per program of an NF4 pass: whole absmax blocks (NF4_TILE), about `rows` of them at most, and a
+    divisor of the kloop packed rows, so no program's tiles need a row mask on the packed codes or the absmax."""
+    return NF4_TILE * math.gcd(kloop // NF4_TILE, max(1, rows // NF4_TILE))
 
 
 def nf4_rows(packed_ref, absmax_ref, k0, n0, bn: int, cmask, kloop: int):

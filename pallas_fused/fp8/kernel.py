@@ -181,6 +181,14 @@ def scaled_matmul_nt(a, bt, a_scale, b_scale, *, out_dtype, interpret=False, blo
 # blockwise quantize: one scale per tile, the amax and the cast in one pass
 
 
+def fp8_cast(dtype, interpret: bool):
+    """The saturating fp32 -> fp8 cast of a kernel (`reference.saturate`'s numbers). Compiled, Triton and Mosaic GPU
+    convert with cvt.rn.satfinite (out of range and +-inf to +-max, NaN kept): the clamp of `saturate` (a min, a max
+    and a NaN select per element) is the conversion's own there. Interpret mode (XLA's conversion) turns
+    out-of-range values into NaN, so it keeps the clamp."""
+    return (lambda v: saturate(v, dtype)) if interpret else (lambda v: v.astype(dtype))
+
+
 def _block_scale(amax, dtype, power_of_2, interpret):
     """(scale, 1 / scale): reference.block_scale_from_amax and its cast's reciprocal, correctly rounded (PTX rcp.rn;
     Triton's own fp32 division is div.full, approximate)."""
@@ -449,10 +457,7 @@ def quantize_blockwise(x, *, dtype, block_n=None, block_t=None, power_of_2=False
     tile, warps, chunk, packed = _blockwise_launch(r, block_n, block_t)
     grid = (pl.cdiv(r, tile[0]), pl.cdiv(c, tile[1]))
     f32 = jnp.float32
-    # Triton casts fp32 to fp8 with cvt.rn.satfinite (out of range and +-inf to +-max, NaN to NaN): the clamp of
-    # `saturate` (a min, a max and a NaN select per element) is the conversion's own there. Interpret mode (XLA's
-    # conversion) turns out-of-range values into NaN, so it keeps the clamp.
-    cast = (lambda v: saturate(v, dtype)) if interpret else (lambda v: v.astype(dtype))
+    cast = fp8_cast(dtype, interpret)
     kw = dict(shape=(r, c), tile=tile, dtype=dtype, power_of_2=power_of_2, interpret=interpret, chunk=chunk,
               cast=cast)
     if x.size and packed:

@@ -30,8 +30,8 @@ from jax.experimental import pallas as pl
 
 from pallas_fused import _backend
 from pallas_fused._sm90 import _smem_transforms
-from pallas_fused.fp8.kernel import _abs_key, _key_amax
-from pallas_fused.fp8.reference import block_scale_from_amax, finite_abs, saturate
+from pallas_fused.fp8.kernel import _abs_key, _key_amax, fp8_cast
+from pallas_fused.fp8.reference import block_scale_from_amax, finite_abs
 
 TILE = 128  # the block length of both copies: a program's tile is TILE x TILE elements of x
 
@@ -172,9 +172,7 @@ def quantize_blockwise_sm90(x, *, dtype, power_of_2: bool = False, interpret: bo
     n_tiles = (r // TILE) * (c // TILE)
     config = dataclasses.replace(config, steps=_steps(n_tiles, config.steps))
     programs = n_tiles // config.steps
-    # The conversion to fp8 on the GPU is cvt.rn.satfinite (out of range and +-inf to +-max, NaN kept): the clamp of
-    # `saturate` is its own. Interpret mode converts as XLA does (out of range to NaN), so it keeps the clamp.
-    cast = (lambda v: saturate(v, dtype)) if interpret else (lambda v: v.astype(dtype))
+    cast = fp8_cast(dtype, interpret)
     f32 = jnp.float32
     plgpu = _backend.mosaic_gpu()
     # A block's scale is one per row of the register tile (a row reduction of the WGMMA layout).
