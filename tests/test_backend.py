@@ -59,6 +59,7 @@ def test_tuning_tables_load_and_fall_back():
     from pallas_fused.dora import kernel_sm90
     from pallas_fused.fp8 import kernel as fp8_kernel
     from pallas_fused.fp8 import kernel_sm90 as fp8_sm90
+    from pallas_fused.fp8 import kernel_sm90_quantize as fp8_sm90_quantize
     from pallas_fused.galore import kernel as galore_kernel
 
     assert _backend.device_slug("NVIDIA H100 80GB HBM3") == "nvidia_h100_80gb_hbm3"
@@ -73,7 +74,8 @@ def test_tuning_tables_load_and_fall_back():
                                    ("fp8_sm90", fp8_sm90.HEURISTIC), ("galore_up", galore_kernel.UP_HEURISTIC),
                                    ("galore_variant", galore_kernel.VARIANT_HEURISTIC),
                                    ("fp8_sm90_blockwise", fp8_sm90.BLOCKWISE_HEURISTIC),
-                                   ("fp8_blockwise", fp8_kernel.BLOCKWISE_HEURISTIC)):
+                                   ("fp8_blockwise", fp8_kernel.BLOCKWISE_HEURISTIC),
+                                   ("fp8_blockwise_sm90", fp8_sm90_quantize.HEURISTIC)):
             for key, fields in heuristic.items():
                 if key in table.get(section, {}):
                     entry = table[section][key]

@@ -187,19 +187,22 @@ def test_fp8_quantize_blockwise_launches():
 
 
 def test_fp8_quantize_blockwise_sm90():
-    """The sm90 blockwise quantize of activations (q and q^T from one read: the tile loaded as it is and transposed
-    from shared memory, both fp8 tiles TMA-stored) at each of its launch knobs, fp32 and power-of-2 scales: Mosaic
-    GPU's layout inference and dialect lowering run here."""
+    """The sm90 blockwise quantize of activations and of weights (q and q^T from one read: the tile loaded as it is
+    and transposed from shared memory, both fp8 tiles TMA-stored; a weight tile's amax reduced across the warps) at
+    each of its launch knobs, fp32 and power-of-2 scales: Mosaic GPU's layout inference and dialect lowering run
+    here."""
     from pallas_fused.fp8 import kernel_sm90_quantize as sm90
 
     x = jax.ShapeDtypeStruct((1024, 512), jnp.bfloat16)
     configs = (sm90.QuantizeConfig(), sm90.QuantizeConfig(chunk=128, key_amax=False),
                sm90.QuantizeConfig(steps=4, stages=3, out_slots=2))
     with _backend.gpu_target((9, 0)):
-        for config, pow2, dtype in itertools.product(configs, (False, True), (jnp.float8_e4m3fn, jnp.float8_e5m2)):
-            fn = functools.partial(sm90.quantize_blockwise_sm90, dtype=dtype, power_of_2=pow2, config=config)
+        for config, pow2, dtype, square in itertools.product(configs, (False, True),
+                                                             (jnp.float8_e4m3fn, jnp.float8_e5m2), (False, True)):
+            fn = functools.partial(sm90.quantize_blockwise_sm90, dtype=dtype, power_of_2=pow2, config=config,
+                                   square=square)
             found = kernels(fn, x)
-            assert sum(found.count(t) for t in MOSAIC) == 1, (config, pow2, found)
+            assert sum(found.count(t) for t in MOSAIC) == 1, (config, pow2, square, found)
 
 
 def test_blockwise_gemm_promotion():

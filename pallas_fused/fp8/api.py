@@ -390,14 +390,15 @@ jax.tree_util.register_pytree_node(
 
 
 def _quantize_on_sm90(x, block_n, block_t) -> bool:
-    """Whether an activation's two blockwise copies (1 x 128 blocks along its columns for q, along its rows for q^T)
-    come from the Hopper kernel: it reads x once by TMA and q^T's tile transposed from shared memory, at 88.6% of an
-    H200's HBM bandwidth against the Triton kernel's 64.0% (16384 x 8192 bf16); a 16-bit x of 128-multiple shape."""
+    """Whether both blockwise copies of x come from the Hopper kernel: an activation's (1 x 128 blocks along its
+    columns for q, along its rows for q^T) or a weight's (128 x 128 tiles for both), of a 16-bit x of 128-multiple
+    shape. It reads x once by TMA and q^T's tile transposed from shared memory: 88.6% of an H200's HBM bandwidth
+    for an activation against the Triton kernel's 64.0% (16384 x 8192 bf16)."""
     from pallas_fused.fp8 import kernel_sm90_quantize
 
     block = kernel_sm90_quantize.TILE
-    return (block_n == (1, block) and block_t == (block, 1) and _backend.is_hopper()
-            and kernel_sm90_quantize.supported(x.shape[0], x.shape[1], x.dtype))
+    return ((block_n, block_t) in (((1, block), (block, 1)), ((block, block), (block, block)))
+            and _backend.is_hopper() and kernel_sm90_quantize.supported(x.shape[0], x.shape[1], x.dtype))
 
 
 def _quantize_blockwise(x, block_n, block_t, dtype, pow2, impl):
@@ -412,7 +413,8 @@ def _quantize_blockwise(x, block_n, block_t, dtype, pow2, impl):
         if impl == "pallas" and _quantize_on_sm90(x, block_n, block_t):
             from pallas_fused.fp8 import kernel_sm90_quantize
 
-            return kernel_sm90_quantize.quantize_blockwise_sm90(x, dtype=jnp.dtype(dtype), power_of_2=pow2)
+            return kernel_sm90_quantize.quantize_blockwise_sm90(x, dtype=jnp.dtype(dtype), power_of_2=pow2,
+                                                                square=block_n == block_t)
         return kernel.quantize_blockwise(x, dtype=jnp.dtype(dtype), block_n=block_n, block_t=block_t,
                                          power_of_2=pow2, interpret=impl == "interpret")
     q = s = qt = st = None

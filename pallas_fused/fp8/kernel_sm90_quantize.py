@@ -1,17 +1,20 @@
-"""The blockwise FP8 quantize of activations ("both" mode) as a Hopper (sm90) Mosaic GPU kernel.
+"""The blockwise FP8 quantize as a Hopper (sm90) Mosaic GPU kernel: an activation's two copies, or a weight's.
 
-Same numbers and outputs as `kernel.quantize_blockwise(x, dtype, block_n=(1, 128), block_t=(128, 1))`: x (R, C) is
-read once, q (R, C) is written with one scale per 1 x 128 block along C and q^T (C, R) with one per 1 x 128 block
-along R (a 128 x 1 block of x); scales in the GEMM's K-block-major layout, q_scales (C / 128, R) and
-qt_scales (R / 128, C).
+Same numbers and outputs as `kernel.quantize_blockwise(x, dtype, block_n, block_t)`, x (R, C) read once and q (R, C)
+and q^T (C, R) written from it, scales in the GEMM's K-block-major layout:
+  - activations and gradients (block_n = (1, 128), block_t = (128, 1)): one scale per 1 x 128 block along C for q,
+    one per 1 x 128 block along R (a 128 x 1 block of x) for q^T; q_scales (C / 128, R), qt_scales (R / 128, C).
+  - weights (`square`: block_n = block_t = (128, 128)): one scale per 128 x 128 tile, the same for q and q^T;
+    q_scales (C / 128, R / 128) and qt_scales (R / 128, C / 128), each the other's transpose.
 
 Each program owns `steps` 128 x 128 tiles of x and streams them through a `stages`-deep ring of shared memory by
 TMA. One warpgroup loads a tile into registers twice: as it is (each row of x is a block of q) and transposed, by a
 transposed 16-bit shared-memory load (ldmatrix.trans on Hopper), so that each row of the register tile is a column
-of x, a block of q^T. Either way the block's amax is a row reduction inside a warp, and both fp8 tiles are stored
-into shared memory untransposed and leave by TMA: no 8-bit data is transposed in registers or through shared memory
-byte by byte, which is where the Triton kernel loses its time. The rows are taken `chunk` at a time (64: half the
-registers of a whole tile per thread).
+of x, a block of q^T. Either way an activation block's amax is a row reduction inside a warp (a weight tile's is
+the maximum of its rows', one reduction across the warpgroup's warps before the tile is cast), and both fp8 tiles
+are stored into shared memory untransposed and leave by TMA: no 8-bit data is transposed in registers or through
+shared memory byte by byte, which is where the Triton kernel loses its time. The rows are taken `chunk` at a time
+(64: half the registers of a whole tile per thread).
 
 Several programs share an SM (one warpgroup each; `smem_bytes` sets how many fit): one's loads overlap another's
 arithmetic, as the ring overlaps a program's own next tiles with its current one.
@@ -34,6 +37,7 @@ from pallas_fused.fp8.kernel import _abs_key, _key_amax, fp8_cast
 from pallas_fused.fp8.reference import block_scale_from_amax, finite_abs
 
 TILE = 128  # the block length of both copies: a program's tile is TILE x TILE elements of x
+SCALE_WORDS = 4  # a weight tile's scale is stored this many times over: TMA moves 16 bytes at least
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,13 +51,16 @@ class QuantizeConfig:
     key_amax: bool = True
 
 
-# The launch of a GPU without a tuning table: the H200's (pallas_fused/tuning/nvidia_h200.json cites the sweep).
-HEURISTIC = {"launch": dataclasses.asdict(QuantizeConfig())}
+# The launches of a GPU without a tuning table, for activations ("launch") and weights: the H200's
+# (pallas_fused/tuning/nvidia_h200.json cites the sweeps).
+HEURISTIC = {"launch": dataclasses.asdict(QuantizeConfig()),
+             "weight": dataclasses.asdict(QuantizeConfig(chunk=128, key_amax=False))}
 
 
-def launch_config() -> QuantizeConfig:
-    """This device kind's launch (its tuning table's "fp8_blockwise_sm90", else HEURISTIC)."""
-    return QuantizeConfig(**_backend.tuned("fp8_blockwise_sm90", HEURISTIC)["launch"])
+def launch_config(square: bool = False) -> QuantizeConfig:
+    """This device kind's launch for activations or (`square`) weights (its tuning table's "fp8_blockwise_sm90",
+    else HEURISTIC)."""
+    return QuantizeConfig(**_backend.tuned("fp8_blockwise_sm90", HEURISTIC)["weight" if square else "launch"])
 
 
 def smem_bytes(config: QuantizeConfig) -> int:
@@ -68,12 +75,17 @@ def supported(r: int, c: int, x_dtype=jnp.bfloat16) -> bool:
             and jnp.dtype(x_dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)))
 
 
-def _quantize_rows(x, dtype, power_of_2: bool, cast, reciprocal, key_amax: bool):
-    """A (rows, TILE) fp32 register tile, one block per row -> (codes, the rows' scales)."""
+def _row_amax(x, key_amax: bool):
+    """The amax of each row of an fp32 register tile, as an integer key (`kernel._abs_key`) or as fp32."""
+    return jnp.max(_abs_key(x), axis=1) if key_amax else jnp.max(finite_abs(x), axis=1)
+
+
+def _quantize_rows(x, dtype, power_of_2: bool, cast, reciprocal, key_amax: bool, amax=None):
+    """A (rows, TILE) fp32 register tile, one block per row (or of one tile: `amax`, its amax given per row, as
+    `_row_amax` gives it) -> (codes, the rows' scales)."""
+    amax = _row_amax(x, key_amax) if amax is None else amax
     if key_amax:
-        amax = _key_amax(jnp.max(_abs_key(x), axis=1))
-    else:
-        amax = jnp.max(finite_abs(x), axis=1)
+        amax = _key_amax(amax)
     scale = block_scale_from_amax(amax, dtype, power_of_2)
     # The cast is x * (1 / scale) with the reciprocal correctly rounded, as the Triton kernel's: a last-bit error moves
     # the codes of values at a rounding tie, which bf16 inputs hit (subnormal fp8 codes above all).
@@ -81,8 +93,8 @@ def _quantize_rows(x, dtype, power_of_2: bool, cast, reciprocal, key_amax: bool)
     return cast(x * lax.broadcast_in_dim(inv, x.shape, [0])), scale
 
 
-def _kernel(x_gmem, q_gmem, qs_gmem, qt_gmem, qts_gmem, *, config: QuantizeConfig, programs: int, dtype,
-            power_of_2: bool, cast, reciprocal):
+def _kernel(x_gmem, q_gmem, qt_gmem, *scale_gmem, config: QuantizeConfig, programs: int, dtype,
+            power_of_2: bool, cast, reciprocal, square: bool):
     plgpu = _backend.mosaic_gpu()
     n_cols = x_gmem.shape[1] // TILE
     steps, stages, slots, chunk = config.steps, config.stages, config.out_slots, config.chunk
@@ -117,19 +129,32 @@ def _kernel(x_gmem, q_gmem, qs_gmem, qt_gmem, qts_gmem, *, config: QuantizeConfi
             # The output slot is free once the TMA stores of the tile that last used it have read it.
             plgpu.wait_smem_to_gmem(slots - 1, wait_read_only=True)
             tile = x_smem.at[slot]
+
+            def load_rows(k):
+                return _backend.mosaic_load(tile.at[pl.ds(k * chunk, chunk)],
+                                            layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+
+            tile_amax = None
+            if square:
+                # The tile's amax, before any of it is cast: the rows' amaxes (the chunks' maximum row by row), then
+                # their maximum across the warps, given to every row.
+                for k in range(TILE // chunk):
+                    a = _row_amax(load_rows(k), config.key_amax)
+                    tile_amax = a if tile_amax is None else jnp.maximum(tile_amax, a)
+                tile_amax = jnp.broadcast_to(jnp.max(tile_amax), tile_amax.shape)
             for k in range(TILE // chunk):
                 part = pl.ds(k * chunk, chunk)
-                # q: rows [k, k + chunk) of the tile, one block per row
-                x = _backend.mosaic_load(tile.at[part], layout=plgpu.Layout.WGMMA).astype(jnp.float32)
-                q, scale = _quantize_rows(x, dtype, power_of_2, cast, reciprocal, config.key_amax)
+                # q: rows [k, k + chunk) of the tile, one block per row (or the tile's)
+                q, scale = _quantize_rows(load_rows(k), dtype, power_of_2, cast, reciprocal, config.key_amax, tile_amax)
                 q_smem[out, 0, part] = q
                 s_smem[out, 0, part] = scale
                 # q^T: columns [k, k + chunk) of the tile, loaded transposed, one block per (register) row
                 xt = _backend.mosaic_load(tile.at[:, part].transpose((1, 0)), layout=plgpu.Layout.WGMMA_TRANSPOSED)
                 xt = plgpu.layout_cast(xt, plgpu.Layout.WGMMA).astype(jnp.float32)
-                qt, scale_t = _quantize_rows(xt, dtype, power_of_2, cast, reciprocal, config.key_amax)
+                qt, scale_t = _quantize_rows(xt, dtype, power_of_2, cast, reciprocal, config.key_amax, tile_amax)
                 q_smem[out, 1, part] = qt
-                s_smem[out, 1, part] = scale_t
+                if not square:
+                    s_smem[out, 1, part] = scale_t
             # Every thread's shared-memory reads of the x tile and writes of the outputs are done (a warpgroup
             # barrier, then the fence that orders them before the TMA engine's accesses).
             plgpu.commit_smem()
@@ -141,8 +166,16 @@ def _kernel(x_gmem, q_gmem, qs_gmem, qt_gmem, qts_gmem, *, config: QuantizeConfi
             rows, cols = pl.ds(i * TILE, TILE), pl.ds(j * TILE, TILE)
             plgpu.copy_smem_to_gmem(q_smem.at[out, 0], q_gmem.at[rows, cols], commit_group=False)
             plgpu.copy_smem_to_gmem(q_smem.at[out, 1], qt_gmem.at[cols, rows], commit_group=False)
-            plgpu.copy_smem_to_gmem(s_smem.at[out, 0], qs_gmem.at[j, rows], commit_group=False)
-            plgpu.copy_smem_to_gmem(s_smem.at[out, 1], qts_gmem.at[i, cols], commit_group=False)
+            if square:
+                # The tile's one scale, as the smallest TMA store (16 bytes: SCALE_WORDS copies of it), into
+                # qt_scales' tile (i, j); q_scales is its transpose.
+                [ts_gmem] = scale_gmem
+                plgpu.copy_smem_to_gmem(s_smem.at[out, 0, pl.ds(0, SCALE_WORDS)],
+                                        ts_gmem.at[i, pl.ds(j * SCALE_WORDS, SCALE_WORDS)], commit_group=False)
+            else:
+                qs_gmem, qts_gmem = scale_gmem
+                plgpu.copy_smem_to_gmem(s_smem.at[out, 0], qs_gmem.at[j, rows], commit_group=False)
+                plgpu.copy_smem_to_gmem(s_smem.at[out, 1], qts_gmem.at[i, cols], commit_group=False)
             plgpu.commit_smem_to_gmem_group()
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -153,15 +186,16 @@ def _steps(n_tiles: int, want: int) -> int:
     return max(d for d in range(1, min(want, n_tiles) + 1) if n_tiles % d == 0)
 
 
-@functools.partial(jax.jit, static_argnames=("dtype", "power_of_2", "interpret", "config"))
+@functools.partial(jax.jit, static_argnames=("dtype", "power_of_2", "interpret", "config", "square"))
 def quantize_blockwise_sm90(x, *, dtype, power_of_2: bool = False, interpret: bool = False,
-                            config: QuantizeConfig | None = None):
+                            config: QuantizeConfig | None = None, square: bool = False):
     """(q, q_scales, q^T, qt_scales) of a 2-D x (R, C), R and C multiples of 128: exactly
-    `kernel.quantize_blockwise(x, dtype=dtype, block_n=(1, 128), block_t=(128, 1), power_of_2=power_of_2)`.
+    `kernel.quantize_blockwise(x, dtype=dtype, block_n=(1, 128), block_t=(128, 1), power_of_2=power_of_2)`, or with
+    `square`, a weight's 128 x 128 tiles: `block_n=block_t=(128, 128)`.
 
     interpret=True runs the kernel in Mosaic GPU's interpret mode on the CPU (jax >= 0.12; slow, for tests)."""
     name = "pallas_fused_fp8_quantize_blockwise_sm90"
-    config = config or launch_config()
+    config = config or launch_config(square)
     dtype = jnp.dtype(dtype)
     if x.ndim != 2 or not supported(*x.shape, x.dtype):
         raise ValueError(f"{name}: x must be 2-D bfloat16 or float16 with both dimensions positive multiples of "
@@ -181,16 +215,24 @@ def quantize_blockwise_sm90(x, *, dtype, power_of_2: bool = False, interpret: bo
 
     def body(*refs):
         _kernel(*refs, config=config, programs=programs, dtype=dtype, power_of_2=power_of_2, cast=cast,
-                reciprocal=reciprocal)
+                reciprocal=reciprocal, square=square)
 
     body.__name__ = body.__qualname__ = name  # the kernel's name in profiles
+    if square:  # one scale per tile, SCALE_WORDS times over, in qt_scales' layout (q_scales is its transpose)
+        scales = (jax.ShapeDtypeStruct((r // TILE, c // TILE * SCALE_WORDS), f32),)
+    else:
+        scales = (jax.ShapeDtypeStruct((c // TILE, r), f32), jax.ShapeDtypeStruct((r // TILE, c), f32))
     kernel = plgpu.kernel(
         body,
-        out_type=(jax.ShapeDtypeStruct((r, c), dtype), jax.ShapeDtypeStruct((c // TILE, r), f32),
-                  jax.ShapeDtypeStruct((c, r), dtype), jax.ShapeDtypeStruct((r // TILE, c), f32)),
+        out_type=(jax.ShapeDtypeStruct((r, c), dtype), jax.ShapeDtypeStruct((c, r), dtype), *scales),
         grid=(programs,),
         grid_names=("program",),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         **(dict(interpret=_backend.mosaic_interpret(name)) if interpret else {}),
     )
-    return kernel(x)
+    if square:
+        q, qt, qt_scales = kernel(x)
+        qt_scales = qt_scales[:, ::SCALE_WORDS]
+        return q, qt_scales.T, qt, qt_scales
+    q, qt, q_scales, qt_scales = kernel(x)
+    return q, q_scales, qt, qt_scales
