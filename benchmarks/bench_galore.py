@@ -438,7 +438,8 @@ def user_path(rec, quick):
     cases = [(4096, 4096, 32, jnp.float32), (4096, 4096, 128, jnp.float32), (4096, 4096, 512, jnp.float32),
              (4096, 11008, 128, jnp.float32), (4096, 4096, 128, jnp.bfloat16), (4096, 11008, 128, jnp.bfloat16)]
     if not quick:
-        cases += [(4096, 11008, 32, jnp.float32), (4096, 11008, 512, jnp.float32), (4096, 4096, 512, jnp.bfloat16)]
+        cases += [(4096, 11008, 32, jnp.float32), (4096, 11008, 512, jnp.float32), (4096, 4096, 32, jnp.bfloat16),
+                  (4096, 4096, 512, jnp.bfloat16), (4096, 11008, 32, jnp.bfloat16), (4096, 11008, 512, jnp.bfloat16)]
     for M, N, r, dtype in cases:
         (M, N), r = _d(M, N), _r(r)
         shapes = {"w": (M, N)}
