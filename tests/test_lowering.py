@@ -134,7 +134,7 @@ def test_fp8_dense(cc, recipe):
 @pytest.mark.parametrize("pow2", [False, True], ids=["fp32_scales", "pow2_scales"])
 def test_fp8_blockwise(cc, pow2):
     """The blockwise recipe on Hopper: the one-pass quantize kernels (x and dy in both layouts, W once: three calls,
-    x's and dy's the Mosaic GPU kernel at 128-multiple shapes, else Triton's) and each of the layer's three GEMMs
+    the Mosaic GPU kernel at 128-multiple shapes, else Triton's) and each of the layer's three GEMMs
     (y = x W, dx = dy W^T, dW = x^T dy) one launch of the blockwise Mosaic GPU kernel, at tile-multiple and at ragged
     shapes (padded by the api), through fp8_linear and the linen drop-in. Before Ada (no fp8) all of it is XLA's and
     "pallas" is refused."""
@@ -158,11 +158,12 @@ def test_fp8_blockwise(cc, pow2):
             with pytest.raises(_backend.ImplementationError, match="8.9"):
                 kernels(lambda x, w: fp8_linear(x, w, config, implementation="pallas"), x, w)
             continue
-        quant = 2 if tokens % 128 == din % 128 == dout % 128 == 0 else 0  # x's and dy's quantize on Mosaic GPU
+        tiled = tokens % 128 == din % 128 == dout % 128 == 0
+        quant = 3 if tiled else 0  # x's, dy's and W's quantize on Mosaic GPU
         assert sum(found.count(t) for t in MOSAIC) == 3 + quant and found.count(TRITON) == 3 - quant, found
         assert name in module and "pallas_fused_fp8_scaled_matmul_sm90" not in module
-        backward = kernels(jax.grad(layer, 1), x, w)  # dW only: the forward GEMM is dead, dx's too
-        assert sum(backward.count(t) for t in MOSAIC) == 1 + quant, backward
+        backward = kernels(jax.grad(layer, 1), x, w)  # dW only: the forward GEMM is dead, dx's and W's quantize too
+        assert sum(backward.count(t) for t in MOSAIC) == 1 + (2 if tiled else 0), backward
         interpret = kernels(lambda x, w: fp8_linear(x, w, config, implementation="interpret"), x, w)
         assert not any(t in interpret for t in MOSAIC), interpret  # Mosaic GPU has no interpreter: XLA's GEMMs
         dense = nn.Dense(dout, dtype=jnp.bfloat16, dot_general_cls=functools.partial(Float8DotGeneral, config=config))
