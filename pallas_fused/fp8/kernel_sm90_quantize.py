@@ -80,17 +80,17 @@ def _row_amax(x, key_amax: bool):
     return jnp.max(_abs_key(x), axis=1) if key_amax else jnp.max(finite_abs(x), axis=1)
 
 
-def _quantize_rows(x, dtype, power_of_2: bool, cast, reciprocal, key_amax: bool, amax=None):
-    """A (rows, TILE) fp32 register tile, one block per row (or of one tile: `amax`, its amax given per row, as
-    `_row_amax` gives it) -> (codes, the rows' scales)."""
-    amax = _row_amax(x, key_amax) if amax is None else amax
-    if key_amax:
-        amax = _key_amax(amax)
-    scale = block_scale_from_amax(amax, dtype, power_of_2)
-    # The cast is x * (1 / scale) with the reciprocal correctly rounded, as the Triton kernel's: a last-bit error moves
-    # the codes of values at a rounding tie, which bf16 inputs hit (subnormal fp8 codes above all).
-    inv = reciprocal(scale)
-    return cast(x * lax.broadcast_in_dim(inv, x.shape, [0])), scale
+def _block_scales(amax, dtype, power_of_2: bool, reciprocal, key_amax: bool):
+    """(scale, 1 / scale) of blocks from their amaxes as `_row_amax` gives them. The cast is x * (1 / scale) with
+    the reciprocal correctly rounded, as the Triton kernel's: a last-bit error moves the codes of values at a
+    rounding tie, which bf16 inputs hit (subnormal fp8 codes above all)."""
+    scale = block_scale_from_amax(_key_amax(amax) if key_amax else amax, dtype, power_of_2)
+    return scale, reciprocal(scale)
+
+
+def _cast_rows(x, inv, cast):
+    """A (rows, TILE) fp32 register tile cast to fp8, each row times its block's 1 / scale."""
+    return cast(x * lax.broadcast_in_dim(inv, x.shape, [0]))
 
 
 def _kernel(x_gmem, q_gmem, qt_gmem, *scale_gmem, config: QuantizeConfig, programs: int, dtype,
@@ -134,27 +134,33 @@ def _kernel(x_gmem, q_gmem, qt_gmem, *scale_gmem, config: QuantizeConfig, progra
                 return _backend.mosaic_load(tile.at[pl.ds(k * chunk, chunk)],
                                             layout=plgpu.Layout.WGMMA).astype(jnp.float32)
 
-            tile_amax = None
+            def scales(x):
+                return _block_scales(_row_amax(x, config.key_amax), dtype, power_of_2, reciprocal, config.key_amax)
+
             if square:
-                # The tile's amax, before any of it is cast: the rows' amaxes (the chunks' maximum row by row), then
-                # their maximum across the warps, given to every row.
+                # The tile's one scale, before any of it is cast: the rows' amaxes (the chunks' maximum row by row),
+                # then their maximum across the warps, given to every row of every chunk and of both copies.
+                tile_amax = None
                 for k in range(TILE // chunk):
                     a = _row_amax(load_rows(k), config.key_amax)
                     tile_amax = a if tile_amax is None else jnp.maximum(tile_amax, a)
                 tile_amax = jnp.broadcast_to(jnp.max(tile_amax), tile_amax.shape)
+                scale, inv = _block_scales(tile_amax, dtype, power_of_2, reciprocal, config.key_amax)
             for k in range(TILE // chunk):
                 part = pl.ds(k * chunk, chunk)
                 # q: rows [k, k + chunk) of the tile, one block per row (or the tile's)
-                q, scale = _quantize_rows(load_rows(k), dtype, power_of_2, cast, reciprocal, config.key_amax, tile_amax)
-                q_smem[out, 0, part] = q
+                x = load_rows(k)
+                if not square:
+                    scale, inv = scales(x)
+                q_smem[out, 0, part] = _cast_rows(x, inv, cast)
                 s_smem[out, 0, part] = scale
                 # q^T: columns [k, k + chunk) of the tile, loaded transposed, one block per (register) row
                 xt = _backend.mosaic_load(tile.at[:, part].transpose((1, 0)), layout=plgpu.Layout.WGMMA_TRANSPOSED)
                 xt = plgpu.layout_cast(xt, plgpu.Layout.WGMMA).astype(jnp.float32)
-                qt, scale_t = _quantize_rows(xt, dtype, power_of_2, cast, reciprocal, config.key_amax, tile_amax)
-                q_smem[out, 1, part] = qt
                 if not square:
-                    s_smem[out, 1, part] = scale_t
+                    scale, inv = scales(xt)
+                    s_smem[out, 1, part] = scale
+                q_smem[out, 1, part] = _cast_rows(xt, inv, cast)
             # Every thread's shared-memory reads of the x tile and writes of the outputs are done (a warpgroup
             # barrier, then the fence that orders them before the TMA engine's accesses).
             plgpu.commit_smem()
