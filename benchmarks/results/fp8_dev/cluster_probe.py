@@ -1,6 +1,6 @@
 """The sm90 FP8 GEMM's 2-CTA cluster against torch._scaled_mm (development probe).
 
-    python -m benchmarks.results.fp8_dev.cluster_probe OUT_DIR [quick] [MxKxN[:tensorwise|:rowwise] ...]
+    python -m benchmarks.results.fp8_dev.cluster_probe OUT_DIR [quick] [ctas] [MxKxN[:tensorwise|:rowwise] ...]
 
 At each shape (M x K x N: a (M, K), bt (N, K); default: the shapes where the kernel trails cuBLAS, 8192^3 and
 16384x4096x4096, with their granularity) it times, in one process: torch._scaled_mm (bf16 out, use_fast_accum=True;
@@ -14,7 +14,9 @@ XLA's fp8 dot with the same scales first; a mismatch is recorded as such and not
 config): ms, TFLOP/s and the ratio to torch; rows go to OUT_DIR/cluster_probe.json as they come. Configs that start
 after BUDGET_S seconds (default 420) are skipped, and each shape's grid variants stop at its share of that budget,
 so the probe ends within a device call's limit; quick mode times the three cluster variants only, with fewer
-calls.
+calls. "ctas" adds 128 x 128 CTA tiles (tile_n 64 split along N, or tile_m 64 split along M; 4 or 6 stages, with
+and without the cluster along M) and the tuned tile walking the grid along M, the tiles torch's rowwise CUTLASS
+kernel and cuBLAS pick at the shapes where the tuned tile trails them.
 """
 
 from __future__ import annotations
@@ -41,13 +43,13 @@ MAX_REL_ERR = 2e-2  # bf16 output rounding is ~4e-3 of the largest entry; a wron
 
 
 def parse(args):
-    quick = "quick" in args
+    quick, ctas = "quick" in args, "ctas" in args
     shapes = []
-    for arg in (a for a in args if a != "quick"):
+    for arg in (a for a in args if a not in ("quick", "ctas")):
         dims, _, gran = arg.partition(":")
         m, k, n = (int(d) for d in dims.split("x"))
         shapes += [(m, k, n, g) for g in ([gran] if gran else ["tensorwise", "rowwise"])]
-    return quick, shapes or SHAPES
+    return quick, ctas, shapes or SHAPES
 
 
 def label(config, tuned) -> str:
@@ -57,9 +59,16 @@ def label(config, tuned) -> str:
     return "tuned" + (" " + " ".join(diff) if diff else "")
 
 
-def variants(tuned):
-    """The tuned tile with a cluster along M / N or none."""
-    return [dataclasses.replace(tuned, cluster=c) for c in (None, "m", "n")]
+def variants(tuned, ctas=False):
+    """The tuned tile with a cluster along M / N or none; with `ctas`, the 128 x 128 CTA tiles too."""
+    out = [dataclasses.replace(tuned, cluster=c) for c in (None, "m", "n")]
+    if ctas:
+        out.append(dataclasses.replace(tuned, grid_minor_dim="m"))
+        for split, tm, tn in (("n", 128, 64), ("m", 64, 128)):
+            for stages, cluster in ((4, "m"), (6, "m"), (6, None)):
+                out.append(dataclasses.replace(tuned, tile_m=tm, tile_n=tn, wg_split=split,
+                                               max_concurrent_steps=stages, cluster=cluster))
+    return out
 
 
 def neighbours(config):
@@ -68,7 +77,7 @@ def neighbours(config):
     return out + [dataclasses.replace(config, wg_split="m" if config.wg_split == "n" else "n")]
 
 
-def probe_shape(record, m, k, n, gran, quick, start, budget, share):
+def probe_shape(record, m, k, n, gran, quick, start, budget, share, ctas=False):
     """Every line of one shape; the neighbours phase stops `share` seconds after the probe's start."""
     case, flops = f"{m}x{k}x{n} {gran}", 2 * m * n * k
     count = _sets(m, k, n)
@@ -131,7 +140,7 @@ def probe_shape(record, m, k, n, gran, quick, start, budget, share):
         fn = functools.partial(kernel_sm90.scaled_matmul_nt, out_dtype=jnp.bfloat16, config=config)
         return timed(label(config, tuned), fn, vec_sets, config=dataclasses.asdict(config))
 
-    results = {c: kernel(c) for c in variants(tuned)}
+    results = {c: kernel(c) for c in dict.fromkeys(variants(tuned, ctas))}
     if not quick:
         best = sorted((ms, i, c) for i, (c, ms) in enumerate(results.items()) if ms is not None)[:2]
         for _, _, base in best:
@@ -146,14 +155,14 @@ def probe_shape(record, m, k, n, gran, quick, start, budget, share):
 
 
 def main():
-    out_dir, (quick, shapes) = sys.argv[1], parse(sys.argv[2:])
+    out_dir, (quick, ctas, shapes) = sys.argv[1], parse(sys.argv[2:])
     os.makedirs(out_dir, exist_ok=True)
     record = probe_recorder(os.path.join(out_dir, "cluster_probe.json"))
     start, budget = time.time(), float(os.environ.get("BUDGET_S", 420))
-    print(jax.devices(), f"quick={quick}", flush=True)
+    print(jax.devices(), f"quick={quick} ctas={ctas}", flush=True)
     for index, (m, k, n, gran) in enumerate(shapes):
         # the neighbours of later shapes keep their share of the time
-        probe_shape(record, m, k, n, gran, quick, start, budget, share=budget * (index + 1) / len(shapes))
+        probe_shape(record, m, k, n, gran, quick, start, budget, share=budget * (index + 1) / len(shapes), ctas=ctas)
     print(f"cluster_probe: {time.time() - start:.0f} s", flush=True)
 
 
