@@ -80,8 +80,29 @@ def _sets(m, k, n):
     return min(8, max(1, math.ceil(L2_PASS_BYTES / (m * k + n * k + 2 * m * n))))
 
 
+def operand_pairs(m, k, n, count):
+    """`count` distinct bf16 operand pairs (a (M, K), w_t (N, K)) of one GEMM shape."""
+    return [(rnd(10 * i + 1, (m, k), jnp.bfloat16), rnd(10 * i + 2, (n, k), jnp.bfloat16)) for i in range(count)]
+
+
+def quantized_sets(pairs, axis):
+    """The user's operand sets, `quantize` of each pair along `axis` (-1 rowwise, None tensorwise): (a8, bt8, sa, sb)
+    with sa (M, 1) / (N, 1) or scalar scales; and the same with the scales as (M,) / (N,) vectors, as the kernel-only
+    rows take them."""
+    from pallas_fused.fp8 import quantize
+
+    user_sets, vec_sets = [], []
+    for a, wt in pairs:
+        a8, sa = quantize(a, E4, axis)
+        bt8, sb = quantize(wt, E4, axis)
+        user_sets.append((a8, bt8, sa, sb))
+        vec_sets.append((a8, bt8, jnp.broadcast_to(sa.reshape(-1), a.shape[:1]),
+                         jnp.broadcast_to(sb.reshape(-1), wt.shape[:1])))
+    return user_sets, vec_sets
+
+
 def _matmul(rec, quick):
-    from pallas_fused.fp8 import api, kernel, quantize, scaled_matmul_nt
+    from pallas_fused.fp8 import api, kernel, scaled_matmul_nt
 
     shapes = SHAPES if quick else SHAPES + [(16384, 4096, 4096)]
     only = os.environ.get("FP8_SHAPES")  # e.g. "2048x16384x512,8192x8192x8192" (M x K x N): a subset
@@ -89,20 +110,14 @@ def _matmul(rec, quick):
         shapes = [tuple(int(d) for d in name.split("x")) for name in only.split(",")]
     for m, k, n in shapes:
         count = _sets(m, k, n)
-        hp = [(rnd(10 * i + 1, (m, k), jnp.bfloat16), rnd(10 * i + 2, (n, k), jnp.bfloat16)) for i in range(count)]
+        hp = operand_pairs(m, k, n, count)
         flops = 2 * m * n * k
         # ~10 ms of GPU work per timed batch (at ~1300 TFLOP/s), so the small GEMMs (0.03-0.1 ms) are not noise.
         calls = max(3 if quick else 10, min(200, int(10e-3 * 1300e12 / flops)) // count)
         n_rep = dict(n=calls, reps=3 if quick else 5)
         for gran in ("rowwise", "tensorwise"):
             axis = -1 if gran == "rowwise" else None
-            user_sets, vec_sets = [], []
-            for a, wt in hp:
-                a8, sa = quantize(a, E4, axis)  # sa: (M, 1) or ()
-                bt8, sb = quantize(wt, E4, axis)  # sb: (N, 1) or ()
-                user_sets.append((a8, bt8, sa, sb))
-                vec_sets.append((a8, bt8, jnp.broadcast_to(sa.reshape(-1), (m,)),
-                                 jnp.broadcast_to(sb.reshape(-1), (n,))))
+            user_sets, vec_sets = quantized_sets(hp, axis)
             case = f"{m}x{k}x{n} {gran}"
             sm90 = functools.partial(api._mm_nt, out_dtype=jnp.bfloat16, fast_accum=True, impl="pallas:sm90")
             # the reference: XLA's fp8 dot (cuBLASLt) to fp32, then an fp32 rescale pass

@@ -31,9 +31,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.bench_fp8 import _sets, torch_scaled_mm_fn
-from benchmarks.common import bench, bench_torch, error_text, probe_recorder, rnd
-from pallas_fused.fp8 import api, kernel_sm90, quantize, scaled_matmul_nt
+from benchmarks.bench_fp8 import _sets, operand_pairs, quantized_sets, torch_scaled_mm_fn
+from benchmarks.common import bench, bench_torch, error_text, probe_recorder
+from pallas_fused.fp8 import api, kernel_sm90, scaled_matmul_nt
 
 E4 = jnp.float8_e4m3fn
 SHAPES = [(16384, 512, 2048, "tensorwise"), (16384, 2048, 512, "tensorwise"), (16384, 4096, 11008, "tensorwise"),
@@ -85,12 +85,7 @@ def probe_shape(record, m, k, n, gran, quick, start, budget, share, ctas=False):
     calls = max(3 if quick else 10, min(200, int(10e-3 * 1300e12 / flops)) // count)
     reps = 2 if quick else 3
     axis = None if gran == "tensorwise" else -1
-    user_sets, vec_sets = [], []
-    for i in range(count):
-        a8, sa = quantize(rnd(10 * i + 1, (m, k), jnp.bfloat16), E4, axis)
-        bt8, sb = quantize(rnd(10 * i + 2, (n, k), jnp.bfloat16), E4, axis)
-        user_sets.append((a8, bt8, sa, sb))
-        vec_sets.append((a8, bt8, jnp.broadcast_to(sa.reshape(-1), (m,)), jnp.broadcast_to(sb.reshape(-1), (n,))))
+    user_sets, vec_sets = quantized_sets(operand_pairs(m, k, n, count), axis)
     want = np.asarray(api._mm_nt(*vec_sets[0], jnp.bfloat16, True, "xla"), np.float32)
     scale = float(np.abs(want).max())
 

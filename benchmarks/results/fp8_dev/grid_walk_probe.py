@@ -22,23 +22,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.bench_fp8 import SHAPES, _sets, torch_scaled_mm_fn
-from benchmarks.common import amortized, bench_interleaved, probe_command_line, rnd, torch_sync
-from pallas_fused.fp8 import api, kernel_sm90, quantize
+from benchmarks.bench_fp8 import SHAPES, _sets, operand_pairs, quantized_sets, torch_scaled_mm_fn
+from benchmarks.common import amortized, bench_interleaved, probe_command_line, torch_sync
+from pallas_fused.fp8 import api, kernel_sm90
 
-E4 = jnp.float8_e4m3fn
 MAX_REL_ERR = 2e-2  # bf16 output rounding is ~4e-3 of the largest entry; a wrong tile or scale is O(1)
 
 
 def probe_shape(record, m, k, n, gran):
     case, flops, count = f"{m}x{k}x{n} {gran}", 2 * m * n * k, _sets(m, k, n)
     axis = None if gran == "tensorwise" else -1
-    user_sets, vec_sets = [], []
-    for i in range(count):
-        a8, sa = quantize(rnd(10 * i + 1, (m, k), jnp.bfloat16), E4, axis)
-        bt8, sb = quantize(rnd(10 * i + 2, (n, k), jnp.bfloat16), E4, axis)
-        user_sets.append((a8, bt8, sa, sb))
-        vec_sets.append((a8, bt8, jnp.broadcast_to(sa.reshape(-1), (m,)), jnp.broadcast_to(sb.reshape(-1), (n,))))
+    user_sets, vec_sets = quantized_sets(operand_pairs(m, k, n, count), axis)
     want = np.asarray(api._mm_nt(*vec_sets[0], jnp.bfloat16, True, "xla"), np.float32)
     tuned = api.sm90_config(m, n, k)
     other = dataclasses.replace(tuned, grid_minor_dim="m" if tuned.grid_minor_dim == "n" else "n")
