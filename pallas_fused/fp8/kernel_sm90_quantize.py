@@ -139,17 +139,16 @@ def _kernel(x_gmem, q_gmem, qt_gmem, *scale_gmem, config: QuantizeConfig, progra
 
             if square:
                 # The tile's one scale, before any of it is cast: the rows' amaxes (the chunks' maximum row by row),
-                # then their maximum across the warps, given to every row of every chunk and of both copies.
-                tile_amax = None
-                for k in range(TILE // chunk):
-                    a = _row_amax(load_rows(k), config.key_amax)
-                    tile_amax = a if tile_amax is None else jnp.maximum(tile_amax, a)
+                # then their maximum across the warps, given to every row of every chunk and of both copies. The
+                # chunks stay in registers for q's cast (the whole tile, as the tuned weight launch loads it anyway).
+                rows_of = [load_rows(k) for k in range(TILE // chunk)]
+                tile_amax = functools.reduce(jnp.maximum, [_row_amax(x, config.key_amax) for x in rows_of])
                 tile_amax = jnp.broadcast_to(jnp.max(tile_amax), tile_amax.shape)
                 scale, inv = _block_scales(tile_amax, dtype, power_of_2, reciprocal, config.key_amax)
             for k in range(TILE // chunk):
                 part = pl.ds(k * chunk, chunk)
                 # q: rows [k, k + chunk) of the tile, one block per row (or the tile's)
-                x = load_rows(k)
+                x = rows_of[k] if square else load_rows(k)
                 if not square:
                     scale, inv = scales(x)
                 q_smem[out, 0, part] = _cast_rows(x, inv, cast)

@@ -32,7 +32,7 @@ CONFIGS = (  # (steps, stages, out_slots, chunk, key_amax); shared memory sets t
     C(8, 3, 1, 64, False), C(16, 4, 1, 64, False), C(16, 2, 2, 64, False),  # 1 per SM, deeper rings
     C(32, 3, 2, 64, False),
 )
-WEIGHT_CONFIGS = (  # a weight tile is read three times from shared memory (its amax first): fewer knobs matter
+WEIGHT_CONFIGS = (  # a weight tile's amax comes before its cast, one tile at a time: fewer knobs matter
     C(1, 1, 1, 64, True), C(1, 1, 1, 128, True), C(1, 1, 1, 64, False), C(1, 1, 1, 128, False),
     C(4, 2, 1, 64, True), C(8, 2, 1, 128, True),
 )
