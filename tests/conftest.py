@@ -44,7 +44,57 @@ LONGEST_FIRST = (
 )
 
 
+def pytest_addoption(parser):
+    parser.addoption("--case-split", default=None, metavar="K/N",
+                     help="run, of each parametrized test, the cases whose index is K modulo N (every test keeps at "
+                          "least one case); unparametrized tests and `slow` cases always run. `make test`'s two legs "
+                          "take 0/2 and 1/2, so every case runs on one jax version and every test on both (the newest "
+                          "leg runs no `slow` case, so the floor leg runs them all).")
+
+
+def parse_case_split(spec: str) -> tuple[int, int]:
+    """--case-split's "K/N" -> (K, N); a pytest.UsageError naming the option otherwise."""
+    try:
+        k, n = (int(x) for x in spec.split("/"))
+        if 0 <= k < n:
+            return k, n
+    except ValueError:
+        pass
+    raise pytest.UsageError(f"--case-split: expected K/N with 0 <= K < N, got {spec!r}")
+
+
+def case_share(nodeids: list[str], always: list[bool], k: int, n: int) -> list[bool]:
+    """Which of the test ids (in collection order) share K of N runs: of each test's cases (ids alike but for their
+    "[...]" part) those whose index is K modulo N, or the last one where K is past their count, so every share runs
+    every test; the `always` ones in every share, outside the count."""
+    keep = list(always)
+    cases: dict[str, list[int]] = {}
+    for i, nodeid in enumerate(nodeids):
+        if not always[i]:
+            cases.setdefault(nodeid.partition("[")[0], []).append(i)
+    for group in cases.values():
+        for i in group[k::n] or group[-1:]:
+            keep[i] = True
+    return keep
+
+
+def _case_split(config, items):
+    """Deselect the cases that --case-split K/N leaves to another run (a `slow` case runs in every share: the newest
+    leg, which takes the other share, runs none)."""
+    spec = config.getoption("--case-split")
+    if not spec:
+        return
+    keep = case_share([item.nodeid for item in items], ["slow" in item.keywords for item in items],
+                      *parse_case_split(spec))
+    dropped = [item for item, kept in zip(items, keep) if not kept]
+    if dropped:
+        items[:] = [item for item, kept in zip(items, keep) if kept]
+        config.hook.pytest_deselected(items=dropped)
+
+
+@pytest.hookimpl(trylast=True)  # after -m and -k have deselected: the split shares out the cases that would run
 def pytest_collection_modifyitems(config, items):
+    _case_split(config, items)
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.nodeid.partition("[")[0], len(rank)))  # stable: the rest keep order
     if _backend.gpu_device() is not None:
