@@ -52,6 +52,11 @@ def pytest_addoption(parser):
                           "leg runs no `slow` case, so the floor leg runs them all).")
 
 
+def parent_id(nodeid: str) -> str:
+    """The test a case's id belongs to: the id without its parameters' "[...]" part."""
+    return nodeid.partition("[")[0]
+
+
 def parse_case_split(spec: str) -> tuple[int, int]:
     """--case-split's "K/N" -> (K, N); a pytest.UsageError naming the option otherwise."""
     try:
@@ -71,7 +76,7 @@ def case_share(nodeids: list[str], always: list[bool], k: int, n: int) -> list[b
     cases: dict[str, list[int]] = {}
     for i, nodeid in enumerate(nodeids):
         if not always[i]:
-            cases.setdefault(nodeid.partition("[")[0], []).append(i)
+            cases.setdefault(parent_id(nodeid), []).append(i)
     for group in cases.values():
         for i in group[k::n] or group[-1:]:
             keep[i] = True
@@ -96,7 +101,7 @@ def _case_split(config, items):
 def pytest_collection_modifyitems(config, items):
     _case_split(config, items)
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.nodeid.partition("[")[0], len(rank)))  # stable: the rest keep order
+    items.sort(key=lambda item: rank.get(parent_id(item.nodeid), len(rank)))  # stable: the rest keep order
     if _backend.gpu_device() is not None:
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

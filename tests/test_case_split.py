@@ -3,7 +3,7 @@ exactly one share, every test in each."""
 
 import pytest
 
-from tests.conftest import case_share, parse_case_split
+from tests.conftest import case_share, parent_id, parse_case_split
 
 IDS = ["a.py::t[0]", "a.py::t[1]", "a.py::t[2]", "a.py::u", "b.py::t[x]", "b.py::v[0]", "b.py::v[1]",
        "b.py::w[big]", "b.py::w[small]"]
@@ -21,7 +21,7 @@ def test_two_shares_cover_every_case_once_and_every_test_twice():
     # a test with one case (unparametrized, or one id) runs in both shares
     assert odd == ["a.py::t[1]", "a.py::u", "b.py::t[x]", "b.py::v[1]", "b.py::w[small]"]
     assert set(even) | set(odd) == set(IDS)
-    tests = lambda ids: {i.partition("[")[0] for i in ids}  # noqa: E731
+    tests = lambda ids: set(map(parent_id, ids))  # noqa: E731
     assert tests(even) == tests(odd) == tests(IDS)
 
 
