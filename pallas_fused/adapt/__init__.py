@@ -1,0 +1,24 @@
+"""Adopt without a rewrite: LoRA, DoRA / QDoRA and FP8 applied by rules to a Flax model someone else wrote.
+
+    from pallas_fused import adapt
+
+    rules = [adapt.DoraRule(module_path=r".*/(q_proj|v_proj)", rank=16, alpha=32.0),
+             adapt.Fp8Rule(module_path=r".*/(up_proj|down_proj)", recipe="rowwise")]
+    lmodel = adapt.apply(model, rules)                       # linen: a new Module, `model` untouched
+    variables = lmodel.init(key, *inputs)
+    variables = adapt.from_pretrained(lmodel, variables, pretrained_params)
+    mask = adapt.trainable(variables)                        # True on the adapters (optax.masked)
+    base_params = adapt.merge(lmodel, variables)             # params of the original model
+
+    nmodel = adapt.apply(nnx_model, rules, *example_inputs, rngs=nnx.Rngs(0))   # NNX: a new model
+    merged = adapt.merge(nmodel)                             # a model of the original class
+
+The matched contractions (`jax.lax.dot_general`, and `jax.numpy.einsum` of two operands) run the library's own
+ops: `dora_dense`, `lora_dense`, `fp8_linear`. See docs/adapt.md.
+"""
+
+from pallas_fused.adapt.api import apply, from_pretrained, merge, reset_magnitudes, trainable, unused_rules
+from pallas_fused.adapt.rules import DoraRule, Fp8Rule, LoraRule, Rule
+
+__all__ = ["DoraRule", "Fp8Rule", "LoraRule", "Rule", "apply", "from_pretrained", "merge", "reset_magnitudes",
+           "trainable", "unused_rules"]

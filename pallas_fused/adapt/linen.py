@@ -1,0 +1,222 @@
+"""flax.linen models: `apply` makes a subclass of the model's class whose methods run with the interception on;
+params live in the model's own params tree, the adapters beside the weights they adapt.
+
+The sites (which weight, which rule, its layout) are learned when the model is traced (`init` or `apply`) and
+kept on the adapted class, where `from_pretrained`, `merge` and `unused_rules` read them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+from flax.core import meta
+
+from pallas_fused.adapt import _core
+from pallas_fused.adapt.rules import DoraRule, Rule, first_match
+
+
+class _Linen(_core.Frontend):
+    def __init__(self, cls):
+        self.cls = cls
+
+    def intercept(self, module, lhs, rhs, dimension_numbers, out_dtype):
+        if not isinstance(module, nn.Module):
+            return None
+        path = "/".join(module.scope.path)
+        params = {k: v for k, v in module.variables.get("params", {}).items() if not isinstance(v, Mapping)}
+        found = _core.find_weight(params, lhs, rhs)
+        if found is None:
+            return None
+        name, side = found
+        if _core.ambiguous(name):
+            if any(first_match(self.cls._pf_rules, path, n) for n in name.split(",")):
+                raise ValueError(f"adapt: at {path}, a contraction's operand has the shape of several params "
+                                 f"({name}) and is none of them as stored: which one to adapt is ambiguous")
+            return None
+        rule = first_match(self.cls._pf_rules, path, name)
+        if rule is None:
+            return None
+        where = f"{path}/{name}"
+        x, x_contract, layout = _core.split_operands(lhs, rhs, dimension_numbers, side, where)
+        site = _core.Site(name, rule, layout)
+        _core.check_site(site, where)
+        known = self.cls._pf_sites.setdefault(where, site)
+        if known != site:
+            raise ValueError(f"adapt: {where} is contracted in two ways ({known.layout} and {layout}): one weight "
+                             f"can be adapted in one layout only")
+        stored = _stored_weight(module, site, where)
+        adapters = _adapters(module, site, stored, where)
+        w2 = layout.to_2d(rhs if side == "rhs" else lhs)
+        return _core.contract(x, x_contract, layout, side, lambda x2: _core.run_site(site, x2, w2, stored, adapters),
+                              out_dtype)
+
+
+def _stored_weight(module, site, where):
+    """The weight as stored (boxed as a QuantizedWeight for QDoRA; quantized on first sight at init)."""
+    w = module.get_variable("params", site.name)
+    fmt = getattr(site.rule, "quantize", None)
+    if fmt is not None and not isinstance(w, _core.QuantizedWeight):
+        if not module.is_mutable_collection("params"):
+            raise ValueError(f"adapt: {where} has a rule with quantize={fmt!r} but its stored weight is not "
+                             f"quantized: load params with adapt.from_pretrained (or lmodel.init)")
+        w = _core.QuantizedWeight.quantize(meta.unbox(w), site.layout, fmt)
+        module.put_variable("params", site.name, w)
+    return w if isinstance(w, _core.QuantizedWeight) else meta.unbox(w)
+
+
+def _adapters(module, site, stored, where):
+    shapes = _core.adapter_shapes(site)
+    missing = [k for k in shapes if not module.has_variable("params", k)]
+    if missing:
+        if not module.is_mutable_collection("params"):
+            raise ValueError(f"adapt: {where} matches {site.rule!r} but the params have no {missing}: use the "
+                             f"variables of lmodel.init, or adapt.from_pretrained(lmodel, variables, pretrained)")
+        fresh = _core.new_adapters(site, stored, module.make_rng("params"))
+        for k in missing:
+            module.put_variable("params", k, fresh[k])
+    out = {k: meta.unbox(module.get_variable("params", k)) for k in shapes}
+    for k, shape in shapes.items():
+        if tuple(jnp.shape(out[k])) != shape:
+            raise ValueError(f"adapt: {where}: params[{k!r}] has shape {tuple(jnp.shape(out[k]))}, {site.rule!r} "
+                             f"needs {shape}")
+    return out
+
+
+def apply(model: nn.Module, rules: tuple[Rule, ...], methods) -> nn.Module:
+    base = getattr(type(model), "_pf_base", type(model))
+    fields: dict[str, Any] = {"_pf_base": base, "_pf_rules": rules, "_pf_sites": {}}
+    cls: Any = None
+    for name in methods:
+        method = getattr(base, name, None)
+        if method is None:
+            raise ValueError(f"adapt.apply: {base.__name__} has no method {name!r}")
+        wrapped = False
+        # flax wraps module methods (nn.module.wrap_method_once) to enter the module's scope; intercepting the
+        # inner method keeps the interception inside that scope
+        while hasattr(method, "method_handler_wrapped"):
+            method, wrapped = method.__wrapped__, True
+        method = _core.adapted_method(method, lambda self: _Linen(type(self)))
+        fields[name] = nn.module.wrap_method_once(method) if wrapped else method
+    cls = type(base.__name__, (base,), fields)
+    cls.__qualname__ = base.__qualname__
+    adapted = model.clone()
+    object.__setattr__(adapted, "__class__", cls)
+    return adapted
+
+
+def _sites(lmodel) -> dict[str, _core.Site]:
+    sites = getattr(type(lmodel), "_pf_sites", None)
+    if sites is None:
+        raise ValueError(f"expected a model from adapt.apply, got {type(lmodel).__name__}")
+    if not sites:
+        raise ValueError("adapt: the model has not been traced yet, so no weight is known to be adapted: call "
+                         "lmodel.init(key, *inputs) first")
+    return sites
+
+
+def _split(variables):
+    """(params tree, rebuild: params tree -> the same form as `variables`)."""
+    if isinstance(variables, Mapping) and "params" in variables:
+        return variables["params"], lambda p: {**variables, "params": p}
+    return variables, lambda p: p
+
+
+def _get(tree, path: str, what: str):
+    node = tree
+    for part in path.split("/"):
+        if not isinstance(node, Mapping) or part not in node:
+            raise ValueError(f"adapt: {what} has no params at {path!r}")
+        node = node[part]
+    return node
+
+
+def _copy(tree):
+    return {k: _copy(v) if isinstance(v, Mapping) else v for k, v in tree.items()}
+
+
+def _module(tree, where: str):
+    path, _, name = where.rpartition("/")
+    return (_get(tree, path, "the variables") if path else tree), name
+
+
+def from_pretrained(lmodel, variables, pretrained):
+    sites = _sites(lmodel)
+    params, rebuild = _split(variables)
+    pre, _ = _split(pretrained)
+    out = _copy(params)
+    flat_pre = _flatten(pre)
+    flat_out = _flatten(out)
+    for path, value in flat_pre.items():
+        if path not in flat_out:
+            raise ValueError(f"adapt.from_pretrained: pretrained leaf {path!r} is not a param of the adapted model")
+        have = flat_out[path]
+        if tuple(jnp.shape(value)) != tuple(have.shape):
+            raise ValueError(f"adapt.from_pretrained: pretrained leaf {path!r} has shape {tuple(jnp.shape(value))}, "
+                             f"the adapted model's has {tuple(have.shape)}")
+        node, name = _module(out, path)
+        site = sites.get(path)
+        if isinstance(have, _core.QuantizedWeight):
+            node[name] = _core.QuantizedWeight.quantize(jnp.asarray(value), have.layout, site.rule.quantize)
+        else:
+            node[name] = value
+    missing = [p for p in flat_out if p not in flat_pre and not _is_adapter_path(p, flat_out)]
+    if missing:
+        raise ValueError(f"adapt.from_pretrained: the pretrained params have no {missing[:5]}"
+                         f"{' ...' if len(missing) > 5 else ''} (the adapted model's params other than adapters)")
+    for where, site in sites.items():
+        if isinstance(site.rule, DoraRule):
+            node, name = _module(out, where)
+            node[f"{name}_magnitude"] = _core.magnitude(site, node[name], node[f"{name}_lora_a"],
+                                                       node[f"{name}_lora_b"])
+    return rebuild(out)
+
+
+def _flatten(tree, prefix="") -> dict[str, Any]:
+    out = {}
+    for k, v in tree.items():
+        path = f"{prefix}{k}"
+        if isinstance(v, Mapping):
+            out.update(_flatten(v, path + "/"))
+        else:
+            out[path] = v
+    return out
+
+
+def _is_adapter_path(path: str, flat) -> bool:
+    parent, _, name = path.rpartition("/")
+    siblings = {p.rpartition("/")[2] for p in flat if p.rpartition("/")[0] == parent}
+    return _core.is_adapter_name(name, siblings)
+
+
+def trainable(variables):
+    def mask(tree):
+        return {k: mask(v) if isinstance(v, Mapping) else _fill(v, _core.is_adapter_name(k, tree))
+                for k, v in tree.items()}
+
+    if isinstance(variables, Mapping) and "params" in variables:
+        return {k: mask(v) if k == "params" else _fill(v, False) for k, v in variables.items()}
+    return mask(variables)
+
+
+def _fill(tree, value: bool):
+    return jax.tree_util.tree_map(lambda _: value, tree)
+
+
+def merge(lmodel, variables):
+    sites = _sites(lmodel)
+    params, rebuild = _split(variables)
+    out = _copy(params)
+    for where, site in sites.items():
+        node, name = _module(out, where)
+        adapters = {k: node.pop(k) for k in _core.adapter_shapes(site)}
+        node[name] = _core.merged_weight(site, node[name], adapters)
+    return rebuild(out)
+
+
+def unused_rules(lmodel) -> list[Rule]:
+    used = {site.rule for site in _sites(lmodel).values()}
+    return [r for r in type(lmodel)._pf_rules if r not in used]
