@@ -17,8 +17,9 @@ The matched contractions (`jax.lax.dot_general`, and `jax.numpy.einsum` of two o
 ops: `dora_dense`, `lora_dense`, `fp8_linear`. See docs/adapt.md.
 """
 
+from pallas_fused.adapt._core import QuantizedWeight
 from pallas_fused.adapt.api import apply, from_pretrained, merge, reset_magnitudes, trainable, unused_rules
 from pallas_fused.adapt.rules import DoraRule, Fp8Rule, LoraRule, Rule
 
-__all__ = ["DoraRule", "Fp8Rule", "LoraRule", "Rule", "apply", "from_pretrained", "merge", "reset_magnitudes",
-           "trainable", "unused_rules"]
+__all__ = ["DoraRule", "Fp8Rule", "LoraRule", "QuantizedWeight", "Rule", "apply", "from_pretrained", "merge",
+           "reset_magnitudes", "trainable", "unused_rules"]

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 from flax.core import meta
 
 from pallas_fused.adapt import _core
-from pallas_fused.adapt.rules import DoraRule, Rule, first_match
+from pallas_fused.adapt.rules import DoraRule, Rule, first_match, weight_path
 
 
 class _Linen(_core.Frontend):
@@ -40,7 +40,7 @@ class _Linen(_core.Frontend):
         rule = first_match(self.cls._pf_rules, path, name)
         if rule is None:
             return None
-        where = f"{path}/{name}"
+        where = weight_path(path, name)
         x, x_contract, layout = _core.split_operands(lhs, rhs, dimension_numbers, side, where)
         site = _core.Site(name, rule, layout)
         _core.check_site(site, where)

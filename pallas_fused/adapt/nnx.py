@@ -13,7 +13,7 @@ from typing import Any
 from flax import nnx
 
 from pallas_fused.adapt import _core
-from pallas_fused.adapt.rules import Rule, first_match
+from pallas_fused.adapt.rules import Rule, first_match, weight_path
 
 
 def _params(module) -> dict[str, Any]:
@@ -50,7 +50,7 @@ class _Nnx(_core.Frontend):
             site = self._new_site(module, path, name, lhs, rhs, dimension_numbers, side)
             if site is None:
                 return None
-        where = f"{path}/{name}"
+        where = weight_path(path, name)
         x, x_contract, layout = _core.split_operands(lhs, rhs, dimension_numbers, side, where)
         if layout != site.layout:
             raise ValueError(f"adapt: {where} is contracted in two ways ({site.layout} and {layout}): one weight "
@@ -65,7 +65,7 @@ class _Nnx(_core.Frontend):
         rule = first_match(self.rules, path, name)
         if rule is None:
             return None
-        where = f"{path}/{name}"
+        where = weight_path(path, name)
         _, _, layout = _core.split_operands(lhs, rhs, dimension_numbers, side, where)
         site = _core.Site(name, rule, layout)
         _core.check_site(site, where)

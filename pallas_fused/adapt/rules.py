@@ -43,7 +43,7 @@ class Rule:
 
     def matches(self, path: str, weight: str) -> bool:
         pattern = _compiled(self.module_path)
-        return pattern.fullmatch(path) is not None or pattern.fullmatch(f"{path}/{weight}") is not None
+        return pattern.fullmatch(path) is not None or pattern.fullmatch(weight_path(path, weight)) is not None
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -56,7 +56,7 @@ class LoraRule(Rule):
     alpha: float | None = None
     use_rslora: bool = False
     implementation: str | None = None
-    lora_a_init: Any = jax.nn.initializers.he_uniform()
+    lora_a_init: Any = dataclasses.field(default=jax.nn.initializers.he_uniform(), repr=False)
 
     def __post_init__(self):
         super().__post_init__()
@@ -103,6 +103,11 @@ class Fp8Rule(Rule):
     @property
     def config(self) -> Float8Config:
         return as_config(self.recipe)
+
+
+def weight_path(module_path: str, weight: str) -> str:
+    """A weight's path: its module's path and its name (the name alone at the root)."""
+    return f"{module_path}/{weight}" if module_path else weight
 
 
 def check_rules(rules) -> tuple[Rule, ...]:

@@ -1,0 +1,248 @@
+"""pallas_fused.adapt on HF transformers' FlaxLlamaForCausalLM (linen, every projection an nn.Dense), model code we
+did not write: init equivalence, gradients on the adapters alone, merge, training, an adapters-only checkpoint."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from pallas_fused import adapt
+from pallas_fused.dora.quant import dequantize, quantize_int8, quantize_nf4
+from tests.adapt._models import hf_llama, lm_loss
+from tests.helpers import rel_err
+
+QV = r".*/(q_proj|v_proj)"
+QV_MLP = r".*/(q_proj|v_proj|gate_proj|up_proj|down_proj)"
+RULES = {
+    "dora": [adapt.DoraRule(module_path=QV_MLP, rank=4, alpha=8.0)],
+    "lora": [adapt.LoraRule(module_path=QV_MLP, rank=4, alpha=8.0)],
+    "qdora_int8": [adapt.DoraRule(module_path=QV_MLP, rank=4, alpha=8.0, quantize="int8")],
+    "qdora_nf4": [adapt.DoraRule(module_path=QV_MLP, rank=4, alpha=8.0, quantize="nf4")],
+    "mixed": [adapt.DoraRule(module_path=QV, rank=4, alpha=8.0),
+              adapt.Fp8Rule(module_path=r".*/(up_proj|down_proj)", recipe="rowwise"),
+              adapt.LoraRule(module_path=r".*/gate_proj", rank=2)],
+}
+QUANTIZERS = {"qdora_int8": quantize_int8, "qdora_nf4": quantize_nf4}
+# float32: both sides compute x W in fp32 on the CPU; bfloat16: HF's dtype=bf16 rounds every activation once
+TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}
+
+
+def _adapted(kind, dtype=jnp.float32):
+    module, pretrained, inputs, targets = hf_llama(dtype)
+    lmodel = adapt.apply(module, RULES[kind])
+    variables = lmodel.init(jax.random.key(3), *inputs)
+    variables = adapt.from_pretrained(lmodel, variables, pretrained)
+    return module, pretrained, lmodel, variables, inputs, targets
+
+
+def _dequantized(pretrained, fmt):
+    """The pretrained params with each QDoRA-matched kernel replaced by its quantize-dequantize round trip."""
+    def walk(tree, path=""):
+        out = {}
+        for k, v in tree.items():
+            p = f"{path}/{k}" if path else k
+            if isinstance(v, dict):
+                out[k] = walk(v, p)
+            elif k == "kernel" and any(n in p for n in ("q_proj", "v_proj", "gate_proj", "up_proj", "down_proj")):
+                out[k] = dequantize(QUANTIZERS[fmt](v), v.dtype)
+            else:
+                out[k] = v
+        return out
+    return walk(pretrained)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("kind", ["dora", "lora", "qdora_int8", "qdora_nf4"])
+def test_init_matches_original(kind, dtype):
+    """After from_pretrained the adapted model computes what the original does with the same weights (B = 0,
+    m = ||W||); QDoRA against the original with its weights quantized and dequantized."""
+    module, pretrained, lmodel, variables, inputs, _ = _adapted(kind, dtype)
+    reference = _dequantized(pretrained, kind) if kind in QUANTIZERS else pretrained
+    want = module.apply({"params": reference}, *inputs).logits
+    got = lmodel.apply(variables, *inputs).logits
+    assert got.dtype == want.dtype
+    assert rel_err(got, want) < TOL[dtype]
+    assert adapt.unused_rules(lmodel) == []
+    layer = variables["params"]["model"]["layers"]["0"]
+    assert set(layer["self_attn"]["k_proj"]) == {"kernel"}  # unmatched: untouched
+    q = layer["self_attn"]["q_proj"]
+    expected = {"kernel", "kernel_lora_a", "kernel_lora_b"} | ({"kernel_magnitude"} if "dora" in kind else set())
+    assert set(q) == expected
+    assert q["kernel_lora_a"].shape == (64, 4) and q["kernel_lora_b"].shape == (4, 64)
+    assert not np.any(np.asarray(q["kernel_lora_b"]))
+    if kind in QUANTIZERS:
+        assert isinstance(q["kernel"], adapt.QuantizedWeight)
+
+
+def test_fp8_rule_runs_fp8():
+    """An Fp8Rule changes the MLP's products by FP8's rounding only, and leaves the params tree as it was."""
+    module, pretrained, inputs, _ = hf_llama()
+    lmodel = adapt.apply(module, [adapt.Fp8Rule(module_path=r".*/(gate_proj|up_proj|down_proj)", recipe="rowwise")])
+    variables = adapt.from_pretrained(lmodel, lmodel.init(jax.random.key(0), *inputs), pretrained)
+    assert jax.tree_util.tree_structure(variables["params"]) == jax.tree_util.tree_structure(pretrained)
+    want = module.apply({"params": pretrained}, *inputs).logits
+    got = lmodel.apply(variables, *inputs).logits
+    err = rel_err(got, want)
+    assert 0 < err < 0.1, err
+
+
+def _split(params, mask):
+    """(adapters, frozen): the params split by the mask, None where the other half has the leaf."""
+    adapters = jax.tree_util.tree_map(lambda x, m: x if m else None, params, mask)
+    frozen = jax.tree_util.tree_map(lambda x, m: None if m else x, params, mask)
+    return adapters, frozen
+
+
+def _join(adapters, frozen):
+    return jax.tree_util.tree_map(lambda a, f: f if a is None else a, adapters, frozen, is_leaf=lambda x: x is None)
+
+
+def _train(lmodel, variables, inputs, targets, steps=8, lr=1e-2):
+    """Adam on the adapters alone: gradients are taken for them only (a QDoRA weight's codes are integers)."""
+    mask = adapt.trainable(variables["params"])
+    adapters, frozen = _split(variables["params"], mask)
+    tx = optax.adam(lr)
+    state = tx.init(adapters)
+
+    def loss_fn(adapters):
+        return lm_loss(lmodel.apply({"params": _join(adapters, frozen)}, *inputs).logits, targets)
+
+    @jax.jit
+    def step(adapters, state):
+        loss, grads = jax.value_and_grad(loss_fn)(adapters)
+        updates, state = tx.update(grads, state, adapters)
+        return optax.apply_updates(adapters, updates), state, loss, grads
+
+    losses = []
+    for _ in range(steps):
+        adapters, state, loss, grads = step(adapters, state)
+        losses.append(float(loss))
+    return {"params": _join(adapters, frozen)}, losses, _join(grads, frozen), mask
+
+
+@pytest.mark.parametrize("kind", ["dora", "qdora_nf4", "mixed"])
+def test_training_touches_adapters_only_and_merges(kind):
+    """A few masked Adam steps: the loss falls, only adapter leaves change, gradients reach every adapter, and
+    merge() gives params with which the original model reproduces the adapted model."""
+    module, _, lmodel, variables, inputs, targets = _adapted(kind)
+    trained, losses, grads, mask = _train(lmodel, variables, inputs, targets)
+    assert losses[-1] < losses[0] - 0.05, losses
+    flat_mask = jax.tree_util.tree_leaves_with_path(mask)
+    before = dict(jax.tree_util.tree_leaves_with_path(variables["params"]))
+    after = dict(jax.tree_util.tree_leaves_with_path(trained["params"]))
+    grads = dict(jax.tree_util.tree_leaves_with_path(grads))
+    assert any(m for _, m in flat_mask)
+    for path, m in flat_mask:
+        name = jax.tree_util.keystr(path)
+        if m:
+            assert np.any(np.asarray(before[path]) != np.asarray(after[path])), f"{name} did not train"
+            if "lora_a" not in name:  # A's gradient is zero while B = 0 at the first step, not after
+                assert np.any(np.asarray(grads[path]) != 0), f"{name} got no gradient"
+        else:
+            np.testing.assert_array_equal(np.asarray(before[path]), np.asarray(after[path]), err_msg=name)
+    merged = adapt.merge(lmodel, trained)
+    assert jax.tree_util.tree_structure(merged["params"]) == jax.tree_util.tree_structure(
+        jax.tree_util.tree_map(lambda x: x, _adapted_params_shape(module, inputs)))
+    got = module.apply(merged, *inputs).logits
+    want = lmodel.apply(trained, *inputs).logits
+    tol = 0.1 if kind == "mixed" else 1e-4  # the FP8 products stay FP8 in the adapted model, merged run plain
+    assert rel_err(got, want) < tol
+
+
+def _adapted_params_shape(module, inputs):
+    return jax.eval_shape(module.init, jax.random.key(0), *inputs)["params"]
+
+
+@pytest.mark.parametrize("exact", [False, True], ids=["lora", "dora_exact_norm"])
+def test_gradients_match_the_merged_weight(exact):
+    """Adapter gradients through the adapted model equal jax.grad of the original model run on the weight the
+    adapters define (plain LoRA, and DoRA differentiating through its norm), with B != 0."""
+    module, pretrained, inputs, targets = hf_llama()
+    rule = (adapt.DoraRule(module_path=QV, rank=4, alpha=8.0, exact_norm_grad=True) if exact
+            else adapt.LoraRule(module_path=QV, rank=4, alpha=8.0))
+    lmodel = adapt.apply(module, [rule])
+    variables = adapt.from_pretrained(lmodel, lmodel.init(jax.random.key(1), *inputs), pretrained)
+    params = jax.tree_util.tree_map_with_path(
+        lambda p, x: x + 0.05 * jax.random.normal(jax.random.key(len(jax.tree_util.keystr(p))), x.shape)
+        if "lora_b" in jax.tree_util.keystr(p) else x, variables["params"])
+
+    def loss_adapted(p):
+        return lm_loss(lmodel.apply({"params": p}, *inputs).logits, targets)
+
+    def loss_merged(p):
+        return lm_loss(module.apply(adapt.merge(lmodel, {"params": p}), *inputs).logits, targets)
+
+    g1 = jax.grad(loss_adapted)(params)
+    g2 = jax.grad(loss_merged)(params)
+    mask = adapt.trainable(params)
+    for (path, a), b, m in zip(jax.tree_util.tree_leaves_with_path(g1), jax.tree_util.tree_leaves(g2),
+                               jax.tree_util.tree_leaves(mask)):
+        if m:
+            assert rel_err(a, b) < 1e-4, jax.tree_util.keystr(path)
+
+
+def test_adapters_checkpoint_round_trip(tmp_path):
+    """The adapters alone go to an orbax checkpoint and come back onto freshly loaded pretrained weights."""
+    ocp = pytest.importorskip("orbax.checkpoint")
+    module, pretrained, lmodel, variables, inputs, targets = _adapted("qdora_nf4")
+    trained, _, _, mask = _train(lmodel, variables, inputs, targets, steps=3)
+    adapters = jax.tree_util.tree_map(lambda x, m: x if m else None, trained["params"], mask)
+    with ocp.StandardCheckpointer() as ckpt:
+        ckpt.save(tmp_path / "adapters", adapters)
+    with ocp.StandardCheckpointer() as ckpt:
+        restored = ckpt.restore(tmp_path / "adapters", adapters)
+    fresh = adapt.from_pretrained(lmodel, lmodel.init(jax.random.key(9), *inputs), pretrained)
+    params = jax.tree_util.tree_map(lambda a, f: f if a is None else a, restored, fresh["params"],
+                                    is_leaf=lambda x: x is None)
+    np.testing.assert_array_equal(np.asarray(lmodel.apply({"params": params}, *inputs).logits),
+                                  np.asarray(lmodel.apply(trained, *inputs).logits))
+
+
+def test_interpret_kernels_match_xla():
+    """The Pallas kernels (interpret mode) and the XLA reference give the same outputs and adapter gradients
+    through the adapted HF model."""
+    module, pretrained, inputs, targets = hf_llama()
+    outs = []
+    for impl in ("xla", "interpret"):
+        rules = [adapt.DoraRule(module_path=r".*/q_proj", rank=4, alpha=8.0, implementation=impl),
+                 adapt.LoraRule(module_path=r".*/v_proj", rank=4, implementation=impl)]
+        lmodel = adapt.apply(module, rules)
+        variables = adapt.from_pretrained(lmodel, lmodel.init(jax.random.key(1), *inputs), pretrained)
+        params = jax.tree_util.tree_map_with_path(
+            lambda p, x: x + 0.05 if "lora_b" in jax.tree_util.keystr(p) else x, variables["params"])
+        loss, grads = jax.value_and_grad(
+            lambda p, lmodel=lmodel: lm_loss(lmodel.apply({"params": p}, *inputs).logits, targets))(params)
+        outs.append((loss, jax.tree_util.tree_leaves(grads), jax.tree_util.tree_leaves(adapt.trainable(params))))
+    (l1, g1, mask), (l2, g2, _) = outs
+    assert rel_err(l2, l1) < 1e-5
+    for a, b, m in zip(g1, g2, mask):
+        if m:
+            assert rel_err(b, a) < 1e-4
+
+
+def test_merge_and_trainable_keep_other_collections():
+    module, pretrained, inputs, _ = hf_llama()
+    lmodel = adapt.apply(module, RULES["lora"])
+    variables = adapt.from_pretrained(lmodel, lmodel.init(jax.random.key(0), *inputs), {"params": pretrained})
+    assert set(adapt.merge(lmodel, variables)) == {"params"}
+    bare = adapt.merge(lmodel, variables["params"])
+    assert "model" in bare and "kernel_lora_a" not in bare["model"]["layers"]["0"]["self_attn"]["q_proj"]
+    assert module.apply({"params": bare}, *inputs).logits.shape == (2, 8, 160)
+    mask = adapt.trainable(variables)
+    assert jax.tree_util.tree_structure(mask) == jax.tree_util.tree_structure(variables)
+
+
+def test_original_model_untouched():
+    module, pretrained, inputs, _ = hf_llama()
+    before = type(module)
+    lmodel = adapt.apply(module, RULES["dora"])
+    assert type(module) is before and isinstance(lmodel, before)
+    lmodel.init(jax.random.key(0), *inputs)
+    assert set(module.init(jax.random.key(0), *inputs)["params"]["model"]["layers"]["0"]["self_attn"]["q_proj"]) \
+        == {"kernel"}
+    # outside an adapted model jax's functions are back
+    assert jax.lax.dot_general.__module__.startswith("jax")
+    assert jnp.einsum.__module__.startswith("jax")
