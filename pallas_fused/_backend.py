@@ -49,6 +49,13 @@ MIN_COMPUTE_CAPABILITY = (8, 0)
 # all launched through `triton_call` below, so moving one to Mosaic GPU touches one call site.
 warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated", category=DeprecationWarning)
 
+# Pallas' fuser registers a config option that is part of every jit's cache key when it is first imported, which
+# the interpret mode does lazily under jax >= 0.12 (through the TPU lowering): a jitted step traced before one of
+# our kernels first ran would then be traced again on its next call. Imported here, the key is the same from the
+# first trace on.
+with contextlib.suppress(ImportError):
+    import jax.experimental.pallas.fuser  # noqa: F401
+
 
 def _parse_version(text: str) -> tuple[int, ...]:
     parts = []
