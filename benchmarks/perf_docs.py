@@ -155,6 +155,12 @@ def records(doc: dict) -> dict[tuple[str, str, str], dict]:
     return {(r["op"], r["case"], r["impl"]): r for r in doc["rows"] if r.get("ms")}
 
 
+def _ratio(peer: dict, ours: dict) -> str:
+    """The peer's time over ours, two decimals below 10x."""
+    r = peer["ms"] / ours["ms"]
+    return f"{r:.2f}x" if r < 10 else f"{r:.0f}x"
+
+
 def _value(row: dict, tflops: bool) -> str:
     return f"{row['tflops']:.0f}" if tflops else f"{row['ms']:.3f}"
 
@@ -179,7 +185,7 @@ def section_table(doc: dict, rows: list[Rows]) -> str:
             for impl in spec.peers:
                 peer = rec.get((spec.op, case, impl))
                 same_run = peer is not None and peer["run"] == ours["run"]
-                cells.append(f"{_value(peer, spec.tflops)} ({peer['ms'] / ours['ms']:.2f}x)" if same_run else "")
+                cells.append(f"{_value(peer, spec.tflops)} ({_ratio(peer, ours)})" if same_run else "")
             out.append(f"| {spec.case_label.get(case, case)} | {_value(ours, spec.tflops)} | " + " | ".join(cells)
                        + f" | {ours['run'][:16]} |")
             if ours["run"] not in runs:
@@ -198,7 +204,7 @@ def headline_table(doc: dict, link: str) -> str:
         ours, peer = rec[(h.op, h.case, h.ours)], rec[(h.op, h.case, h.peer)]
         if ours["run"] != peer["run"]:
             raise SystemExit(f"perf_docs: {h.what}: ours and the peer come from different runs")
-        out.append(f"| {h.capability} | {h.what} | {h.shape} | {h.peer_label} | {peer['ms'] / ours['ms']:.2f}x | "
+        out.append(f"| {h.capability} | {h.what} | {h.shape} | {h.peer_label} | {_ratio(peer, ours)} | "
                    f"[{ours['run'][:10]}]({link}#{anchor(h.capability)}) |")
     return "\n".join(out)
 
