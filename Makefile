@@ -32,7 +32,7 @@ TEST_ENV = JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0.2 JAX_PERSISTENT_CACHE_M
 OUT ?= $(CURDIR)/runs/gpu-check
 BENCH ?=
 
-.PHONY: setup demo test test-floor test-newest lint typecheck docs package-check plots gpu-check bench clean
+.PHONY: setup demo test test-floor test-newest lint typecheck docs perf-docs perf-docs-check package-check plots gpu-check bench clean
 
 $(VENV)/.installed: pyproject.toml .ci/jax-floor.txt
 	$(PYTHON) -m venv $(VENV)
@@ -54,7 +54,7 @@ demo: setup
 lint: setup
 	$(PY) -m ruff check .
 
-test: lint typecheck docs package-check test-floor test-newest
+test: lint typecheck perf-docs-check docs package-check test-floor test-newest
 
 # mypy on the public modules (the files and settings are in pyproject's [tool.mypy]).
 typecheck: setup
@@ -64,8 +64,17 @@ typecheck: setup
 docs: setup
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --quiet
 
+# The measured tables of README.md and docs/performance.md, written from benchmarks/results/nvidia_h200.json
+# (benchmarks/perf_docs.py); the check fails, with a diff, where a table no longer matches the JSON. No GPU.
+perf-docs: setup
+	$(PY) -m benchmarks.perf_docs
+
+perf-docs-check: setup
+	$(PY) -m benchmarks.perf_docs --check
+
 # What a user gets from `pip install`: the wheel built from this tree, installed with its runtime
-# dependencies into a fresh venv, imported from outside the tree, one op run on the CPU.
+# dependencies into a fresh venv, imported from outside the tree, one op run on the CPU, then every python
+# block of the README run from the installed wheel.
 PKG_DIR ?= $(CURDIR)/.package-check
 package-check: setup
 	rm -rf $(PKG_DIR) && mkdir -p $(PKG_DIR)
@@ -73,7 +82,7 @@ package-check: setup
 	rm -rf build  # setuptools' staging directory, not part of the tree
 	$(PYTHON) -m venv $(PKG_DIR)/venv
 	$(PKG_DIR)/venv/bin/python -m pip install -q -c .ci/jax-floor.txt $(PKG_DIR)/pallas_fused-*.whl
-	cd $(PKG_DIR) && venv/bin/python $(CURDIR)/.ci/wheel_smoke.py
+	cd $(PKG_DIR) && venv/bin/python $(CURDIR)/.ci/wheel_smoke.py $(CURDIR)/README.md
 
 # The README's pictures, from the committed results: ours vs peers (ratios) and the example's loss curves.
 plots: setup

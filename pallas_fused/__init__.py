@@ -10,7 +10,7 @@ Capabilities (one subpackage each): `rotary` (q and k rotated in one kernel), `d
 from pallas_fused import adam, dora, embed, fp8, galore, norm, optim, rotary
 from pallas_fused._backend import IMPLEMENTATIONS, ImplementationError, resolve_implementation
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = ["IMPLEMENTATIONS", "ImplementationError", "adam", "dora", "embed", "fp8", "galore", "norm", "optim",
            "resolve_implementation", "rotary"]

@@ -1,0 +1,257 @@
+"""Write the measured tables of README.md and docs/performance.md from benchmarks/results/<device>.json.
+
+    python -m benchmarks.perf_docs            # rewrite the tables in place (make perf-docs)
+    python -m benchmarks.perf_docs --check    # exit 1, with a diff, where a table differs from the JSON (make test)
+
+Each table sits between `<!-- perf-docs:begin NAME -->` and `<!-- perf-docs:end NAME -->` in its file; only the
+text between the two markers is written, so the prose around a table stays hand-written. A row of record is the
+last row of the JSON for its (op, case, implementation), as `make plots` reads it; ours and each peer must come
+from the same run, or the pair is not shown. Ratios are the peer's time over ours: above 1, ours is faster.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+
+
+@dataclass(frozen=True)
+class Rows:
+    """Ours against peers at each case of one op: one table line per (case, peer)."""
+
+    what: str  # what the user writes
+    op: str
+    ours: str  # the implementation of "ours" in the JSON
+    peers: dict[str, str]  # implementation in the JSON -> how the docs name it
+    cases: tuple[str, ...] = ()  # () = every case where `ours` was measured
+    tflops: bool = False  # TFLOP/s instead of ms
+    case_label: dict[str, str] = field(default_factory=dict)
+
+
+ROTARY = "B4 S4096 Hq32 Hk8 D128"
+GALORE_PEER = {"peer:optax_contrib_galore": "optax.contrib.galore"}
+ADAM_CASE = "105M fp32 params, 4x(4096, 6400)"
+MM_SHAPES = ("4096x4096x4096", "8192x8192x8192", "16384x16384x16384", "16384x11008x4096", "16384x4096x11008",
+             "16384x2048x5504", "16384x2048x2048", "16384x2048x512", "16384x512x2048", "16384x5504x2048",
+             "5504x16384x2048", "2048x16384x2048", "2048x16384x5504", "2048x16384x512", "512x16384x2048")
+BLOCKWISE_SHAPES = ("8192x8192x8192", "16384x2048x2048", "16384x2048x5504", "16384x2048x512", "16384x5504x2048")
+GALORE_CASES = tuple(f"user path {s} r{r} {dt}" for dt in ("float32", "bfloat16") for s in ("4096x4096", "4096x11008")
+                     for r in (32, 128, 512)) + ("user path llama7b layer r128 float32",
+                                                 "user path llama7b layer r128 bfloat16")
+GALORE_LABELS = {c: c.removeprefix("user path ") for c in GALORE_CASES}
+DORA_CASES = tuple(f"{t}x4096->{n} bf16" for t in (4096, 8192) for n in ("4096 r16", "11008 r64"))
+
+# Section (its heading in docs/performance.md) -> the rows of record under it.
+SECTIONS: dict[str, list[Rows]] = {
+    "Rotary embeddings": [
+        Rows("`apply_rotary(q, k, positions)`", "rotary", "user:apply_rotary",
+             {"xla": "XLA reference", "peer:torch_compile": "torch.compile"},
+             cases=(f"{ROTARY} fwd", f"{ROTARY} fwd+bwd")),
+    ],
+    "GaLore Adam": [
+        Rows("`galore_adamw` update, then `optax.apply_updates`, under jit (donated), one step between refreshes",
+             "galore", "pallas:tx", GALORE_PEER,
+             cases=GALORE_CASES, case_label=GALORE_LABELS),
+        Rows("the same with `refresh=` passed from the host", "galore", "pallas:tx_host_refresh", GALORE_PEER,
+             cases=GALORE_CASES, case_label=GALORE_LABELS),
+        Rows('the same with `convention="optax"`', "galore", "pallas:tx_optax_convention", GALORE_PEER,
+             cases=GALORE_CASES, case_label=GALORE_LABELS),
+        Rows("`galore_adamw`, its refresh every 200 steps amortized", "galore", "pallas:tx", GALORE_PEER,
+             cases=("llama7b layer r128 gap200",)),
+        Rows("`galore_adamw_inplace`, its refresh every 200 steps amortized", "galore", "pallas:inplace", GALORE_PEER,
+             cases=("llama7b layer r128 gap200",)),
+    ],
+    "DoRA and QDoRA": [
+        Rows("`DoRADense` (linen) fwd+bwd, the output returned too", "dora_fwdbwd", "user:DoRADense",
+             {"xla": "XLA reference", "lora:pallas": "lora_dense (fused the same way)"}),
+        Rows("`dora_dense` fwd", "dora_fwd", "pallas",
+             {"xla": "XLA reference", "lora:pallas": "lora_dense", "peer:base_matmul": "base GEMM x W"},
+             cases=DORA_CASES),
+        Rows("QDoRA: `dora_dense` on an `Int8Kernel`, fwd", "qdora_fwd", "pallas:int8",
+             {"xla:int8": "XLA dequantize + GEMM"}, cases=DORA_CASES),
+        Rows("QDoRA: `dora_dense` on an `NF4Kernel`, fwd", "qdora_fwd", "pallas:nf4",
+             {"xla:nf4": "XLA dequantize + GEMM"}, cases=DORA_CASES),
+        Rows("QDoRA: `dora_dense` on an `Int8Kernel`, fwd+bwd", "qdora_fwdbwd", "pallas:int8",
+             {"xla:int8": "XLA dequantize + GEMM", "pallas:bf16": "bf16 DoRA"}, cases=DORA_CASES),
+        Rows("QDoRA: `dora_dense` on an `NF4Kernel`, fwd+bwd", "qdora_fwdbwd", "pallas:nf4",
+             {"xla:nf4": "XLA dequantize + GEMM", "pallas:bf16": "bf16 DoRA"}, cases=DORA_CASES),
+    ],
+    "FP8 training": [
+        *[Rows(f"`nn.Dense(dot_general_cls=Float8DotGeneral)`, recipe `{recipe}`, fwd+bwd", "fp8_dense",
+               f"pallas:{recipe}",
+               {"peer:flax_fp8_direct": "flax Fp8DirectDotGeneralOp", "peer:bf16_dense": "bf16 nn.Dense"},
+               cases=("16384x8192->8192 fwd+bwd",))
+          for recipe in ("tensorwise", "rowwise", "rowwise_with_gw_hp")],
+        Rows("`scaled_matmul_nt(x8, w8, sx, sw)` from `quantize(..., axis=-1)` (rowwise)", "fp8_mm",
+             "user:scaled_matmul_nt", {"peer:torch_scaled_mm": "torch._scaled_mm"},
+             cases=tuple(f"{s} rowwise" for s in MM_SHAPES), tflops=True),
+        Rows("`scaled_matmul_nt(x8, w8, sx, sw)` from `quantize(...)` (tensorwise)", "fp8_mm",
+             "user:scaled_matmul_nt", {"peer:torch_scaled_mm": "torch._scaled_mm"},
+             cases=tuple(f"{s} tensorwise" for s in MM_SHAPES), tflops=True),
+        Rows("the blockwise GEMM (1 x 128 activation tiles, 128 x 128 weight blocks)", "fp8_mm",
+             "pallas:sm90_blockwise", {"peer:torch_scaled_mm_blockwise": "torch._scaled_mm blockwise"},
+             cases=tuple(f"{s} blockwise" for s in BLOCKWISE_SHAPES), tflops=True),
+    ],
+    "Fused AdamW": [
+        Rows("`adamw` update, then `optax.apply_updates`", "adam", "xla:optax",
+             {"peer:optax_adamw": "optax.adamw", "peer:torch_fused_adamw": "torch fused AdamW"}, cases=(ADAM_CASE,)),
+        Rows("`adamw_step`, in place", "adam", "pallas:inplace",
+             {"peer:optax_adamw": "optax.adamw", "peer:torch_fused_adamw": "torch fused AdamW"}, cases=(ADAM_CASE,)),
+        Rows("`adamw_step` with 8-bit states (`state_bits=8`), in place", "adam", "pallas:inplace_8bit",
+             {"peer:optax_adamw": "optax.adamw", "peer:torch_fused_adamw": "torch fused AdamW"}, cases=(ADAM_CASE,)),
+    ],
+}
+
+
+@dataclass(frozen=True)
+class Headline:
+    """One line of the README's table: a capability's main pair of record."""
+
+    capability: str  # its section in docs/performance.md
+    what: str  # what the user writes (Markdown)
+    shape: str
+    op: str
+    case: str
+    ours: str
+    peer: str
+    peer_label: str
+
+
+HEADLINE = [
+    Headline("Rotary embeddings", "`apply_rotary(q, k, positions)`, fwd+bwd", "B4 S4096 Hq32 Hk8 D128 bf16",
+             "rotary", f"{ROTARY} fwd+bwd", "user:apply_rotary", "xla", "XLA reference"),
+    Headline("GaLore Adam", "`galore_adamw(...)` + `optax.apply_updates`, refresh every 200 steps",
+             "a Llama-7B layer, r128", "galore", "llama7b layer r128 gap200", "pallas:tx",
+             "peer:optax_contrib_galore", "`optax.contrib.galore`"),
+    Headline("DoRA and QDoRA", "`DoRADense(...)`, fwd+bwd", "4096 tokens, 4096->4096 r16 bf16", "dora_fwdbwd",
+             "4096x4096->4096 r16 bf16", "user:DoRADense", "xla", "XLA reference"),
+    Headline("DoRA and QDoRA", "`dora_dense(x, Int8Kernel, ...)` (QDoRA), fwd", "4096 tokens, 4096->4096 r16",
+             "qdora_fwd", "4096x4096->4096 r16 bf16", "pallas:int8", "xla:int8", "XLA dequantize + GEMM"),
+    Headline("FP8 training", "`nn.Dense(dot_general_cls=Float8DotGeneral)` rowwise, fwd+bwd",
+             "16384 tokens, 8192->8192", "fp8_dense", "16384x8192->8192 fwd+bwd", "pallas:rowwise",
+             "peer:bf16_dense", "bf16 `nn.Dense`"),
+    Headline("FP8 training", "`scaled_matmul_nt(x8, w8, sx, sw)` rowwise", "8192^3", "fp8_mm",
+             "8192x8192x8192 rowwise", "user:scaled_matmul_nt", "peer:torch_scaled_mm", "`torch._scaled_mm`"),
+    Headline("Fused AdamW", "`adamw_step(...)`, 8-bit states, in place", "105M fp32 params", "adam", ADAM_CASE,
+             "pallas:inplace_8bit", "peer:optax_adamw", "`optax.adamw`"),
+]
+
+
+def anchor(heading: str) -> str:
+    """The id MkDocs (toc) and GitHub give a heading."""
+    return re.sub(r"[\s]+", "-", re.sub(r"[^\w\s-]", "", heading.lower())).strip("-")
+
+
+def records(doc: dict) -> dict[tuple[str, str, str], dict]:
+    """The row of record of each (op, case, implementation): the JSON's last."""
+    return {(r["op"], r["case"], r["impl"]): r for r in doc["rows"] if r.get("ms")}
+
+
+def _ratio(peer: dict, ours: dict) -> str:
+    """The peer's time over ours, two decimals below 10x."""
+    r = peer["ms"] / ours["ms"]
+    return f"{r:.2f}x" if r < 10 else f"{r:.0f}x"
+
+
+def _value(row: dict, tflops: bool) -> str:
+    return f"{row['tflops']:.0f}" if tflops else f"{row['ms']:.3f}"
+
+
+def section_table(doc: dict, rows: list[Rows]) -> str:
+    """One table per Rows: a line per case, ours and each peer measured in the same run, then the runs' logs."""
+    rec = records(doc)
+    logs = {r["date"]: r["log"] for r in doc["runs"] if r.get("log")}
+    out: list[str] = []
+    for spec in rows:
+        cases = spec.cases or tuple(sorted({c for (op, c, impl) in rec if op == spec.op and impl == spec.ours}))
+        unit = "TFLOP/s" if spec.tflops else "ms"
+        out += ["", f"{spec.what}, in {unit}:", "",
+                "| case | ours | " + " | ".join(spec.peers.values()) + " | run |",
+                "| --- | ---: | " + " | ".join("---:" for _ in spec.peers) + " | --- |"]
+        runs = []
+        for case in cases:
+            ours = rec.get((spec.op, case, spec.ours))
+            if ours is None:
+                raise SystemExit(f"perf_docs: no row for {(spec.op, case, spec.ours)}")
+            cells = []
+            for impl in spec.peers:
+                peer = rec.get((spec.op, case, impl))
+                same_run = peer is not None and peer["run"] == ours["run"]
+                cells.append(f"{_value(peer, spec.tflops)} ({_ratio(peer, ours)})" if same_run else "")
+            out.append(f"| {spec.case_label.get(case, case)} | {_value(ours, spec.tflops)} | " + " | ".join(cells)
+                       + f" | {ours['run'][:16]} |")
+            if ours["run"] not in runs:
+                runs.append(ours["run"])
+        logged = [f"{run[:16]}: `benchmarks/results/{logs[run]}`" for run in runs if run in logs]
+        if logged:
+            out += ["", "Logs: " + "; ".join(logged) + "."]
+    return "\n".join(out[1:])
+
+
+def headline_table(doc: dict, link: str) -> str:
+    rec = records(doc)
+    out = ["| capability | what you write | shape | vs (same run) | speed vs peer | rows of record |",
+           "| --- | --- | --- | --- | ---: | --- |"]
+    for h in HEADLINE:
+        ours, peer = rec[(h.op, h.case, h.ours)], rec[(h.op, h.case, h.peer)]
+        if ours["run"] != peer["run"]:
+            raise SystemExit(f"perf_docs: {h.what}: ours and the peer come from different runs")
+        out.append(f"| {h.capability} | {h.what} | {h.shape} | {h.peer_label} | {_ratio(peer, ours)} | "
+                   f"[{ours['run'][:10]}]({link}#{anchor(h.capability)}) |")
+    return "\n".join(out)
+
+
+def tables(doc: dict) -> dict[Path, dict[str, str]]:
+    """file -> {table name: generated text}."""
+    perf = {f"rows-{anchor(name)}": section_table(doc, rows) for name, rows in SECTIONS.items()}
+    return {ROOT / "README.md": {"headline": headline_table(doc, "docs/performance.md")},
+            ROOT / "docs" / "performance.md": perf}
+
+
+def fill(text: str, name: str, body: str, path: Path) -> str:
+    begin, end = (re.escape(f"<!-- perf-docs:{mark} {name} -->") for mark in ("begin", "end"))
+    pattern = re.compile(rf"({begin}\n)(.*?)({end})", re.S)
+    if not pattern.search(text):
+        raise SystemExit(f"perf_docs: {path.relative_to(ROOT)} has no perf-docs markers for {name!r}")
+    return pattern.sub(lambda m: m.group(1) + body + "\n" + m.group(3), text, count=1)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="nvidia_h200", help="benchmarks/results/<device>.json")
+    p.add_argument("--check", action="store_true", help="change nothing; exit 1 where a table differs")
+    args = p.parse_args(argv)
+    doc = json.loads((RESULTS / f"{args.device}.json").read_text())
+    stale = []
+    for path, named in tables(doc).items():
+        old = path.read_text()
+        new = old
+        for name, body in named.items():
+            new = fill(new, name, body, path)
+        if new == old:
+            continue
+        rel = str(path.relative_to(ROOT))
+        if args.check:
+            stale.append(rel)
+            diff = difflib.unified_diff(old.splitlines(True), new.splitlines(True), rel, f"{rel} (from the JSON)")
+            sys.stdout.writelines(diff)
+        else:
+            path.write_text(new)
+            print(f"wrote {rel}")
+    if stale:
+        print(f"\nperf_docs: {', '.join(stale)} differ from benchmarks/results/{args.device}.json; "
+              "run `make perf-docs`", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""One-off measurements that a documented number rests on; each module's first line says which."""
