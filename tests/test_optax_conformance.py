@@ -47,7 +47,7 @@ BASE_LEARNING_RATE = 1.0
 
 def _optax_tests() -> dict:
     """{test name: (optax's test function, [its parameters besides the optimizer, one dict per distinct case],
-    whether it runs on wrapped optimizers)} for every test method of optax's ContribTest."""
+    {wrapper name: its kwargs} of the wrappers it runs)} for every test method of optax's ContribTest."""
     cls, tests = optax_suite.ContribTest, {}
     for attr in sorted(vars(cls)):
         bound = vars(cls)[attr]
@@ -55,12 +55,12 @@ def _optax_tests() -> dict:
             continue
         fn = getattr(bound, "__wrapped__", bound)  # absl's generated case wraps the test (functools.wraps)
         cases = inspect.getclosurevars(bound).nonlocals.get("testcase_params", {}) if fn is not bound else {}
-        name, entry = fn.__name__, tests.setdefault(fn.__name__, (fn, [], set()))
+        name, entry = fn.__name__, tests.setdefault(fn.__name__, (fn, [], {}))
         rest = {k: v for k, v in dict(cases).items() if k not in OPTIMIZER_KEYS}
         if rest not in entry[1]:
             entry[1].append(rest)
         if dict(cases).get("wrapper_name") is not None:
-            entry[2].add(dict(cases)["wrapper_name"])
+            entry[2][dict(cases)["wrapper_name"]] = dict(cases)["wrapper_kwargs"]
         tests[name] = entry
     return tests
 
@@ -74,8 +74,8 @@ def _case_id(rest: dict) -> str:
 
 
 def _suite_cases():
-    for test, (fn, rests, wrappers) in OPTAX_TESTS.items():
-        wrapped = [(w, {"weight_decay": 0.0}) for w in ANY_BASE_WRAPPERS if w in wrappers]
+    for test, (_, rests, wrappers) in OPTAX_TESTS.items():
+        wrapped = [(w, wrappers[w]) for w in ANY_BASE_WRAPPERS if w in wrappers]
         for (name, _, kwargs), (wrapper, wkw), rest in itertools.product(OPTIMIZERS, [(None, None), *wrapped],
                                                                            rests):
             label = name if wrapper is None else f"{wrapper}({name})"
