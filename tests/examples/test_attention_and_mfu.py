@@ -46,10 +46,14 @@ def test_attention_probe_passes_gives_cudnn(train_llama):
     assert seen and seen[0]["n_heads"] == 16  # the model's own settings reach the probe
 
 
-def test_attention_real_probe_fails_here_and_falls_back(train_llama):
-    """The real probe on this CPU machine (no cuDNN): whatever it raises sends the run to XLA, named."""
+def test_attention_real_probe(train_llama):
+    """The real probe, told there is a GPU. Without one (no cuDNN) whatever it raises sends the run to XLA, named;
+    on a GPU with cuDNN attention it passes at the GPU preset's bf16 heads."""
     impl, reason = train_llama.choose_attention(None, _settings(train_llama, seq_len=64), gpu=True)
-    assert impl == "xla" and reason.startswith("default: XLA (cuDNN's probe failed: ")
+    if train_llama.has_gpu():
+        assert impl == "cudnn", reason
+    else:
+        assert impl == "xla" and reason.startswith("default: XLA (cuDNN's probe failed: ")
 
 
 @pytest.mark.parametrize("requested", ["xla", "cudnn"])
