@@ -102,8 +102,8 @@ ATTENTION_IMPLEMENTATIONS = ("xla", "cudnn")
 
 def probe_cudnn_attention(s: dict) -> None:
     """Run cuDNN attention forward and backward on one sequence of the model's heads, head dim, length and dtype
-    (a few MB, a second or two); raises whatever it raises where it does not work here (no cuDNN, a dtype or head
-    dim it does not take, a jax without it)."""
+    (batch 1: small next to a training step); raises whatever it raises where it does not work here (no cuDNN, a
+    dtype or head dim it does not take, a jax without it)."""
     dtype, head_dim = jnp.dtype(s["dtype"]), s["d_model"] // s["n_heads"]
     key_q, key_k, key_v = jax.random.split(jax.random.PRNGKey(0), 3)
     q = jax.random.normal(key_q, (1, s["seq_len"], s["n_heads"], head_dim), dtype)
