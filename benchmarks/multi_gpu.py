@@ -1,6 +1,22 @@
-"""Multi-GPU check of the example (examples/train_llama.py's pretraining step), one process, ~3-4 minutes:
+"""Multi-GPU checks of the example (examples/train_llama.py's pretraining step), two ways:
 
-    python -m benchmarks.multi_gpu --out benchmarks/results/multi_gpu        # on a machine with >= 2 GPUs
+    python -m benchmarks.multi_gpu --out benchmarks/results/multi_gpu        # one process, >= 2 GPUs, ~3-4 min
+    python -m benchmarks.multi_gpu --launch --gpus 1,2,4 --out benchmarks/results/multi_gpu   # one process per GPU
+
+`--launch`: the scaling table, with one process per GPU as docs/multi_process.md's recipe starts them: for each
+row, N processes of examples/train_llama.py with `--coordinator 127.0.0.1:PORT --num-processes N --process-id I`
+and CUDA_VISIBLE_DEVICES=I, the GPU preset (`--preset`), `--steps` pretraining steps, no fine-tune. Rows: for
+every N of --gpus, data parallel (`--mesh data=N`) at --batch-per-gpu rows per GPU (global batch N x that), and
+for every N > 1 FSDP (`--mesh fsdp=N`) at a fixed global batch (--fsdp-global-batch, default --batch-per-gpu).
+Writes scaling.json under --out: a list of rows {gpus, processes, mesh, global_batch, per_gpu_batch, median_ms,
+tokens_per_s, weak_scaling, mfu_per_device, peak_gb, final_train_loss, val_loss, attention, report, error}, read
+off each run's report.json (process 0's): median_ms is the median step, tokens_per_s the global tokens / s at it,
+peak_gb process 0's device peak. weak_scaling is tokens_per_s over the 1-GPU data-parallel row's at the same
+per-GPU batch (null without that row, and for FSDP rows, whose global batch is fixed). A row whose processes fail
+or time out keeps its keys, null numbers and the error; every process' log is under --out/logs.
+`--platform cpu` runs the same launch on CPU processes (one CPU device each; the tests use it).
+
+One process (without --launch):
 
 (a) Weak scaling, data parallel: the pretraining step (forward, backward, galore_adamw in place with the
     randomized projector, everything on the pallas_fused kernels) on 1 GPU with batch B, then with
@@ -43,6 +59,22 @@ def _example():
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=pathlib.Path, required=True)
+    p.add_argument("--launch", action="store_true",
+                   help="one process per GPU (docs/multi_process.md's recipe); writes scaling.json under --out")
+    p.add_argument("--gpus", default=None,
+                   help="--launch: GPU counts, comma-separated (default: 1 and every power of two up to the GPUs "
+                        "nvidia-smi lists)")
+    p.add_argument("--meshes", default="data,fsdp", help="--launch: which row kinds, of data and fsdp")
+    p.add_argument("--steps", type=int, default=50, help="--launch: pretraining steps of each run")
+    p.add_argument("--batch-per-gpu", type=int, default=None,
+                   help="--launch: rows per GPU of the data-parallel rows (default: the preset's batch size)")
+    p.add_argument("--fsdp-global-batch", type=int, default=None,
+                   help="--launch: global batch of the FSDP rows (default: --batch-per-gpu)")
+    p.add_argument("--platform", choices=["gpu", "cpu"], default="gpu",
+                   help="--launch: cpu runs the processes on CPU devices (JAX_PLATFORMS=cpu): a simulation")
+    p.add_argument("--timeout", type=float, default=900.0, help="--launch: seconds for each row's processes")
+    p.add_argument("--example-args", default="",
+                   help="--launch: more arguments for examples/train_llama.py, as one string (e.g. '--fp8 tensorwise')")
     p.add_argument("--preset", default="gpu", help="model preset of examples/train_llama.py (default gpu, ~300M)")
     for key, kind in (("d_model", int), ("n_layers", int), ("seq_len", int), ("galore_rank", int)):
         p.add_argument("--" + key.replace("_", "-"), type=kind, default=None, help="override the preset")
@@ -53,7 +85,188 @@ def parse_args(argv=None):
     p.add_argument("--implementation", default=None, help="pallas_fused implementation (default: auto)")
     p.add_argument("--max-bytes", type=int, default=20_000_000, help="corpus bytes to load")
     p.add_argument("--seed", type=int, default=0)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.launch:
+        try:
+            args.gpu_counts = parse_counts(args.gpus) if args.gpus is not None else default_counts()
+            args.mesh_kinds = parse_meshes(args.meshes)
+        except ValueError as err:
+            p.error(str(err))
+        for name in ("steps", "batch_per_gpu", "fsdp_global_batch"):
+            value = getattr(args, name)
+            if value is not None and value < 1:
+                p.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+        if args.timeout <= 0:
+            p.error(f"--timeout must be > 0, got {args.timeout}")
+    return args
+
+
+# ------------------------------------------------------------------------------------------ one process per GPU
+
+ROW_KEYS = ("gpus", "processes", "mesh", "global_batch", "per_gpu_batch", "median_ms", "tokens_per_s",
+            "weak_scaling", "mfu_per_device", "peak_gb", "final_train_loss", "val_loss", "attention", "report",
+            "error")
+
+
+def parse_counts(text: str) -> list[int]:
+    try:
+        counts = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--gpus must be comma-separated GPU counts, got {text!r}") from None
+    if not counts or any(n < 1 for n in counts):
+        raise ValueError(f"--gpus must be comma-separated GPU counts >= 1, got {text!r}")
+    return sorted(set(counts))
+
+
+def parse_meshes(text: str) -> list[str]:
+    kinds = [x.strip() for x in text.split(",") if x.strip()]
+    if not kinds or any(k not in ("data", "fsdp") for k in kinds):
+        raise ValueError(f"--meshes must name data and/or fsdp, comma-separated, got {text!r}")
+    return kinds
+
+
+def default_counts() -> list[int]:
+    """1 and every power of two up to the GPUs nvidia-smi lists."""
+    import shutil
+    import subprocess
+
+    if shutil.which("nvidia-smi") is None:
+        raise ValueError("--gpus not given and nvidia-smi is not here to count the GPUs: pass --gpus 1,2,...")
+    listed = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, check=False).stdout
+    n = sum(line.startswith("GPU ") for line in listed.splitlines())
+    if n < 1:
+        raise ValueError("--gpus not given and nvidia-smi lists no GPU: pass --gpus 1,2,...")
+    return [c for c in (1, 2, 4, 8, 16, 32) if c <= n]
+
+
+def plan_rows(counts: list[int], kinds: list[str], batch_per_gpu: int, fsdp_global_batch: int) -> list[dict]:
+    """The runs of the table: data parallel at a fixed per-GPU batch for every count, FSDP at a fixed global
+    batch for every count > 1."""
+    rows = []
+    for n in counts:
+        if "data" in kinds:
+            rows.append({"gpus": n, "processes": n, "mesh": f"data={n}", "global_batch": n * batch_per_gpu,
+                         "per_gpu_batch": batch_per_gpu})
+        if "fsdp" in kinds and n > 1:
+            if fsdp_global_batch % n:
+                raise ValueError(f"--fsdp-global-batch {fsdp_global_batch} must be a multiple of every GPU count "
+                                 f"of its rows, not of {n}")
+            rows.append({"gpus": n, "processes": n, "mesh": f"fsdp={n}", "global_batch": fsdp_global_batch,
+                         "per_gpu_batch": fsdp_global_batch // n})
+    return rows
+
+
+def add_weak_scaling(rows: list[dict]) -> list[dict]:
+    """weak_scaling of each row: its tokens/s over the 1-GPU data-parallel row's at the same per-GPU batch; None
+    for FSDP rows (a fixed global batch), and where either number is missing."""
+    base = {r["per_gpu_batch"]: r.get("tokens_per_s") for r in rows
+            if r["gpus"] == 1 and r["mesh"].startswith("data=")}
+    for r in rows:
+        ref = base.get(r["per_gpu_batch"])
+        ok = r["mesh"].startswith("data=") and ref and r.get("tokens_per_s") is not None
+        r["weak_scaling"] = r["tokens_per_s"] / ref if ok else None
+    return rows
+
+
+def row_from_report(row: dict, report: dict) -> dict:
+    """A row's numbers from its run's report.json (the pretraining run of pallas_fused)."""
+    run = next(r for r in report["runs"] if r["phase"] == "pretrain" and r["name"] == "pallas_fused")
+    if report["settings"]["batch_size"] != row["global_batch"]:
+        raise ValueError(f"the run's batch {report['settings']['batch_size']} is not the row's {row['global_batch']}")
+    peak = run.get("peak_bytes")
+    return dict(row, median_ms=run["median_step_ms"], tokens_per_s=run["median_tokens_per_s"],
+                mfu_per_device=run.get("mfu_per_device"), peak_gb=None if peak is None else peak / 2**30,
+                final_train_loss=run["final_train_loss"], val_loss=run["final_val_loss"],
+                attention=report["settings"].get("attention"))
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def run_row(row: dict, args, out: pathlib.Path) -> dict:
+    """Start the row's processes (one per GPU), wait for all, and read the report process 0 wrote."""
+    import os
+    import shlex
+    import shutil
+    import subprocess
+    import tempfile
+
+    name = row["mesh"].replace("=", "")
+    run_dir, logs = out / "runs" / name, out / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    ckpt = pathlib.Path(tempfile.mkdtemp(prefix=f"multi_gpu_{name}_"))  # every process' shards; removed after
+    port = _free_port()
+    command = [sys.executable, str(ROOT / "examples" / "train_llama.py"), "--preset", args.preset,
+               "--steps", str(args.steps), "--finetune-steps", "0", "--eval-every", str(10**9), "--no-progress",
+               "--batch-size", str(row["global_batch"]), "--mesh", row["mesh"], "--seed", str(args.seed),
+               "--out", str(run_dir), "--ckpt-dir", str(ckpt), *shlex.split(args.example_args),
+               "--coordinator", f"127.0.0.1:{port}", "--num-processes", str(row["processes"])]
+    if args.implementation:
+        command += ["--implementation", args.implementation]
+    for key in ("d_model", "n_layers", "seq_len", "galore_rank"):  # the model overrides, as in the one-process mode
+        if getattr(args, key) is not None:
+            command += ["--" + key.replace("_", "-"), str(getattr(args, key))]
+    procs, files = [], []
+    try:
+        for i in range(row["processes"]):
+            env = dict(os.environ, CUDA_VISIBLE_DEVICES=str(i), PYTHONPATH=os.pathsep.join(
+                [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
+            if args.platform == "cpu":
+                env["JAX_PLATFORMS"] = "cpu"
+            log = open(logs / f"{name}_p{i}.log", "w")  # noqa: SIM115 (closed below, after the process ends)
+            files.append(log)
+            procs.append(subprocess.Popen(command + ["--process-id", str(i)], cwd=ROOT, env=env, stdout=log,
+                                          stderr=subprocess.STDOUT))
+        deadline = time.monotonic() + args.timeout
+        codes = []
+        for proc in procs:
+            try:
+                codes.append(proc.wait(timeout=max(deadline - time.monotonic(), 1.0)))
+            except subprocess.TimeoutExpired:
+                codes.append(None)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        for log in files:
+            log.close()
+        shutil.rmtree(ckpt, ignore_errors=True)
+    empty = {k: None for k in ROW_KEYS}
+    if any(c != 0 for c in codes):
+        status = ", ".join(f"process {i}: {'timed out' if c is None else f'exit {c}'}" for i, c in enumerate(codes))
+        return dict(empty, **row, error=f"{status} (logs: {logs}/{name}_p*.log)")
+    try:
+        report = json.loads((run_dir / "report.json").read_text())
+        return dict(empty, **row_from_report(row, report), report=str(run_dir / "report.json"))
+    except Exception as err:  # a run that ended but left no usable report: recorded, the other rows still run
+        return dict(empty, **row, error=f"{type(err).__name__}: {err}")
+
+
+def launch(args) -> list[dict]:
+    ex_presets = _example().PRESETS
+    if args.preset not in ex_presets:
+        raise ValueError(f"--preset must be one of {sorted(ex_presets)}, got {args.preset!r}")
+    b = args.batch_per_gpu or ex_presets[args.preset]["batch_size"]
+    rows = plan_rows(args.gpu_counts, args.mesh_kinds, b, args.fsdp_global_batch or b)
+    args.out.mkdir(parents=True, exist_ok=True)
+    done = []
+    for row in rows:
+        start = time.perf_counter()
+        print(f"{row['mesh']}: {row['processes']} process(es), global batch {row['global_batch']}", flush=True)
+        done.append(run_row(row, args, args.out))
+        r = done[-1]
+        what = r["error"] or f"{r['median_ms']:.1f} ms median step, {r['tokens_per_s']:,.0f} tok/s"
+        print(f"  {what} ({time.perf_counter() - start:.0f} s)", flush=True)
+    add_weak_scaling(done)
+    (args.out / "scaling.json").write_text(json.dumps(done, indent=1) + "\n")
+    print(json.dumps(done, indent=1))
+    return done
 
 
 def run(ex, name, s, layout, init_params, batches, steps, gap, implementation):
@@ -112,6 +325,8 @@ def run(ex, name, s, layout, init_params, batches, steps, gap, implementation):
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.launch:
+        return launch(args)
     args.out.mkdir(parents=True, exist_ok=True)
     ex = _example()
     from llama import data

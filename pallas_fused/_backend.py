@@ -133,6 +133,31 @@ def device_name() -> str:
     return getattr(device, "device_kind", device.platform)
 
 
+def trace_time_int(x) -> int | None:
+    """The value of a traced integer scalar that is a constant of the trace, else None.
+
+    optax.inject_hyperparams turns every int argument into `jnp.asarray(value)` inside the transformation's init;
+    under `jax.jit(init)` that is a tracer of a constant, whose value jit knows while it traces. An argument that
+    sets the state's structure (adamw's state_bits, GaLore's rank) is read from it, so a jitted init needs no
+    static_args. Reading it goes through the tracer's `get_const`, which jax does not document: where a jax
+    version lacks it, or the value is a real input of the traced function, this gives None and the caller's
+    error names static_args."""
+    if not isinstance(x, jax.core.Tracer) or getattr(x, "ndim", None) != 0:
+        return None
+    get_const = getattr(x, "get_const", None)
+    try:
+        value = get_const() if callable(get_const) else None
+    except Exception:  # an internal API: any failure means "not known"
+        return None
+    if value is None or isinstance(value, jax.core.Tracer):
+        return None
+    try:
+        as_int = int(value)
+    except (TypeError, ValueError):
+        return None
+    return as_int if as_int == value else None
+
+
 TUNING_DIR = Path(__file__).parent / "tuning"
 
 

@@ -30,6 +30,7 @@ LONGEST_FIRST = (
     "tests/examples/test_multi_process.py::test_two_processes_match_one",
     "tests/examples/test_multi_process.py::test_four_processes_match_one",
     "tests/examples/test_train_llama_mesh.py::test_mesh_matches_one_device",
+    "tests/test_multi_gpu_launch.py::test_launch_on_cpu_processes",
     "tests/sharding/test_optim_sharding.py::test_sharded_optimizer",
     "tests/examples/test_train_llama.py::test_compare_runs_baseline",
     "tests/examples/test_train_llama.py::test_pretrain_checkpoint_finetune_report",

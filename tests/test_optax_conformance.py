@@ -1,19 +1,23 @@
 """optax's conformance suite for contributed optimizers, run against ours.
 
-Adapted from optax/contrib/_common_test.py (optax 0.2.8, Copyright 2023 DeepMind Technologies Limited,
-Apache License 2.0, http://www.apache.org/licenses/LICENSE-2.0): the same cases (extra update arguments, no
-recompilation, tree_map_params, convergence on its targets, inject_hyperparams, dtype preservation, MultiSteps,
-state dtype stability under lax.cond, learning-rate schedules), in pytest form, with optax's optimizer list
-replaced by ours. Changes: the wrappers and the base-optimizer list (which test optax's own wrappers) are left
-out; a larger matrix target is added so that the 8-bit states are quantized (optax's targets have a handful of
-elements, below adam's MIN_QUANTIZED_SIZE) and GaLore projects below full rank; the optimization runs 3000
-steps instead of 30000 (every optimizer here is an Adam: it converges well within that; CPU CI budget).
+optax ships its suite as optax/contrib/_common_test.py (an absl `parameterized.TestCase`, `ContribTest`). Every
+test method it defines runs here, unchanged, on our optimizers: the cases optax generates for its own optimizers
+are read off the class (their parameters besides the optimizer: target, dtype, wrap), and each is run with every
+optimizer of OPTIMIZERS in place of optax's (its `_get_opt_factory` resolves our names), as a main optimizer and as
+the base of the wrappers optax runs on any base optimizer (`mechanize`). The wrappers optax tests on SGD alone
+(schedule_free, reduce_on_plateau) test the wrapper, not the optimizer, and are not repeated. A new test method in
+a later optax runs here too; `test_every_optax_test_runs_here` fails if one could not be read.
+
+Below the suite, ours: a larger matrix target (optax's targets are smaller than adam's MIN_QUANTIZED_SIZE, so the
+8-bit states would never be quantized, and GaLore would project at full rank) and inject_hyperparams without
+static_args under a jitted init, as optax's suite calls it.
 """
 
 from __future__ import annotations
 
+import importlib
 import inspect
-import logging
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -30,56 +34,80 @@ OPTIMIZERS = [
     ("adamw_8bit", optim.adamw, {"learning_rate": 1e-2, "state_bits": 8}),
 ]
 IDS = [name for name, _, _ in OPTIMIZERS]
-# optax's list of hyperparameters that cannot be injected (they set the state's structure), plus ours:
-# `state_bits` chooses the 8-bit or the float moment layout at init, as `rank` sets GaLore's shapes.
-UNINJECTABLE = ("warmup_steps", "num_betas", "clip_value_fn", "ns_steps", "rank", "update_proj_gap", "state_bits")
-STEPS = 3000
+# optax's own test module, held as a module attribute: a TestCase class bound in this module's namespace would
+# be collected by pytest and run optax's optimizers too.
+optax_suite = importlib.import_module("optax.contrib._common_test")
+OPTIMIZER_KEYS = ("opt_name", "opt_kwargs", "wrapper_name", "wrapper_kwargs")
+# Wrappers optax runs over every base optimizer (its _OTHER_OPTIMIZERS_UNDER_TEST): ours are bases too, with the
+# learning rate optax gives every base there (_BASE_OPTIMIZERS: 1.0). At 1e-2 mechanize's first steps underflow in
+# fp32 and the params never move, for optax.adamw as for ours.
+ANY_BASE_WRAPPERS = ("mechanize",)
+BASE_LEARNING_RATE = 1.0
 
 
-def _setup_parabola(dtype):
-    initial_params = jnp.array([-1.0, 10.0, 1.0], dtype=dtype)
-    final_params = jnp.array([1.0, -1.0, 1.0], dtype=dtype)
-
-    def obj_fn(params):
-        return jnp.sum(jnp.square(params - final_params))
-
-    return initial_params, final_params, obj_fn
-
-
-def _setup_rosenbrock(dtype):
-    a, b = 1.0, 100.0
-    initial_params = jnp.array([0.0, 0.0], dtype=dtype)
-    final_params = jnp.array([a, a**2], dtype=dtype)
-
-    def obj_fn(params):
-        return jnp.square(a - params[0]) + b * jnp.square(params[1] - params[0] ** 2)
-
-    return initial_params, final_params, obj_fn
-
-
-def _setup_matrix_parabola(dtype):
-    initial_params = jnp.zeros((2, 2), dtype=dtype)
-    final_params = jnp.array([[3.0, -2.0], [1.0, 4.0]], dtype=dtype)
-
-    def obj_fn(params):
-        return jnp.sum(jnp.square(params - final_params))
-
-    return initial_params, final_params, obj_fn
+def _optax_tests() -> dict:
+    """{test name: (optax's test function, [its parameters besides the optimizer, one dict per distinct case],
+    {wrapper name: its kwargs} of the wrappers it runs)} for every test method of optax's ContribTest."""
+    cls, tests = optax_suite.ContribTest, {}
+    for attr in sorted(vars(cls)):
+        bound = vars(cls)[attr]
+        if not attr.startswith("test") or not callable(bound):
+            continue
+        fn = getattr(bound, "__wrapped__", bound)  # absl's generated case wraps the test (functools.wraps)
+        cases = inspect.getclosurevars(bound).nonlocals.get("testcase_params", {}) if fn is not bound else {}
+        name, entry = fn.__name__, tests.setdefault(fn.__name__, (fn, [], {}))
+        rest = {k: v for k, v in dict(cases).items() if k not in OPTIMIZER_KEYS}
+        if rest not in entry[1]:
+            entry[1].append(rest)
+        if dict(cases).get("wrapper_name") is not None:
+            entry[2][dict(cases)["wrapper_name"]] = dict(cases)["wrapper_kwargs"]
+        tests[name] = entry
+    return tests
 
 
-def _setup_mixed_tensor_target(dtype):
-    initial_params = (jnp.zeros((3,), dtype=dtype), jnp.zeros((2, 2), dtype=dtype))
-    final_params = (jnp.array([1.0, -1.0, 2.0], dtype=dtype), jnp.array([[1.0, 0.0], [-1.0, 1.0]], dtype=dtype))
+OPTAX_TESTS = _optax_tests()
 
-    def obj_fn(params):
-        return sum(jnp.sum(jnp.square(p - f)) for p, f in zip(params, final_params))
 
-    return initial_params, final_params, obj_fn
+def _case_id(rest: dict) -> str:
+    return "-".join(f"{k}={getattr(v, '__name__', None) or getattr(v, 'name', None) or v}"
+                    for k, v in sorted(rest.items())) or "default"
+
+
+def _suite_cases():
+    for test, (_, rests, wrappers) in OPTAX_TESTS.items():
+        wrapped = [(w, wrappers[w]) for w in ANY_BASE_WRAPPERS if w in wrappers]
+        for (name, _, kwargs), (wrapper, wkw), rest in itertools.product(OPTIMIZERS, [(None, None), *wrapped],
+                                                                           rests):
+            label = name if wrapper is None else f"{wrapper}({name})"
+            base_kwargs = kwargs if wrapper is None else dict(kwargs, learning_rate=BASE_LEARNING_RATE)
+            yield pytest.param(test, name, base_kwargs, wrapper, wkw, rest, id=f"{test}-{label}-{_case_id(rest)}")
+
+
+def test_every_optax_test_runs_here():
+    """The suite read off optax's class holds its test methods, each with its cases."""
+    assert {"test_optimizers", "test_optimizers_can_be_wrapped_in_inject_hyperparams",
+            "test_optimizers_accept_extra_args", "test_preserve_dtype", "test_gradient_accumulation",
+            "test_state_shape_dtype_shard_stability"} <= set(OPTAX_TESTS)
+    assert all(rests for _, rests, _ in OPTAX_TESTS.values())
+    assert "mechanize" in OPTAX_TESTS["test_optimizers"][2]
+
+
+@pytest.mark.parametrize("test,opt_name,opt_kwargs,wrapper_name,wrapper_kwargs,rest", list(_suite_cases()))
+def test_optax_suite(monkeypatch, test, opt_name, opt_kwargs, wrapper_name, wrapper_kwargs, rest):
+    factories = {name: factory for name, factory, _ in OPTIMIZERS}
+    monkeypatch.setattr(optax_suite, "_get_opt_factory", lambda name: factories[name])
+    fn = OPTAX_TESTS[test][0]
+    params = inspect.signature(fn).parameters
+    kwargs = dict(rest, opt_name=opt_name, opt_kwargs=opt_kwargs)
+    if "wrapper_name" in params:
+        kwargs.update(wrapper_name=wrapper_name, wrapper_kwargs=wrapper_kwargs)
+    case = optax_suite.ContribTest(methodName="run")  # a bare instance: its assert*, subTest and skipTest
+    fn(case, **kwargs)
 
 
 def _setup_large_matrix_parabola(dtype):
-    """Ours: a (64, 80) target of rank 4 (GaLore's rank-8 projection can reach it) with 5120 elements (8-bit
-    moments are quantized from 4096 on)."""
+    """A (64, 80) target of rank 4 (GaLore's rank-8 projection can reach it) with 5120 elements (8-bit moments are
+    quantized from 4096 on)."""
     k1, k2 = jax.random.split(jax.random.key(0))
     final_params = (jax.random.normal(k1, (64, 4)) @ jax.random.normal(k2, (4, 80)) / 8).astype(dtype)
     initial_params = jnp.zeros((64, 80), dtype)
@@ -90,32 +118,6 @@ def _setup_large_matrix_parabola(dtype):
     return initial_params, final_params, obj_fn
 
 
-TARGETS = [_setup_parabola, _setup_rosenbrock, _setup_matrix_parabola, _setup_mixed_tensor_target,
-           _setup_large_matrix_parabola]
-
-
-class _CompileLog(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.DEBUG)
-        self.records = []
-
-    def emit(self, record):
-        if "Finished" in record.getMessage() and "compilation" in record.getMessage():
-            self.records.append(record)
-
-
-def _compilations(fn):
-    """The compilations `fn()` triggers (as optax's test_utils.log_compilations counts them)."""
-    handler, root = _CompileLog(), logging.getLogger("jax")
-    root.addHandler(handler)
-    try:
-        with jax.log_compiles():
-            fn()
-    finally:
-        root.removeHandler(handler)
-    return handler.records
-
-
 def _assert_close(actual, desired, rtol=1e-6, atol=0.0):
     assert jax.tree.structure(actual) == jax.tree.structure(desired)
     for a, d in zip(jax.tree.leaves(actual), jax.tree.leaves(desired)):
@@ -123,29 +125,11 @@ def _assert_close(actual, desired, rtol=1e-6, atol=0.0):
 
 
 @pytest.mark.parametrize("name,factory,kwargs", OPTIMIZERS, ids=IDS)
-def test_optimizers_accept_extra_args(name, factory, kwargs):
+def test_converges_on_a_large_matrix(name, factory, kwargs):
+    """optax's test_optimizers on a target where the 8-bit states are quantized and GaLore projects below full
+    rank (3000 steps: every optimizer here is an Adam, well converged by then)."""
     opt = factory(**kwargs)
-    initial_params, _, objective = _setup_rosenbrock(jnp.float32)
-
-    @jax.jit
-    def step(params, state):
-        updates = jax.grad(objective)(params)
-        updates, state = opt.update(updates, state, params, unexpected_extra_args_your_optimizer_doesnt_expect=1)
-        return optax.apply_updates(params, updates), state
-
-    params, state = initial_params, opt.init(initial_params)
-    for _ in range(2):
-        params, state = step(params, state)
-    # no recompilation on the second call
-    params, state = step(initial_params, opt.init(initial_params))
-    assert not _compilations(lambda: step(params, state)), "the optimizer recompiles on its second update"
-
-
-@pytest.mark.parametrize("target", TARGETS, ids=lambda t: t.__name__[7:])
-@pytest.mark.parametrize("name,factory,kwargs", OPTIMIZERS, ids=IDS)
-def test_optimizers(name, factory, kwargs, target):
-    opt = factory(**kwargs)
-    initial_params, final_params, obj_fn = target(jnp.float32)
+    initial_params, final_params, obj_fn = _setup_large_matrix_parabola(jnp.float32)
 
     @jax.jit
     def run(params, state):
@@ -154,94 +138,17 @@ def test_optimizers(name, factory, kwargs, target):
             updates, state = opt.update(jax.grad(obj_fn)(params), state, params)
             return (optax.apply_updates(params, updates), state), None
 
-        return jax.lax.scan(f, (params, state), length=STEPS)[0]
+        return jax.lax.scan(f, (params, state), length=3000)[0]
 
-    state = opt.init(initial_params)
-    state = optax.tree.map_params(opt, lambda v: v, state)  # a no-op change: tree_map_params works
+    state = optax.tree.map_params(opt, lambda v: v, opt.init(initial_params))
     params, state = run(initial_params, state)
     _assert_close(params, final_params, rtol=3e-2, atol=3e-2)
 
-
-@pytest.mark.parametrize("name,factory,kwargs", OPTIMIZERS, ids=IDS)
-def test_optimizers_can_be_wrapped_in_inject_hyperparams(name, factory, kwargs):
-    opt = factory(**kwargs)
-    static_args = tuple(a for a in UNINJECTABLE if a in inspect.signature(factory).parameters)
-    opt_inject = optax.inject_hyperparams(factory, static_args)(**kwargs)
-    params = [jnp.negative(jnp.ones((2, 3))), jnp.ones((2, 5, 2))]
-    grads = [jnp.ones((2, 3)), jnp.negative(jnp.ones((2, 5, 2)))]
-    updates, new_state = jax.jit(opt.update)(grads, jax.jit(opt.init)(params), params)
-    updates_inject, new_state_inject = jax.jit(opt_inject.update)(grads, jax.jit(opt_inject.init)(params), params)
-    _assert_close(updates_inject, updates, rtol=1e-5)
-    _assert_close(new_state_inject.inner_state, new_state, rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-@pytest.mark.parametrize("name,factory,kwargs", OPTIMIZERS, ids=IDS)
-def test_preserve_dtype(name, factory, kwargs, dtype):
-    opt = factory(**kwargs)
-    params = jnp.array([1.0, 2.0], dtype=dtype)
-    grads = jax.grad(lambda x: jnp.sum(x**2))(params)
-    updates, _ = jax.jit(opt.update)(grads, jax.jit(opt.init)(params), params)
-    assert updates.dtype == params.dtype
-
-
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-@pytest.mark.parametrize("name,factory,kwargs", OPTIMIZERS, ids=IDS)
-def test_gradient_accumulation(name, factory, kwargs, dtype):
-    opt = optax.MultiSteps(factory(**kwargs), every_k_schedule=4)
-    params = jnp.array([1.0, 2.0], dtype=dtype)
-    grads = jax.grad(lambda x: jnp.sum(x**2))(params)
-    updates, _ = jax.jit(opt.update)(grads, jax.jit(opt.init)(params), params)
-    np.testing.assert_array_equal(updates, jnp.zeros_like(grads))
-    assert updates.dtype == grads.dtype
-
-
-@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64])
-@pytest.mark.parametrize("name,factory,kwargs", OPTIMIZERS, ids=IDS)
-def test_state_shape_dtype_shard_stability(name, factory, kwargs, dtype):
-    with jax.enable_x64(dtype == jnp.float64):
-        opt = factory(**kwargs)
-        initial_params, _, objective = _setup_parabola(dtype)
-
-        @jax.jit
-        def step(params, state):
-            updates = jax.grad(objective)(params)
-            # lax.cond defeats compiler optimization: both branches must have the same types
-            cond = jax.random.randint(jax.random.key(0), (), 0, 2) == 0
-            updates, state = jax.lax.cond(cond, lambda: opt.update(updates, state, params), lambda: (params, state))
-            return optax.apply_updates(params, updates), state
-
-        params, state = initial_params, opt.init(initial_params)
-        for _ in range(2):
-            params, new_state = step(params, state)
-            assert jax.tree.leaves(params)[0].dtype == dtype
-            cond = jax.random.randint(jax.random.key(0), (), 0, 2) == 0
-            state = jax.lax.cond(cond, lambda s=state: s, lambda s=new_state: s)
-
-
-@pytest.mark.parametrize("name,factory,kwargs", OPTIMIZERS, ids=IDS)
-def test_optimizers_accept_learning_rate_schedule(name, factory, kwargs):
-    initial_params, _, obj_fn = _setup_parabola(jnp.float32)
-    opt_with_schedule = factory(**dict(kwargs, learning_rate=optax.constant_schedule(1e-3)))
-    opt_with_lr = factory(**dict(kwargs, learning_rate=1e-3))
-
-    def step(opt, params, state):
-        updates, state = opt.update(jax.grad(obj_fn)(params), state, params)
-        return optax.apply_updates(params, updates), state
-
-    ps, pl = initial_params, initial_params
-    ss, sl = opt_with_schedule.init(ps), opt_with_lr.init(pl)
-    for _ in range(10):
-        ps, ss = step(opt_with_schedule, ps, ss)
-        pl, sl = step(opt_with_lr, pl, sl)
-    _assert_close(ps, pl)
-
-
-# ---------------------------------------------------------------------------------------------------------- ours
-# inject_hyperparams without any static_args: init outside jit reads the int arguments' values; every update
-# works under jit (GaLore reads each leaf's rank off its projector, 8-bit AdamW its layout off the state), and
-# changing an injected value does not recompile. A jitted init cannot know the value of an int that sets the
-# state's shapes: a ValueError names it and static_args.
+# inject_hyperparams without any static_args: init, under jit too, reads the int arguments' values (a jitted init's
+# array of an int is a constant of its trace); every update works under jit (GaLore reads each leaf's rank off its
+# projector, 8-bit AdamW its layout off the state), and changing an injected value does not recompile. An int that
+# sets the state's structure and is a real input of the traced function cannot be known: a ValueError names it and
+# static_args.
 INJECT_CASES = OPTIMIZERS + [("galore_adamw_randomized", optim.galore_adamw,
                                {"learning_rate": 1e-2, "rank": 8, "projector": "randomized"})]
 
@@ -266,9 +173,10 @@ def test_inject_hyperparams_without_static_args(name, factory, kwargs):
     u2, _ = update_inject(g, state_inject, p)
     assert not np.allclose(u2["w"], u_inject["w"])
     assert update_inject._cache_size() == 1
-    traced = "state_bits" if "state_bits" in kwargs else "rank" if "galore" in name else None
-    if traced:
-        with pytest.raises(ValueError, match=rf"{traced}.*static_args"):
-            jax.jit(opt_inject.init)(params)
-    else:
-        jax.jit(opt_inject.init)(params)
+    jitted = jax.jit(opt_inject.init)(params)
+    assert jax.tree.structure(jitted) == jax.tree.structure(opt_inject.init(params))
+    _assert_close(jitted.inner_state, opt.init(params))
+    structural = "state_bits" if "state_bits" in kwargs else "rank" if "galore" in name else None
+    if structural:
+        with pytest.raises(ValueError, match=rf"{structural}.*static_args"):
+            jax.jit(lambda value: factory(**dict(kwargs, **{structural: value})).init(params))(kwargs[structural])

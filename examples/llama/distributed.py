@@ -79,6 +79,15 @@ def broadcast_int(value: int) -> int:
     return int(multihost_utils.broadcast_one_to_all(np.int64(value)))
 
 
+def all_processes(flag: bool) -> bool:
+    """Whether `flag` holds on every process (a choice each process makes on its own, that all must share)."""
+    if jax.process_count() == 1:
+        return bool(flag)
+    from jax.experimental import multihost_utils
+
+    return bool(np.all(multihost_utils.process_allgather(np.int32(bool(flag)))))
+
+
 def put_global(tree, shardings):
     """Lay out `tree` (values identical on every process) with `shardings` (global NamedShardings).
 

@@ -59,36 +59,39 @@ def model_flops_per_token(num_params: int, n_layers: int, d_model: int, seq_len:
 
 
 def mfu(r: RunResult, settings: dict, device: str | None) -> float | None:
-    """Model FLOPs utilization at the median step against the device's dense bf16 peak (FP8 runs too, so that
-    they compare with bf16 on one scale), or None for a device without a known peak."""
+    """Model FLOPs utilization per device at the median step: the step's global FLOPs (every device's tokens)
+    over the peak of the devices it ran on (`r.num_devices` of them), against the device's dense bf16 peak (FP8
+    runs too, so that they compare with bf16 on one scale), or None for a device without a known peak."""
     peak = next((v for k, v in PEAK_BF16_TFLOPS.items() if device and k in device), None)
     if peak is None or r.median_step_ms <= 0 or not all(k in settings for k in ("n_layers", "d_model", "seq_len")):
         return None
+    if not isinstance(r.num_devices, int) or r.num_devices < 1:
+        raise ValueError(f"num_devices must be a positive int, got {r.num_devices!r}")
     flops = model_flops_per_token(r.num_params, settings["n_layers"], settings["d_model"], settings["seq_len"])
-    return flops * r.tokens_per_step / (r.median_step_ms * 1e-3) / (peak * 1e12)
+    return flops * r.median_tokens_per_s / (r.num_devices * peak * 1e12)
 
 
 def table(results: list[RunResult], settings: dict | None = None, device: str | None = None) -> str:
-    """A markdown table, one row per run, led by the typical (median) step: its ms, tokens / s and MFU, then the
-    mean step (GaLore's projector refreshes included), both speed ratios against the phase's baseline, the
-    optimizer state and the process' peak device memory after the run."""
+    """A markdown table, one row per run, led by the typical (median) step: its ms, global tokens / s (every
+    device together) and MFU per device, then the mean step (GaLore's projector refreshes included), both speed
+    ratios against the phase's baseline, the optimizer state and the process' peak device memory after the run."""
     base = {r.phase: r for r in results if r.name == "baseline"}
     lines = [
-        "| phase | run | val loss start -> end | final train loss | ms / step (median) | tokens / s (median) | MFU "
-        "| ms / step (mean) | speedup vs baseline (median) | speedup (mean) | optimizer state (MB) "
-        "| peak memory (GB) |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| phase | run | val loss start -> end | final train loss | ms / step (median) | devices "
+        "| tokens / s (median, all devices) | MFU (per device) | ms / step (mean) | speedup vs baseline (median) "
+        "| speedup (mean) | optimizer state (MB) | peak memory (GB) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in results:
         b = base.get(r.phase)
         vs = b is not None and r is not b and r.step_ms > 0 and r.median_step_ms > 0
         med = f"{b.median_step_ms / r.median_step_ms:.2f}x" if vs else "-"
         mean = f"{b.step_ms / r.step_ms:.2f}x" if vs else "-"
-        tok = r.tokens_per_step / (r.median_step_ms * 1e-3) if r.median_step_ms > 0 else 0.0
         u = mfu(r, settings or {}, device)
         lines.append(
             f"| {r.phase} | {r.name} | {r.val_loss[0]:.4f} -> {r.val_loss[-1]:.4f} | {r.train_loss[-1]:.4f} | "
-            f"{r.median_step_ms:.2f} | {tok:,.0f} | {'-' if u is None else f'{100 * u:.1f}%'} | {r.step_ms:.2f} | "
+            f"{r.median_step_ms:.2f} | {r.num_devices} | {r.median_tokens_per_s:,.0f} | "
+            f"{'-' if u is None else f'{100 * u:.1f}%'} | {r.step_ms:.2f} | "
             f"{med} | {mean} | {r.opt_state_bytes / 2**20:.1f} | "
             f"{'-' if r.peak_bytes is None else f'{r.peak_bytes / 2**30:.2f}'} |"
         )
@@ -131,6 +134,9 @@ def write(out: pathlib.Path, results: list[RunResult], *, command: str, settings
         f"Device: {environment.get('device')}; jax {environment.get('jax')}, flax {environment.get('flax')}, "
         f"optax {environment.get('optax')}.",
         "",
+        f"Attention (jax.nn.dot_product_attention, both runs): {settings.get('attention') or 'xla'}"
+        + (f" ({settings['attention_reason']})" if settings.get("attention_reason") else "") + ".",
+        "",
         *[f"- **{name}**: {text}" for name, text in settings.get("variants", {}).items()
           if any(r.name == name for r in results)],
         "",
@@ -141,9 +147,11 @@ def write(out: pathlib.Path, results: list[RunResult], *, command: str, settings
         "Loss is next-byte cross-entropy in nats per byte; validation is on held-out files of the Python standard "
         "library (see examples/llama/data.py). Step time excludes the first (compiling) step and the validation "
         "passes; the mean includes GaLore projector refreshes (every update_proj_gap steps), the median over "
-        "10-step windows shows the typical step. Speedups: baseline / pallas_fused, median and mean. MFU: "
-        "6 x params + 12 x layers x d_model x seq_len FLOPs per token at the median step, over the device's dense "
-        "bf16 peak. Peak memory: device 0's peak_bytes_in_use read at the end of each phase, a high-water mark of "
+        "10-step windows shows the typical step. Speedups: baseline / pallas_fused, median and mean. Tokens / s: "
+        "the global batch's tokens (every device's share together) at the median step. MFU, per device: "
+        "6 x params + 12 x layers x d_model x seq_len FLOPs per token times those tokens / s, over the dense bf16 "
+        "peak of all the devices the step ran on (devices x one device's peak). Peak memory: device 0's "
+        "peak_bytes_in_use read at the end of each phase, a high-water mark of "
         "the whole process, so each phase's number includes every phase run before it in this process "
         "(pretraining, then the fine-tune; with --compare, pallas_fused's phases before the baseline's): only the "
         "first phase run shows its own peak (--steps 0 makes that the fine-tune); '-' where the backend keeps no "
@@ -158,7 +166,8 @@ def write(out: pathlib.Path, results: list[RunResult], *, command: str, settings
         "",
     ]
     paths["markdown"].write_text("\n".join(text))
-    record = {"command": command, "settings": settings, "environment": environment,
-              "runs": [r.to_json() for r in results], "comparison": comparison_lines(results)}
+    runs = [dict(r.to_json(), mfu_per_device=mfu(r, settings, environment.get("device"))) for r in results]
+    record = {"command": command, "settings": settings, "environment": environment, "runs": runs,
+              "comparison": comparison_lines(results)}
     paths["json"].write_text(json.dumps(record, indent=2, default=str))
     return paths

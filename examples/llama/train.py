@@ -138,7 +138,8 @@ class RunResult:
     train_s: float = 0.0  # wall time of every step after the first, evaluation excluded
     timed_steps: int = 0
     windows: list[tuple[int, float]] = dataclasses.field(default_factory=list)  # (steps, seconds) per log window
-    tokens_per_step: int = 0
+    tokens_per_step: int = 0  # the global batch's tokens: every device's share together
+    num_devices: int = 1  # devices the step ran on (the mesh's, across every process): MFU is per device
     num_params: int = 0
     num_trainable: int = 0
     opt_state_bytes: int = 0
@@ -156,7 +157,13 @@ class RunResult:
 
     @property
     def tokens_per_s(self) -> float:
+        """Global tokens / s over every timed step (all devices together)."""
         return self.tokens_per_step * self.timed_steps / max(self.train_s, 1e-9)
+
+    @property
+    def median_tokens_per_s(self) -> float:
+        """Global tokens / s at the median step."""
+        return self.tokens_per_step / (self.median_step_ms * 1e-3) if self.median_step_ms > 0 else 0.0
 
     def summary(self) -> dict:
         return {
@@ -169,6 +176,8 @@ class RunResult:
             "step_ms": self.step_ms,
             "median_step_ms": self.median_step_ms,
             "tokens_per_s": self.tokens_per_s,
+            "median_tokens_per_s": self.median_tokens_per_s,
+            "num_devices": self.num_devices,
             "compile_s": self.compile_s,
             "num_params": self.num_params,
             "num_trainable": self.num_trainable,
@@ -265,6 +274,7 @@ def train(
     evaluate = make_evaluate(model)
     val_batches = put(val_batches, leading=1)
     result = RunResult(name=name, phase=phase, tokens_per_step=int(batch_size * (batches.shape[2] - 1)),
+                       num_devices=1 if layout is None else int(layout.mesh.size),
                        num_params=count_params((state.trainable, state.frozen)),
                        num_trainable=count_params(state.trainable),
                        opt_state_bytes=tree_bytes(state.opt_state))

@@ -44,8 +44,9 @@ param_shardings)` gives the matching state shardings for jit's in/out_shardings.
 
 `state_bits` defaults to None (= 32, full-precision states) rather than 32 so that
 `optax.inject_hyperparams(adamw)` does not take it for a numeric hyperparameter. Given as an int (8), inject_hyperparams
-makes an array of it: init outside jit reads its value, and update never needs it (the state's layout says which
-moments it holds); only a jitted init cannot know it, and says to pass `static_args=("state_bits",)`.
+makes an array of it: init reads its value (under `jax.jit(init)` too, where the array is a constant of the trace),
+and update never needs it (the state's layout says which moments it holds). No static_args are needed; changing
+`state.hyperparams["state_bits"]` after init changes nothing, as the layout is fixed by then.
 
 Updates come in the params' dtype (promoted with the gradient's) when `update` gets params, as optax's; without
 params, in the gradient's dtype promoted with the moments'.
@@ -104,17 +105,22 @@ def dequantize_moment(q: QuantizedMoment, shape, signed: bool) -> jax.Array:
 
 def _check_bits(state_bits, *, traced_ok: bool = False) -> int | None:
     """state_bits as an int (None: 32). An integer scalar array (what optax.inject_hyperparams makes of an int)
-    counts as its value. A traced one (inject_hyperparams under jit) is unknown: `update` does not need it (the
-    state's layout says which moments it holds), so with `traced_ok` it gives None; init needs it."""
+    counts as its value, and so does a traced one that is a constant of the trace (inject_hyperparams' array
+    under a jitted init). Any other traced value is unknown: `update` does not need it (the state's layout says
+    which moments it holds), so with `traced_ok` it gives None; init needs it."""
     if state_bits is None:
         return 32
     if isinstance(state_bits, jax.core.Tracer) and jnp.ndim(state_bits) == 0 and jnp.issubdtype(
             state_bits.dtype, jnp.integer):
-        if traced_ok:
+        known = _backend.trace_time_int(state_bits)
+        if known is not None:
+            state_bits = known
+        elif traced_ok:
             return None
-        raise ValueError("state_bits chooses the moments' layout, so init needs its value; got a traced one "
-                         "(optax.inject_hyperparams makes an array of every int argument, traced under jit): pass "
-                         "static_args=('state_bits',), or call init outside jit")
+        else:
+            raise ValueError("state_bits chooses the moments' layout, so init needs its value; got a traced value "
+                             "that is an input of the traced function, not a constant: pass "
+                             "static_args=('state_bits',) to optax.inject_hyperparams, or call init outside jit")
     if isinstance(state_bits, (np.ndarray, np.generic, jax.Array)) and state_bits.ndim == 0 and jnp.issubdtype(
             state_bits.dtype, jnp.integer):
         state_bits = int(state_bits)
@@ -472,6 +478,13 @@ def adamw(learning_rate: ScalarOrSchedule, b1=0.9, b2=0.999, eps=1e-8, eps_root=
     """
     return _fused(learning_rate, b1, b2, eps, eps_root, weight_decay, mask, mu_dtype, state_bits, implementation)
 
+
+# optax tells a factory that takes a schedule by its learning_rate annotation being optax.ScalarOrSchedule (its
+# conformance suite's schedule test skips any other); this module's annotations are strings (postponed evaluation),
+# so the object is set here.
+for _factory in (adam, adamw):
+    _factory.__annotations__["learning_rate"] = optax.ScalarOrSchedule
+del _factory
 
 def adamw_step(params, grads, state: FusedAdamState, *, learning_rate: ScalarOrSchedule, b1=0.9, b2=0.999,
                eps=1e-8, eps_root=0.0, weight_decay=1e-4, mask=None, implementation=None):

@@ -64,8 +64,9 @@ leaf on refresh steps (once every update_proj_gap steps): prefer "randomized" on
 Hyperparameters learning_rate (float or schedule), b1, b2, eps, weight_decay, scale, update_proj_gap and
 seed are runtime values: under `optax.inject_hyperparams(galore_adamw)` changing them does not recompile.
 inject_hyperparams makes an array of every int argument, so `rank` is a traced value under a jitted init,
-which needs it for the state's shapes: pass static_args=("rank",) or GALORE_STATIC_ARGS there (a ValueError
-says so); init outside jit, and every update, need no static_args.
+which needs it for the state's shapes: it is a constant of that trace, and init reads its value, so no
+static_args are needed (where a traced rank is a real input of the traced function, a ValueError names
+static_args=GALORE_STATIC_ARGS). Every update reads each leaf's rank off its projector.
 """
 
 from __future__ import annotations
@@ -308,7 +309,8 @@ class GaLoreConfig:
             implementation=_backend.resolve_implementation(self.implementation, op="galore", variants=VARIANTS))
 
 
-# Arguments that are structure, not numbers: optax.inject_hyperparams static_args (a jitted init needs `rank`).
+# Arguments that are structure, not numbers: optax.inject_hyperparams static_args where `rank` is an input of a
+# traced function (inject_hyperparams' own array of it is a constant that init reads).
 GALORE_STATIC_ARGS = tuple(f.name for f in dataclasses.fields(GaLoreConfig) if f.metadata.get("static"))
 
 
@@ -373,10 +375,17 @@ class _GaLore:
         """A projected leaf's rank: `rank`, clamped to min(M, N) as optax.contrib.galore and galore-torch do (a
         leaf whose smaller side is <= rank is projected at full rank: its moments take no less memory than Adam's
         but it is stepped in the gradient's singular basis, as the peers step it)."""
-        if isinstance(self.cfg.rank, jax.core.Tracer):
-            raise ValueError(f"rank sets the state's shapes, so it must be known at init; got a traced value "
-                             f"({_STATIC_HINT}, or ('rank',); or call init outside jit)")
-        return min(self.cfg.rank, *shape)
+        rank = self.cfg.rank
+        if isinstance(rank, jax.core.Tracer):
+            # inject_hyperparams' array of an int is a constant of a jitted init's trace: its value is known.
+            rank = _backend.trace_time_int(rank)
+            if rank is None:
+                raise ValueError(f"rank sets the state's shapes, so it must be known at init; got a traced value "
+                                 f"that is an input of the traced function ({_STATIC_HINT}, or ('rank',); or call "
+                                 "init outside jit)")
+            if rank < 1:
+                raise ValueError(f"rank must be >= 1, got {rank}")
+        return min(rank, *shape)
 
     def init(self, params) -> GaLoreAdamState:
         cfg = self.cfg
@@ -571,8 +580,8 @@ _DOC_ARGS = """
       learning_rate: float or optax schedule (called with the step count).
       rank: projection rank r (an int), clamped per leaf to min(M, N) as optax.contrib.galore and galore-torch do: a
         leaf whose smaller side is <= rank is projected at full rank (its moments take no less memory than Adam's).
-        It sets the state's shapes, so init needs its value: under `optax.inject_hyperparams` with a jitted init
-        pass it in static_args; update reads each leaf's rank off its projector.
+        It sets the state's shapes, so init needs its value: under `optax.inject_hyperparams` init reads it, under
+        jit too (the array of it is a constant of the trace); update reads each leaf's rank off its projector.
       update_proj_gap: steps between projector refreshes (step 0 refreshes); a runtime value.
       scale: GaLore's update scale (alpha in the paper); default 0.25 (convention "galore") or 1.0 ("optax").
       proj_type: "std" | "reverse_std" | "right" | "left" (default "std"; "reverse_std" under
@@ -637,6 +646,11 @@ def galore_adam(learning_rate, *, rank: int = _D.rank, update_proj_gap: int = _D
     core = _GaLore(learning_rate, _config(locals(), weight_decay=None))
     return optax.GradientTransformationExtraArgs(core.init, core.update)
 
+
+# As pallas_fused.adam's factories: optax reads a factory's learning_rate annotation to know it takes a schedule.
+for _factory in (galore_adamw, galore_adam):
+    _factory.__annotations__["learning_rate"] = optax.ScalarOrSchedule
+del _factory
 
 def scale_by_galore_adam(*, rank: int = _D.rank, update_proj_gap: int = _D.update_proj_gap,
                          scale: float | None = _D.scale, proj_type: str | None = _D.proj_type, b1: float = _D.b1,

@@ -205,9 +205,13 @@ def test_inject_hyperparams_runtime_operands_no_recompile(kernel_impl):
 
 def test_inject_hyperparams_with_8bit_states():
     params = mlp_params(hidden=512)
-    # without static_args: init outside jit reads the value; under jit it is traced, and init says what to do
+    # Without static_args, under jit as outside it: inject_hyperparams' array of the int is a constant of a jitted
+    # init's trace, so init reads its value (optax's conformance suite calls jax.jit(opt.init)).
+    jitted = jax.jit(optax.inject_hyperparams(A.adamw)(learning_rate=1e-2, state_bits=8).init)(params)
+    assert isinstance(jitted.inner_state.mu["w1"], A.QuantizedMoment)
+    # A state_bits that is a real input of the traced function has no value at trace time: the error says what to do.
     with pytest.raises(ValueError, match=r"state_bits.*static_args=\('state_bits',\)"):
-        jax.jit(optax.inject_hyperparams(A.adamw)(learning_rate=1e-2, state_bits=8).init)(params)
+        jax.jit(lambda bits: A.adamw(1e-2, state_bits=bits).init(params))(8)
     opt = optax.inject_hyperparams(A.adamw)(learning_rate=1e-2, state_bits=8, implementation="xla")
     _, state, loss = train(opt, params, 2)
     assert isinstance(state.inner_state.mu["w1"], A.QuantizedMoment)
