@@ -50,7 +50,6 @@ import importlib.util
 import pathlib
 import shlex
 import sys
-import zlib
 
 import jax
 import jax.numpy as jnp
@@ -68,7 +67,10 @@ from llama import mesh as mesh_lib  # noqa: E402
 from llama.model import Llama, ModelConfig, block_kernel_mask, count_params  # noqa: E402
 from llama.train import RunResult, train  # noqa: E402
 
-ADAPTER_NAMES = ("lora_a", "lora_b", "magnitude")
+from pallas_fused import adapt  # noqa: E402
+
+# The fine-tune's DoRA goes on every block projection (the embedding and the output head stay as they are).
+FINETUNE_PATHS = r"block_\d+/(attn/(q|k|v|o)|mlp/(gate|up|down))"
 
 PRESETS = {
     # Tiny: the whole job (pretrain, checkpoint, fine-tune, plot) in a few minutes on 2 CPU cores.
@@ -225,12 +227,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def model_config(s: dict, *, implementation, fp8=None, dora_rank=None, quantize=None, attention=None) -> ModelConfig:
+def model_config(s: dict, *, implementation, fp8=None, attention=None) -> ModelConfig:
     return ModelConfig(
         d_model=s["d_model"], n_layers=s["n_layers"], n_heads=s["n_heads"], n_kv_heads=s["n_kv_heads"],
-        d_ff=s["d_ff"], dtype=jnp.dtype(s["dtype"]), implementation=implementation, fp8=fp8,
-        dora_rank=dora_rank, dora_alpha=s["dora_alpha"], dora_quantize=quantize, attention=attention,
+        d_ff=s["d_ff"], dtype=jnp.dtype(s["dtype"]), implementation=implementation, fp8=fp8, attention=attention,
     )
+
+
+def finetune_model(s: dict, *, implementation, quantize=None, attention=None):
+    """The pretrained model with DoRA on its block projections, applied by rule as to a model someone else wrote
+    (`pallas_fused.adapt`); with `quantize` ("int8" / "nf4") their frozen kernels are stored quantized (QDoRA)."""
+    rule = adapt.DoraRule(module_path=FINETUNE_PATHS, rank=s["dora_rank"], alpha=s["dora_alpha"], quantize=quantize,
+                          implementation=implementation)
+    return adapt.apply(Llama(model_config(s, implementation=implementation, attention=attention)), [rule])
 
 
 def schedule(lr: float, warmup: int, steps: int):
@@ -298,23 +307,21 @@ def trees_equal(a, b) -> bool:
     return jax.tree.structure(a) == jax.tree.structure(b) and all(jax.tree.leaves(same))
 
 
-def dora_params(pretrained, rank: int, alpha: float, key, quantize: str | None = None):
-    """Pretrained params -> DoRA fine-tune params: every block projection {kernel} becomes
-    {kernel, lora_a, lora_b = 0, magnitude = ||W||} (pallas_fused.dora.dense_to_dora_params), so the
-    DoRA model starts out computing exactly what the pretrained one did. With `quantize` ("int8" / "nf4") the
-    kernel is stored quantized and the magnitude is the quantized kernel's column norms (the library's QDoRA
-    convention), so the model starts out computing what the pretrained one does on quantized weights."""
-    from pallas_fused.dora.flax import dense_to_dora_params
+def dora_params(ft_model, pretrained, key):
+    """Pretrained params -> the DoRA fine-tune's (`adapt.from_pretrained`): every block projection's kernel kept
+    (quantized with --quantize), beside it kernel_lora_a, kernel_lora_b = 0 and kernel_magnitude = ||W|| (of the
+    quantized kernel with --quantize), so the fine-tune starts out computing what the pretrained model does (on
+    its quantized weights)."""
+    sample = jnp.zeros((1, 8), jnp.int32)  # init only needs the shapes
+    return adapt.from_pretrained(ft_model, ft_model.init(key, sample), {"params": pretrained})["params"]
 
-    def convert(tree, path=()):
-        if isinstance(tree, dict) and "kernel" in tree and path and path[0].startswith("block_"):
-            return dense_to_dora_params(tree, rank, key=jax.random.fold_in(key, zlib.crc32("/".join(path).encode())),
-                                        alpha=alpha, quantize=quantize)
-        if isinstance(tree, dict):
-            return {k: convert(v, path + (k,)) for k, v in tree.items()}
-        return tree
 
-    return convert(pretrained)
+def adapter_keys(params) -> set[tuple[str, ...]]:
+    """The flattened keys of the adapters (`adapt.trainable`): what the fine-tune trains."""
+    from flax import traverse_util
+
+    mask = traverse_util.flatten_dict(adapt.trainable(params))
+    return {k for k, m in mask.items() if all(jax.tree.leaves(m))}
 
 
 def fingerprints(params):
@@ -336,7 +343,8 @@ def base_kernel_formats(params) -> list[str]:
     from pallas_fused.dora.quant import Int8Kernel, NF4Kernel
 
     names = {Int8Kernel: "int8", NF4Kernel: "nf4"}
-    return sorted({names.get(type(v)) or str(v.dtype) for k, v in traverse_util.flatten_dict(params).items()
+    return sorted({names[type(v.kernel)] if isinstance(v, adapt.QuantizedWeight) else str(v.dtype)
+                   for k, v in traverse_util.flatten_dict(params).items()
                    if k[0].startswith("block_") and k[-1] == "kernel"})
 
 
@@ -398,23 +406,22 @@ def run_variant(name: str, args, s: dict, init_params, batches: dict) -> tuple[l
         del params
 
     if s["finetune_steps"] > 0 and s["dora_rank"]:
-        ft_cfg = model_config(s, implementation=implementation, dora_rank=s["dora_rank"], quantize=args.quantize,
-                              attention=args.attention)
-        ft_model = Llama(ft_cfg)
-        convert = jax.jit(lambda p, key: dora_params(p, s["dora_rank"], s["dora_alpha"], key, args.quantize))
+        ft_model = finetune_model(s, implementation=implementation, quantize=args.quantize, attention=args.attention)
+        convert = jax.jit(lambda p, key: dora_params(ft_model, p, key))
         ft_params = convert(restored, jax.random.PRNGKey(args.seed + 1))
         del restored  # the full-precision params: with --quantize only the quantized base stays on the device
         checks["finetune_base_kernels"] = base_kernel_formats(ft_params)
         tx = finetune_optimizer(s, baseline=baseline, implementation=implementation, state_bits=state_bits)
         before = fingerprints(ft_params)
+        adapters = adapter_keys(ft_params)
         ft_params, _, ft = train(name=name, phase="dora finetune", model=ft_model, params=ft_params, tx=tx,
-                                 is_trainable=lambda k: k[-1] in ADAPTER_NAMES, batches=batches["finetune"],
+                                 is_trainable=lambda k: k in adapters, batches=batches["finetune"],
                                  val_batches=batches["finetune_val"], eval_every=s["eval_every"],
                                  progress=progress, layout=layout, batch_size=s["batch_size"])
         changed = changed_leaves(before, fingerprints(ft_params))
         checks["finetune_changed"] = changed
         checks["finetune_only_adapters_changed"] = bool(changed) and all(
-            c.rsplit("/", 1)[-1] in ADAPTER_NAMES for c in changed)
+            tuple(c.split("/")) in adapters for c in changed)
         results.append(ft)
     return results, checks
 
@@ -485,7 +492,7 @@ def main(argv=None) -> dict:
         "pallas_fused": f"pallas_fused kernels (implementation={args.implementation or 'auto'}): rotary, embedding "
                         "(one-hot GEMM gradient), RMSNorm, "
                         f"galore_adamw ({'optax path' if args.optax_path else 'in-place step'}, {args.projector} "
-                        f"projector), fused AdamW, DoRADense{quantized}" + (
+                        f"projector), fused AdamW, DoRA by rule (adapt.DoraRule){quantized}" + (
                             f", FP8 {args.fp8} block projections" if args.fp8
                             else ", bf16/fp32 nn.Dense block projections"),
         "baseline": "plain jnp/flax/optax: implementation='xla' for rotary and DoRA" + quantized + ", nn.Embed, "

@@ -8,8 +8,9 @@ flag decides what a linear layer is without touching the model:
 
     plain           nn.Dense
     fp8=<recipe>    nn.Dense with pallas_fused.fp8.Float8DotGeneral ("tensorwise", "rowwise", ...)
-    dora_rank=r     pallas_fused.dora.DoRADense (same `kernel` name: pretrained params load unchanged)
-    + dora_quantize  its frozen `kernel` an Int8Kernel / NF4Kernel ("int8" / "nf4": QDoRA)
+
+The DoRA fine-tune does not change the model: train_llama.py adapts it by rules (`pallas_fused.adapt`), as a
+user adapts a model someone else wrote.
 
 `implementation` is handed to every pallas_fused op ("xla" is the plain-jnp reference: the baseline).
 The embedding (`pallas_fused.embed.Embed`: nn.Embed's params, a one-hot GEMM for its gradient instead of a
@@ -43,9 +44,6 @@ class ModelConfig:
     dtype: Any = jnp.float32  # compute dtype; params stay float32
     implementation: str | None = None  # for every pallas_fused op
     fp8: str | None = None  # an FP8 recipe name for the block projections
-    dora_rank: int | None = None  # DoRA adapters on the block projections
-    dora_alpha: float = 16.0
-    dora_quantize: str | None = None  # "int8" / "nf4": the DoRA layers' frozen kernels quantized (QDoRA)
     attention: str | None = None  # jax.nn.dot_product_attention's implementation (None: XLA)
 
     def __post_init__(self):
@@ -53,11 +51,6 @@ class ModelConfig:
             raise ValueError(f"d_model={self.d_model} must be a multiple of n_heads={self.n_heads}")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"n_heads={self.n_heads} must be a multiple of n_kv_heads={self.n_kv_heads}")
-        if self.fp8 is not None and self.dora_rank is not None:
-            raise ValueError("fp8 and dora_rank: pick one (the DoRA fine-tune runs in high precision)")
-        if self.dora_quantize is not None and self.dora_rank is None:
-            raise ValueError(f"dora_quantize={self.dora_quantize!r} needs dora_rank (it quantizes the DoRA layers' "
-                             "frozen kernels)")
 
     @property
     def head_dim(self) -> int:
@@ -70,19 +63,6 @@ class ModelConfig:
 
     def dense(self, features: int, name: str) -> nn.Module:
         """The factory for every projection in the blocks (see the module docstring)."""
-        if self.dora_rank is not None:
-            from pallas_fused.dora.flax import DoRADense
-
-            return DoRADense(
-                features,
-                self.dora_rank,
-                alpha=self.dora_alpha,
-                use_bias=False,
-                dtype=self.dtype,
-                quantize=self.dora_quantize,
-                implementation=self.implementation,
-                name=name,
-            )
         if self.fp8 is not None:
             from pallas_fused.fp8 import Float8Config, Float8DotGeneral
 

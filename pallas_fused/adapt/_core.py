@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import sys
 import threading
@@ -419,14 +420,11 @@ def restore_default_ops(module) -> None:
 
 
 def adapted_method(method, make_frontend):
-    """`method` running with the frontend `make_frontend(self)` active."""
+    """`method` running with the frontend `make_frontend(self)` active (its attributes kept: linen's `compact`)."""
 
+    @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
         with active(make_frontend(self)):
             return method(self, *args, **kwargs)
 
-    wrapper.__name__ = getattr(method, "__name__", "__call__")
-    wrapper.__qualname__ = getattr(method, "__qualname__", wrapper.__name__)
-    wrapper.__doc__ = getattr(method, "__doc__", None)
-    wrapper.__wrapped__ = method  # type: ignore[attr-defined]
     return wrapper

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import linen as nn
 
 from pallas_fused import adapt
 from pallas_fused.dora.quant import dequantize, quantize_int8, quantize_nf4
@@ -246,3 +247,28 @@ def test_original_model_untouched():
     # outside an adapted model jax's functions are back
     assert jax.lax.dot_general.__module__.startswith("jax")
     assert jnp.einsum.__module__.startswith("jax")
+
+
+class CompactMLP(nn.Module):
+    """A model written with @nn.compact (HF's uses setup): submodules defined inline, a DenseGeneral over two axes."""
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.DenseGeneral((4, 8), name="up")(x)                       # (b, 16) -> (b, 4, 8)
+        return nn.DenseGeneral(16, axis=(-2, -1), name="down")(nn.gelu(h))  # contracts both axes
+
+
+def test_compact_model_and_dense_general():
+    x = jax.random.normal(jax.random.key(0), (3, 16))
+    model = CompactMLP()
+    pretrained = model.init(jax.random.key(1), x)["params"]
+    lmodel = adapt.apply(model, [adapt.DoraRule(module_path="(up|down)", rank=2)])
+    variables = adapt.from_pretrained(lmodel, lmodel.init(jax.random.key(2), x), pretrained)
+    assert variables["params"]["down"]["kernel_lora_a"].shape == (32, 2)  # both contracting axes in K
+    assert variables["params"]["up"]["kernel_magnitude"].shape == (32,)   # both output axes in N
+    assert rel_err(lmodel.apply(variables, x), model.apply({"params": pretrained}, x)) < 1e-5
+    bumped = jax.tree_util.tree_map_with_path(
+        lambda p, v: v + 0.1 if "lora_b" in jax.tree_util.keystr(p) else v, variables)
+    merged = adapt.merge(lmodel, bumped)
+    assert merged["params"]["down"]["kernel"].shape == (4, 8, 16)
+    assert rel_err(model.apply(merged, x), lmodel.apply(bumped, x)) < 1e-5

@@ -48,7 +48,7 @@ def test_pretrain_checkpoint_finetune_report(train_llama, tmp_path):
     # Only adapters changed in the fine-tune, and every kind of adapter did.
     changed = checks["finetune_changed"]
     assert checks["finetune_only_adapters_changed"] is True
-    assert {c.rsplit("/", 1)[-1] for c in changed} == {"lora_a", "lora_b", "magnitude"}
+    assert {c.rsplit("/", 1)[-1] for c in changed} == {"kernel_lora_a", "kernel_lora_b", "kernel_magnitude"}
     assert ft.num_trainable < ft.num_params
 
     paths = out["paths"]
@@ -107,44 +107,45 @@ def test_qdora_finetune_int8(train_llama, tmp_path):
 
 
 def test_qdora_nf4_params_model_and_checkpoint(train_llama, tmp_path):
-    """`--quantize nf4` without a training run: the converted params hold NF4 kernels, the QDoRA model starts out
-    computing the plain model on the dequantized kernels (magnitude = their column norms, B = 0), and the
-    example's orbax helpers round-trip the quantized tree."""
+    """`--quantize nf4` without a training run: the fine-tune's params (adapt.from_pretrained) hold NF4 kernels, the
+    QDoRA model starts out computing the plain model on the dequantized kernels (magnitude = their column norms,
+    B = 0), and the example's orbax helpers round-trip the quantized tree."""
     import jax
     from flax import traverse_util
-    from llama.model import Llama, ModelConfig
 
-    from pallas_fused.dora.quant import NF4Kernel, dequantize
+    from pallas_fused import adapt
 
-    s = dict(train_llama.PRESETS["cpu"], d_model=32, n_layers=1, d_ff=64)
+    s = dict(train_llama.PRESETS["cpu"], d_model=32, n_layers=1, d_ff=64, dora_rank=4)
     tokens = jax.random.randint(jax.random.key(0), (2, 17), 0, 256)
-    plain = Llama(train_llama.model_config(s, implementation="xla"))
+    plain = train_llama.Llama(train_llama.model_config(s, implementation="xla"))
     params = jax.jit(plain.init)(jax.random.key(1), tokens)["params"]
-    ft = jax.jit(lambda p: train_llama.dora_params(p, 4, s["dora_alpha"], jax.random.key(2), "nf4"))(params)
+    qdora = train_llama.finetune_model(s, implementation="xla", quantize="nf4")
+    ft = jax.jit(lambda p: train_llama.dora_params(qdora, p, jax.random.key(2)))(params)
     assert train_llama.base_kernel_formats(ft) == ["nf4"]
+    assert adapt.unused_rules(qdora) == []
     flat, flat_ft = traverse_util.flatten_dict(params), traverse_util.flatten_dict(ft)
-    adapters = sum(v.size for k, v in flat_ft.items() if k[-1] in train_llama.ADAPTER_NAMES)
+    keys = train_llama.adapter_keys(ft)
+    assert {k[-1] for k in keys} == {"kernel_lora_a", "kernel_lora_b", "kernel_magnitude"}
+    assert {k[:-1] for k in keys} == {k[:-1] for k in flat if k[0].startswith("block_") and k[-1] == "kernel"}
+    adapters = sum(flat_ft[k].size for k in keys)
     assert train_llama.count_params(ft) == train_llama.count_params(params) + adapters  # weights, not packed codes
 
-    def on_dequantized(flat_ft):  # the plain model with every block kernel replaced by its dequantized NF4 copy
-        deq = {k: dequantize(flat_ft[k]) if k[0].startswith("block_") and k[-1] == "kernel" else v
-               for k, v in flat.items()}
-        return plain.apply({"params": traverse_util.unflatten_dict(deq)}, tokens), deq[k_up]
-
+    # the plain model with every block kernel replaced by its dequantized NF4 copy
+    merged = adapt.merge(qdora, {"params": ft})["params"]
+    deq = {k: flat_ft[k].dense() if isinstance(flat_ft.get(k), adapt.QuantizedWeight) else v for k, v in flat.items()}
     k_up = ("block_0", "mlp", "up", "kernel")
-    want, up = jax.jit(on_dequantized)(flat_ft)
-    assert not np.array_equal(up, flat[k_up])  # NF4 rounds: the check below is not of the dense model
-    qdora = Llama(train_llama.model_config(s, implementation="xla", dora_rank=4, quantize="nf4"))
+    assert not np.array_equal(deq[k_up], flat[k_up])  # NF4 rounds: the check below is not of the dense model
+    want = jax.jit(lambda p: plain.apply({"params": p}, tokens))(traverse_util.unflatten_dict(deq))
     got = jax.jit(lambda p: qdora.apply({"params": p}, tokens))(ft)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(plain.apply({"params": merged}, tokens)), np.asarray(want), rtol=1e-4,
+                               atol=1e-4)
 
     train_llama.save_checkpoint(tmp_path / "ft", ft)
     back = train_llama.restore_checkpoint(tmp_path / "ft", ft)
-    assert isinstance(back["block_0"]["mlp"]["up"]["kernel"], NF4Kernel)
+    assert isinstance(back["block_0"]["mlp"]["up"]["kernel"], adapt.QuantizedWeight)
     assert jax.tree.structure(back) == jax.tree.structure(ft)
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(ft), jax.tree.leaves(back)))
-    with pytest.raises(ValueError, match="dora_quantize"):
-        ModelConfig(dora_quantize="nf4")
 
 
 @pytest.mark.parametrize("extra, message", [
