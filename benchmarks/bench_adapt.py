@@ -179,7 +179,7 @@ def candidates(cfg, names):
 
 GROUPS = {
     "adapters": ["adapt:dora", "dropin:dora", "adapt:lora", "dropin:lora", "peer:qwix_lora"],
-    "quantized": ["adapt:qdora_nf4", "peer:qwix_qlora_nf4", "adapt:dora"],
+    "quantized": ["adapt:qdora_nf4", "peer:qwix_qlora_nf4"],
     "fp8": ["full", "adapt:fp8_mlp_tensorwise", "adapt:fp8_mlp_rowwise"],
 }
 
