@@ -18,16 +18,20 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
 
 from benchmarks.common import Recorder, error_text
+from benchmarks.trace import trace_kernels
 
 RANK, ALPHA = 16, 32.0
 PROJ = r".*/(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
 MLP = r".*/(gate_proj|up_proj|down_proj)"
+BLOCKS = (4096, 11008)  # the Dense blocks' model: d_model, d_ff
 
 
 def llama_config(size: str):
@@ -96,70 +100,111 @@ def _names_mask(params, suffixes):
         lambda path, _: any(str(getattr(k, "key", "")).endswith(suffixes) for k in path), params)
 
 
-def make_step(model, params, mask, batch, seq):
-    """(step, state): one Adam step of the params `mask` selects, the rest frozen; the state is donated."""
+def hf_loss(model, batch: int, seq: int):
+    """(loss(params, data), data): HF's causal LM loss on random tokens."""
     ids = jax.random.randint(jax.random.key(1), (batch, seq + 1), 0, 512)
     attention = jnp.ones((batch, seq), jnp.int32)
     positions = jnp.broadcast_to(jnp.arange(seq), (batch, seq))
+
+    def loss(params, ids):
+        logits = model.apply({"params": params}, ids[:, :-1], attention, positions).logits
+        return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), ids[:, 1:]).mean()
+
+    return loss, ids
+
+
+def blocks_loss(model, tokens: int):
+    x = jax.random.normal(jax.random.key(1), (tokens, BLOCKS[0]), jnp.bfloat16)
+    return (lambda params, x: jnp.mean(jnp.square(model.apply({"params": params}, x).astype(jnp.float32)))), x
+
+
+def make_step(loss, data, params, mask):
+    """(step, state after one step, peak GB): one Adam step of the params `mask` selects, the rest frozen; the
+    state (trainable params, optimizer state) is donated. Compiled once, ahead of time."""
     train, frozen = _split(params, mask)
     tx = optax.adam(1e-4)
 
-    def loss_fn(train, frozen, ids):
-        logits = model.apply({"params": _join(train, frozen)}, ids[:, :-1], attention, positions).logits
-        return optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), ids[:, 1:]).mean()
-
-    @functools.partial(jax.jit, donate_argnums=(0, 1))
-    def step(train, opt_state, frozen, ids):
-        loss, grads = jax.value_and_grad(loss_fn)(train, frozen, ids)
+    def step(train, opt_state, frozen, data):
+        value, grads = jax.value_and_grad(lambda t: loss(_join(t, frozen), data))(train)
         updates, opt_state = tx.update(grads, opt_state, train)
-        return optax.apply_updates(train, updates), opt_state, frozen, ids
+        return optax.apply_updates(train, updates), opt_state, frozen, data
 
-    state = (train, tx.init(train), frozen, ids)
-    mem = step.lower(*state).compile().memory_analysis()
+    state = (train, tx.init(train), frozen, data)
+    compiled = jax.jit(step, donate_argnums=(0, 1)).lower(*state).compile()
+    mem = compiled.memory_analysis()
     peak = None
     if mem is not None:
         peak = (mem.argument_size_in_bytes + mem.temp_size_in_bytes + mem.output_size_in_bytes
                 - mem.alias_size_in_bytes) / 1e9
-    return step, step(*state), peak
+    return compiled, compiled(*state), peak
 
 
-def candidates(cfg, names):
-    """(name, build) for the ones in `names`; build() -> (model, params, trainable mask, the context its trace
-    needs)."""
+class DenseBlocks(nn.Module):
+    """4 blocks of d_model -> d_ff -> d_model Dense (gelu, residual), bf16: the projections alone, where the
+    adapters' cost is not diluted by attention and the LM head."""
+
+    dense: Any = nn.Dense
+
+    @nn.compact
+    def __call__(self, x):
+        d, f = BLOCKS
+        for i in range(4):
+            h = self.dense(f, use_bias=False, dtype=jnp.bfloat16, name=f"up_{i}")(x)
+            x = x + self.dense(d, use_bias=False, dtype=jnp.bfloat16, name=f"down_{i}")(nn.gelu(h))
+        return x
+
+
+def candidates(cfg, names, batch: int, seq: int):
+    """(name, build) for the ones in `names`; build() -> (loss, data, params, trainable mask, the context its trace
+    needs). The HF Llama's candidates, and the Dense blocks' ("blocks:..."), at batch * seq tokens."""
     from pallas_fused import adapt
+    from pallas_fused.dora import DoRADense, LoRADense
 
     base = hf_module(cfg)
     batch_in = (jnp.zeros((1, 8), jnp.int32), jnp.ones((1, 8), jnp.int32), jnp.arange(8)[None])
     key = jax.random.key(0)
+    everything = lambda params: jax.tree_util.tree_map(lambda _: True, params)  # noqa: E731
+    none = contextlib.nullcontext
 
-    def adapted(rules):
+    def hf(model, params, mask, context=none):
+        with context():
+            loss, data = hf_loss(model, batch, seq)
+        return loss, data, _bf16(params), mask, context
+
+    def adapted(rules, trained=adapt.trainable):
         lm = adapt.apply(base, rules)
-        v = lm.init(key, *batch_in)
-        return lm, _bf16(v["params"]), adapt.trainable(v["params"]), contextlib.nullcontext
+        params = lm.init(key, *batch_in)["params"]
+        return hf(lm, params, trained(params))
 
     def drop(kind, suffixes):
         # linen runs setup (where HF builds its projections) when the model is traced: init and the step's
         # compile both run inside the swap
-        m = hf_module(cfg)
         with dropin(cfg, kind):
-            v = m.init(key, *batch_in)
-        return m, _bf16(v["params"]), _names_mask(v["params"], suffixes), functools.partial(dropin, cfg, kind)
+            params = base.init(key, *batch_in)["params"]
+        return hf(base, params, _names_mask(params, suffixes), functools.partial(dropin, cfg, kind))
 
-    def qwix_lora(**kw):
+    def qwix_lora(model=base, example=batch_in, loss=None, **kw):
         import qwix
 
-        lm = qwix.apply_lora_to_model(base, qwix.LoraProvider(module_path=PROJ, rank=RANK, alpha=ALPHA, **kw))
-        v = lm.init(key, *batch_in)
-        return lm, _bf16(v["params"]), _names_mask(v["params"], ("_lora_a", "_lora_b")), contextlib.nullcontext
+        lm = qwix.apply_lora_to_model(model, qwix.LoraProvider(module_path=PROJ if loss is None else ".*", rank=RANK,
+                                                               alpha=ALPHA, **kw))
+        params = lm.init(key, *example)["params"]
+        mask = _names_mask(params, ("_lora_a", "_lora_b"))
+        if loss is None:
+            return hf(lm, params, mask)
+        return (*loss(lm), _bf16(params), mask, none)
 
-    def full():
-        v = base.init(key, *batch_in)
-        return base, _bf16(v["params"]), jax.tree_util.tree_map(lambda _: True, v["params"]), contextlib.nullcontext
+    tokens = batch * seq
+    x0 = (jnp.zeros((8, BLOCKS[0]), jnp.bfloat16),)
 
-    def fp8(recipe):
-        lm = adapt.apply(base, [adapt.Fp8Rule(module_path=MLP, recipe=recipe)])
-        v = lm.init(key, *batch_in)
-        return lm, _bf16(v["params"]), jax.tree_util.tree_map(lambda _: True, v["params"]), contextlib.nullcontext
+    def blocks(dense=nn.Dense, rules=None, suffixes=None):
+        model = DenseBlocks(dense)
+        if rules is not None:
+            model = adapt.apply(model, rules)
+        params = model.init(key, *x0)["params"]
+        mask = adapt.trainable(params) if rules else everything(params) if suffixes is None else \
+            _names_mask(params, suffixes)
+        return (*blocks_loss(model, tokens), _bf16(params), mask, none)
 
     build = {
         "adapt:dora": lambda: adapted([adapt.DoraRule(module_path=PROJ, rank=RANK, alpha=ALPHA)]),
@@ -169,9 +214,17 @@ def candidates(cfg, names):
         "peer:qwix_lora": qwix_lora,
         "adapt:qdora_nf4": lambda: adapted([adapt.DoraRule(module_path=PROJ, rank=RANK, alpha=ALPHA, quantize="nf4")]),
         "peer:qwix_qlora_nf4": lambda: qwix_lora(weight_qtype="nf4", tile_size=64),
-        "full": full,
-        "adapt:fp8_mlp_tensorwise": lambda: fp8("tensorwise"),
-        "adapt:fp8_mlp_rowwise": lambda: fp8("rowwise"),
+        "full": lambda: (lambda p: hf(base, p, everything(p)))(base.init(key, *batch_in)["params"]),
+        "adapt:fp8_mlp_tensorwise": lambda: adapted([adapt.Fp8Rule(module_path=MLP, recipe="tensorwise")], everything),
+        "adapt:fp8_mlp_rowwise": lambda: adapted([adapt.Fp8Rule(module_path=MLP, recipe="rowwise")], everything),
+        "blocks:adapt:dora": lambda: blocks(rules=[adapt.DoraRule(module_path=".*", rank=RANK, alpha=ALPHA)]),
+        "blocks:dropin:dora": lambda: blocks(functools.partial(DoRADense, rank=RANK, alpha=ALPHA),
+                                             suffixes=("lora_a", "lora_b", "magnitude")),
+        "blocks:adapt:lora": lambda: blocks(rules=[adapt.LoraRule(module_path=".*", rank=RANK, alpha=ALPHA)]),
+        "blocks:dropin:lora": lambda: blocks(functools.partial(LoRADense, rank=RANK, alpha=ALPHA),
+                                             suffixes=("lora_a", "lora_b")),
+        "blocks:peer:qwix_lora": lambda: qwix_lora(DenseBlocks(), x0, lambda m: blocks_loss(m, tokens)),
+        "blocks:full": lambda: blocks(),
     }
     for name in names:
         yield name, build[name]
@@ -181,26 +234,48 @@ GROUPS = {
     "adapters": ["adapt:dora", "dropin:dora", "adapt:lora", "dropin:lora", "peer:qwix_lora"],
     "quantized": ["adapt:qdora_nf4", "peer:qwix_qlora_nf4"],
     "fp8": ["full", "adapt:fp8_mlp_tensorwise", "adapt:fp8_mlp_rowwise"],
+    "blocks": ["blocks:adapt:dora", "blocks:dropin:dora", "blocks:adapt:lora", "blocks:dropin:lora",
+               "blocks:peer:qwix_lora", "blocks:full"],
 }
+
+
+def _traced(step, state, steps: int = 3, top: int = 8):
+    """(state after `steps` more steps, GPU kernel ms per step and the `top` kernels' ms per step): where a
+    candidate's step time goes."""
+    with trace_kernels() as kt:
+        for _ in range(steps):
+            state = step(*state)
+        jax.block_until_ready(state)
+    return state, dict(kernel_ms=round(kt.total_us / steps / 1e3, 3),
+                       top_kernels=[(name[:80], round(us / steps / 1e3, 3), c // steps) for name, us, c in kt.top(top)])
 
 
 def run(rec: Recorder, quick: bool) -> None:
     size = os.environ.get("ADAPT_MODEL", "1b" if jax.default_backend() == "gpu" else "tiny")
     batch, seq = (8, 1024) if size == "1b" else (2, 16)
+    if size != "1b":
+        global BLOCKS
+        BLOCKS = (128, 256)
     cfg = llama_config(size)
-    case = f"hf_llama_{size}_{batch}x{seq}_r{RANK}"
     n, reps = (5, 3) if quick else (10, 5)
+    trace = os.environ.get("ADAPT_TRACE", "1" if jax.default_backend() == "gpu" else "0") == "1"
     wanted = os.environ.get("ADAPT_GROUPS", ",".join(GROUPS)).split(",")
     for group in wanted:
+        case = (f"dense_blocks_4x{BLOCKS[0]}x{BLOCKS[1]}_{batch * seq}tok_r{RANK}" if group == "blocks"
+                else f"hf_llama_{size}_{batch}x{seq}_r{RANK}")
         steps = {}
-        for name, build in candidates(cfg, GROUPS[group]):
+        for name, build in candidates(cfg, GROUPS[group], batch, seq):
+            impl = name.removeprefix("blocks:")
             try:
-                model, params, mask, context = build()
+                loss, data, params, mask, context = build()
                 with context():
-                    step, state, peak = make_step(model, params, mask, batch, seq)
-                steps[name] = (step, state, {"peak_gb": round(peak, 3) if peak else None, "group": group,
-                                             "tokens": batch * seq})
+                    step, state, peak = make_step(loss, data, params, mask)
+                extra = {"peak_gb": round(peak, 3) if peak else None, "group": group, "tokens": batch * seq}
+                if trace:
+                    state, profile = _traced(step, state)
+                    extra.update(profile)
+                steps[impl] = (step, state, extra)
             except Exception as e:  # noqa: BLE001 - a candidate that fails is a result
-                rec.add("adapt", case, name, None, error=error_text(e), group=group)
+                rec.add("adapt", case, impl, None, error=error_text(e), group=group)
         rec.time_interleaved("adapt", case, steps, n=n, reps=reps, carried=True)
         del steps
