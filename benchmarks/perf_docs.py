@@ -34,7 +34,7 @@ class Rows:
     cases: tuple[str, ...] = ()  # () = every case where `ours` was measured
     tflops: bool = False  # TFLOP/s instead of ms
     case_label: dict[str, str] = field(default_factory=dict)
-
+    extra: tuple[str, str] | None = None  # (key in the rows' extra, its column's heading): ours / each peer
 
 ROTARY = "B4 S4096 Hq32 Hk8 D128"
 GALORE_PEER = {"peer:optax_contrib_galore": "optax.contrib.galore"}
@@ -48,9 +48,23 @@ GALORE_CASES = tuple(f"user path {s} r{r} {dt}" for dt in ("float32", "bfloat16"
                                                  "user path llama7b layer r128 bfloat16")
 GALORE_LABELS = {c: c.removeprefix("user path ") for c in GALORE_CASES}
 DORA_CASES = tuple(f"{t}x4096->{n} bf16" for t in (4096, 8192) for n in ("4096 r16", "11008 r64"))
+ADAPT_STEP = "one jitted Adam step of the adapters alone"
+ADAPT_LABELS = {"hf_llama_1b_8x1024_r16": "HF Flax Llama 1.24B, 8 x 1024 tokens, r16 on its 7 projections",
+                "dense_blocks_4x4096x11008_8192tok_r16": "4 blocks 4096 -> 11008 -> 4096 Dense, 8192 tokens, r16"}
 
 # Section (its heading in docs/performance.md) -> the rows of record under it.
 SECTIONS: dict[str, list[Rows]] = {
+    "Adapting an existing model": [
+        Rows(f"`adapt.apply(model, [adapt.DoraRule(...)])`, {ADAPT_STEP}", "adapt", "adapt:dora",
+             {"dropin:dora": "DoRADense written in", "peer:qwix_lora": "qwix LoRA"}, case_label=ADAPT_LABELS,
+             extra=("peak_gb", "peak GB")),
+        Rows(f"`adapt.apply(model, [adapt.LoraRule(...)])`, {ADAPT_STEP}", "adapt", "adapt:lora",
+             {"dropin:lora": "LoRADense written in", "peer:qwix_lora": "qwix LoRA"}, case_label=ADAPT_LABELS,
+             extra=("peak_gb", "peak GB")),
+        Rows(f"QDoRA: `adapt.apply(model, [adapt.DoraRule(..., quantize=\"nf4\")])`, {ADAPT_STEP}", "adapt",
+             "adapt:qdora_nf4", {"peer:qwix_qlora_nf4": "qwix QLoRA (NF4, blocks of 64)"},
+             case_label=ADAPT_LABELS, extra=("peak_gb", "peak GB")),
+    ],
     "Rotary embeddings": [
         Rows("`apply_rotary(q, k, positions)`", "rotary", "user:apply_rotary",
              {"xla": "XLA reference", "peer:torch_compile": "torch.compile"},
@@ -126,6 +140,12 @@ class Headline:
 
 
 HEADLINE = [
+    Headline("Adapting an existing model", "`adapt.apply(model, [LoraRule(...)])`, adapters-only step",
+             "HF Flax Llama 1.24B, 8192 tokens, r16", "adapt", "hf_llama_1b_8x1024_r16", "adapt:lora",
+             "peer:qwix_lora", "qwix `apply_lora_to_model`"),
+    Headline("Adapting an existing model", "`adapt.apply(model, [DoraRule(...)])`, adapters-only step",
+             "HF Flax Llama 1.24B, 8192 tokens, r16", "adapt", "hf_llama_1b_8x1024_r16", "adapt:dora",
+             "dropin:dora", "`DoRADense` written into the model"),
     Headline("Rotary embeddings", "`apply_rotary(q, k, positions)`, fwd+bwd", "B4 S4096 Hq32 Hk8 D128 bf16",
              "rotary", f"{ROTARY} fwd+bwd", "user:apply_rotary", "xla", "XLA reference"),
     Headline("GaLore Adam", "`galore_adamw(...)` + `optax.apply_updates`, refresh every 200 steps",
@@ -173,19 +193,25 @@ def section_table(doc: dict, rows: list[Rows]) -> str:
     for spec in rows:
         cases = spec.cases or tuple(sorted({c for (op, c, impl) in rec if op == spec.op and impl == spec.ours}))
         unit = "TFLOP/s" if spec.tflops else "ms"
+        extra_head = f" {spec.extra[1]}: ours / " + " / ".join(spec.peers.values()) + " |" if spec.extra else ""
         out += ["", f"{spec.what}, in {unit}:", "",
-                "| case | ours | " + " | ".join(spec.peers.values()) + " | run |",
-                "| --- | ---: | " + " | ".join("---:" for _ in spec.peers) + " | --- |"]
+                "| case | ours | " + " | ".join(spec.peers.values()) + " |" + extra_head + " run |",
+                "| --- | ---: | " + " | ".join("---:" for _ in spec.peers) + " |" + (" ---: |" if spec.extra else "")
+                + " --- |"]
         runs = []
         for case in cases:
             ours = rec.get((spec.op, case, spec.ours))
             if ours is None:
                 raise SystemExit(f"perf_docs: no row for {(spec.op, case, spec.ours)}")
-            cells = []
+            cells, extras = [], [ours["extra"].get(spec.extra[0])] if spec.extra else []
             for impl in spec.peers:
                 peer = rec.get((spec.op, case, impl))
                 same_run = peer is not None and peer["run"] == ours["run"]
                 cells.append(f"{_value(peer, spec.tflops)} ({_ratio(peer, ours)})" if same_run else "")
+                if spec.extra:
+                    extras.append(peer["extra"].get(spec.extra[0]) if same_run else None)
+            if spec.extra:
+                cells.append(" / ".join("-" if v is None else f"{v:.1f}" for v in extras))
             out.append(f"| {spec.case_label.get(case, case)} | {_value(ours, spec.tflops)} | " + " | ".join(cells)
                        + f" | {ours['run'][:16]} |")
             if ours["run"] not in runs:
