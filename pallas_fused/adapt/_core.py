@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.core import meta
 
-from pallas_fused.adapt.rules import DoraRule, Fp8Rule, LoraRule, Rule
+from pallas_fused.adapt.rules import DoraRule, Fp8Rule, LoraRule, Rule, weight_path
 from pallas_fused.dora.api import dora_dense
 from pallas_fused.dora.flax import _merged
 from pallas_fused.dora.lora import lora_dense
@@ -273,8 +273,35 @@ def find_weight(params: Mapping[str, Any], lhs, rhs) -> tuple[str, str] | None:
     return None
 
 
-def ambiguous(name: str) -> bool:
-    return "," in name
+def raise_if_ambiguous(name: str, rules, path: str) -> bool:
+    """Whether `find_weight` found no single weight (`name` lists several); a ValueError where a rule matches one
+    of them, since adapting the wrong one would be silently wrong."""
+    if "," not in name:
+        return False
+    if rules is not None and any(r.matches(path, n) for r in rules for n in name.split(",")):
+        raise ValueError(f"adapt: at {path}, a contraction's operand has the shape of several params ({name}) and "
+                         f"is none of them as stored: which one to adapt is ambiguous")
+    return True
+
+
+def new_site(rule: Rule, path: str, name: str, lhs, rhs, dimension_numbers, side: str) -> Site:
+    """The site of weight `name` of the module at `path`, matched by `rule`, checked against the layer."""
+    where = weight_path(path, name)
+    _, _, layout = split_operands(lhs, rhs, dimension_numbers, side, where)
+    site = Site(name, rule, layout)
+    check_site(site, where)
+    return site
+
+
+def adapted_product(site: Site, where: str, lhs, rhs, dimension_numbers, side: str, stored, adapters, out_dtype):
+    """The intercepted dot_general's result, computed by `site`'s op (the contraction's layout must be the
+    site's: one weight is adapted in one layout)."""
+    x, x_contract, layout = split_operands(lhs, rhs, dimension_numbers, side, where)
+    if layout != site.layout:
+        raise ValueError(f"adapt: {where} is contracted in two ways ({site.layout} and {layout}): one weight can "
+                         f"be adapted in one layout only")
+    w2 = layout.to_2d(rhs if side == "rhs" else lhs)
+    return contract(x, x_contract, layout, side, lambda x2: run_site(site, x2, w2, stored, adapters), out_dtype)
 
 
 # -- interception ------------------------------------------------------------------------------------------------

@@ -32,27 +32,17 @@ class _Linen(_core.Frontend):
         if found is None:
             return None
         name, side = found
-        if _core.ambiguous(name):
-            if any(first_match(self.cls._pf_rules, path, n) for n in name.split(",")):
-                raise ValueError(f"adapt: at {path}, a contraction's operand has the shape of several params "
-                                 f"({name}) and is none of them as stored: which one to adapt is ambiguous")
+        if _core.raise_if_ambiguous(name, self.cls._pf_rules, path):
             return None
         rule = first_match(self.cls._pf_rules, path, name)
         if rule is None:
             return None
         where = weight_path(path, name)
-        x, x_contract, layout = _core.split_operands(lhs, rhs, dimension_numbers, side, where)
-        site = _core.Site(name, rule, layout)
-        _core.check_site(site, where)
-        known = self.cls._pf_sites.setdefault(where, site)
-        if known != site:
-            raise ValueError(f"adapt: {where} is contracted in two ways ({known.layout} and {layout}): one weight "
-                             f"can be adapted in one layout only")
+        site = self.cls._pf_sites.setdefault(where, _core.new_site(rule, path, name, lhs, rhs, dimension_numbers,
+                                                                    side))
         stored = _stored_weight(module, site, where)
         adapters = _adapters(module, site, stored, where)
-        w2 = layout.to_2d(rhs if side == "rhs" else lhs)
-        return _core.contract(x, x_contract, layout, side, lambda x2: _core.run_site(site, x2, w2, stored, adapters),
-                              out_dtype)
+        return _core.adapted_product(site, where, lhs, rhs, dimension_numbers, side, stored, adapters, out_dtype)
 
 
 def _stored_weight(module, site, where):

@@ -38,48 +38,31 @@ class _Nnx(_core.Frontend):
             return None
         name, side = found
         path = self.paths.get(id(module), "?") if self.paths is not None else "?"
-        if _core.ambiguous(name):
-            if self.paths is not None and any(first_match(self.rules, path, n) for n in name.split(",")):
-                raise ValueError(f"adapt: at {path}, a contraction's operand has the shape of several params "
-                                 f"({name}) and is none of them as stored: which one to adapt is ambiguous")
+        if _core.raise_if_ambiguous(name, self.rules, path):
             return None
         site = sites.get(name)
         if site is None:
-            if self.paths is None:
+            rule = first_match(self.rules, path, name) if self.paths is not None else None
+            if rule is None:
                 return None
-            site = self._new_site(module, path, name, lhs, rhs, dimension_numbers, side)
-            if site is None:
-                return None
-        where = weight_path(path, name)
-        x, x_contract, layout = _core.split_operands(lhs, rhs, dimension_numbers, side, where)
-        if layout != site.layout:
-            raise ValueError(f"adapt: {where} is contracted in two ways ({site.layout} and {layout}): one weight "
-                             f"can be adapted in one layout only")
+            site = _core.new_site(rule, path, name, lhs, rhs, dimension_numbers, side)
+            self._add(module, site)
         stored = getattr(module, name).get_value()
         adapters = {k: getattr(module, k)[...] for k in _core.adapter_shapes(site)}
-        w2 = layout.to_2d(rhs if side == "rhs" else lhs)
-        return _core.contract(x, x_contract, layout, side, lambda x2: _core.run_site(site, x2, w2, stored, adapters),
-                              out_dtype)
+        return _core.adapted_product(site, weight_path(path, name), lhs, rhs, dimension_numbers, side, stored,
+                                     adapters, out_dtype)
 
-    def _new_site(self, module, path, name, lhs, rhs, dimension_numbers, side):
-        rule = first_match(self.rules, path, name)
-        if rule is None:
-            return None
-        where = weight_path(path, name)
-        _, _, layout = _core.split_operands(lhs, rhs, dimension_numbers, side, where)
-        site = _core.Site(name, rule, layout)
-        _core.check_site(site, where)
-        param = getattr(module, name)
-        w = param.get_value()
-        fmt = getattr(rule, "quantize", None)
+    def _add(self, module, site) -> None:
+        """A new site's adapters on `module` (from the weight there; quantized first for QDoRA)."""
+        w = getattr(module, site.name).get_value()
+        fmt = getattr(site.rule, "quantize", None)
         if fmt is not None:
-            w = _core.QuantizedWeight.quantize(w, layout, fmt)
-            setattr(module, name, nnx.Param(w))
+            w = _core.QuantizedWeight.quantize(w, site.layout, fmt)
+            setattr(module, site.name, nnx.Param(w))
         for k, v in _core.new_adapters(site, w, self.rngs.params()).items():
             setattr(module, k, nnx.LoRAParam(v))
         module._pf_sites = getattr(module, "_pf_sites", ()) + (site,)
         _core.bind_default_ops(module)
-        return site
 
 
 def apply(model, rules: tuple[Rule, ...], method: str, rngs, args, kwargs):

@@ -7,24 +7,13 @@ FLOPs over the peak of every device it ran on, checked on mocked 1, 2 and 4-devi
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import pathlib
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
 TINY = ["--preset", "cpu", "--d-model", "32", "--n-layers", "1", "--seq-len", "32", "--batch-size", "4",
         "--galore-rank", "4", "--steps", "2", "--finetune-steps", "0", "--eval-every", "100", "--no-progress",
         "--max-bytes", "200000"]
-
-
-@pytest.fixture(scope="module")
-def train_llama():
-    spec = importlib.util.spec_from_file_location("train_llama", ROOT / "examples" / "train_llama.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _settings(train_llama, **over):

@@ -7,24 +7,14 @@ checkpoint restores bit-identical, the fine-tune touches only the adapters, and 
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import pathlib
 
 import numpy as np
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
 TINY = ["--preset", "cpu", "--d-model", "64", "--n-layers", "2", "--seq-len", "64", "--batch-size", "8",
         "--galore-rank", "8", "--update-proj-gap", "10", "--lr", "1e-2", "--no-progress"]
-
-
-@pytest.fixture(scope="module")
-def train_llama():
-    spec = importlib.util.spec_from_file_location("train_llama", ROOT / "examples" / "train_llama.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 # Floor leg only: the training run at the length that shows the loss falling; the newest leg runs the same
