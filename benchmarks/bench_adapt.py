@@ -197,12 +197,12 @@ def candidates(cfg, names, batch: int, seq: int):
     tokens = batch * seq
     x0 = (jnp.zeros((8, BLOCKS[0]), jnp.bfloat16),)
 
-    def blocks(dense=nn.Dense, rules=None, suffixes=None):
+    def blocks(dense=nn.Dense, rules=None, suffixes=None, trained=adapt.trainable):
         model = DenseBlocks(dense)
         if rules is not None:
             model = adapt.apply(model, rules)
         params = model.init(key, *x0)["params"]
-        mask = adapt.trainable(params) if rules else everything(params) if suffixes is None else \
+        mask = trained(params) if rules else everything(params) if suffixes is None else \
             _names_mask(params, suffixes)
         return (*blocks_loss(model, tokens), _bf16(params), mask, none)
 
@@ -225,6 +225,10 @@ def candidates(cfg, names, batch: int, seq: int):
                                              suffixes=("lora_a", "lora_b")),
         "blocks:peer:qwix_lora": lambda: qwix_lora(DenseBlocks(), x0, lambda m: blocks_loss(m, tokens)),
         "blocks:full": lambda: blocks(),
+        "blocks:adapt:fp8_tensorwise": lambda: blocks(rules=[adapt.Fp8Rule(module_path=".*", recipe="tensorwise")],
+                                                      trained=everything),
+        "blocks:adapt:fp8_rowwise": lambda: blocks(rules=[adapt.Fp8Rule(module_path=".*", recipe="rowwise")],
+                                                   trained=everything),
     }
     for name in names:
         yield name, build[name]
@@ -236,6 +240,7 @@ GROUPS = {
     "fp8": ["full", "adapt:fp8_mlp_tensorwise", "adapt:fp8_mlp_rowwise"],
     "blocks": ["blocks:adapt:dora", "blocks:dropin:dora", "blocks:adapt:lora", "blocks:dropin:lora",
                "blocks:peer:qwix_lora", "blocks:full"],
+    "blocks_fp8": ["blocks:full", "blocks:adapt:fp8_tensorwise", "blocks:adapt:fp8_rowwise"],
 }
 
 
@@ -261,7 +266,7 @@ def run(rec: Recorder, quick: bool) -> None:
     trace = os.environ.get("ADAPT_TRACE", "1" if jax.default_backend() == "gpu" else "0") == "1"
     wanted = os.environ.get("ADAPT_GROUPS", ",".join(GROUPS)).split(",")
     for group in wanted:
-        case = (f"dense_blocks_4x{BLOCKS[0]}x{BLOCKS[1]}_{batch * seq}tok_r{RANK}" if group == "blocks"
+        case = (f"dense_blocks_4x{BLOCKS[0]}x{BLOCKS[1]}_{batch * seq}tok_r{RANK}" if group.startswith("blocks")
                 else f"hf_llama_{size}_{batch}x{seq}_r{RANK}")
         steps = {}
         for name, build in candidates(cfg, GROUPS[group], batch, seq):

@@ -64,6 +64,10 @@ SECTIONS: dict[str, list[Rows]] = {
         Rows(f"QDoRA: `adapt.apply(model, [adapt.DoraRule(..., quantize=\"nf4\")])`, {ADAPT_STEP}", "adapt",
              "adapt:qdora_nf4", {"peer:qwix_qlora_nf4": "qwix QLoRA (NF4, blocks of 64)"},
              case_label=ADAPT_LABELS, extra=("peak_gb", "peak GB")),
+        *[Rows(f"FP8: `adapt.apply(model, [adapt.Fp8Rule(..., recipe=\"{recipe}\")])`, one Adam step of every weight",
+               "adapt", f"adapt:fp8_{recipe}", {"full": "bf16 (the model as it is)"},
+               cases=("dense_blocks_4x4096x11008_8192tok_r16",), case_label=ADAPT_LABELS, extra=("peak_gb", "peak GB"))
+          for recipe in ("tensorwise", "rowwise")],
     ],
     "Rotary embeddings": [
         Rows("`apply_rotary(q, k, positions)`", "rotary", "user:apply_rotary",
