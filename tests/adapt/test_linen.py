@@ -272,3 +272,25 @@ def test_compact_model_and_dense_general():
     merged = adapt.merge(lmodel, bumped)
     assert merged["params"]["down"]["kernel"].shape == (4, 8, 16)
     assert rel_err(model.apply(merged, x), lmodel.apply(bumped, x)) < 1e-5
+
+
+class RematBlocks(nn.Module):
+    """Blocks under nn.remat (a lifted transform): the adapters live in the blocks' own scopes."""
+
+    @nn.compact
+    def __call__(self, x):
+        for i in range(2):
+            x = nn.remat(CompactMLP)(name=f"block_{i}")(x) + x
+        return x
+
+
+def test_remat_blocks():
+    x = jax.random.normal(jax.random.key(0), (3, 16))
+    model = RematBlocks()
+    pretrained = model.init(jax.random.key(1), x)["params"]
+    lmodel = adapt.apply(model, [adapt.LoraRule(module_path=r"block_\d+/up", rank=2)])
+    variables = adapt.from_pretrained(lmodel, lmodel.init(jax.random.key(2), x), pretrained)
+    assert set(variables["params"]["block_1"]["up"]) == {"kernel", "bias", "kernel_lora_a", "kernel_lora_b"}
+    assert rel_err(lmodel.apply(variables, x), model.apply({"params": pretrained}, x)) < 1e-6
+    grads = jax.jit(jax.grad(lambda p: jnp.sum(lmodel.apply({"params": p}, x) ** 2)))(variables["params"])
+    assert np.any(np.asarray(grads["block_0"]["up"]["kernel_lora_b"]) != 0)
