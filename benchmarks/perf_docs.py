@@ -143,13 +143,11 @@ class Headline:
     peer_label: str
 
 
+# One line per capability: its main pair of record (the others are in docs/performance.md).
 HEADLINE = [
     Headline("Adapting an existing model", "`adapt.apply(model, [LoraRule(...)])`, adapters-only step",
              "HF Flax Llama 1.24B, 8192 tokens, r16", "adapt", "hf_llama_1b_8x1024_r16", "adapt:lora",
              "peer:qwix_lora", "qwix `apply_lora_to_model`"),
-    Headline("Adapting an existing model", "`adapt.apply(model, [DoraRule(...)])`, adapters-only step",
-             "HF Flax Llama 1.24B, 8192 tokens, r16", "adapt", "hf_llama_1b_8x1024_r16", "adapt:dora",
-             "dropin:dora", "`DoRADense` written into the model"),
     Headline("Rotary embeddings", "`apply_rotary(q, k, positions)`, fwd+bwd", "B4 S4096 Hq32 Hk8 D128 bf16",
              "rotary", f"{ROTARY} fwd+bwd", "user:apply_rotary", "xla", "XLA reference"),
     Headline("GaLore Adam", "`galore_adamw(...)` + `optax.apply_updates`, refresh every 200 steps",
@@ -157,13 +155,9 @@ HEADLINE = [
              "peer:optax_contrib_galore", "`optax.contrib.galore`"),
     Headline("DoRA and QDoRA", "`DoRADense(...)`, fwd+bwd", "4096 tokens, 4096->4096 r16 bf16", "dora_fwdbwd",
              "4096x4096->4096 r16 bf16", "user:DoRADense", "xla", "XLA reference"),
-    Headline("DoRA and QDoRA", "`dora_dense(x, Int8Kernel, ...)` (QDoRA), fwd", "4096 tokens, 4096->4096 r16",
-             "qdora_fwd", "4096x4096->4096 r16 bf16", "pallas:int8", "xla:int8", "XLA dequantize + GEMM"),
     Headline("FP8 training", "`nn.Dense(dot_general_cls=Float8DotGeneral)` rowwise, fwd+bwd",
              "16384 tokens, 8192->8192", "fp8_dense", "16384x8192->8192 fwd+bwd", "pallas:rowwise",
              "peer:bf16_dense", "bf16 `nn.Dense`"),
-    Headline("FP8 training", "`scaled_matmul_nt(x8, w8, sx, sw)` rowwise", "8192^3", "fp8_mm",
-             "8192x8192x8192 rowwise", "user:scaled_matmul_nt", "peer:torch_scaled_mm", "`torch._scaled_mm`"),
     Headline("Fused AdamW", "`adamw_step(...)`, 8-bit states, in place", "105M fp32 params", "adam", ADAM_CASE,
              "pallas:inplace_8bit", "peer:optax_adamw", "`optax.adamw`"),
 ]
