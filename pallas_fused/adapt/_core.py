@@ -257,7 +257,7 @@ def find_weight(params: Mapping[str, Any], lhs, rhs) -> tuple[str, str] | None:
 
     The same array object first (a param used as stored), then the one param of the operand's shape (a param
     cast to the compute dtype, or a QuantizedWeight read as an array, is a new array). Several params of that
-    shape and no identity: a ValueError, since adapting the wrong one would be silently wrong."""
+    shape and no identity: their names joined by commas, for `raise_if_ambiguous`."""
     candidates = {k: v for k, v in params.items()
                   if not is_adapter_name(k, params) and len(getattr(v, "shape", ())) >= 1}
     for side, op in (("rhs", rhs), ("lhs", lhs)):
