@@ -31,7 +31,7 @@ from benchmarks.trace import trace_kernels
 RANK, ALPHA = 16, 32.0
 PROJ = r".*/(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
 MLP = r".*/(gate_proj|up_proj|down_proj)"
-BLOCKS = (4096, 11008)  # the Dense blocks' model: d_model, d_ff
+BLOCKS = {"1b": (4096, 11008), "tiny": (128, 256)}  # the Dense blocks' d_model, d_ff beside each Llama size
 
 
 def llama_config(size: str):
@@ -114,7 +114,7 @@ def hf_loss(model, batch: int, seq: int):
 
 
 def blocks_loss(model, tokens: int):
-    x = jax.random.normal(jax.random.key(1), (tokens, BLOCKS[0]), jnp.bfloat16)
+    x = jax.random.normal(jax.random.key(1), (tokens, model.dims[0]), jnp.bfloat16)
     return (lambda params, x: jnp.mean(jnp.square(model.apply({"params": params}, x).astype(jnp.float32)))), x
 
 
@@ -143,18 +143,19 @@ class DenseBlocks(nn.Module):
     """4 blocks of d_model -> d_ff -> d_model Dense (gelu, residual), bf16: the projections alone, where the
     adapters' cost is not diluted by attention and the LM head."""
 
+    dims: tuple[int, int]  # d_model, d_ff
     dense: Any = nn.Dense
 
     @nn.compact
     def __call__(self, x):
-        d, f = BLOCKS
+        d, f = self.dims
         for i in range(4):
             h = self.dense(f, use_bias=False, dtype=jnp.bfloat16, name=f"up_{i}")(x)
             x = x + self.dense(d, use_bias=False, dtype=jnp.bfloat16, name=f"down_{i}")(nn.gelu(h))
         return x
 
 
-def candidates(cfg, names, batch: int, seq: int):
+def candidates(cfg, names, batch: int, seq: int, dims: tuple[int, int]):
     """(name, build) for the ones in `names`; build() -> (loss, data, params, trainable mask, the context its trace
     needs). The HF Llama's candidates, and the Dense blocks' ("blocks:..."), at batch * seq tokens."""
     from pallas_fused import adapt
@@ -195,10 +196,10 @@ def candidates(cfg, names, batch: int, seq: int):
         return (*loss(lm), _bf16(params), mask, none)
 
     tokens = batch * seq
-    x0 = (jnp.zeros((8, BLOCKS[0]), jnp.bfloat16),)
+    x0 = (jnp.zeros((8, dims[0]), jnp.bfloat16),)
 
     def blocks(dense=nn.Dense, rules=None, suffixes=None, trained=adapt.trainable):
-        model = DenseBlocks(dense)
+        model = DenseBlocks(dims, dense)
         if rules is not None:
             model = adapt.apply(model, rules)
         params = model.init(key, *x0)["params"]
@@ -223,7 +224,7 @@ def candidates(cfg, names, batch: int, seq: int):
         "blocks:adapt:lora": lambda: blocks(rules=[adapt.LoraRule(module_path=".*", rank=RANK, alpha=ALPHA)]),
         "blocks:dropin:lora": lambda: blocks(functools.partial(LoRADense, rank=RANK, alpha=ALPHA),
                                              suffixes=("lora_a", "lora_b")),
-        "blocks:peer:qwix_lora": lambda: qwix_lora(DenseBlocks(), x0, lambda m: blocks_loss(m, tokens)),
+        "blocks:peer:qwix_lora": lambda: qwix_lora(DenseBlocks(dims), x0, lambda m: blocks_loss(m, tokens)),
         "blocks:full": lambda: blocks(),
         "blocks:adapt:fp8_tensorwise": lambda: blocks(rules=[adapt.Fp8Rule(module_path=".*", recipe="tensorwise")],
                                                       trained=everything),
@@ -258,18 +259,16 @@ def _traced(step, state, steps: int = 3, top: int = 8):
 def run(rec: Recorder, quick: bool) -> None:
     size = os.environ.get("ADAPT_MODEL", "1b" if jax.default_backend() == "gpu" else "tiny")
     batch, seq = (8, 1024) if size == "1b" else (2, 16)
-    if size != "1b":
-        global BLOCKS
-        BLOCKS = (128, 256)
+    dims = BLOCKS[size]
     cfg = llama_config(size)
     n, reps = (5, 3) if quick else (10, 5)
     trace = os.environ.get("ADAPT_TRACE", "1" if jax.default_backend() == "gpu" else "0") == "1"
     wanted = os.environ.get("ADAPT_GROUPS", ",".join(GROUPS)).split(",")
     for group in wanted:
-        case = (f"dense_blocks_4x{BLOCKS[0]}x{BLOCKS[1]}_{batch * seq}tok_r{RANK}" if group.startswith("blocks")
+        case = (f"dense_blocks_4x{dims[0]}x{dims[1]}_{batch * seq}tok_r{RANK}" if group.startswith("blocks")
                 else f"hf_llama_{size}_{batch}x{seq}_r{RANK}")
         steps = {}
-        for name, build in candidates(cfg, GROUPS[group], batch, seq):
+        for name, build in candidates(cfg, GROUPS[group], batch, seq, dims):
             impl = name.removeprefix("blocks:")
             try:
                 loss, data, params, mask, context = build()

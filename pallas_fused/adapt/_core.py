@@ -429,19 +429,20 @@ def active(frontend: Frontend):
                 jnp.einsum = _JAX_EINSUM
 
 
-def bind_default_ops(module) -> dict[str, Any]:
-    """Point a module's stored `dot_general` / `einsum_op` (nnx.Linear and nnx.Einsum keep jax's function from
-    their constructor's default) at ours; returns the attributes replaced, to undo in `merge`."""
-    replaced = {}
-    for attr, original, ours in (("dot_general", _JAX_DOT_GENERAL, dot_general), ("einsum_op", _JAX_EINSUM, einsum)):
+# nnx.Linear and nnx.Einsum keep jax's function from their constructor's default: (attribute, jax's, ours).
+_DEFAULT_OPS = (("dot_general", _JAX_DOT_GENERAL, dot_general), ("einsum_op", _JAX_EINSUM, einsum))
+
+
+def bind_default_ops(module) -> None:
+    """Point a module's stored `dot_general` / `einsum_op`, where it is jax's, at ours (`restore_default_ops`
+    undoes it)."""
+    for attr, original, ours in _DEFAULT_OPS:
         if getattr(module, attr, None) is original:
-            replaced[attr] = original
-            object.__setattr__(module, attr, ours) if isinstance(module, nn.Module) else setattr(module, attr, ours)
-    return replaced
+            setattr(module, attr, ours)
 
 
 def restore_default_ops(module) -> None:
-    for attr, original, ours in (("dot_general", _JAX_DOT_GENERAL, dot_general), ("einsum_op", _JAX_EINSUM, einsum)):
+    for attr, original, ours in _DEFAULT_OPS:
         if getattr(module, attr, None) is ours:
             setattr(module, attr, original)
 

@@ -38,8 +38,9 @@ class _Linen(_core.Frontend):
         if rule is None:
             return None
         where = weight_path(path, name)
-        site = self.cls._pf_sites.setdefault(where, _core.new_site(rule, path, name, lhs, rhs, dimension_numbers,
-                                                                    side))
+        site = self.cls._pf_sites.get(where)
+        if site is None:
+            site = self.cls._pf_sites[where] = _core.new_site(rule, path, name, lhs, rhs, dimension_numbers, side)
         stored = _stored_weight(module, site, where)
         adapters = _adapters(module, site, stored, where)
         return _core.adapted_product(site, where, lhs, rhs, dimension_numbers, side, stored, adapters, out_dtype)
@@ -79,7 +80,6 @@ def _adapters(module, site, stored, where):
 def apply(model: nn.Module, rules: tuple[Rule, ...], methods) -> nn.Module:
     base = getattr(type(model), "_pf_base", type(model))
     fields: dict[str, Any] = {"_pf_base": base, "_pf_rules": rules, "_pf_sites": {}}
-    cls: Any = None
     for name in methods:
         method = getattr(base, name, None)
         if method is None:
@@ -153,7 +153,8 @@ def from_pretrained(lmodel, variables, pretrained):
             node[name] = _core.QuantizedWeight.quantize(jnp.asarray(value), have.layout, site.rule.quantize)
         else:
             node[name] = value
-    missing = [p for p in flat_out if p not in flat_pre and not _is_adapter_path(p, flat_out)]
+    adapters = _adapter_paths(out)
+    missing = [p for p in flat_out if p not in flat_pre and p not in adapters]
     if missing:
         raise ValueError(f"adapt.from_pretrained: the pretrained params have no {missing[:5]}"
                          f"{' ...' if len(missing) > 5 else ''} (the adapted model's params other than adapters)")
@@ -176,10 +177,15 @@ def _flatten(tree, prefix="") -> dict[str, Any]:
     return out
 
 
-def _is_adapter_path(path: str, flat) -> bool:
-    parent, _, name = path.rpartition("/")
-    siblings = {p.rpartition("/")[2] for p in flat if p.rpartition("/")[0] == parent}
-    return _core.is_adapter_name(name, siblings)
+def _adapter_paths(tree, prefix="") -> set[str]:
+    """The `/`-joined paths of the adapter leaves (`_core.is_adapter_name` among each module's names)."""
+    out = set()
+    for k, v in tree.items():
+        if isinstance(v, Mapping):
+            out |= _adapter_paths(v, f"{prefix}{k}/")
+        elif _core.is_adapter_name(k, tree):
+            out.add(f"{prefix}{k}")
+    return out
 
 
 def trainable(variables):

@@ -62,7 +62,6 @@ class _Nnx(_core.Frontend):
         for k, v in _core.new_adapters(site, w, self.rngs.params()).items():
             setattr(module, k, nnx.LoRAParam(v))
         module._pf_sites = getattr(module, "_pf_sites", ()) + (site,)
-        _core.bind_default_ops(module)
 
 
 def apply(model, rules: tuple[Rule, ...], method: str, rngs, args, kwargs):

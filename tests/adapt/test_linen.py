@@ -12,7 +12,7 @@ from flax import linen as nn
 
 from pallas_fused import adapt
 from pallas_fused.dora.quant import dequantize, quantize_int8, quantize_nf4
-from tests.adapt._models import hf_llama, lm_loss
+from tests.adapt._models import hf_llama, join, lm_loss, split
 from tests.helpers import rel_err
 
 QV = r".*/(q_proj|v_proj)"
@@ -90,26 +90,15 @@ def test_fp8_rule_runs_fp8():
     assert 0 < err < 0.1, err
 
 
-def _split(params, mask):
-    """(adapters, frozen): the params split by the mask, None where the other half has the leaf."""
-    adapters = jax.tree_util.tree_map(lambda x, m: x if m else None, params, mask)
-    frozen = jax.tree_util.tree_map(lambda x, m: None if m else x, params, mask)
-    return adapters, frozen
-
-
-def _join(adapters, frozen):
-    return jax.tree_util.tree_map(lambda a, f: f if a is None else a, adapters, frozen, is_leaf=lambda x: x is None)
-
-
 def _train(lmodel, variables, inputs, targets, steps=8, lr=1e-2):
     """Adam on the adapters alone: gradients are taken for them only (a QDoRA weight's codes are integers)."""
     mask = adapt.trainable(variables["params"])
-    adapters, frozen = _split(variables["params"], mask)
+    adapters, frozen = split(variables["params"], mask)
     tx = optax.adam(lr)
     state = tx.init(adapters)
 
     def loss_fn(adapters):
-        return lm_loss(lmodel.apply({"params": _join(adapters, frozen)}, *inputs).logits, targets)
+        return lm_loss(lmodel.apply({"params": join(adapters, frozen)}, *inputs).logits, targets)
 
     @jax.jit
     def step(adapters, state):
@@ -121,7 +110,7 @@ def _train(lmodel, variables, inputs, targets, steps=8, lr=1e-2):
     for _ in range(steps):
         adapters, state, loss, grads = step(adapters, state)
         losses.append(float(loss))
-    return {"params": _join(adapters, frozen)}, losses, _join(grads, frozen), mask
+    return {"params": join(adapters, frozen)}, losses, join(grads, frozen), mask
 
 
 @pytest.mark.parametrize("kind", ["dora", "qdora_nf4", "mixed"])
@@ -190,14 +179,13 @@ def test_adapters_checkpoint_round_trip(tmp_path):
     ocp = pytest.importorskip("orbax.checkpoint")
     module, pretrained, lmodel, variables, inputs, targets = _adapted("qdora_nf4")
     trained, _, _, mask = _train(lmodel, variables, inputs, targets, steps=3)
-    adapters = jax.tree_util.tree_map(lambda x, m: x if m else None, trained["params"], mask)
+    adapters, _ = split(trained["params"], mask)
     with ocp.StandardCheckpointer() as ckpt:
         ckpt.save(tmp_path / "adapters", adapters)
     with ocp.StandardCheckpointer() as ckpt:
         restored = ckpt.restore(tmp_path / "adapters", adapters)
     fresh = adapt.from_pretrained(lmodel, lmodel.init(jax.random.key(9), *inputs), pretrained)
-    params = jax.tree_util.tree_map(lambda a, f: f if a is None else a, restored, fresh["params"],
-                                    is_leaf=lambda x: x is None)
+    params = join(restored, fresh["params"])
     np.testing.assert_array_equal(np.asarray(lmodel.apply({"params": params}, *inputs).logits),
                                   np.asarray(lmodel.apply(trained, *inputs).logits))
 
