@@ -50,6 +50,7 @@ What each public op can be sharded along (everything else in an operand is gathe
   the large-vocabulary segment sum are XLA's.
 - `rms_norm` (forward and backward kernels): rows split, features gathered; the backward all-reduces the
   (D,) dscale of each row shard.
+- `swiglu` (forward and backward kernels): elementwise, any axis of gate and up (features included).
 - `adam` (adamw, adamw_step, ...): elementwise, any axis of any tensor. 8-bit states shard along their
   256-element blocks (a weight split along its leading axis with whole blocks per shard maps onto them;
   other splits are resharded by XLA). Helper: `pallas_fused.adam.state_shardings`.

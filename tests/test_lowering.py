@@ -71,6 +71,16 @@ def test_embed_and_rms_norm(cc):
         assert fwd.count(TRITON) == 1 and both.count(TRITON) == 2
 
 
+def test_swiglu(cc):
+    from pallas_fused.swiglu import swiglu
+
+    for shape in ((100, 5504), (3, 77), (2, 4, 2048)):
+        gate, up = rnd(0, shape, jnp.bfloat16), rnd(1, shape, jnp.bfloat16)
+        fwd = kernels(lambda g, u: swiglu(g, u), gate, up)
+        both = kernels(jax.value_and_grad(loss(lambda g, u: swiglu(g, u)), (0, 1)), gate, up)
+        assert fwd.count(TRITON) == 1 and both.count(TRITON) == 2, (shape, fwd, both)
+
+
 @pytest.mark.parametrize("state_bits", [None, 8])
 def test_adamw(cc, state_bits):
     from pallas_fused.optim import adamw, adamw_step

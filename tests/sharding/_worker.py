@@ -293,6 +293,24 @@ def embed_norm():
           what="rms_norm forward, no scale")
 
 
+@case
+def swiglu():
+    from pallas_fused.swiglu import swiglu
+
+    gate, up, dout = rand(6, (8, 8, 24), jnp.bfloat16), rand(7, (8, 8, 24), jnp.bfloat16), rand(8, (8, 8, 24))
+
+    def loss(g, u):  # elementwise: every axis stays split, features included
+        return jnp.sum(swiglu(g, u, implementation="interpret").astype(jnp.float32) * dout)
+
+    spec = ("data", None, "model")
+    check(lambda g, u: swiglu(g, u, implementation="interpret"), (put(gate, *spec), put(up, *spec)), [P(*spec)],
+          what="swiglu forward, rows and features sharded")
+    check(jax.grad(loss, argnums=(0, 1)), (put(gate, *spec), put(up, *spec)), [P(*spec), P(*spec)],
+          what="swiglu grad, rows and features sharded")
+    check(jax.grad(loss, argnums=(0, 1)), (put(gate, None, "data"), put(up, None, "data")),
+          [P(None, "data"), P(None, "data")], what="swiglu grad, sequence sharded")
+
+
 def run_in_subprocess(module: str, names) -> None:
     """Run cases `names` of worker `module` in one fresh process with 8 simulated CPU devices (the flag must be
     set before jax starts its CPU backend, hence the subprocess; one process for all cases pays for jax's
