@@ -19,6 +19,7 @@ from pallas_fused.fp8 import RECIPES, fp8_linear, quantize, scaled_matmul, scale
 from pallas_fused.norm import rms_norm
 from pallas_fused.optim import adamw, adamw_step, galore_adamw, galore_adamw_inplace
 from pallas_fused.rotary import RotaryScaling, apply_rotary
+from pallas_fused.swiglu import swiglu
 from tests.helpers import rand
 
 # Many random shapes through every kernel: the unit tests cover each shape class on both jax legs.
@@ -258,3 +259,18 @@ def test_fuzz_rms_norm(data):
     args = (x,) if scale is None else (x, scale)
     finite_or_named_error(lambda: _with_grad(lambda *a: rms_norm(*a, epsilon=eps, implementation=impl), *args),
                           ["x", "scale", "epsilon"])
+
+
+@FUZZ
+@given(data=st.data())
+def test_fuzz_swiglu(data):
+    """Empty and odd shapes, scalars, dtypes of gate and up alike or not, up of another shape."""
+    draw = data.draw
+    shape = draw(st.sampled_from([(0, 7), (3, 77), (2, 0, 5), (2, 3, 130), (), (5,)]))
+    dtype = draw(FLOATS)
+    gate = rand(0, shape, dtype, scale=4.0)
+    up = rand(1, draw(st.sampled_from([shape, shape, (*shape, 2)])), draw(st.sampled_from([dtype, dtype,
+                                                                                           jnp.float32])))
+    impl = draw(IMPLS)
+    finite_or_named_error(lambda: _with_grad(lambda g, u: swiglu(g, u, implementation=impl), gate, up),
+                          ["gate", "up"])
