@@ -23,6 +23,7 @@ def program_choices() -> dict:
     from pallas_fused.fp8 import api as fp8_api
     from pallas_fused.galore import kernel as galore_kernel
     from pallas_fused.norm import kernel as norm_kernel
+    from pallas_fused.swiglu import kernel as swiglu_kernel
 
     record: dict = {"device": _backend.device_name(),
                     "implementation": _backend.resolve_implementation(None, op="choices")}
@@ -50,4 +51,6 @@ def program_choices() -> dict:
                        for dt in ("bfloat16", "float32")}
     record["rms_norm"] = {f"{r}x{d}/{bwd}": repr(norm_kernel.choose_config(r, d, bwd))
                           for r in TOKENS for d in (100, 2048, 5504) for bwd in (False, True)}
+    record["swiglu"] = {f"{r}x{f}/{bwd}": repr(swiglu_kernel.choose_config(r, f, bwd))
+                        for r in TOKENS for f in (77, 5504, 11008) for bwd in (False, True)}
     return record

@@ -133,3 +133,14 @@ def test_adapt_rules_match_the_projections(kernel_impl):
     variables = adapt.from_pretrained(lmodel, lmodel.init(jax.random.key(1), x), pretrained)
     assert not adapt.unused_rules(lmodel)
     assert_close(lmodel.apply(variables, x), to64(model.apply({"params": pretrained}, x)), what="adapted")
+
+
+def test_zero_tokens(kernel_impl):
+    x = jnp.zeros((0, 3, 16), jnp.bfloat16)
+    mlp = SwiGLUMLP(hidden_features=24, implementation=kernel_impl)
+    params = mlp.init(jax.random.key(0), x)
+    grads = jax.grad(lambda p: jnp.sum(mlp.apply(p, x)))(params)
+    assert mlp.apply(params, x).shape == (0, 3, 16)
+    assert all(float(jnp.sum(jnp.abs(g))) == 0 for g in jax.tree.leaves(grads))
+    nmlp = NNXSwiGLUMLP(16, 24, implementation=kernel_impl, rngs=nnx.Rngs(0))
+    assert nmlp(x).shape == (0, 3, 16)
