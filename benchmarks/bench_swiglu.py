@@ -8,7 +8,9 @@ Without --quick, "pallas:<dir>_e<elements>_c<cols>_w<warps>" rows time other lau
 kernel (the other direction at its default), bounded to SWEEP_SECONDS: the fastest of them is the device's
 "swiglu" tuning entry (pallas_fused/tuning/<device>.json, read by kernel.choose_config).
 
-fwd+bwd returns the forward output and both gradients (in training the output feeds the down projection).
+fwd+bwd returns the forward output and both gradients (in training the output feeds the down projection). Here
+dout is an input, so XLA may compute the forward inside the backward's fusion (6 arrays moved instead of 8); in a
+training step dout comes from the down projection, after the forward's output was needed, so it cannot.
 
 Bytes: the fewest the op moves: the forward reads gate and up and writes out (3 arrays); the backward reads
 gate, up and dout and writes d_gate and d_up (5 more).
