@@ -276,6 +276,13 @@ def pretrain_optimizer(s: dict, params, *, baseline: bool, implementation, proje
                 implementation=implementation)
 
 
+def host_refresh_every(s: dict, *, baseline: bool, optimizer: str = "galore_adamw") -> int | None:
+    """pallas_fused's GaLore refreshes its projectors on steps the loop names (`refresh=` every update_proj_gap
+    steps), so the steps between refreshes hold no conditional (on a GPU, a conditional's predicate is read back
+    by the host mid-step, and the launches after it wait). optax.contrib.galore decides on the device: None."""
+    return None if baseline or optimizer != "galore_adamw" else s["update_proj_gap"]
+
+
 def finetune_optimizer(s: dict, *, baseline: bool, implementation, state_bits: int = 32):
     lr = schedule(s["finetune_lr"], s["warmup"], s["finetune_steps"])
     if baseline:
@@ -387,7 +394,8 @@ def run_variant(name: str, args, s: dict, init_params, batches: dict) -> tuple[l
         params, opt_state, pre = train(name=name, phase="pretrain", model=model, params=params, tx=tx,
                                        is_trainable=lambda k: True, batches=batches["pretrain"],
                                        val_batches=batches["pretrain_val"], eval_every=s["eval_every"],
-                                       progress=progress, layout=layout, batch_size=s["batch_size"])
+                                       progress=progress, layout=layout, batch_size=s["batch_size"],
+                                       refresh_every=host_refresh_every(s, baseline=baseline, optimizer=args.optimizer))
         results.append(pre)
 
         # The whole training state: params and optimizer state (GaLore projectors and moments, 8-bit moments).
@@ -490,13 +498,14 @@ def main(argv=None) -> dict:
     quantized = f" on an {args.quantize} base (QDoRA)" if args.quantize else ""
     variants = {
         "pallas_fused": f"pallas_fused kernels (implementation={args.implementation or 'auto'}): rotary, embedding "
-                        "(one-hot GEMM gradient), RMSNorm, "
+                        "(one-hot GEMM gradient), RMSNorm, SwiGLU, "
                         f"galore_adamw ({'optax path' if args.optax_path else 'in-place step'}, {args.projector} "
-                        f"projector), fused AdamW, DoRA by rule (adapt.DoraRule){quantized}" + (
+                        f"projector, refresh named by the loop), fused AdamW, DoRA by rule (adapt.DoraRule)"
+                        f"{quantized}" + (
                             f", FP8 {args.fp8} block projections" if args.fp8
                             else ", bf16/fp32 nn.Dense block projections"),
-        "baseline": "plain jnp/flax/optax: implementation='xla' for rotary and DoRA" + quantized + ", nn.Embed, "
-                    "nn.RMSNorm, optax.contrib.galore (SVD projector), optax.adamw, nn.Dense",
+        "baseline": "plain jnp/flax/optax: implementation='xla' for rotary, SwiGLU and DoRA" + quantized
+                    + ", nn.Embed, nn.RMSNorm, optax.contrib.galore (SVD projector), optax.adamw, nn.Dense",
     }
     settings = {**s, "preset": args.preset, "variants": variants, "seed": args.seed,
                 "implementation": args.implementation, "fp8": args.fp8, "optax_path": args.optax_path,

@@ -99,10 +99,12 @@ class MLP(nn.Module):
 
     @nn.compact
     def __call__(self, x):
+        from pallas_fused.swiglu import swiglu
+
         cfg = self.config
         gate = cfg.dense(cfg.d_ff, "gate")(x)
         up = cfg.dense(cfg.d_ff, "up")(x)
-        return cfg.dense(cfg.d_model, "down")(nn.silu(gate) * up)
+        return cfg.dense(cfg.d_model, "down")(swiglu(gate, up, implementation=cfg.implementation))
 
 
 class Block(nn.Module):

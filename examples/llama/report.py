@@ -145,7 +145,7 @@ def write(out: pathlib.Path, results: list[RunResult], *, command: str, settings
         *[f"- {line}" for line in comparison_lines(results)],
         "",
         "Loss is next-byte cross-entropy in nats per byte; validation is on held-out files of the Python standard "
-        "library (see examples/llama/data.py). Step time excludes the first (compiling) step and the validation "
+        "library (see examples/llama/data.py). Step time excludes the steps that compile a program and the validation "
         "passes; the mean includes GaLore projector refreshes (every update_proj_gap steps), the median over "
         "10-step windows shows the typical step. Speedups: baseline / pallas_fused, median and mean. Tokens / s: "
         "the global batch's tokens (every device's share together) at the median step. MFU, per device: "

@@ -4,8 +4,9 @@ The train state holds the params in two parts, `trainable` and `frozen` (empty w
 the base weights when fine-tuning with DoRA): gradients and the optimizer only ever see `trainable`,
 so a frozen weight gets no gradient, no optimizer state and no update.
 
-Timing: the first step (compilation) and the validation passes are excluded; every other step counts,
-projector refreshes included. The loop blocks only at log and eval points, so dispatch runs ahead.
+Timing: the steps that compile a program (the first; with a host-decided GaLore refresh, also the first without
+a refresh) and the validation passes are excluded; every other step counts, projector refreshes included. The
+loop blocks only at log and eval points, so dispatch runs ahead.
 """
 
 from __future__ import annotations
@@ -56,11 +57,14 @@ def loss_fn(model, params, batch):
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
 
 
-def make_train_step(model, tx, state_sharding=None, batch_sharding=None):
+def make_train_step(model, tx, state_sharding=None, batch_sharding=None, host_refresh: bool = False):
     """The whole step (forward, backward, optimizer, apply) as one jitted function; the state is donated.
 
     `tx` is an optax transformation (update + apply_updates) or an in-place optimizer with
     `step(params, grads, state) -> (params, state)` (pallas_fused.galore.galore_adamw_inplace).
+    `host_refresh`: the step takes a static third argument `refresh` (True on the steps that refresh GaLore's
+    projectors) and hands it to the optimizer, so two programs are compiled and neither holds the on-device refresh
+    conditional, whose predicate the host would otherwise read back in the middle of every step.
     On a mesh, `state_sharding` (a TrainState of shardings) and `batch_sharding` pin the step's layout:
     the state comes back exactly as it went in, so the next step reuses the compiled program.
     """
@@ -73,20 +77,22 @@ def make_train_step(model, tx, state_sharding=None, batch_sharding=None):
         shardings = dict(in_shardings=(state_sharding, batch_sharding),
                          out_shardings=(state_sharding, NamedSharding(batch_sharding.mesh, PartitionSpec())))
 
-    @functools.partial(jax.jit, donate_argnums=0, **shardings)
-    def train_step(state: TrainState, batch):
+    # `refresh` is positional: jit takes no keyword arguments where in_shardings are given.
+    @functools.partial(jax.jit, donate_argnums=0, static_argnums=2, **shardings)
+    def train_step(state: TrainState, batch, refresh: bool | None = None):
         loss, grads = jax.value_and_grad(objective)(state.trainable, state.frozen, batch)
+        extra = {"refresh": refresh} if host_refresh else {}
         if hasattr(tx, "step"):  # an in-place optimizer (e.g. galore_adamw_inplace): writes params itself
-            trainable, opt_state = tx.step(state.trainable, grads, state.opt_state)
+            trainable, opt_state = tx.step(state.trainable, grads, state.opt_state, **extra)
         else:
-            updates, opt_state = tx.update(grads, state.opt_state, state.trainable)
+            updates, opt_state = tx.update(grads, state.opt_state, state.trainable, **extra)
             trainable = optax.apply_updates(state.trainable, updates)
         return state.replace(step=state.step + 1, trainable=trainable, opt_state=opt_state), loss
 
     return train_step
 
 
-def place(state: TrainState, model, tx, layout, batch_size: int):
+def place(state: TrainState, model, tx, layout, batch_size: int, host_refresh: bool = False):
     """Put the state where it trains; returns (state, jitted train step, put) where put(rows, leading=0)
     turns this process' rows of a batch into the step's input.
 
@@ -97,8 +103,8 @@ def place(state: TrainState, model, tx, layout, batch_size: int):
     shardings."""
     if layout is None:
         device = jax.devices()[0]
-        return jax.device_put(state, device), make_train_step(model, tx), lambda rows, leading=0: jax.device_put(
-            rows, device)
+        return jax.device_put(state, device), make_train_step(model, tx, host_refresh=host_refresh), \
+            lambda rows, leading=0: jax.device_put(rows, device)
     layout.check_batch(batch_size)
     trainable_sh, frozen_sh = layout.params(state.trainable), layout.params(state.frozen)
     state_sh = TrainState(step=layout.replicated, trainable=trainable_sh, frozen=frozen_sh,
@@ -107,7 +113,7 @@ def place(state: TrainState, model, tx, layout, batch_size: int):
     def put(rows, leading=0):
         return layout.global_batch(rows, batch_size, leading)
 
-    return put_global(state, state_sh), make_train_step(model, tx, state_sh, layout.batch()), put
+    return put_global(state, state_sh), make_train_step(model, tx, state_sh, layout.batch(), host_refresh), put
 
 
 def make_evaluate(model):
@@ -260,9 +266,11 @@ def train(
     progress: bool | None = True,  # False: plain log lines instead of a tqdm bar; None: nothing
     layout=None,  # a llama.mesh.Layout: train on its device mesh (None: one device)
     batch_size: int | None = None,  # the global batch; `batches` holds this process' rows of it
+    refresh_every: int | None = None,  # GaLore's projector refresh decided here: every this many steps, from 0
 ) -> tuple[Any, Any, RunResult]:
     """Train `params` on `batches` (steps, B, S + 1); returns the final params, the optimizer state and
-    the run's record."""
+    the run's record. With `refresh_every`, `tx` takes `refresh=` (pallas_fused's galore_adamw) and the loop
+    passes True on steps 0, refresh_every, 2 refresh_every, ...: the step between refreshes holds no conditional."""
     bar_class = _NoProgress if progress is None else _progress_bar_class() if progress else _PlainProgress
     batch_size = batch_size or batches.shape[1]
     steps = len(batches)
@@ -270,7 +278,15 @@ def train(
     state = TrainState(step=jnp.zeros((), jnp.int32), trainable=trainable, frozen=frozen,
                        opt_state=tx.init(trainable))
     del params, trainable, frozen  # the state owns them now (it is donated to every step)
-    state, train_step, put = place(state, model, tx, layout, batch_size)
+    state, train_step, put = place(state, model, tx, layout, batch_size, host_refresh=refresh_every is not None)
+
+    def run_step(i):
+        if refresh_every is None:
+            return train_step(state, put(batches[i]))
+        return train_step(state, put(batches[i]), i % refresh_every == 0)
+
+    # Steps that compile a program are not timed: the first, and with refresh_every the first without a refresh.
+    compiling = {0} if refresh_every in (None, 1) else {0, 1}
     evaluate = make_evaluate(model)
     val_batches = put(val_batches, leading=1)
     result = RunResult(name=name, phase=phase, tokens_per_step=int(batch_size * (batches.shape[2] - 1)),
@@ -290,15 +306,15 @@ def train(
     pending: list[tuple[int, jax.Array]] = []
     window_start, window_steps = None, 0
     for i in range(steps):
-        if i == 0:
+        if i in compiling:
             start = time.perf_counter()
-            state, loss = train_step(state, put(batches[0]))
+            state, loss = run_step(i)
             loss.block_until_ready()
-            result.compile_s = time.perf_counter() - start
-            pending.append((1, loss))
+            result.compile_s += time.perf_counter() - start
+            pending.append((i + 1, loss))
             window_start = time.perf_counter()
         else:
-            state, loss = train_step(state, put(batches[i]))
+            state, loss = run_step(i)
             pending.append((i + 1, loss))
             window_steps += 1
         done = i + 1

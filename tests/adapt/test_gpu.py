@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import pytest
 
 from pallas_fused import adapt
-from tests.adapt._models import join, lm_loss, split
+from tests.adapt._models import flax_transformers, join, lm_loss, split
 from tests.helpers import rel_err
 
 PROJ = r".*/(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
@@ -24,7 +24,7 @@ CASES = {
 @pytest.mark.gpu
 @pytest.mark.parametrize("kind", list(CASES))
 def test_gpu_kernels_match_xla(kind):
-    transformers = pytest.importorskip("transformers")
+    transformers = flax_transformers()
     cfg = transformers.LlamaConfig(vocab_size=512, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
                                    num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=256)
     hf = transformers.FlaxLlamaForCausalLM(cfg, seed=0, dtype=jnp.bfloat16)
