@@ -3,11 +3,12 @@
 Development probe: the structure of the non-finite skip in GaLore's XLA-graph optax step, on the host's refresh
 schedule (no conditional: the step's time is the GPU's and its launches'). Two formulations of the same skip:
 
-    after    the package's: the new moments, then one reduction over them (XLA fuses the moments into the
-             reduction as side outputs), then a select per output
-    before   the reduction first, over the new moments computed and dropped, then one elementwise pass computing
-             the moments with the selects inside (reference.lowrank_adam with s.ok)
-    staged   the package's, its reduction split over the rank axis first, then the rest (staged_barrier: with an
+    after    the new moments, then one reduction over them (XLA fuses the moments into the reduction as side
+             outputs), then a select per output between the new and the old
+    before   the package's: the reduction first (reference.lowrank_finite, over the new moments computed and
+             dropped), then one elementwise pass computing the moments with the selects inside
+             (reference.lowrank_adam with s.ok)
+    staged   "after", its reduction split over the rank axis first, then the rest (staged_barrier: with an
              optimization barrier between the two)
 
 timed in turn in a fresh process beside optax.contrib.galore, then traced.
@@ -27,16 +28,14 @@ from benchmarks.trace import time_then_trace
 from pallas_fused.galore import api, reference
 
 F32 = jnp.float32
-AFTER = api._GaLore._leaf
+BEFORE = api._GaLore._leaf
 
 
-def _leaf_before(self, w, g, m, v, p, side, s, inplace, dtype):
-    r = reference.project(g, p, side)
-    m_try = (s.b1 * m.astype(F32) + (1 - s.b1) * r).astype(m.dtype)
-    v_try = (s.b2 * v.astype(F32) + (1 - s.b2) * r * r).astype(v.dtype)
-    keep = jnp.all(jnp.isfinite(m_try) & jnp.isfinite(v_try)) & (s.ok > 0)
+def _leaf_after(self, w, g, m, v, p, side, s, inplace, dtype):
+    m_new, v_new, n = reference.lowrank_adam(reference.project(g, p, side), m, v, s)
+    keep = jnp.all(jnp.isfinite(m_new) & jnp.isfinite(v_new)) & (s.ok > 0)
+    m_new, v_new = jnp.where(keep, m_new, m), jnp.where(keep, v_new, v)
     s = s._replace(ok=keep.astype(F32))
-    m_new, v_new, n = reference.lowrank_adam(r, m, v, s)
     return reference.finish_step(w, n, p, side, s, inplace=inplace, dtype=dtype), m_new, v_new
 
 
@@ -57,7 +56,7 @@ def _leaf_staged(barrier):
     return leaf
 
 
-LEAVES = {"after": AFTER, "before": _leaf_before, "staged": _leaf_staged(False), "staged_barrier": _leaf_staged(True)}
+LEAVES = {"after": _leaf_after, "before": BEFORE, "staged": _leaf_staged(False), "staged_barrier": _leaf_staged(True)}
 
 
 def main():

@@ -214,16 +214,18 @@ def _check_grads(updates, state: GaLoreAdamState):
                              f"expected {tuple(expected)} (the param's shape at init)")
 
 
-def _skip_nonfinite(m_old, v_old, m, v, s: Scalars):
-    """Skip a projected leaf's step whose low-rank gradient R is not finite, or whose refresh failed (s.ok = 0): keep
-    its moments and zero its update (the returned s.ok is 0: the up-projection then writes W unchanged / a zero
-    update). A non-finite G makes R = G P^T (P^T G) non-finite exactly, inf * 0 included: every product with a NaN or
-    inf element of G is NaN or +-inf (0 * inf is NaN), and a sum holding one is NaN or +-inf, so the row (column) of
-    R it lands in is non-finite for any finite P. The new moments m = b1 m + (1-b1) R, v = b2 v + (1-b2) R^2 are
-    then non-finite (as is v when R^2 overflows): testing the small (M, r) / (r, N) moments never re-reads G. One
-    reduction over both moments, one predicate for the three selects."""
-    keep = jnp.all(jnp.isfinite(m) & jnp.isfinite(v)) & (s.ok > 0)
-    return jnp.where(keep, m, m_old), jnp.where(keep, v, v_old), s._replace(ok=keep.astype(jnp.float32))
+def _skip_nonfinite(r, m, v, s: Scalars) -> Scalars:
+    """`s` with ok = 0 when a projected leaf's step must be skipped: its low-rank gradient R is not finite, or its
+    refresh failed (s.ok = 0 already). The step then keeps its moments and its update is zero (the Adam step and the
+    up-projection read ok). A non-finite G makes R = G P^T (P^T G) non-finite exactly, inf * 0 included: every
+    product with a NaN or inf element of G is NaN or +-inf (0 * inf is NaN), and a sum holding one is NaN or +-inf,
+    so the row (column) of R it lands in is non-finite for any finite P. The new moments m = b1 m + (1-b1) R,
+    v = b2 v + (1-b2) R^2 are then non-finite (as is v when R^2 overflows): `reference.lowrank_finite` tests them
+    from the small R, m and v, never re-reading G, in one reduction before the step, which then writes its moments
+    once (in place: the kept moments are the old ones, stored back) instead of selecting between new and old copies
+    after it."""
+    keep = reference.lowrank_finite(r, m, v, s) & (s.ok > 0)
+    return s._replace(ok=keep.astype(jnp.float32))
 
 
 _STATIC_HINT = ("optax.inject_hyperparams makes an array of every int argument, traced under jit: pass "
@@ -322,19 +324,20 @@ def leaf_step(variant: str, w, g, m, v, p, side: str, s: Scalars, *, inplace: bo
     kernel.UpConfig) overrides the up-projection's launch (the tuning sweep of benchmarks/bench_galore.py)."""
     if f"pallas:{variant}" not in VARIANTS:
         raise ValueError(f"galore: variant must be one of {[k.partition(':')[2] for k in VARIANTS]}, got {variant!r}")
-    m_old, v_old, packed = m, v, s.pack()
+    # XLA's GEMM (partitioned by XLA: a sharded contraction is all-reduced), the finiteness flag (one reduction over
+    # R, m, v, into the scalars both kernels read), then the elementwise kernel, which writes m and v in place (back
+    # as they were on a skipped step)
+    r = reference.project(g, p, side)
+    s = _skip_nonfinite(r, m, v, s)
+    packed = s.pack()
     if variant == "xla_up":  # XLA's GEMMs (partitioned by XLA) around the elementwise low-rank Adam kernel
-        m, v, n = _lowrank_adam(reference.project(g, p, side), m, v, packed, interpret=interpret)
-        m, v, s = _skip_nonfinite(m_old, v_old, m, v, s)
+        m, v, n = _lowrank_adam(r, m, v, packed, interpret=interpret)
         return reference.finish_step(w, n, p, side, s, inplace=inplace, dtype=dtype), m, v
-    # an fp16 up-projection (kernel.up_config) takes N in fp16 from the Adam kernel, and P cast once with p16
+    # an fp16 up-projection (kernel.up_config) takes N in fp16 from the Adam kernel, and P cast once with p16 (the
+    # same launch: no separate one)
     n_dtype, p16 = kernel.up_operands(reference.projector_rank(p.shape, side), side, up_blocks)
-    # XLA's GEMM (partitioned by XLA: a sharded contraction is all-reduced), then the elementwise kernel (with p16
-    # it also casts P: no separate launch)
-    m, v, n, *cast = _lowrank_adam(reference.project(g, p, side), m, v, packed, interpret=interpret,
-                                   n_dtype=n_dtype, p=p if p16 else None)
-    m, v, s = _skip_nonfinite(m_old, v_old, m, v, s)
-    out = _up_update(w, n, cast[0] if p16 else p, s.pack(), side=side, inplace=inplace, interpret=interpret,
+    m, v, n, *cast = _lowrank_adam(r, m, v, packed, interpret=interpret, n_dtype=n_dtype, p=p if p16 else None)
+    out = _up_update(w, n, cast[0] if p16 else p, packed, side=side, inplace=inplace, interpret=interpret,
                      out_dtype=dtype, blocks=up_blocks)
     return out, m, v
 
@@ -443,15 +446,15 @@ class _GaLore:
         base, variant = _backend.split_implementation(self.implementation)
         # With no weight-decay term on the optax path (w None, no variant forced), XLA's graph end to end as well: the
         # up-projection GEMM's output is the update itself, so the caller's `optax.apply_updates` adds p inside that
-        # GEMM (cuBLAS's beta = 1) instead of writing the update and reading it back; and the low-rank Adam step fuses
-        # with the down-projection GEMM's partial-sum reduction and the finiteness test, where a Pallas kernel would
-        # need copies of m and v (it writes them in place, the skip needs the old ones) and launches of its own
-        # (benchmarks/results/user_path_dev/).
+        # GEMM (cuBLAS's beta = 1) instead of writing the update and reading it back; and the finiteness test fuses
+        # with the down-projection GEMM's partial-sum reduction, where the Pallas kernel would be a launch of its own
+        # reading R back (benchmarks/results/user_path_dev/).
         if base == "xla" or (variant is None and w is None):
-            # s.ok is the constant 1 here (`_update`), so the reference's selects on it fold away: the skip below is
-            # the one predicate, one select per output.
-            m_new, v_new, n = reference.lowrank_adam(reference.project(g, p, side), m, v, s)
-            m_new, v_new, s = _skip_nonfinite(m, v, m_new, v_new, s)
+            # the skip as the kernels take it: the flag first, then one elementwise pass whose selects on it write
+            # the moments (the old ones on a skipped step), so no new moments are kept beside the old
+            r = reference.project(g, p, side)
+            s = _skip_nonfinite(r, m, v, s)
+            m_new, v_new, n = reference.lowrank_adam(r, m, v, s)
             return reference.finish_step(w, n, p, side, s, inplace=inplace, dtype=dtype), m_new, v_new
         if variant is None:
             variant = choose_kernel(g.shape, reference.projector_rank(p.shape, side), side)
@@ -509,7 +512,7 @@ class _GaLore:
         outs, mus, nus, projs = [], [], [], []
         count_inc = optax.safe_int32_increment(count)
         # A leaf whose refresh saw a non-finite gradient kept its projector, and skips this step through the
-        # finiteness test of its low-rank moments (`_skip_nonfinite`): its low-rank gradient is not finite either.
+        # finiteness test of its low-rank step (`_skip_nonfinite`): its low-rank gradient is not finite either.
         ok = jnp.asarray(1.0, jnp.float32)
         for i, (g, w, m, v, p, decay) in enumerate(zip(flat_g, flat_w, flat_mu, flat_nu, flat_p, wd_flags)):
             a = -lr * wd if decay else jnp.asarray(0.0, jnp.float32)

@@ -120,10 +120,11 @@ def _scalars(s_ref):
 
 
 def _adam_epilogue(r, m, v, s):
-    """fp32 low-rank Adam on a tile: returns (m', v', N)."""
+    """fp32 low-rank Adam on a tile: returns (m', v', N). With ok = 0 (a skipped step: the caller's finiteness flag)
+    m' and v' are m and v as loaded, so the in-place store writes them back unchanged and no copy of the old moments
+    is needed outside."""
     b1, b2, eps, alpha, beta, _, _, ok = s
     okb = ok > 0
-    r = jnp.where(okb, r, 0.0)
     m_new = jnp.where(okb, b1 * m + (1.0 - b1) * r, m)
     v_new = jnp.where(okb, b2 * v + (1.0 - b2) * r * r, v)
     n = (alpha * m_new) / (beta * jnp.sqrt(v_new) + eps)
@@ -163,7 +164,9 @@ def _lowrank_adam_kernel(*refs, size, size_p, BLOCK):
 
 @functools.partial(jax.jit, static_argnames=("interpret", "n_dtype"))
 def lowrank_adam(r, m, v, scalars, *, interpret: bool = False, n_dtype=F32, p=None):
-    """Elementwise low-rank Adam on an already projected R (m's shape). Returns (m', v', N).
+    """Elementwise low-rank Adam on an already projected R (m's shape). Returns (m', v', N), m' and v' written over m's
+    and v's buffers (input_output_aliases). The scalars' ok = 0 skips the step in place: m and v are stored back
+    unchanged (the caller computes that flag from R, m and v before this launch: `reference.lowrank_finite`).
 
     `n_dtype`: N's dtype (fp32, or fp16 for an fp16 up-projection: clamped to +-F16_MAX). With `p` (the
     projector) the same launch also returns P cast to fp16: (m', v', N, P16), for an up-projection on fp16
@@ -254,9 +257,8 @@ def _up_kernel(*refs, M, N, R, BM, BN, BR, TM, TN, inplace, has_w, w_first, f16)
         if has_w and not w_first:
             w = load_w(t)
         out = ca * w + cc * acc if has_w else cc * acc
-        out = jnp.where(ok > 0, out, 0.0)
-        if inplace:
-            out = w + out
+        # a skipped step (ok = 0): a zero update, or W written back as loaded (W + 0 would turn -0.0 into 0.0)
+        out = jnp.where(ok > 0, w + out, w) if inplace else jnp.where(ok > 0, out, 0.0)
         _backend.store(o_ref.at[idx], out.astype(o_ref.dtype), mask=mask)
         return w_next
 

@@ -29,6 +29,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 PROJ_TYPES = ("std", "reverse_std", "right", "left")
 
@@ -85,11 +86,19 @@ def svd_projector(g: jax.Array, rank: int, side: str, dtype=None) -> jax.Array:
 
 
 def project(g: jax.Array, p: jax.Array, side: str, precision=None) -> jax.Array:
-    """Down-projection R (fp32): G P^T (right) or P^T G (left)."""
-    f32 = jnp.float32
-    if side == "right":
-        return jnp.matmul(g, p.T, precision=precision, preferred_element_type=f32)
-    return jnp.matmul(p.T, g, precision=precision, preferred_element_type=f32)
+    """Down-projection R (fp32): G P^T (right) or P^T G (left).
+
+    One dot_general contracting the dimension G and P share, in the layouts they are stored in: no transpose of P
+    is written (nor one of G, which XLA would copy), so the GEMM library reads both operands as they lie. Side right
+    contracts G's minor (contiguous) dimension with P's; side left contracts G's major dimension with P's, which no
+    order of the operands changes (G is stored (M, N))."""
+    dtype = jnp.result_type(g, p)
+    g, p = g.astype(dtype), p.astype(dtype)
+    if side == "right":  # (M, N) x (r, N) -> (M, r)
+        return lax.dot_general(g, p, (((1,), (1,)), ((), ())), precision=precision,
+                               preferred_element_type=jnp.float32)
+    # (M, r) x (M, N) -> (r, N)
+    return lax.dot_general(p, g, (((0,), (0,)), ((), ())), precision=precision, preferred_element_type=jnp.float32)
 
 
 def back_project(n: jax.Array, p: jax.Array, side: str, precision=None, dtype=jnp.float32) -> jax.Array:
@@ -98,11 +107,24 @@ def back_project(n: jax.Array, p: jax.Array, side: str, precision=None, dtype=jn
     return jnp.matmul(n, p, precision=precision) if side == "right" else jnp.matmul(p, n, precision=precision)
 
 
+def lowrank_finite(r: jax.Array, m: jax.Array, v: jax.Array, s: Scalars) -> jax.Array:
+    """Whether the low-rank step from R is finite (a bool scalar): the moments `lowrank_adam` would store, m' =
+    b1 m + (1-b1) R and v' = b2 v + (1-b2) R^2 in m's / v's dtype, hold no NaN or inf. One reduction over R, m and v
+    that writes nothing of their size: the step then computes its moments once, with this flag as its `ok` (kept
+    moments and a zero update when it is False), so no copy of the old moments is ever needed."""
+    f32 = jnp.float32
+    r = r.astype(f32)
+    m_new = (s.b1 * m.astype(f32) + (1 - s.b1) * r).astype(m.dtype)
+    v_new = (s.b2 * v.astype(f32) + (1 - s.b2) * r * r).astype(v.dtype)
+    return jnp.all(jnp.isfinite(m_new) & jnp.isfinite(v_new))
+
+
 def lowrank_adam(r: jax.Array, m: jax.Array, v: jax.Array, s: Scalars):
-    """The low-rank Adam moments and normalized update: returns (m', v', N) with m', v' in m's/v's dtype."""
+    """The low-rank Adam moments and normalized update: returns (m', v', N) with m', v' in m's/v's dtype. With s.ok
+    = 0 the moments are m and v themselves (bit for bit) and N is finite (from them)."""
     f32 = jnp.float32
     ok = jnp.asarray(s.ok, f32) > 0
-    r = jnp.where(ok, r.astype(f32), 0.0)
+    r = r.astype(f32)
     m32, v32 = m.astype(f32), v.astype(f32)
     m_new = jnp.where(ok, s.b1 * m32 + (1 - s.b1) * r, m32)
     v_new = jnp.where(ok, s.b2 * v32 + (1 - s.b2) * r * r, v32)
@@ -138,7 +160,9 @@ def finish_step(w, n: jax.Array, p: jax.Array, side: str, s: Scalars, *, inplace
         return back_project(n, p, side, precision, op).astype(dtype)
     w32 = w.astype(jnp.float32)
     out = full_update(w32, n, p, side, s, precision)
-    return ((w32 + out) if inplace else out).astype(dtype if w is None else w.dtype)
+    if inplace:  # a skipped step writes W back as it was (bit for bit: W + 0 would turn -0.0 into 0.0)
+        out = jnp.where(jnp.asarray(s.ok, jnp.float32) > 0, w32 + out, w32)
+    return out.astype(w.dtype)
 
 
 def galore_adam_step(w, g, m, v, p, side: str, s: Scalars, *, inplace: bool = False, precision=None):

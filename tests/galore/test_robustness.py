@@ -250,3 +250,109 @@ def test_state_shardings_of_empty_params():
         state_shardings(state, {})
     mesh = jax.make_mesh((1,), ("data",))
     assert state_shardings(state, {}, mesh=mesh).count == NamedSharding(mesh, PartitionSpec())
+
+
+def _bits(x):
+    a = np.asarray(x)
+    return a.view({2: np.uint16, 4: np.uint32}[a.dtype.itemsize])
+
+
+def _impl(implementation, kernel_impl):
+    """"xla", or the Pallas kernels as they run here ("kernel", "kernel:<variant>")."""
+    return implementation.replace("kernel", kernel_impl)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("implementation", ["xla", "kernel", "kernel:hybrid", "kernel:xla_up"])
+def test_nonfinite_step_leaves_moments_and_params_bit_identical(implementation, dtype, kernel_impl):
+    # A NaN / inf in each projected gradient between refreshes: the in-place step writes W (-0.0 entries included)
+    # and the moments back bit for bit, and the optax path keeps the moments bit for bit with a zero update.
+    kw = dict(rank=8, update_proj_gap=50, weight_decay=0.1, projector="svd",
+              implementation=_impl(implementation, kernel_impl))
+    tx, opt = galore_adamw(1e-2, **kw), galore_adamw_inplace(1e-2, **kw)
+    params = {k: v.astype(dtype) for k, v in _params().items()}
+    state = opt.init(params)
+    params, state = jax.jit(opt.step)(params, {k: v.astype(dtype) for k, v in _grads(0).items()}, state)
+    params = {**params, "w": params["w"].at[0, :3].set(-0.0), "u": params["u"].at[1, 2].set(-0.0)}
+    bad = {k: v.astype(dtype) for k, v in _grads(1).items()}
+    bad["w"] = bad["w"].at[5, 7].set(jnp.nan)
+    bad["u"] = bad["u"].at[3, 2].set(jnp.inf)
+    keep_p, keep_s = jax.tree.map(jnp.copy, (params, state))
+    u, new = jax.jit(tx.update)(bad, state, params)
+    p_in, new_in = jax.jit(opt.step, donate_argnums=(0, 2))(params, bad, state)
+    for k in ("w", "u"):
+        np.testing.assert_array_equal(_bits(p_in[k]), _bits(keep_p[k]))
+        np.testing.assert_array_equal(np.asarray(u[k], np.float32), 0)
+        for s in (new, new_in):
+            for field in ("mu", "nu", "projector"):
+                np.testing.assert_array_equal(_bits(getattr(s, field)[k]), _bits(getattr(keep_s, field)[k]))
+    assert int(new_in.count) == 2 and not bool(new_in.pending_refresh)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("implementation", ["xla", "kernel", "kernel:hybrid", "kernel:xla_up"])
+def test_finite_step_matches_reference_step(implementation, dtype, kernel_impl):
+    # A finite step between refreshes gives reference.galore_adam_step's W and moments (its selects on ok = 1 are
+    # the step as it was before the skip became a flag), in place and through optax
+    from pallas_fused.galore import reference
+
+    lr, wd, scale, eps, b1, b2 = 1e-2, 0.1, 0.25, 1e-6, 0.9, 0.999
+    kw = dict(rank=8, update_proj_gap=50, weight_decay=wd, scale=scale, eps=eps, projector="svd",
+              implementation=_impl(implementation, kernel_impl))
+    tx, opt = galore_adamw(lr, **kw), galore_adamw_inplace(lr, **kw)
+    params = {k: v.astype(dtype) for k, v in _params().items()}
+    params, state = jax.jit(opt.step)(params, {k: v.astype(dtype) for k, v in _grads(0).items()}, opt.init(params))
+    g = {k: v.astype(dtype) for k, v in _grads(1).items()}
+    u, new = jax.jit(tx.update)(g, state, params)
+    p_tx = optax.apply_updates(params, u)
+    p_in, new_in = jax.jit(opt.step)(params, g, state)
+    t = 2.0
+    sc = reference.Scalars(*(jnp.asarray(x, jnp.float32) for x in (
+        b1, b2, eps, 1.0, 1.0, -lr * wd, -lr * scale * np.sqrt(1 - b2**t) / (1 - b1**t), 1.0)))
+    for k in ("w", "u"):
+        side = reference.projector_side(params[k].shape, "std")
+        want, m, v = reference.galore_adam_step(params[k], g[k], state.mu[k], state.nu[k], state.projector[k], side,
+                                                sc, inplace=True, precision=jax.lax.Precision.HIGHEST)
+        delta = np.asarray(want, np.float32) - np.asarray(params[k], np.float32)
+        for got_p, s in ((p_in, new_in), (p_tx, new)):
+            if dtype == jnp.float32:  # the step's change, within a few ulps of W
+                got = np.asarray(got_p[k], np.float32) - np.asarray(params[k], np.float32)
+                np.testing.assert_allclose(got, delta, rtol=1e-4, atol=1e-6, err_msg=k)
+            else:  # W rounded to bf16: one bf16 ulp from the reference's (of the update, near zero)
+                np.testing.assert_allclose(np.asarray(got_p[k], np.float32), np.asarray(want, np.float32),
+                                           rtol=2.0**-7, atol=2.0**-7 * np.abs(delta).max(), err_msg=k)
+            np.testing.assert_allclose(s.mu[k], m, rtol=1e-5, atol=1e-9, err_msg=k)
+            np.testing.assert_allclose(s.nu[k], v, rtol=1e-5, atol=1e-12, err_msg=k)
+
+
+def _selects_outside_kernels(jaxpr, shapes, found):
+    """The select_n ops of `jaxpr` (nested jaxprs but Pallas kernels' and the refresh conditional's included) whose
+    output has one of `shapes`."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in ("pallas_call", "cond"):
+            continue
+        for v in eqn.params.values():
+            for j in v if isinstance(v, (tuple, list)) else [v]:
+                j = getattr(j, "jaxpr", j)
+                if hasattr(j, "eqns"):
+                    _selects_outside_kernels(j, shapes, found)
+        if eqn.primitive.name == "select_n" and eqn.outvars[0].aval.shape in shapes:
+            found.append(eqn.outvars[0].aval.shape)
+    return found
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+def test_kernel_skip_selects_nothing_of_size_outside_kernels(inplace, kernel_impl):
+    # The skip is a flag in the kernels' scalars: no select between old and new moments (which would keep a copy of
+    # the moments the kernel writes in place) or over W happens outside the kernels.
+    params = {"w": jax.ShapeDtypeStruct((48, 80), jnp.float32), "u": jax.ShapeDtypeStruct((80, 48), jnp.float32)}
+    kw = dict(rank=8, weight_decay=0.1, implementation=f"{kernel_impl}:hybrid")
+    if inplace:
+        opt = galore_adamw_inplace(1e-2, **kw)
+        fn, init = (lambda p, g, s: opt.step(p, g, s)), opt.init
+    else:
+        tx = galore_adamw(1e-2, **kw)
+        fn, init = (lambda p, g, s: optax.apply_updates(p, tx.update(g, s, p)[0])), tx.init
+    jaxpr = jax.make_jaxpr(fn)(params, params, jax.eval_shape(init, params)).jaxpr
+    shapes = {(48, 80), (80, 48), (8, 80), (80, 8), (8 * 80,)}
+    assert _selects_outside_kernels(jaxpr, shapes, []) == []
