@@ -118,6 +118,10 @@ SECTIONS: dict[str, list[Rows]] = {
              "pallas:sm90_blockwise", {"peer:torch_scaled_mm_blockwise": "torch._scaled_mm blockwise"},
              cases=tuple(f"{s} blockwise" for s in BLOCKWISE_SHAPES), tflops=True),
     ],
+    "SwiGLU": [
+        Rows("`swiglu(gate, up)` (forward; forward and backward)", "swiglu", "user:swiglu",
+             {"xla": "XLA, `nn.silu(gate) * up`", "peer:torch_compile": "torch.compile"}),
+    ],
     "Fused AdamW": [
         Rows("`adamw` update, then `optax.apply_updates`", "adam", "xla:optax",
              {"peer:optax_adamw": "optax.adamw", "peer:torch_fused_adamw": "torch fused AdamW"}, cases=(ADAM_CASE,)),
