@@ -74,6 +74,16 @@ class ImplementationError(ValueError):
 
 
 @functools.cache
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for launch grids."""
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= n (1 for n <= 1): Triton's block shapes are powers of two."""
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
 def gpu_device() -> jax.Device | None:
     """The first CUDA device, or None."""
     try:

@@ -47,6 +47,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from pallas_fused import _backend
+from pallas_fused._backend import cdiv, next_pow2
 from pallas_fused.adam.reference import (
     NUM_SCALARS,
     QBLOCK,
@@ -171,26 +172,18 @@ def adam_fp32(s, g, m, v, p=None, *, inplace: bool, interpret: bool, launch: Lau
         out_shape = (jax.ShapeDtypeStruct(g.shape, u_dtype or g.dtype), jax.ShapeDtypeStruct(m.shape, m.dtype),
                      jax.ShapeDtypeStruct(v.shape, v.dtype))
         aliases = {2: 1, 3: 2}  # m, v written over their inputs: see STATE_ALIASES
-    block = min(launch.block, max(128, _next_pow2(n)))
+    block = min(launch.block, max(128, next_pow2(n)))
     kernel = functools.partial(_fp32_kernel, n=n, block=block, has_p=has_p, inplace=inplace,
                                load_mode=launch.load_mode)
     return _backend.triton_call(
         kernel,
         out_shape=out_shape,
-        grid=(_cdiv(n, block),),
+        grid=(cdiv(n, block),),
         name="pallas_fused_adam_step" if inplace else "pallas_fused_adam_update",
         interpret=interpret,
         num_warps=launch.num_warps if block >= 2048 else min(launch.num_warps, 4),
         input_output_aliases=aliases,
     )(*operands)
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 def _q8_refs(refs, inplace, has_p):

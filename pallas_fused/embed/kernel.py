@@ -31,14 +31,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_fused import _backend
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _pow2_at_least(n: int, floor: int) -> int:
-    return max(floor, 1 << max(0, n - 1).bit_length())
+from pallas_fused._backend import cdiv, next_pow2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,11 +51,11 @@ def choose_config(tokens: int, vocab: int, features: int) -> LaunchConfig:
 
     128 x 128 fp32 accumulators (64 registers a thread at 8 warps); 64-token chunks. Splits: enough programs
     for two per SM, but never fewer than 4 chunks a split (below that the partials cost more than they save)."""
-    bv = min(128, _pow2_at_least(vocab, 16))
-    bd = min(128, _pow2_at_least(features, 16))
+    bv = min(128, max(16, next_pow2(vocab)))
+    bd = min(128, max(16, next_pow2(features)))
     bt = 64
-    tiles = _cdiv(vocab, bv) * _cdiv(features, bd)
-    splits = max(1, min(_cdiv(2 * _backend.num_sms(), tiles), _cdiv(tokens, 4 * bt)))
+    tiles = cdiv(vocab, bv) * cdiv(features, bd)
+    splits = max(1, min(cdiv(2 * _backend.num_sms(), tiles), cdiv(tokens, 4 * bt)))
     return LaunchConfig(bv, bd, bt, splits, num_warps=8 if bv * bd >= 128 * 128 else 4)
 
 
@@ -105,12 +98,12 @@ def onehot_grad_pallas(ids, dy, vocab: int, *, interpret: bool, config: LaunchCo
     n, features = dy.shape
     config = config or choose_config(n, vocab, features)
     bv, bd, bt = config.block_vocab, config.block_features, config.block_tokens
-    chunks = _cdiv(_cdiv(n, config.splits), bt)
+    chunks = cdiv(cdiv(n, config.splits), bt)
     kernel = functools.partial(_onehot_grad_kernel, N=n, V=vocab, D=features, bv=bv, bd=bd, bt=bt, chunks=chunks)
     partials = _backend.triton_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct((config.splits, vocab, features), jnp.float32),
-        grid=(_cdiv(vocab, bv), _cdiv(features, bd), config.splits),
+        grid=(cdiv(vocab, bv), cdiv(features, bd), config.splits),
         name="pallas_fused_embed_bwd",
         interpret=interpret,
         num_warps=config.num_warps,

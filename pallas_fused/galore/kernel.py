@@ -31,6 +31,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_fused import _backend
+from pallas_fused._backend import cdiv
 
 F32 = jnp.float32
 
@@ -90,10 +91,6 @@ def up_config(rank: int, side: str, blocks=None) -> UpConfig:
             # only round: it multiplies fp32, exact as the XLA:CPU reference it is checked against.
             cfg = cfg._replace(f16=False, p16=False)
     return cfg._replace(br=min(cfg.br, _rank_block(rank)))
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def _rank_block(rank: int) -> int:
@@ -184,7 +181,7 @@ def lowrank_adam(r, m, v, scalars, *, interpret: bool = False, n_dtype=F32, p=No
         outs += (jax.ShapeDtypeStruct((size_p,), jnp.float16),)
         args += (p.reshape(-1),)
     kern = functools.partial(_lowrank_adam_kernel, size=size, size_p=size_p, BLOCK=block)
-    call = _backend.triton_call(kern, out_shape=outs, grid=(_cdiv(max(size, size_p), block),),
+    call = _backend.triton_call(kern, out_shape=outs, grid=(cdiv(max(size, size_p), block),),
                                 name="pallas_fused_galore_adam", interpret=interpret, num_warps=4,
                                 input_output_aliases={1: 0, 2: 1})
     m2, v2, n, *p16 = call(*args)
@@ -253,7 +250,7 @@ def _up_kernel(*refs, M, N, R, BM, BN, BR, TM, TN, inplace, has_w, w_first, f16)
             b = b_once if b_once is not None else load_b(t, k)
             return acc + _backend.dot(a, b, allow_tf32=None if f16 else True)
 
-        acc = lax.fori_loop(0, _cdiv(R, BR), body, jnp.zeros((BM, BN), F32))
+        acc = lax.fori_loop(0, cdiv(R, BR), body, jnp.zeros((BM, BN), F32))
         if has_w and not w_first:
             w = load_w(t)
         out = ca * w + cc * acc if has_w else cc * acc
@@ -304,7 +301,7 @@ def _up_update(w, n, p, scalars, *, side, inplace, interpret, cfg: UpConfig, dty
     kern = functools.partial(_up_kernel, M=M, N=N, R=R, BM=cfg.bm, BN=cfg.bn, BR=cfg.br, TM=cfg.tm, TN=cfg.tn,
                              inplace=inplace, has_w=has_w, w_first=cfg.w_first, f16=cfg.f16)
     call = _backend.triton_call(kern, out_shape=jax.ShapeDtypeStruct((M, N), dtype),
-                                grid=(_cdiv(_cdiv(M, cfg.bm), cfg.tm), _cdiv(_cdiv(N, cfg.bn), cfg.tn)),
+                                grid=(cdiv(cdiv(M, cfg.bm), cfg.tm), cdiv(cdiv(N, cfg.bn), cfg.tn)),
                                 name="pallas_fused_galore_up_inplace" if inplace else "pallas_fused_galore_up",
                                 interpret=interpret, num_warps=cfg.warps, num_stages=cfg.stages,
                                 input_output_aliases={0: 0} if inplace else None)

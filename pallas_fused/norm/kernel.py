@@ -26,16 +26,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from pallas_fused import _backend
+from pallas_fused._backend import cdiv, next_pow2
 
 MAX_FEATURES = 16384
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _pow2_at_least(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,10 +41,10 @@ class LaunchConfig:
 def choose_config(rows: int, features: int, backward: bool) -> LaunchConfig:
     """A pure function of the shapes and the SM count: ~4096 (forward) or ~2048 (backward: x, dy, dx and
     the dscale share live at once) elements a tile, 16 of them a thread at most."""
-    width = _pow2_at_least(features)
+    width = next_pow2(features)
     block_rows = max(1, min(64, (2048 if backward else 4096) // width))
     num_warps = max(1, min(8, block_rows * width // 512))
-    programs = min(_cdiv(rows, block_rows), 4 * _backend.num_sms()) if backward else 0
+    programs = min(cdiv(rows, block_rows), 4 * _backend.num_sms()) if backward else 0
     return LaunchConfig(block_rows, num_warps, max(programs, 1) if backward else 0)
 
 
@@ -114,10 +107,10 @@ def rms_norm_fwd_pallas(x2, scale, *, eps: float, out_dtype, interpret: bool, co
     rows, features = x2.shape
     config = config or choose_config(rows, features, backward=False)
     br = config.block_rows
-    kernel = functools.partial(_fwd_kernel, rows=rows, features=features, width=_pow2_at_least(features), br=br,
+    kernel = functools.partial(_fwd_kernel, rows=rows, features=features, width=next_pow2(features), br=br,
                                eps=float(eps), has_scale=scale is not None)
     out_shape = (jax.ShapeDtypeStruct((rows, features), out_dtype), jax.ShapeDtypeStruct((rows,), jnp.float32))
-    return _backend.triton_call(kernel, out_shape=out_shape, grid=(_cdiv(rows, br),),
+    return _backend.triton_call(kernel, out_shape=out_shape, grid=(cdiv(rows, br),),
                                 name="pallas_fused_rms_norm_fwd", interpret=interpret,
                                 num_warps=config.num_warps)(*([x2] if scale is None else [x2, scale]))
 
@@ -128,8 +121,8 @@ def rms_norm_bwd_pallas(dy2, x2, rstd, scale, *, interpret: bool, config: Launch
     config = config or choose_config(rows, features, backward=True)
     br, programs = config.block_rows, config.programs
     has_scale = scale is not None
-    kernel = functools.partial(_bwd_kernel, rows=rows, features=features, width=_pow2_at_least(features), br=br,
-                               iters=_cdiv(_cdiv(rows, br), programs), programs=programs, has_scale=has_scale)
+    kernel = functools.partial(_bwd_kernel, rows=rows, features=features, width=next_pow2(features), br=br,
+                               iters=cdiv(cdiv(rows, br), programs), programs=programs, has_scale=has_scale)
     out_shape = [jax.ShapeDtypeStruct((rows, features), x2.dtype)]
     if has_scale:
         out_shape.append(jax.ShapeDtypeStruct((programs, features), jnp.float32))

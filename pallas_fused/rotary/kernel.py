@@ -50,6 +50,7 @@ import numpy as np
 from jax.experimental import pallas as pl
 
 from pallas_fused import _backend
+from pallas_fused._backend import cdiv, next_pow2
 from pallas_fused.rotary.reference import TABLE_ROWS, angle_table, reduced_angle
 
 # Most elements (q and k tiles, all features) one thread holds: more spills registers (checked with ptxas
@@ -70,16 +71,8 @@ _LOAD_KW = {"evict_first": {"eviction_policy": "evict_first"}, "plain": {}, "vol
 LOAD_MODE = "volatile"
 
 
-def _next_pow2(n: int) -> int:
-    return 1 if n <= 1 else 1 << (int(n) - 1).bit_length()
-
-
 def _prev_pow2(n: int) -> int:
     return 1 if n <= 1 else 1 << (int(n).bit_length() - 1)
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,14 +112,14 @@ def choose_config(batch: int, seq_len: int, n_q_heads: int, n_k_heads: int, pair
     # 2.7x faster than 4 tokens x 8 warps (0.10 vs 0.27 ms fwd, B4 S4096 Hq32 Hk8 D128 bf16); with one
     # token, 4 warps beat 2 there (40 elements per thread) and 8 beat 4 for Hq=Hk=32 (32 per thread).
     bt = block_tokens or 1
-    bt = min(bt, _next_pow2(seq_len))
+    bt = min(bt, next_pow2(seq_len))
     features = 2 * pairs + passthrough
 
     def heads_for(n):
-        return _next_pow2(_cdiv(n_q_heads, n)), (_next_pow2(_cdiv(n_k_heads, n)) if n_k_heads else 0)
+        return next_pow2(cdiv(n_q_heads, n)), (next_pow2(cdiv(n_k_heads, n)) if n_k_heads else 0)
 
     def programs():
-        return _cdiv(seq_len, bt) * batch * chunks
+        return cdiv(seq_len, bt) * batch * chunks
 
     warps = num_warps or 8
     chunks = 1
@@ -279,8 +272,8 @@ def rotary_pallas(q, k, positions, inv_freq: np.ndarray, *, rotary_dim: int, int
     has_k = k is not None
     n_k = 0 if k is None else (k.shape[2] if layout == "bshd" else k.shape[1])
     half = rotary_dim // 2
-    pairs = _next_pow2(half)
-    passthrough = _next_pow2(head_dim - rotary_dim) if head_dim > rotary_dim else 0
+    pairs = next_pow2(half)
+    passthrough = next_pow2(head_dim - rotary_dim) if head_dim > rotary_dim else 0
     if config is None:
         itemsize = max(q.dtype.itemsize, k.dtype.itemsize if has_k else 0)
         config = choose_config(batch, seq_len, n_q, n_k, pairs, passthrough, itemsize, _backend.num_sms())
@@ -298,7 +291,7 @@ def rotary_pallas(q, k, positions, inv_freq: np.ndarray, *, rotary_dim: int, int
     if has_k:
         out_shape.append(jax.ShapeDtypeStruct(k.shape, k.dtype))
         args.append(k)
-    grid = (_cdiv(seq_len, config.block_tokens), batch, config.num_chunks)
+    grid = (cdiv(seq_len, config.block_tokens), batch, config.num_chunks)
     name = "pallas_fused_rotary_bwd" if sign < 0 else "pallas_fused_rotary_fwd"
     outs = _backend.triton_call(kernel, out_shape=tuple(out_shape), grid=grid, name=name, interpret=interpret,
                                 num_warps=config.num_warps)(*args)

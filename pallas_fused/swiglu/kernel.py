@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_fused import _backend
+from pallas_fused._backend import cdiv, next_pow2
 
 # The launch of a GPU without a tuning table (no sweep behind it yet: benchmarks/bench_swiglu.py times these
 # against other tiles). Per thread, 16 elements of each operand a tile: two 16-byte loads of a bf16 operand.
@@ -41,14 +42,6 @@ HEURISTIC = {"fwd": dict(block_elements=4096, max_block_cols=512, num_warps=8),
 MIN_ELEMENTS_PER_WARP = 128
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _pow2_at_least(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
-
-
 @dataclasses.dataclass(frozen=True)
 class LaunchConfig:
     block_rows: int  # rows per tile, a power of two
@@ -59,16 +52,16 @@ class LaunchConfig:
 def choose_config(rows: int, cols: int, backward: bool) -> LaunchConfig:
     """The tile of a (rows, cols) launch: a pure function of the shapes and the device kind's tuning table."""
     launch = _backend.tuned("swiglu", HEURISTIC)["bwd" if backward else "fwd"]
-    block_cols = min(_pow2_at_least(max(cols, 1)), launch["max_block_cols"])
-    block_rows = min(_pow2_at_least(max(rows, 1)), max(1, launch["block_elements"] // block_cols))
+    block_cols = min(next_pow2(max(cols, 1)), launch["max_block_cols"])
+    block_rows = min(next_pow2(max(rows, 1)), max(1, launch["block_elements"] // block_cols))
     warps = max(1, min(launch["num_warps"], block_rows * block_cols // MIN_ELEMENTS_PER_WARP))
-    return LaunchConfig(block_rows, block_cols, _pow2_at_least(warps))
+    return LaunchConfig(block_rows, block_cols, next_pow2(warps))
 
 
 def _tile(rows, cols, br, bc):
     """Index arrays and mask of this program's tile: arrays rather than slices, because a padded block is a static
     slice past the array's end, which jax >= 0.12 refuses even under a mask."""
-    col_blocks = _cdiv(cols, bc)
+    col_blocks = cdiv(cols, bc)
     pid = pl.program_id(0)
     r = (pid // col_blocks) * br + jnp.arange(br)
     c = (pid % col_blocks) * bc + jnp.arange(bc)
@@ -105,7 +98,7 @@ def _launch(kernel, name, n_out, arrays, *, interpret, config):
     br, bc = config.block_rows, config.block_cols
     body = functools.partial(kernel, rows=rows, cols=cols, br=br, bc=bc)
     out_shape = like if n_out == 1 else (like,) * n_out
-    return _backend.triton_call(body, out_shape=out_shape, grid=(_cdiv(rows, br) * _cdiv(cols, bc),), name=name,
+    return _backend.triton_call(body, out_shape=out_shape, grid=(cdiv(rows, br) * cdiv(cols, bc),), name=name,
                                 interpret=interpret, num_warps=config.num_warps)(*arrays)
 
 
