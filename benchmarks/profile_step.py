@@ -78,7 +78,12 @@ def summarize(times: trace.KernelTimes, steps: int) -> dict:
     families = {f: 0.0 for f in FAMILIES}
     for k in kernels:
         families[k["family"]] += k["ms_per_step"]
-    return {"families_ms": families, "total_ms": sum(families.values()), "kernels": kernels}
+    idle_before = sorted(({"name": n, "family": classify(n), "ms_per_step": us / 1e3 / steps,
+                           "gaps_per_step": times.gaps_before[n] / steps} for n, us in times.idle_before.items()),
+                         key=lambda k: -k["ms_per_step"])
+    return {"families_ms": families, "total_ms": sum(families.values()), "kernels": kernels,
+            "span_ms_per_step": times.span_us / 1e3 / steps, "idle_ms_per_step": times.idle_us / 1e3 / steps,
+            "idle_before": idle_before}
 
 
 def _settings(args) -> dict:
@@ -146,6 +151,10 @@ def profile_run(name: str, *, baseline: bool, fp8: str | None, s: dict, args, ba
             "threads": times.threads, **summarize(times, len(inputs))}
 
 
+def _short(name: str) -> str:
+    return name if len(name) <= 90 else name[:87] + "..."
+
+
 def markdown(runs: list[dict], top: int) -> str:
     lines = ["# Training step profile: GPU kernel time per step by family (ms)", ""]
     lines.append("| family | " + " | ".join(r["name"] for r in runs) + " |")
@@ -156,6 +165,8 @@ def markdown(runs: list[dict], top: int) -> str:
         lines.append(f"| {fam} | " + " | ".join(cells) + " |")
     lines.append("| **kernel sum** | " + " | ".join(f"**{r['total_ms']:.2f}**" for r in runs) + " |")
     lines.append("| wall ms / step (traced) | " + " | ".join(f"{r['wall_ms_per_step']:.2f}" for r in runs) + " |")
+    lines.append("| GPU idle ms / step (no kernel running, first kernel to last) | "
+                 + " | ".join(f"{r['idle_ms_per_step']:.2f}" for r in runs) + " |")
     lines += ["", "Runs: " + "; ".join(f"{r['name']}: implementation={r['implementation']}, fp8={r['fp8']}, "
                                        f"attention={r['attention'] or 'xla'}, {r['steps_traced']} steps traced"
                                        for r in runs), ""]
@@ -163,8 +174,12 @@ def markdown(runs: list[dict], top: int) -> str:
         lines += [f"## {r['name']}: top {top} kernels", "", "| kernel | family | ms / step | calls / step |",
                   "|---|---|---:|---:|"]
         for k in r["kernels"][:top]:
-            name = k["name"] if len(k["name"]) <= 90 else k["name"][:87] + "..."
-            lines.append(f"| `{name}` | {k['family']} | {k['ms_per_step']:.3f} | {k['calls_per_step']:g} |")
+            lines.append(f"| `{_short(k['name'])}` | {k['family']} | {k['ms_per_step']:.3f} | "
+                         f"{k['calls_per_step']:g} |")
+        lines += ["", f"## {r['name']}: GPU idle time by the kernel launched after it (top {top})", "",
+                  "| kernel | family | idle ms / step before it | gaps / step |", "|---|---|---:|---:|"]
+        for k in r["idle_before"][:top]:
+            lines.append(f"| `{_short(k['name'])}` | {k['family']} | {k['ms_per_step']:.3f} | {k['gaps_per_step']:g} |")
         lines.append("")
     return "\n".join(lines)
 

@@ -29,6 +29,12 @@ class KernelTimes:
     per_kernel: dict[str, float] = field(default_factory=dict)  # name -> total us
     counts: dict[str, int] = field(default_factory=dict)
     threads: list[str] = field(default_factory=list)  # the device threads seen (for a reader of the table)
+    # Idle time: between the first kernel's start and the last one's end, the time no kernel ran (on any stream),
+    # and each such gap charged to the kernel that ended it (the launch the GPU waited for).
+    span_us: float = 0.0
+    idle_us: float = 0.0
+    idle_before: dict[str, float] = field(default_factory=dict)  # name -> us of idle time ended by its launches
+    gaps_before: dict[str, int] = field(default_factory=dict)  # name -> how many idle gaps its launches ended
 
     def top(self, k: int = 25) -> list[tuple[str, float, int]]:
         items = sorted(self.per_kernel.items(), key=lambda kv: -kv[1])[:k]
@@ -66,6 +72,7 @@ def parse(trace_dir: str | pathlib.Path, host: bool = False) -> KernelTimes:
         cpu = {key for key, name in threads.items() if name.startswith(_CPU_THREADS)}
         out.threads = sorted({threads[k] for k in cpu})
     per, counts = defaultdict(float), defaultdict(int)
+    intervals: list[tuple[float, float, str]] = []
     for e in events:
         if e.get("ph") != "X":
             continue
@@ -76,8 +83,27 @@ def parse(trace_dir: str | pathlib.Path, host: bool = False) -> KernelTimes:
             continue
         per[e["name"]] += float(e.get("dur", 0.0))
         counts[e["name"]] += 1
+        intervals.append((float(e.get("ts", 0.0)), float(e.get("dur", 0.0)), e["name"]))
     out.per_kernel, out.counts = dict(per), dict(counts)
+    out.span_us, out.idle_us, out.idle_before, out.gaps_before = idle(intervals)
     return out
+
+
+def idle(intervals: list[tuple[float, float, str]]) -> tuple[float, float, dict[str, float], dict[str, int]]:
+    """(span, idle, idle by the kernel that ended each gap, gaps by that kernel) of (start us, duration us, name)
+    events: the span runs from the first start to the last end; idle is the part of it that no event covers."""
+    if not intervals:
+        return 0.0, 0.0, {}, {}
+    ordered = sorted(intervals)
+    busy_until = ordered[0][0] + ordered[0][1]
+    total, by, gaps = 0.0, defaultdict(float), defaultdict(int)
+    for start, dur, name in ordered[1:]:
+        if start > busy_until:
+            total += start - busy_until
+            by[name] += start - busy_until
+            gaps[name] += 1
+        busy_until = max(busy_until, start + dur)
+    return busy_until - ordered[0][0], total, dict(by), dict(gaps)
 
 
 @contextlib.contextmanager
@@ -90,7 +116,8 @@ def trace_kernels(trace_dir: str | pathlib.Path | None = None):
         with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
             yield result
         parsed = parse(trace_dir)
-        result.per_kernel, result.counts, result.threads = parsed.per_kernel, parsed.counts, parsed.threads
+        for name in ("per_kernel", "counts", "threads", "span_us", "idle_us", "idle_before", "gaps_before"):
+            setattr(result, name, getattr(parsed, name))
 
 
 def trace_steps(step, carry, steps: int, top: int = 12) -> dict:

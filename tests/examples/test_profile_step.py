@@ -48,11 +48,26 @@ def test_parse_reads_device_streams_only(tmp_path):
     summary = profile_step.summarize(times, steps=2)
     assert summary["families_ms"]["pallas_fused"] == pytest.approx(0.02)
     assert summary["kernels"][0]["calls_per_step"] == 1
+    # 0-30 and 50-60 busy: 20 us idle over a 60 us span, charged to the launch that ended the gap
+    assert (times.span_us, times.idle_us) == (60.0, 20.0)
+    assert times.idle_before == {"pallas_fused_embed_bwd": 20.0} and times.gaps_before == {"pallas_fused_embed_bwd": 1}
+    assert summary["idle_ms_per_step"] == pytest.approx(0.01) and summary["idle_before"][0]["gaps_per_step"] == 0.5
     # No device process: the CPU thunks stand in only when asked for.
     with gzip.open(tmp_path / "run" / "perfetto_trace.json.gz", "wt") as f:
         json.dump({"traceEvents": [e for e in events if e.get("pid") != 2]}, f)
     assert trace.parse(tmp_path).per_kernel == {}
     assert trace.parse(tmp_path, host=True).per_kernel == {"fusion.2": 99.0}
+
+
+def test_idle_counts_time_no_stream_covers():
+    from benchmarks import trace
+
+    # Two streams overlapping (0-10 and 5-20), a gap to 25, a kernel inside the next one's span (25-40, 30-35),
+    # a gap to 50: 5 + 10 us idle, each charged to the kernel that started after it.
+    events = [(0.0, 10.0, "a"), (5.0, 15.0, "b"), (25.0, 15.0, "c"), (30.0, 5.0, "d"), (50.0, 5.0, "c")]
+    span, idle, by, gaps = trace.idle(events[::-1])
+    assert (span, idle) == (55.0, 15.0) and by == {"c": 15.0} and gaps == {"c": 2}
+    assert trace.idle([]) == (0.0, 0.0, {}, {})
 
 
 def test_cpu_run_writes_table_and_json(tmp_path):
@@ -61,7 +76,7 @@ def test_cpu_run_writes_table_and_json(tmp_path):
                                 "--out", str(tmp_path)])
     assert [r["name"] for r in result["runs"]] == ["baseline", "ours"]
     text = (tmp_path / "profile.md").read_text()
-    assert "| family | baseline | ours |" in text and "kernel sum" in text
+    assert "| family | baseline | ours |" in text and "kernel sum" in text and "GPU idle ms / step" in text
     saved = json.loads((tmp_path / "profile.json").read_text())
     assert all(r["total_ms"] > 0 and r["steps_traced"] == 2 for r in saved["runs"])
     assert not list(tmp_path.rglob("*.xplane.pb"))
