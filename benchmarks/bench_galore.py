@@ -435,10 +435,12 @@ def user_path(rec, quick):
     galore_adamw_inplace's step in the same harness: one (M, N) weight per step, and a Llama-7B layer's seven
     matrices in one step (the refresh predicate's read-back and the launches shared by the layer, as a model's
     step shares them). floor_ms: `_user_path_bytes`."""
-    cases = [(4096, 4096, 32, jnp.float32), (4096, 4096, 128, jnp.float32), (4096, 4096, 512, jnp.float32),
-             (4096, 11008, 128, jnp.float32), (4096, 4096, 128, jnp.bfloat16), (4096, 11008, 128, jnp.bfloat16)]
+    # --quick: rank 128 alone (the rank of the example and of the targets), so the section fits a short run
+    cases = [(4096, 4096, 128, jnp.float32), (4096, 11008, 128, jnp.float32), (4096, 4096, 128, jnp.bfloat16),
+             (4096, 11008, 128, jnp.bfloat16)]
     if not quick:
-        cases += [(4096, 11008, 32, jnp.float32), (4096, 11008, 512, jnp.float32), (4096, 4096, 32, jnp.bfloat16),
+        cases += [(4096, 4096, 32, jnp.float32), (4096, 4096, 512, jnp.float32),
+                  (4096, 11008, 32, jnp.float32), (4096, 11008, 512, jnp.float32), (4096, 4096, 32, jnp.bfloat16),
                   (4096, 4096, 512, jnp.bfloat16), (4096, 11008, 32, jnp.bfloat16), (4096, 11008, 512, jnp.bfloat16)]
     for M, N, r, dtype in cases:
         (M, N), r = _d(M, N), _r(r)
