@@ -27,6 +27,7 @@ import optax
 
 from benchmarks.common import Recorder, error_text
 from benchmarks.trace import trace_kernels
+from pallas_fused import adapt
 
 RANK, ALPHA = 16, 32.0
 PROJ = r".*/(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
@@ -84,16 +85,6 @@ def _bf16(tree):
                                   tree)
 
 
-def _split(params, mask):
-    keep = jax.tree_util.tree_map(lambda p, m: p if m else None, params, mask)
-    rest = jax.tree_util.tree_map(lambda p, m: None if m else p, params, mask)
-    return keep, rest
-
-
-def _join(a, b):
-    return jax.tree_util.tree_map(lambda x, y: y if x is None else x, a, b, is_leaf=lambda x: x is None)
-
-
 def _names_mask(params, suffixes):
     """True on the leaves whose param name ends with one of `suffixes` (a boxed param's leaves share its name)."""
     return jax.tree_util.tree_map_with_path(
@@ -121,11 +112,11 @@ def blocks_loss(model, tokens: int):
 def make_step(loss, data, params, mask):
     """(step, state after one step, peak GB): one Adam step of the params `mask` selects, the rest frozen; the
     state (trainable params, optimizer state) is donated. Compiled once, ahead of time."""
-    train, frozen = _split(params, mask)
+    train, frozen = adapt.split(params, mask)
     tx = optax.adam(1e-4)
 
     def step(train, opt_state, frozen, data):
-        value, grads = jax.value_and_grad(lambda t: loss(_join(t, frozen), data))(train)
+        value, grads = jax.value_and_grad(lambda t: loss(adapt.join(t, frozen), data))(train)
         updates, opt_state = tx.update(grads, opt_state, train)
         return optax.apply_updates(train, updates), opt_state, frozen, data
 
@@ -158,7 +149,6 @@ class DenseBlocks(nn.Module):
 def candidates(cfg, names, batch: int, seq: int, dims: tuple[int, int]):
     """(name, build) for the ones in `names`; build() -> (loss, data, params, trainable mask, the context its trace
     needs). The HF Llama's candidates, and the Dense blocks' ("blocks:..."), at batch * seq tokens."""
-    from pallas_fused import adapt
     from pallas_fused.dora import DoRADense, LoRADense
 
     base = hf_module(cfg)

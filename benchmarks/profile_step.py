@@ -112,17 +112,17 @@ def profile_run(name: str, *, baseline: bool, fp8: str | None, s: dict, args, ba
                                     projector="randomized", inplace=True)
     state = TrainState(step=jnp.zeros((), jnp.int32), trainable=params, frozen={}, opt_state=tx.init(params))
     every = example.host_refresh_every(s, baseline=baseline)
-    state, train_step, put = place(state, Llama(cfg), tx, None, s["batch_size"], host_refresh=every is not None)
+    state, train_step, put = place(state, Llama(cfg), tx, None, s["batch_size"])
 
     def refresh(i):  # as the example's loop: GaLore's refresh named by the host where the optimizer takes it
-        return () if every is None else (i % every == 0,)
+        return None if every is None else i % every == 0
 
     start = time.perf_counter()
-    state, loss = train_step(state, put(batches[0]), *refresh(0))
+    state, loss = train_step(state, put(batches[0]), refresh(0))
     loss.block_until_ready()
     compile_s = time.perf_counter() - start
     for i in range(1, args.warmup):
-        state, loss = train_step(state, put(batches[i]), *refresh(i))
+        state, loss = train_step(state, put(batches[i]), refresh(i))
     loss.block_until_ready()
     inputs = [put(b) for b in batches[args.warmup:args.warmup + args.steps]]
     jax.block_until_ready(inputs)
@@ -132,7 +132,7 @@ def profile_run(name: str, *, baseline: bool, fp8: str | None, s: dict, args, ba
         start = time.perf_counter()
         for i, batch in enumerate(inputs):
             with jax.profiler.StepTraceAnnotation("train", step_num=args.warmup + i):
-                state, loss = train_step(state, batch, *refresh(args.warmup + i))
+                state, loss = train_step(state, batch, refresh(args.warmup + i))
         loss.block_until_ready()
         wall_ms = (time.perf_counter() - start) * 1e3 / len(inputs)
     paths = sorted(trace_dir.rglob("perfetto_trace.json.gz"))

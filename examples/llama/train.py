@@ -57,14 +57,14 @@ def loss_fn(model, params, batch):
     return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
 
 
-def make_train_step(model, tx, state_sharding=None, batch_sharding=None, host_refresh: bool = False):
+def make_train_step(model, tx, state_sharding=None, batch_sharding=None):
     """The whole step (forward, backward, optimizer, apply) as one jitted function; the state is donated.
 
     `tx` is an optax transformation (update + apply_updates) or an in-place optimizer with
     `step(params, grads, state) -> (params, state)` (pallas_fused.galore.galore_adamw_inplace).
-    `host_refresh`: the step takes a static third argument `refresh` (True on the steps that refresh GaLore's
-    projectors) and hands it to the optimizer, so two programs are compiled and neither holds the on-device refresh
-    conditional, whose predicate the host would otherwise read back in the middle of every step.
+    The step's static third argument `refresh` (None: not passed) goes to the optimizer: True on the steps that
+    refresh GaLore's projectors, False on the others, so two programs are compiled and neither holds the on-device
+    refresh conditional, whose predicate the host would otherwise read back in the middle of every step.
     On a mesh, `state_sharding` (a TrainState of shardings) and `batch_sharding` pin the step's layout:
     the state comes back exactly as it went in, so the next step reuses the compiled program.
     """
@@ -81,7 +81,7 @@ def make_train_step(model, tx, state_sharding=None, batch_sharding=None, host_re
     @functools.partial(jax.jit, donate_argnums=0, static_argnums=2, **shardings)
     def train_step(state: TrainState, batch, refresh: bool | None = None):
         loss, grads = jax.value_and_grad(objective)(state.trainable, state.frozen, batch)
-        extra = {"refresh": refresh} if host_refresh else {}
+        extra = {} if refresh is None else {"refresh": refresh}
         if hasattr(tx, "step"):  # an in-place optimizer (e.g. galore_adamw_inplace): writes params itself
             trainable, opt_state = tx.step(state.trainable, grads, state.opt_state, **extra)
         else:
@@ -92,7 +92,7 @@ def make_train_step(model, tx, state_sharding=None, batch_sharding=None, host_re
     return train_step
 
 
-def place(state: TrainState, model, tx, layout, batch_size: int, host_refresh: bool = False):
+def place(state: TrainState, model, tx, layout, batch_size: int):
     """Put the state where it trains; returns (state, jitted train step, put) where put(rows, leading=0)
     turns this process' rows of a batch into the step's input.
 
@@ -103,8 +103,8 @@ def place(state: TrainState, model, tx, layout, batch_size: int, host_refresh: b
     shardings."""
     if layout is None:
         device = jax.devices()[0]
-        return jax.device_put(state, device), make_train_step(model, tx, host_refresh=host_refresh), \
-            lambda rows, leading=0: jax.device_put(rows, device)
+        return jax.device_put(state, device), make_train_step(model, tx), lambda rows, leading=0: jax.device_put(
+            rows, device)
     layout.check_batch(batch_size)
     trainable_sh, frozen_sh = layout.params(state.trainable), layout.params(state.frozen)
     state_sh = TrainState(step=layout.replicated, trainable=trainable_sh, frozen=frozen_sh,
@@ -113,7 +113,7 @@ def place(state: TrainState, model, tx, layout, batch_size: int, host_refresh: b
     def put(rows, leading=0):
         return layout.global_batch(rows, batch_size, leading)
 
-    return put_global(state, state_sh), make_train_step(model, tx, state_sh, layout.batch(), host_refresh), put
+    return put_global(state, state_sh), make_train_step(model, tx, state_sh, layout.batch()), put
 
 
 def make_evaluate(model):
@@ -278,12 +278,10 @@ def train(
     state = TrainState(step=jnp.zeros((), jnp.int32), trainable=trainable, frozen=frozen,
                        opt_state=tx.init(trainable))
     del params, trainable, frozen  # the state owns them now (it is donated to every step)
-    state, train_step, put = place(state, model, tx, layout, batch_size, host_refresh=refresh_every is not None)
+    state, train_step, put = place(state, model, tx, layout, batch_size)
 
     def run_step(i):
-        if refresh_every is None:
-            return train_step(state, put(batches[i]))
-        return train_step(state, put(batches[i]), i % refresh_every == 0)
+        return train_step(state, put(batches[i]), None if refresh_every is None else i % refresh_every == 0)
 
     # Steps that compile a program are not timed: the first, and with refresh_every the first without a refresh.
     compiling = {0} if refresh_every in (None, 1) else {0, 1}

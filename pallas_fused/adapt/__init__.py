@@ -8,6 +8,7 @@
     variables = lmodel.init(key, *inputs)
     variables = adapt.from_pretrained(lmodel, variables, pretrained_params)
     mask = adapt.trainable(variables)                        # True on the adapters (optax.masked)
+    adapters, frozen = adapt.split(variables["params"], mask["params"])   # train `adapters`, join(adapters, frozen)
     base_params = adapt.merge(lmodel, variables)             # params of the original model
 
     nmodel = adapt.apply(nnx_model, rules, *example_inputs, rngs=nnx.Rngs(0))   # NNX: a new model
@@ -18,8 +19,8 @@ ops: `dora_dense`, `lora_dense`, `fp8_linear`. See docs/adapt.md.
 """
 
 from pallas_fused.adapt._core import QuantizedWeight
-from pallas_fused.adapt.api import apply, from_pretrained, merge, reset_magnitudes, trainable, unused_rules
+from pallas_fused.adapt.api import apply, from_pretrained, join, merge, reset_magnitudes, split, trainable, unused_rules
 from pallas_fused.adapt.rules import DoraRule, Fp8Rule, LoraRule, Rule
 
-__all__ = ["DoraRule", "Fp8Rule", "LoraRule", "QuantizedWeight", "Rule", "apply", "from_pretrained", "merge",
-           "reset_magnitudes", "trainable", "unused_rules"]
+__all__ = ["DoraRule", "Fp8Rule", "LoraRule", "QuantizedWeight", "Rule", "apply", "from_pretrained", "join", "merge",
+           "reset_magnitudes", "split", "trainable", "unused_rules"]

@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import flax.linen as nn
+import jax
 from flax import nnx
 
 from pallas_fused.adapt import linen as _linen
@@ -61,6 +62,21 @@ def trainable(variables) -> Any:
     ``<weight>_lora_b``, ``<weight>_magnitude``) only: the mask for ``optax.masked`` / ``multi_transform``.
     (NNX: the adapters are ``nnx.LoRAParam``: ``nnx.state(model, nnx.LoRAParam)``.)"""
     return _linen.trainable(variables)
+
+
+def split(params, mask) -> tuple[Any, Any]:
+    """(selected, rest): `params` split by a pytree of bools of its structure (`trainable(variables)["params"]`,
+    say), each half holding None where the other has the leaf. Take gradients of the adapters alone with
+    ``adapters, frozen = split(params, mask)`` and ``jax.grad(lambda a: loss(join(a, frozen)))(adapters)``: a
+    QDoRA weight's integer codes, which ``jax.grad`` does not take, stay in `frozen`."""
+    selected = jax.tree_util.tree_map(lambda x, m: x if m else None, params, mask)
+    rest = jax.tree_util.tree_map(lambda x, m: None if m else x, params, mask)
+    return selected, rest
+
+
+def join(selected, rest) -> Any:
+    """`split`'s inverse: each leaf from whichever half holds it."""
+    return jax.tree_util.tree_map(lambda a, b: b if a is None else a, selected, rest, is_leaf=lambda x: x is None)
 
 
 def merge(model, variables=None):

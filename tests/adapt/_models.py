@@ -30,18 +30,6 @@ def hf_llama(dtype=jnp.float32, seed: int = 0):
     return hf.module, hf.params, inputs, ids[:, 1:]
 
 
-def split(params, mask):
-    """(adapters, frozen): the params split by the mask, None where the other half has the leaf."""
-    adapters = jax.tree_util.tree_map(lambda x, m: x if m else None, params, mask)
-    frozen = jax.tree_util.tree_map(lambda x, m: None if m else x, params, mask)
-    return adapters, frozen
-
-
-def join(adapters, frozen):
-    """`split`'s inverse: each leaf from whichever half has it."""
-    return jax.tree_util.tree_map(lambda a, f: f if a is None else a, adapters, frozen, is_leaf=lambda x: x is None)
-
-
 def lm_loss(logits, targets):
     logp = jax.nn.log_softmax(logits.astype(jnp.float32))
     return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import pytest
 
 from pallas_fused import adapt
-from tests.adapt._models import flax_transformers, join, lm_loss, split
+from tests.adapt._models import flax_transformers, lm_loss
 from tests.helpers import rel_err
 
 PROJ = r".*/(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
@@ -38,10 +38,10 @@ def test_gpu_kernels_match_xla(kind):
         p = jax.tree_util.tree_map_with_path(
             lambda path, x: x + 0.01 if "lora_b" in jax.tree_util.keystr(path) else x, variables["params"])
         mask = adapt.trainable(p)
-        adapters, frozen = split(p, mask)
+        adapters, frozen = adapt.split(p, mask)
 
         def loss_fn(adapters, frozen=frozen, lmodel=lmodel):
-            return lm_loss(lmodel.apply({"params": join(adapters, frozen)}, *inputs).logits, ids[:, 1:])
+            return lm_loss(lmodel.apply({"params": adapt.join(adapters, frozen)}, *inputs).logits, ids[:, 1:])
 
         results[impl] = jax.jit(jax.value_and_grad(loss_fn))(adapters)
     (l1, g1), (l2, g2) = results["pallas"], results["xla"]

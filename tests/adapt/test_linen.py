@@ -12,7 +12,7 @@ from flax import linen as nn
 
 from pallas_fused import adapt
 from pallas_fused.dora.quant import dequantize, quantize_int8, quantize_nf4
-from tests.adapt._models import hf_llama, join, lm_loss, split
+from tests.adapt._models import hf_llama, lm_loss
 from tests.helpers import rel_err
 
 QV = r".*/(q_proj|v_proj)"
@@ -93,12 +93,12 @@ def test_fp8_rule_runs_fp8():
 def _train(lmodel, variables, inputs, targets, steps=8, lr=1e-2):
     """Adam on the adapters alone: gradients are taken for them only (a QDoRA weight's codes are integers)."""
     mask = adapt.trainable(variables["params"])
-    adapters, frozen = split(variables["params"], mask)
+    adapters, frozen = adapt.split(variables["params"], mask)
     tx = optax.adam(lr)
     state = tx.init(adapters)
 
     def loss_fn(adapters):
-        return lm_loss(lmodel.apply({"params": join(adapters, frozen)}, *inputs).logits, targets)
+        return lm_loss(lmodel.apply({"params": adapt.join(adapters, frozen)}, *inputs).logits, targets)
 
     @jax.jit
     def step(adapters, state):
@@ -110,7 +110,7 @@ def _train(lmodel, variables, inputs, targets, steps=8, lr=1e-2):
     for _ in range(steps):
         adapters, state, loss, grads = step(adapters, state)
         losses.append(float(loss))
-    return {"params": join(adapters, frozen)}, losses, join(grads, frozen), mask
+    return {"params": adapt.join(adapters, frozen)}, losses, adapt.join(grads, frozen), mask
 
 
 @pytest.mark.parametrize("kind", ["dora", "qdora_nf4", "mixed"])
@@ -179,13 +179,13 @@ def test_adapters_checkpoint_round_trip(tmp_path):
     ocp = pytest.importorskip("orbax.checkpoint")
     module, pretrained, lmodel, variables, inputs, targets = _adapted("qdora_nf4")
     trained, _, _, mask = _train(lmodel, variables, inputs, targets, steps=3)
-    adapters, _ = split(trained["params"], mask)
+    adapters, _ = adapt.split(trained["params"], mask)
     with ocp.StandardCheckpointer() as ckpt:
         ckpt.save(tmp_path / "adapters", adapters)
     with ocp.StandardCheckpointer() as ckpt:
         restored = ckpt.restore(tmp_path / "adapters", adapters)
     fresh = adapt.from_pretrained(lmodel, lmodel.init(jax.random.key(9), *inputs), pretrained)
-    params = join(restored, fresh["params"])
+    params = adapt.join(restored, fresh["params"])
     np.testing.assert_array_equal(np.asarray(lmodel.apply({"params": params}, *inputs).logits),
                                   np.asarray(lmodel.apply(trained, *inputs).logits))
 

@@ -71,3 +71,16 @@ def test_unused_rules_linen():
     lmodel = adapt.apply(module, [adapt.LoraRule(module_path=r".*/v_proj", rank=2), typo])
     lmodel.init(jax.random.key(0), *inputs)
     assert adapt.unused_rules(lmodel) == [typo]
+
+
+def test_split_join_round_trip():
+    params = {"a": {"kernel": jnp.ones((2, 3)), "kernel_lora_a": jnp.full((2, 1), 2.0)}, "b": jnp.arange(3)}
+    mask = {"a": {"kernel": False, "kernel_lora_a": True}, "b": False}
+    selected, rest = adapt.split(params, mask)
+    assert selected["a"]["kernel"] is None and selected["b"] is None
+    assert selected["a"]["kernel_lora_a"] is params["a"]["kernel_lora_a"]
+    assert rest["a"]["kernel_lora_a"] is None and rest["a"]["kernel"] is params["a"]["kernel"]
+    assert rest["b"] is params["b"]
+    joined = adapt.join(selected, rest)
+    assert jax.tree.structure(joined) == jax.tree.structure(params)
+    assert all(x is y for x, y in zip(jax.tree.leaves(joined), jax.tree.leaves(params)))
