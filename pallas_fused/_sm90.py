@@ -56,7 +56,9 @@ own, never on the other's loads, which phase-tracked waits could not skip) and o
 releases once its wgmma has read the stage (one wgmma stays in flight: a stage is released a K step late); and a
 "turn" barrier per warpgroup, which the other arrives on once it has issued its tile's last K step, so the main
 loops take turns and one warpgroup's wgmmas are not spread over the other's. FP8 (or 16-bit) row and column vectors
-only: not with promotion, a's dequant, the low-rank step, a transposed store or a cluster.
+only: not with promotion, a's dequant, the low-rank step or a transposed store. With a cluster, the two CTAs' j-th
+tiles share a's rows ("n") or b's columns ("m") and belong to the same warpgroup: the shared tile of each K step is
+one multicast load, and its stage is refilled once both CTAs' owners have released it (cluster barriers).
 
 Users: fp8/kernel_sm90.py (row and column scales, per-K-step promotion) and dora/kernel_sm90.py (column scale g and
 bias with the low-rank step; QDoRA: int8 a, row scales, the result stored transposed).
@@ -360,7 +362,9 @@ def _kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: in
 def _pingpong_kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: int, epilogue: Epilogue,
                      num_ctas: int):
     """The ping-pong schedule (module docstring): warpgroup w computes and stores every other tile of the CTA's
-    walk, the memory warpgroup (the last) loads the K steps of all of them in walk order."""
+    walk, the memory warpgroup (the last) loads the K steps of all of them in walk order. With a cluster the walk
+    is over cluster tiles, each CTA taking its half, and both CTAs' j-th tiles belong to the same warpgroup, so the
+    operand they share is one multicast load into both rings each K step."""
     plgpu = _backend.mosaic_gpu()
     *vec_gmems, out_gmem = refs
     sliced = [i for i, v in enumerate(vec_gmems) if v.shape != (1,)]
@@ -369,9 +373,16 @@ def _pingpong_kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n
     out_dtype = out_gmem.dtype
     tile_m, tile_n, tile_k, epi = config.tile_m, config.tile_n, config.tile_k, config.epi_tile
     stages = config.max_concurrent_steps
-    m_iters, n_iters, k_iters = m // tile_m, n // tile_n, k // tile_k
+    clu_m, clu_n = config.cluster_tile
+    m_iters, n_iters, k_iters = m // clu_m, n // clu_n, k // tile_k
     minor = 1 if config.grid_minor_dim == "n" else 0
     nk = b_layout == "nk"
+    a_shared = dict(collective_axes="cluster") if config.cluster == "n" else {}
+    b_shared = dict(collective_axes="cluster") if config.cluster == "m" else {}
+    # A stage is refilled once its owner has read it in every CTA it is loaded into: with a cluster, the shared
+    # operand's multicast writes the peer's ring too, so both CTAs' owners arrive on both CTAs' barriers.
+    consumed = (plgpu.ClusterBarrier(collective_axes=("cluster",), num_barriers=stages) if config.cluster
+                else plgpu.Barrier(num_barriers=stages))
     b_shape = (stages, tile_n, tile_k) if nk else (stages, tile_k, tile_n)
 
     @functools.partial(
@@ -382,7 +393,7 @@ def _pingpong_kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n
                           transforms=_smem_transforms(plgpu, tile_k if nk else tile_n, b_gmem.dtype)),
         # full[w * stages + s]: stage s holds a K step of warpgroup w's tile (a's and b's copies each arrive).
         full=plgpu.Barrier(num_arrivals=2, num_barriers=COMPUTE_WGS * stages),
-        consumed=plgpu.Barrier(num_barriers=stages),
+        consumed=consumed,
         turn=plgpu.Barrier(num_barriers=COMPUTE_WGS),
         out_smem=plgpu.SMEM((COMPUTE_WGS, 2, epi, epi), out_dtype, transforms=_smem_transforms(plgpu, epi, out_dtype)),
         vec_smem=tuple(plgpu.SMEM((COMPUTE_WGS, tile_m if i < n_rows else tile_n), vec_gmems[i].dtype)
@@ -399,6 +410,10 @@ def _pingpong_kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n
         def origin(j):
             """The first row and column of the CTA's j-th tile."""
             m_idx, n_idx = plgpu.planar_snake(cta + j * num_ctas, (m_iters, n_iters), minor, config.grid_tile_width)
+            if config.cluster == "m":  # the walk is over cluster tiles; each CTA takes its half
+                m_idx = 2 * m_idx + lax.axis_index("cluster")
+            elif config.cluster == "n":
+                n_idx = 2 * n_idx + lax.axis_index("cluster")
             return m_idx * tile_m, n_idx * tile_n
 
         @pl.when(wg == COMPUTE_WGS)
@@ -418,9 +433,9 @@ def _pingpong_kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n
 
                     ks = pl.ds(kk * tile_k, tile_k)
                     barrier = full.at[owner * stages + slot]
-                    plgpu.copy_gmem_to_smem(a_gmem.at[pl.ds(row0, tile_m), ks], a_ring.at[slot], barrier)
+                    plgpu.copy_gmem_to_smem(a_gmem.at[pl.ds(row0, tile_m), ks], a_ring.at[slot], barrier, **a_shared)
                     b_src = b_gmem.at[pl.ds(col0, tile_n), ks] if nk else b_gmem.at[ks, pl.ds(col0, tile_n)]
-                    plgpu.copy_gmem_to_smem(b_src, b_ring.at[slot], barrier)
+                    plgpu.copy_gmem_to_smem(b_src, b_ring.at[slot], barrier, **b_shared)
                     return step + 1
 
                 return lax.fori_loop(0, k_iters, k_step, step)
@@ -570,8 +585,8 @@ def matmul(a, b, *, b_layout: str, row_vecs: Sequence[jax.Array] = (), col_vecs:
     pingpong = config.schedule == "pingpong"
     if pingpong:
         unsupported = [what for what, used in (("promote", promote is not None), ("a_dequant", a_dequant is not None),
-                                               ("lowrank", lowrank is not None), ("transpose_out", transpose_out),
-                                               ("config.cluster", config.cluster is not None)) if used]
+                                               ("lowrank", lowrank is not None), ("transpose_out", transpose_out))
+                       if used]
         if unsupported:
             raise ValueError(f"{name}: the 'pingpong' schedule supports row and column vectors only, not "
                              f"{', '.join(unsupported)}")

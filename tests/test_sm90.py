@@ -373,6 +373,24 @@ def test_pingpong_kn_walk(race_checked, monkeypatch):
     np.testing.assert_allclose(to64(out), ref, rtol=2e-2, atol=2e-2 * np.abs(ref).max())
 
 
+@needs_interpret
+@pytest.mark.parametrize("cluster, minor", [("m", "m"), ("n", "n")])
+def test_pingpong_cluster(race_checked, monkeypatch, cluster, minor):
+    """The ping-pong schedule on 2-CTA clusters, race-checked: the two CTAs' tiles sharing b's columns ("m") or a's
+    rows ("n") through one multicast load per K step, each stage refilled once both CTAs' owners have released it;
+    2 clusters over 6 cluster tiles (3 each: warpgroup 0 takes two), rowwise scales."""
+    monkeypatch.setattr(_backend, "num_sms", lambda: 4)
+    config = dataclasses.replace(PINGPONG, cluster=cluster, grid_minor_dim=minor)
+    m, n = (384, 128) if cluster == "m" else (192, 256)
+    a = rand(48, (m, 192), scale=4.0).astype(jnp.float8_e4m3fn)
+    bt = rand(49, (n, 192), scale=4.0).astype(jnp.float8_e4m3fn)
+    sa, sb = rand(50, (m,), offset=2.0), rand(51, (n,), offset=2.0)
+    out = _sm90.matmul(a, bt, b_layout="nk", row_vecs=(sa,), col_vecs=(sb,), epilogue=fp8_sm90._row_col_scales,
+                       out_dtype=jnp.float32, config=config, name="test_pingpong_cluster", interpret=True)
+    ref = (to64(a) * to64(sa)[:, None]) @ (to64(bt) * to64(sb)[:, None]).T
+    np.testing.assert_allclose(to64(out), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+
+
 def test_pingpong_tiles():
     """A warpgroup's tile is the unit of the ping-pong walk: shapes are multiples of it, and a ring stage holds
     its a and b tiles alone."""
@@ -380,12 +398,12 @@ def test_pingpong_tiles():
     assert config.cta_tile == config.cluster_tile == (128, 128)
     assert _sm90.supported(384, 128, 256, config) and not _sm90.supported(384, 128, 192, config)
     assert _sm90.smem_bytes(config, 1, 1, 2) == 4 * 128 * (128 + 128) + 4 * 64 * 64 * 2
+    assert dataclasses.replace(config, cluster="m").cluster_tile == (256, 128)
     assert _sm90.TileConfig().schedule == "cooperative" and _sm90.TileConfig().cta_tile == (128, 256)
 
 
 @pytest.mark.parametrize("change, kwargs, match", [
     (dict(schedule="pingpang"), {}, "schedule must be 'cooperative' or 'pingpong'"),
-    (dict(schedule="pingpong", cluster="m"), {}, "not config.cluster"),
     (dict(schedule="pingpong"), dict(transpose_out=True), "not transpose_out"),
     (dict(schedule="pingpong"), dict(lowrank=(jnp.ones((128, 16), jnp.bfloat16), jnp.ones((16, 128), jnp.bfloat16))),
      "not lowrank"),
