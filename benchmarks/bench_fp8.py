@@ -17,6 +17,8 @@ GEMMs (jax) or one Python call issues k (torch), so the ~0.03 ms host dispatch o
                        `kernel_sm90.scaled_matmul_nt` with the user's scales ((M,) / (N,) rowwise, (1,) tensorwise);
                        not a default anywhere: chosen only by an explicit config
   pallas:sm90_pingpong_s6  the same with a 6-stage ring (bf16 out: 192 KiB of ring beside the epilogue's staging)
+  pallas:sm90_pingpong_cluster  the 6-stage ring on 2-CTA clusters along the longer of M and N (the tile the
+                       two CTAs share multicast), where the shape is a multiple of the cluster tile
   pallas:triton        our Triton-lowered kernel (the portable fallback)
   xla                  our reference: XLA's fp8 dot (fp32 out) + fp32 rescale, b (K, N)
   peer:torch_scaled_mm torch._scaled_mm, use_fast_accum=True (cuBLAS / CUTLASS rowwise)
@@ -110,7 +112,8 @@ def quantized_sets(pairs, axis):
 
 def pingpong_configs(m, n, k):
     """The ping-pong rows' configurations at an (M, K) x (N, K) GEMM: 128 x 128 x 128 tiles walked as the tuned
-    tile walks that shape, 4 and 6 ring stages; none where the shape is no multiple of the tile."""
+    tile walks that shape, 4 and 6 ring stages, and 6 on a 2-CTA cluster along the longer side; each only where
+    the shape is a multiple of its (cluster) tile."""
     import dataclasses
 
     from pallas_fused import _sm90
@@ -120,7 +123,9 @@ def pingpong_configs(m, n, k):
     base = _sm90.TileConfig(tile_m=128, tile_n=128, tile_k=128, max_concurrent_steps=4, schedule="pingpong",
                             grid_minor_dim=tuned.grid_minor_dim, grid_tile_width=tuned.grid_tile_width)
     configs = {"pallas:sm90_pingpong": base,
-               "pallas:sm90_pingpong_s6": dataclasses.replace(base, max_concurrent_steps=6)}
+               "pallas:sm90_pingpong_s6": dataclasses.replace(base, max_concurrent_steps=6),
+               "pallas:sm90_pingpong_cluster": dataclasses.replace(base, max_concurrent_steps=6,
+                                                                   cluster="m" if m >= n else "n")}
     return {name: c for name, c in configs.items() if _sm90.supported(m, n, k, c)}
 
 

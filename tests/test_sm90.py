@@ -377,8 +377,9 @@ def test_pingpong_kn_walk(race_checked, monkeypatch):
 @pytest.mark.parametrize("cluster, minor", [("m", "m"), ("n", "n")])
 def test_pingpong_cluster(race_checked, monkeypatch, cluster, minor):
     """The ping-pong schedule on 2-CTA clusters, race-checked: the two CTAs' tiles sharing b's columns ("m") or a's
-    rows ("n") through one multicast load per K step, each stage refilled once both CTAs' owners have released it;
-    2 clusters over 6 cluster tiles (3 each: warpgroup 0 takes two), rowwise scales."""
+    rows ("n"), 2 clusters over 6 cluster tiles (3 each: warpgroup 0 takes two), rowwise scales. The interpreter
+    loads a collective copy into each CTA by itself (no multicast): what runs here is the walk over cluster tiles
+    and the cluster barriers' arrivals; the multicast runs on a GPU (tests/fp8/test_fp8.py)."""
     monkeypatch.setattr(_backend, "num_sms", lambda: 4)
     config = dataclasses.replace(PINGPONG, cluster=cluster, grid_minor_dim=minor)
     m, n = (384, 128) if cluster == "m" else (192, 256)
