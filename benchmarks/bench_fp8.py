@@ -10,6 +10,15 @@ GEMMs (jax) or one Python call issues k (torch), so the ~0.03 ms host dispatch o
                        scales), default implementation
   pallas:sm90          kernel only: our Mosaic GPU kernel through the private `_mm_nt`, operands K-major
                        (a (M, K), bt (N, K): the layout the Dense path provides), scale vectors given
+  pallas:sm90_pingpong  kernel only: our Mosaic GPU kernel on the ping-pong schedule (`_sm90`'s
+                       TileConfig.schedule="pingpong": each compute warpgroup owns whole 128 x 128 tiles, every other
+                       one of the CTA's walk, so one's epilogue overlaps the other's main loop), 128-deep K steps
+                       through a 4-stage ring, the tuned tile's grid walk, no cluster, through
+                       `kernel_sm90.scaled_matmul_nt` with the user's scales ((M,) / (N,) rowwise, (1,) tensorwise);
+                       not a default anywhere: chosen only by an explicit config
+  pallas:sm90_pingpong_s6  the same with a 6-stage ring (bf16 out: 192 KiB of ring beside the epilogue's staging)
+  pallas:sm90_pingpong_cluster  the 6-stage ring on 2-CTA clusters along the longer of M and N (the tile the
+                       two CTAs share multicast), where the shape is a multiple of the cluster tile
   pallas:triton        our Triton-lowered kernel (the portable fallback)
   xla                  our reference: XLA's fp8 dot (fp32 out) + fp32 rescale, b (K, N)
   peer:torch_scaled_mm torch._scaled_mm, use_fast_accum=True (cuBLAS / CUTLASS rowwise)
@@ -101,8 +110,27 @@ def quantized_sets(pairs, axis):
     return user_sets, vec_sets
 
 
+def pingpong_configs(m, n, k):
+    """The ping-pong rows' configurations at an (M, K) x (N, K) GEMM: 128 x 128 x 128 tiles walked as the tuned
+    tile walks that shape, 4 and 6 ring stages, and 6 on a 2-CTA cluster along the longer side; each only where
+    the shape is a multiple of its (cluster) tile."""
+    import dataclasses
+
+    from pallas_fused import _sm90
+    from pallas_fused.fp8 import api
+
+    tuned = api.sm90_config(m, n, k)
+    base = _sm90.TileConfig(tile_m=128, tile_n=128, tile_k=128, max_concurrent_steps=4, schedule="pingpong",
+                            grid_minor_dim=tuned.grid_minor_dim, grid_tile_width=tuned.grid_tile_width)
+    configs = {"pallas:sm90_pingpong": base,
+               "pallas:sm90_pingpong_s6": dataclasses.replace(base, max_concurrent_steps=6),
+               "pallas:sm90_pingpong_cluster": dataclasses.replace(base, max_concurrent_steps=6,
+                                                                   cluster="m" if m >= n else "n")}
+    return {name: c for name, c in configs.items() if _sm90.supported(m, n, k, c)}
+
+
 def _matmul(rec, quick):
-    from pallas_fused.fp8 import api, kernel, scaled_matmul_nt
+    from pallas_fused.fp8 import api, kernel, kernel_sm90, scaled_matmul_nt
 
     shapes = SHAPES if quick else SHAPES + [(16384, 4096, 4096)]
     only = os.environ.get("FP8_SHAPES")  # e.g. "2048x16384x512,8192x8192x8192" (M x K x N): a subset
@@ -127,6 +155,13 @@ def _matmul(rec, quick):
                                                dict(tile=str(api.sm90_config(m, n, k)))),
                      "pallas:sm90": (amortized(sm90), (vec_sets,), dict(layout="a (M,K), bt (N,K)")),
                      "xla": (amortized(xla), (vec_sets,), {})}
+            # the ping-pong schedule, with the scales as the user's path passes them (a tensorwise one as (1,))
+            f32 = jnp.float32
+            pp_sets = [(a8, bt8, jnp.reshape(sa, (-1,)).astype(f32), jnp.reshape(sb, (-1,)).astype(f32))
+                       for a8, bt8, sa, sb in user_sets]
+            for name, config in pingpong_configs(m, n, k).items():
+                pp = functools.partial(kernel_sm90.scaled_matmul_nt, out_dtype=jnp.bfloat16, config=config)
+                cands[name] = (amortized(pp), (pp_sets,), dict(tile=str(config)))
             if m == 8192 or (not quick and m * n * k <= 8192**3):  # the portable fallback: ~3.5x slower
                 tri = functools.partial(kernel.scaled_matmul_nt, out_dtype=jnp.bfloat16)
                 cands["pallas:triton"] = (amortized(tri), (vec_sets,), {})

@@ -46,6 +46,20 @@ instead of two trips through L2, and a stage is refilled only once both CTAs hav
 Shapes must then be multiples of the cluster tile (`TileConfig.cluster_tile`). Every path (vectors, promotion,
 a's dequant, low-rank step, transposed store) runs with it: their other loads stay per CTA.
 
+Ping-pong schedule (TileConfig.schedule = "pingpong"): the two compute warpgroups own whole (tile_m, tile_n) output
+tiles instead of halves of one CTA tile: the CTA's persistent walk gives its i-th tile to warpgroup i % 2, and the
+memory warpgroup streams the K steps of every tile, in walk order, through one SMEM ring that both share. Each
+warpgroup runs its tile's main loop, then its epilogue, which overlaps the other warpgroup's main loop on the next
+tile; the tensor cores never idle for an epilogue as they do in the cooperative schedule, where both warpgroups
+store at once. Barriers: per ring stage one "full" barrier per warpgroup (a warpgroup waits on every phase of its
+own, never on the other's loads, which phase-tracked waits could not skip) and one "consumed" barrier the owner
+releases once its wgmma has read the stage (one wgmma stays in flight: a stage is released a K step late); and a
+"turn" barrier per warpgroup, which the other arrives on once it has issued its tile's last K step, so the main
+loops take turns and one warpgroup's wgmmas are not spread over the other's. FP8 (or 16-bit) row and column vectors
+only: not with promotion, a's dequant, the low-rank step or a transposed store. With a cluster, the two CTAs' j-th
+tiles share a's rows ("n") or b's columns ("m") and belong to the same warpgroup: the shared tile of each K step is
+one multicast load, and its stage is refilled once both CTAs' owners have released it (cluster barriers).
+
 Users: fp8/kernel_sm90.py (row and column scales, per-K-step promotion) and dora/kernel_sm90.py (column scale g and
 bias with the low-rank step; QDoRA: int8 a, row scales, the result stored transposed).
 Shapes must be multiples of the CTA (cluster) tile and tile_k; callers pad or route elsewhere.
@@ -81,9 +95,15 @@ class TileConfig:
     # Two CTAs of a cluster side by side along "m" (they share b's tile) or "n" (they share a's): the shared tile
     # is loaded once per cluster and multicast into both CTAs' shared memory, halving its trips through L2.
     cluster: str | None = None
+    # "cooperative": both compute warpgroups work on every K step of one CTA tile, then both store. "pingpong": each
+    # owns whole (tile_m, tile_n) tiles, every other one of the CTA's walk, so one stores while the other computes
+    # (module docstring); wg_split does not apply.
+    schedule: str = "cooperative"
 
     @property
     def cta_tile(self) -> tuple[int, int]:
+        if self.schedule == "pingpong":  # the unit of the walk: one warpgroup's tile
+            return self.tile_m, self.tile_n
         if self.wg_split == "m":
             return 2 * self.tile_m, self.tile_n
         return self.tile_m, 2 * self.tile_n
@@ -339,6 +359,176 @@ def _kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: in
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
 
+def _pingpong_kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: int, epilogue: Epilogue,
+                     num_ctas: int):
+    """The ping-pong schedule (module docstring): warpgroup w computes and stores every other tile of the CTA's
+    walk, the memory warpgroup (the last) loads the K steps of all of them in walk order. With a cluster the walk
+    is over cluster tiles, each CTA taking its half, and both CTAs' j-th tiles belong to the same warpgroup, so the
+    operand they share is one multicast load into both rings each K step."""
+    plgpu = _backend.mosaic_gpu()
+    *vec_gmems, out_gmem = refs
+    sliced = [i for i, v in enumerate(vec_gmems) if v.shape != (1,)]
+    m, k = a_gmem.shape
+    n = out_gmem.shape[1]
+    out_dtype = out_gmem.dtype
+    tile_m, tile_n, tile_k, epi = config.tile_m, config.tile_n, config.tile_k, config.epi_tile
+    stages = config.max_concurrent_steps
+    clu_m, clu_n = config.cluster_tile
+    m_iters, n_iters, k_iters = m // clu_m, n // clu_n, k // tile_k
+    minor = 1 if config.grid_minor_dim == "n" else 0
+    nk = b_layout == "nk"
+    a_shared = dict(collective_axes="cluster") if config.cluster == "n" else {}
+    b_shared = dict(collective_axes="cluster") if config.cluster == "m" else {}
+    # A stage is refilled once its owner has read it in every CTA it is loaded into: with a cluster, the shared
+    # operand's multicast writes the peer's ring too, so both CTAs' owners arrive on both CTAs' barriers.
+    consumed = (plgpu.ClusterBarrier(collective_axes=("cluster",), num_barriers=stages) if config.cluster
+                else plgpu.Barrier(num_barriers=stages))
+    b_shape = (stages, tile_n, tile_k) if nk else (stages, tile_k, tile_n)
+
+    @functools.partial(
+        pl.run_scoped,
+        a_ring=plgpu.SMEM((stages, tile_m, tile_k), a_gmem.dtype,
+                          transforms=_smem_transforms(plgpu, tile_k, a_gmem.dtype)),
+        b_ring=plgpu.SMEM(b_shape, b_gmem.dtype,
+                          transforms=_smem_transforms(plgpu, tile_k if nk else tile_n, b_gmem.dtype)),
+        # full[w * stages + s]: stage s holds a K step of warpgroup w's tile (a's and b's copies each arrive).
+        full=plgpu.Barrier(num_arrivals=2, num_barriers=COMPUTE_WGS * stages),
+        consumed=consumed,
+        turn=plgpu.Barrier(num_barriers=COMPUTE_WGS),
+        out_smem=plgpu.SMEM((COMPUTE_WGS, 2, epi, epi), out_dtype, transforms=_smem_transforms(plgpu, epi, out_dtype)),
+        vec_smem=tuple(plgpu.SMEM((COMPUTE_WGS, tile_m if i < n_rows else tile_n), vec_gmems[i].dtype)
+                       for i in sliced),
+        vec_barrier=plgpu.Barrier(num_barriers=COMPUTE_WGS * len(sliced)) if sliced else None,
+        collective_axes="wg",
+    )
+    def _scope(a_ring, b_ring, full, consumed, turn, out_smem, vec_smem, vec_barrier):
+        wg, cta = lax.axis_index("wg"), lax.axis_index("sm")
+        tiles = m_iters * n_iters
+        # The CTA's tiles are cta, cta + num_ctas, ... (local index j): as many as fit below `tiles`.
+        local_tiles = tiles // num_ctas + (cta < tiles % num_ctas).astype(jnp.int32)
+
+        def origin(j):
+            """The first row and column of the CTA's j-th tile."""
+            m_idx, n_idx = plgpu.planar_snake(cta + j * num_ctas, (m_iters, n_iters), minor, config.grid_tile_width)
+            if config.cluster == "m":  # the walk is over cluster tiles; each CTA takes its half
+                m_idx = 2 * m_idx + lax.axis_index("cluster")
+            elif config.cluster == "n":
+                n_idx = 2 * n_idx + lax.axis_index("cluster")
+            return m_idx * tile_m, n_idx * tile_n
+
+        @pl.when(wg == COMPUTE_WGS)
+        def _memory():
+            plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
+
+            def tile(j, step):
+                row0, col0 = origin(j)
+                owner = lax.rem(j, COMPUTE_WGS)
+
+                def k_step(kk, step):
+                    slot = lax.rem(step, stages)
+
+                    @pl.when(step >= stages)  # the stage's previous K step has been read
+                    def _():
+                        plgpu.barrier_wait(consumed.at[slot])
+
+                    ks = pl.ds(kk * tile_k, tile_k)
+                    barrier = full.at[owner * stages + slot]
+                    plgpu.copy_gmem_to_smem(a_gmem.at[pl.ds(row0, tile_m), ks], a_ring.at[slot], barrier, **a_shared)
+                    b_src = b_gmem.at[pl.ds(col0, tile_n), ks] if nk else b_gmem.at[ks, pl.ds(col0, tile_n)]
+                    plgpu.copy_gmem_to_smem(b_src, b_ring.at[slot], barrier, **b_shared)
+                    return step + 1
+
+                return lax.fori_loop(0, k_iters, k_step, step)
+
+            steps = lax.fori_loop(0, local_tiles, tile, jnp.int32(0))
+
+            # The last releases awaited too: no arrival is still on its way to a barrier when the CTA exits.
+            def drain(step, carry):
+                plgpu.barrier_wait(consumed.at[lax.rem(step, stages)])
+                return carry
+
+            lax.fori_loop(lax.max(steps - stages, 0), steps, drain, None)
+
+        @pl.when(wg < COMPUTE_WGS)
+        def _compute():
+            plgpu.set_max_registers(_compute_registers(), action="increase")
+            scalars = {i: v[0].astype(jnp.float32) for i, v in enumerate(vec_gmems) if i not in sliced}
+
+            def tile(i, carry):
+                j = COMPUTE_WGS * i + wg  # the CTA's j-th tile is this warpgroup's i-th
+                row0, col0 = origin(j)
+                for jv, iv in enumerate(sliced):  # fetched while the main loop runs
+                    window = pl.ds(row0, tile_m) if iv < n_rows else pl.ds(col0, tile_n)
+                    plgpu.copy_gmem_to_smem(vec_gmems[iv].at[window], vec_smem[jv].at[wg],
+                                            vec_barrier.at[COMPUTE_WGS * jv + wg])
+
+                @pl.when(j > 0)  # the previous tile's (the other warpgroup's) main loop has been issued
+                def _():
+                    plgpu.barrier_wait(turn.at[wg])
+
+                first = j * k_iters  # the ring's count of K steps before this tile's
+
+                def main_loop(acc_ref):
+                    def k_step(kk, carry):
+                        slot = lax.rem(first + kk, stages)
+                        plgpu.barrier_wait(full.at[wg * stages + slot])
+                        b_tile = b_ring.at[slot].transpose((1, 0)) if nk else b_ring.at[slot]
+                        plgpu.wgmma(acc_ref, a_ring.at[slot], b_tile)
+                        plgpu.wgmma_wait(1)  # the previous step's wgmma is done: its stage is free
+
+                        @pl.when(kk > 0)
+                        def _():
+                            plgpu.barrier_arrive(consumed.at[lax.rem(first + kk + stages - 1, stages)])
+
+                        return carry
+
+                    lax.fori_loop(0, k_iters, k_step, None)
+                    plgpu.barrier_arrive(turn.at[1 - wg])  # the other warpgroup's wgmmas queue behind the last one
+                    plgpu.wgmma_wait(0)
+                    plgpu.barrier_arrive(consumed.at[lax.rem(first + k_iters - 1, stages)])
+                    store(acc_ref[...], row0, col0)
+
+                pl.run_scoped(main_loop, plgpu.ACC((tile_m, tile_n), jnp.float32))
+                return carry
+
+            def store(acc, row0, col0):
+                vecs = []
+                for i in range(len(vec_gmems)):
+                    if i in scalars:
+                        vecs.append(scalars[i])
+                        continue
+                    jv = sliced.index(i)
+                    plgpu.barrier_wait(vec_barrier.at[COMPUTE_WGS * jv + wg])
+                    vecs.append(_backend.mosaic_load(vec_smem[jv].at[wg],
+                                                     layout=plgpu.Layout.WGMMA.reduce(1 if i < n_rows else 0))
+                                .astype(jnp.float32))
+                out = epilogue(acc, vecs[:n_rows], vecs[n_rows:]).astype(out_dtype)
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's stores have left out_smem
+                dst_tile = out_gmem.at[pl.ds(row0, tile_m), pl.ds(col0, tile_n)]
+                slot = 0
+                for ei in range(tile_m // epi):
+                    for ej in range(tile_n // epi):
+                        plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+                        out_smem[wg, slot] = out[ei * epi:(ei + 1) * epi, ej * epi:(ej + 1) * epi]
+                        plgpu.commit_smem()
+                        plgpu.copy_smem_to_gmem(out_smem.at[wg, slot],
+                                                dst_tile.at[pl.ds(ei * epi, epi), pl.ds(ej * epi, epi)])
+                        slot = 1 - slot
+
+            own_tiles = (local_tiles + COMPUTE_WGS - 1 - wg) // COMPUTE_WGS
+            lax.fori_loop(0, own_tiles, tile, None)
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+MEMORY_REGISTERS = 40  # per thread of the memory warpgroup, as the cooperative pipeline gives it
+
+
+def _compute_registers() -> int:
+    """Per thread of each compute warpgroup: the rest of the SM's 64 Ki registers (512 per thread of one warpgroup),
+    rounded down to a multiple of 8 (setmaxnreg's granularity)."""
+    return min(256, (512 - MEMORY_REGISTERS) // COMPUTE_WGS) // 8 * 8
+
+
 SMEM_LIMIT = 227 * 1024  # bytes of shared memory one CTA may allocate on sm90
 
 
@@ -390,6 +580,16 @@ def matmul(a, b, *, b_layout: str, row_vecs: Sequence[jax.Array] = (), col_vecs:
         raise ValueError(f"{name}: b_layout must be 'kn' or 'nk', got {b_layout!r}")
     if config.cluster not in (None, "m", "n"):
         raise ValueError(f"{name}: config.cluster must be None, 'm' or 'n', got {config.cluster!r}")
+    if config.schedule not in ("cooperative", "pingpong"):
+        raise ValueError(f"{name}: config.schedule must be 'cooperative' or 'pingpong', got {config.schedule!r}")
+    pingpong = config.schedule == "pingpong"
+    if pingpong:
+        unsupported = [what for what, used in (("promote", promote is not None), ("a_dequant", a_dequant is not None),
+                                               ("lowrank", lowrank is not None), ("transpose_out", transpose_out))
+                       if used]
+        if unsupported:
+            raise ValueError(f"{name}: the 'pingpong' schedule supports row and column vectors only, not "
+                             f"{', '.join(unsupported)}")
     if a_dequant is not None:
         if jnp.dtype(b.dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
             raise ValueError(f"{name}: with a_dequant, b must be bfloat16 or float16 (a's tiles are converted to its "
@@ -433,7 +633,13 @@ def matmul(a, b, *, b_layout: str, row_vecs: Sequence[jax.Array] = (), col_vecs:
         # the kernel runs its 16-bit path (its lowering of the register operand is checked for the GPU apart).
         a, a_dequant = a_dequant(a).astype(b.dtype), None
 
+    num_ctas = max(1, _backend.num_sms() // (2 if config.cluster else 1))
+
     def body(*refs):
+        if pingpong:
+            _pingpong_kernel(*refs, config=config, b_layout=b_layout, n_rows=len(row_vecs), epilogue=epilogue,
+                             num_ctas=num_ctas)
+            return
         _kernel(*refs, config=config, b_layout=b_layout, n_rows=len(row_vecs), n_vecs=len(row_vecs) + len(col_vecs),
                 n_step_rows=len(step_row_vecs), epilogue=epilogue, promote=promote, uniform_steps=uniform_steps,
                 a_dequant=a_dequant, lowrank=lowrank is not None, transpose_out=transpose_out)
@@ -444,7 +650,7 @@ def matmul(a, b, *, b_layout: str, row_vecs: Sequence[jax.Array] = (), col_vecs:
     kernel = plgpu.kernel(
         body,
         out_type=jax.ShapeDtypeStruct((n, m) if transpose_out else (m, n), out_dtype),
-        grid=(max(1, _backend.num_sms() // (2 if config.cluster else 1)),),
+        grid=(num_ctas,),
         grid_names=("sm",),
         **cluster,
         num_threads=COMPUTE_WGS + 1,

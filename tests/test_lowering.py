@@ -276,6 +276,39 @@ def test_sm90_cluster(cluster):
             assert sum(found.count(t) for t in MOSAIC) == 1, (fn, found)
 
 
+def test_sm90_pingpong():
+    """The sm90 skeleton's ping-pong schedule (each compute warpgroup owning whole tiles) at the FP8 GEMM's tile,
+    128 x 128 x 128, with 4 and 6 ring stages, rowwise (scale vectors) and tensorwise (scalars), bf16 and fp32 out,
+    on 2-CTA clusters along M and N; and with 16-bit b read "kn" under DoRA's column epilogue: Mosaic GPU's lowering
+    of each runs here."""
+    from pallas_fused import _sm90
+    from pallas_fused.dora import kernel_sm90 as dora_sm90
+    from pallas_fused.fp8 import kernel_sm90
+
+    a = jax.ShapeDtypeStruct((1024, 512), jnp.float8_e4m3fn)
+    vec, one = jax.ShapeDtypeStruct((1024,), jnp.float32), jax.ShapeDtypeStruct((1,), jnp.float32)
+    x = jax.ShapeDtypeStruct((1024, 512), jnp.bfloat16)
+    with _backend.gpu_target((9, 0)):
+        calls = []
+        for stages, out_dtype in ((4, jnp.bfloat16), (6, jnp.bfloat16), (4, jnp.float32)):
+            config = _sm90.TileConfig(max_concurrent_steps=stages, schedule="pingpong")
+            fn = functools.partial(kernel_sm90.scaled_matmul_nt, out_dtype=out_dtype, config=config)
+            calls += [(fn, (a, a, vec, vec)), (fn, (a, a, one, one))]
+        for cluster in ("m", "n"):
+            config = _sm90.TileConfig(schedule="pingpong", cluster=cluster)
+            fn = functools.partial(kernel_sm90.scaled_matmul_nt, out_dtype=jnp.bfloat16, config=config)
+            calls.append((fn, (a, a, vec, vec)))
+        config = _sm90.TileConfig(tile_k=64, schedule="pingpong")
+        calls.append((lambda x, w, g, bias: _sm90.matmul(x, w, b_layout="kn", col_vecs=(g, bias),
+                                                         epilogue=dora_sm90._scale_bias, out_dtype=jnp.bfloat16,
+                                                         config=config, name="t"),
+                      (x, jax.ShapeDtypeStruct((512, 1024), jnp.bfloat16), vec,
+                       jax.ShapeDtypeStruct((1024,), jnp.bfloat16))))
+        for fn, args in calls:
+            found = kernels(fn, *args)
+            assert sum(found.count(t) for t in MOSAIC) == 1, (fn, found)
+
+
 @pytest.mark.parametrize("implementation", [None, "pallas:sm90", "pallas:merged", "pallas:epilogue", "pallas:gemm"])
 def test_dora(cc, implementation):
     from pallas_fused.dora import dora_dense

@@ -321,3 +321,99 @@ def test_gpu_int8_a(rank, direction):
     # one bf16 rounding of the fp32 result (2^-8 relative); a tile read from a stage reused too early is off by O(1)
     np.testing.assert_allclose(np.asarray(out.astype(f32)), np.asarray(ref), rtol=8e-3,
                                atol=8e-3 * float(jnp.abs(ref).max()))
+
+
+# The ping-pong schedule: 64 x 64 tiles per warpgroup, 3 K steps through a 2-deep ring, so a warpgroup's steps wrap
+# the ring and share it with the other's.
+PINGPONG = _sm90.TileConfig(tile_m=64, tile_n=64, tile_k=64, max_concurrent_steps=2, schedule="pingpong")
+
+
+@pytest.fixture
+def race_checked(monkeypatch):
+    """Interpret mode with its happens-before race detector, raising at the first race: a ring stage refilled
+    before its warpgroup has read it, an epilogue slot overwritten while its store reads it."""
+    plgpu = _backend.mosaic_gpu()
+    monkeypatch.setattr(_backend, "mosaic_interpret", lambda what: plgpu.InterpretGPUParams(detect_races=True))
+
+
+@needs_interpret
+@pytest.mark.parametrize("granularity", ["rowwise", "tensorwise"])
+@pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float32], ids=["bf16", "f32"])
+@pytest.mark.parametrize("ctas", [1, 5])
+def test_pingpong_fp8_scales(race_checked, monkeypatch, granularity, out_dtype, ctas):
+    """The FP8 scaled GEMM on the ping-pong schedule, race-checked: 12 output tiles walked by one CTA (6 per
+    warpgroup) or by 5 (3, 3, 2, 2, 2 tiles: warpgroup 0 takes one more where a CTA's count is odd), row and
+    column scales as vectors (rowwise) or scalars (tensorwise), against the fp32 product."""
+    monkeypatch.setattr(_backend, "num_sms", lambda: ctas)
+    m, k, n = 256, 192, 192
+    a = rand(40, (m, k), scale=4.0).astype(jnp.float8_e4m3fn)
+    bt = rand(41, (n, k), scale=4.0).astype(jnp.float8_e4m3fn)
+    shape_a, shape_b = ((m,), (n,)) if granularity == "rowwise" else ((1,), (1,))
+    sa, sb = rand(42, shape_a, offset=2.0), rand(43, shape_b, offset=2.0)
+    out = _sm90.matmul(a, bt, b_layout="nk", row_vecs=(sa,), col_vecs=(sb,), epilogue=fp8_sm90._row_col_scales,
+                       out_dtype=out_dtype, config=PINGPONG, name="test_pingpong", interpret=True)
+    ref = (to64(a) * to64(sa)[:, None]) @ (to64(bt) * to64(sb)[:, None]).T
+    tol = 1e-5 if out_dtype == jnp.float32 else 1e-2  # one rounding of the fp32 result
+    assert out.dtype == out_dtype
+    np.testing.assert_allclose(to64(out), ref, rtol=tol, atol=tol * np.abs(ref).max())
+
+
+@needs_interpret
+def test_pingpong_kn_walk(race_checked, monkeypatch):
+    """16-bit b read "kn" with DoRA's column epilogue, 128 x 64 tiles of 2 warpgroups walking 3 CTAs in bands of
+    two along M, a ring deeper than a tile's K steps (3 stages, 2 steps)."""
+    monkeypatch.setattr(_backend, "num_sms", lambda: 3)
+    config = _sm90.TileConfig(tile_m=128, tile_n=64, tile_k=64, max_concurrent_steps=3, schedule="pingpong",
+                              grid_minor_dim="m", grid_tile_width=2)
+    x, v = rand(44, (512, 128), jnp.bfloat16), rand(45, (128, 256), jnp.bfloat16)
+    g, bias = rand(46, (256,), offset=1.0), rand(47, (256,), jnp.bfloat16)
+    out = _sm90.matmul(x, v, b_layout="kn", col_vecs=(g, bias), epilogue=dora_sm90._scale_bias,
+                       out_dtype=jnp.bfloat16, config=config, name="test_pingpong_kn", interpret=True)
+    ref = (to64(x) @ to64(v)) * to64(g)[None] + to64(bias)[None]
+    np.testing.assert_allclose(to64(out), ref, rtol=2e-2, atol=2e-2 * np.abs(ref).max())
+
+
+@needs_interpret
+@pytest.mark.parametrize("cluster, minor", [("m", "m"), ("n", "n")])
+def test_pingpong_cluster(race_checked, monkeypatch, cluster, minor):
+    """The ping-pong schedule on 2-CTA clusters, race-checked: the two CTAs' tiles sharing b's columns ("m") or a's
+    rows ("n"), 2 clusters over 6 cluster tiles (3 each: warpgroup 0 takes two), rowwise scales. The interpreter
+    loads a collective copy into each CTA by itself (no multicast): what runs here is the walk over cluster tiles
+    and the cluster barriers' arrivals; the multicast runs on a GPU (tests/fp8/test_fp8.py)."""
+    monkeypatch.setattr(_backend, "num_sms", lambda: 4)
+    config = dataclasses.replace(PINGPONG, cluster=cluster, grid_minor_dim=minor)
+    m, n = (384, 128) if cluster == "m" else (192, 256)
+    a = rand(48, (m, 192), scale=4.0).astype(jnp.float8_e4m3fn)
+    bt = rand(49, (n, 192), scale=4.0).astype(jnp.float8_e4m3fn)
+    sa, sb = rand(50, (m,), offset=2.0), rand(51, (n,), offset=2.0)
+    out = _sm90.matmul(a, bt, b_layout="nk", row_vecs=(sa,), col_vecs=(sb,), epilogue=fp8_sm90._row_col_scales,
+                       out_dtype=jnp.float32, config=config, name="test_pingpong_cluster", interpret=True)
+    ref = (to64(a) * to64(sa)[:, None]) @ (to64(bt) * to64(sb)[:, None]).T
+    np.testing.assert_allclose(to64(out), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+
+
+def test_pingpong_tiles():
+    """A warpgroup's tile is the unit of the ping-pong walk: shapes are multiples of it, and a ring stage holds
+    its a and b tiles alone."""
+    config = _sm90.TileConfig(schedule="pingpong")
+    assert config.cta_tile == config.cluster_tile == (128, 128)
+    assert _sm90.supported(384, 128, 256, config) and not _sm90.supported(384, 128, 192, config)
+    assert _sm90.smem_bytes(config, 1, 1, 2) == 4 * 128 * (128 + 128) + 4 * 64 * 64 * 2
+    assert dataclasses.replace(config, cluster="m").cluster_tile == (256, 128)
+    assert _sm90.TileConfig().schedule == "cooperative" and _sm90.TileConfig().cta_tile == (128, 256)
+
+
+@pytest.mark.parametrize("change, kwargs, match", [
+    (dict(schedule="pingpang"), {}, "schedule must be 'cooperative' or 'pingpong'"),
+    (dict(schedule="pingpong"), dict(transpose_out=True), "not transpose_out"),
+    (dict(schedule="pingpong"), dict(lowrank=(jnp.ones((128, 16), jnp.bfloat16), jnp.ones((16, 128), jnp.bfloat16))),
+     "not lowrank"),
+    (dict(schedule="pingpong"), dict(promote=fp8_sm90._promote_blocks), "not promote"),
+    (dict(schedule="pingpong"), dict(a_dequant=lambda t: t), "not a_dequant"),
+])
+def test_pingpong_unsupported(change, kwargs, match):
+    """What the ping-pong schedule does not run is refused by name before Mosaic compiles anything."""
+    x = rand(0, (128, 128), jnp.bfloat16)
+    with pytest.raises(ValueError, match=match):
+        _sm90.matmul(x, x, b_layout="kn", epilogue=lambda acc, r, c: acc, out_dtype=jnp.bfloat16,
+                     config=dataclasses.replace(SMALL, **change), name="t", **kwargs, interpret=True)

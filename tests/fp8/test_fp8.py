@@ -608,6 +608,31 @@ def test_gpu_scaled_matmul_nt_cluster(granularity, cluster):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("granularity", ["tensorwise", "rowwise"])
+@pytest.mark.parametrize("stages, out_dtype, cluster", [(4, jnp.bfloat16, None), (6, jnp.bfloat16, None),
+                                                     (4, jnp.float32, None), (6, jnp.bfloat16, "m"),
+                                                     (4, jnp.bfloat16, "n")])
+def test_gpu_scaled_matmul_nt_pingpong(granularity, stages, out_dtype, cluster):
+    """The Hopper kernel on the ping-pong schedule (each compute warpgroup owning whole tiles, one's epilogue beside
+    the other's main loop) against the reference: 16 K steps per tile through the ring, ~10 tiles per CTA, the
+    scales as vectors (rowwise) or (1,) scalars (tensorwise), as the benchmark's pallas:sm90_pingpong rows run it;
+    and on 2-CTA clusters, the shared tile multicast (which interpret mode does not model)."""
+    from pallas_fused import _sm90
+    from pallas_fused.fp8 import kernel_sm90
+
+    if not _backend.is_hopper():
+        pytest.skip("needs Hopper")
+    config = _sm90.TileConfig(max_concurrent_steps=stages, schedule="pingpong", grid_minor_dim="m", cluster=cluster)
+    m, k, n = 4096, 2048, 5376 if cluster == "n" else 5504  # a multiple of the cluster tile
+    axis = None if granularity == "tensorwise" else -1
+    a8, sa = quantize(rand(41, (m, k), jnp.bfloat16), E4, axis)
+    bt8, sb = quantize(rand(42, (n, k), jnp.bfloat16), E4, axis)
+    out = kernel_sm90.scaled_matmul_nt(a8, bt8, sa.reshape(-1), sb.reshape(-1), out_dtype=out_dtype, config=config)
+    want = scaled_matmul_nt(a8, bt8, sa, sb, implementation="xla", out_dtype=out_dtype)
+    assert out.dtype == out_dtype and sqnr(out, want) >= 40
+
+
+@pytest.mark.gpu
 def test_gpu_scaled_matmul_nt_cluster_user_path(cluster_table):
     """The user's call picks the tuned cluster tile (CLUSTER_TABLE) and matches XLA."""
     from pallas_fused.fp8 import api
