@@ -353,7 +353,7 @@ def test_prologue_kernel(kernel_impl, dtype, shape, tiles):
         x, w, a, b, -0.7, m)
     assert (n.shape, g.shape, sb.shape, xa.shape) == ((N,), (N,), (R, N), (M, R))
     assert sb.dtype == xa.dtype == dtype
-    v = w.astype(jnp.float64) + -0.7 * np.asarray(a, np.float64) @ np.asarray(b, np.float64)
+    v = np.asarray(w, np.float64) + -0.7 * np.asarray(a, np.float64) @ np.asarray(b, np.float64)
     np.testing.assert_allclose(n, np.linalg.norm(v, axis=0), rtol=2e-6)
     np.testing.assert_allclose(g, np.asarray(m, np.float64) / np.linalg.norm(v, axis=0), rtol=2e-6)
     n0, g0 = kernel_norm.column_norm_scale((w,), "dense", a, b, -0.7, m, interpret=kernel_impl == "interpret")
@@ -362,6 +362,33 @@ def test_prologue_kernel(kernel_impl, dtype, shape, tiles):
     xa_ex = np.asarray(x, np.float64) @ np.asarray(a, np.float64)
     ulp = {jnp.bfloat16: 2.0 ** -8, jnp.float16: 2.0 ** -11}[dtype]
     assert np.all(np.abs(np.asarray(xa, np.float64) - xa_ex) <= ulp * np.abs(xa_ex) + 1e-6 * np.abs(xa_ex).max())
+
+
+@pytest.mark.parametrize("delta", [None, 1e-1, 1e-2, 1e-3], ids=str)
+def test_expand_norm_near_cancellation(kernel_impl, delta):
+    """The "expand" sums (the prologue's and "sm90"'s column norm) add ||W||^2 + 2 s <W, A B> + s^2 ||A B||^2 in float32,
+    so where s A B nearly cancels W their rounding (~eps32 ||W||^2) is left on a small ||V||^2: relative to the exact
+    n, the error grows as eps32 kappa^2 with kappa = ||W|| / ||W + s A B|| per column (measured ~4-6 eps32 kappa^2,
+    2e-7 on random inputs). bf16 W bounds kappa (W's own rounding against -s A B stays in V: ~600 here), and the
+    bf16 XLA reference, which rounds s A B and V to bf16, errs by ~2^-9 kappa: always more in that range. W is
+    -s A B + delta E rounded to bf16 (None: W random)."""
+    from pallas_fused.dora import kernel_prologue
+    from pallas_fused.dora.reference import column_sumsq_reference
+
+    K, N, R, s = 512, 128, 16, 0.7
+    a, b = rand(340, (K, R), jnp.bfloat16, scale=K ** -0.5), rand(341, (R, N), jnp.bfloat16)
+    e = rand(342, (K, N), scale=K ** -0.5)
+    ab = np.asarray(a, np.float64) @ np.asarray(b, np.float64)
+    w = (e if delta is None else -s * jnp.asarray(ab, jnp.float32) + delta * e).astype(jnp.bfloat16)
+    w64 = np.asarray(w, np.float64)
+    exact = np.linalg.norm(w64 + s * ab, axis=0)
+    kappa = np.linalg.norm(w64, axis=0) / exact
+    x, m = rand(343, (16, K), jnp.bfloat16), jnp.ones((N,))
+    n = kernel_prologue.prologue(x, w, a, b, s, m, interpret=kernel_impl == "interpret")[0]
+    err = np.abs(np.asarray(n, np.float64) / exact - 1)
+    assert np.all(err <= 2.0 ** -24 * (16 * kappa ** 2 + 64)), (err.max(), kappa.max())
+    ref = np.sqrt(np.asarray(column_sumsq_reference(w, a, b, s), np.float64))
+    assert err.max() <= np.abs(ref / exact - 1).max()
 
 
 @pytest.mark.parametrize("variant", ["merged", "epilogue"])
