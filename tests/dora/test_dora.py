@@ -366,11 +366,11 @@ def test_prologue_kernel(kernel_impl, dtype, shape, tiles):
 
 @pytest.mark.parametrize("delta", [None, 1e-1, 1e-2, 1e-3], ids=str)
 def test_expand_norm_near_cancellation(kernel_impl, delta):
-    """The "expand" sums (the prologue's and "sm90"'s column norm) add ||W||^2 + 2 s <W, A B> + s^2 ||A B||^2 in float32,
-    so where s A B nearly cancels W their rounding (~eps32 ||W||^2) is left on a small ||V||^2: relative to the exact
-    n, the error grows as eps32 kappa^2 with kappa = ||W|| / ||W + s A B|| per column (measured ~4-6 eps32 kappa^2,
-    2e-7 on random inputs). bf16 W bounds kappa (W's own rounding against -s A B stays in V: ~600 here), and the
-    bf16 XLA reference, which rounds s A B and V to bf16, errs by ~2^-9 kappa: always more in that range. W is
+    """The "expand" sums (the prologue's and "sm90"'s column norm) add ||W||^2 + 2 s <W, A B> + s^2 ||A B||^2 in
+    float32, so where s A B nearly cancels W their rounding (~eps32 ||W||^2) is left on a small ||V||^2: relative to
+    the exact n, the error grows as eps32 kappa^2 with kappa = ||W|| / ||W + s A B|| per column (measured ~4-6 eps32
+    kappa^2, 2e-7 on random inputs). bf16 W bounds kappa (W's own rounding against -s A B stays in V: ~600 here),
+    and the bf16 XLA reference, which rounds s A B and V to bf16, errs by ~2^-9 kappa: always more in that range. W is
     -s A B + delta E rounded to bf16 (None: W random)."""
     from pallas_fused.dora import kernel_prologue
     from pallas_fused.dora.reference import column_sumsq_reference
