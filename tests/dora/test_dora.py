@@ -778,6 +778,14 @@ def test_gpu_sm90_4096_tokens():
 
 
 @pytest.mark.gpu
+def test_gpu_sm90_prologue_4096_tokens():
+    """"pallas:sm90_prologue" at the benchmark's shape (4096 tokens, 4096 -> 4096, r16): the compiled prologue launch
+    before "sm90"'s GEMMs."""
+    x, w, a, b, m, bias, dy = make(230, (4096,), 4096, 4096, 16, jnp.bfloat16)
+    check_against_reference(w, x, a, b, m, bias, dy, scale=0.5, impl="pallas:sm90_prologue", what="gpu prologue 4096")
+
+
+@pytest.mark.gpu
 def test_gpu_sm90_exact_norm_grad():
     """"pallas:sm90" differentiating through the norm (dy g formed by XLA, the column sums on the sharded path)."""
     lead, fin, fout, r = BIG[0]
