@@ -254,11 +254,14 @@ def run(rec: Recorder, quick: bool) -> None:
     n, reps = (5, 3) if quick else (10, 5)
     trace = os.environ.get("ADAPT_TRACE", "1" if jax.default_backend() == "gpu" else "0") == "1"
     wanted = os.environ.get("ADAPT_GROUPS", ",".join(GROUPS)).split(",")
+    # ADAPT_IMPLS (comma-separated candidate names; unset: all) times a subset of each group, e.g. a pair of record.
+    only = os.environ.get("ADAPT_IMPLS")
     for group in wanted:
         case = (f"dense_blocks_4x{dims[0]}x{dims[1]}_{batch * seq}tok_r{RANK}" if group.startswith("blocks")
                 else f"hf_llama_{size}_{batch}x{seq}_r{RANK}")
         steps = {}
-        for name, build in candidates(cfg, GROUPS[group], batch, seq, dims):
+        names = [k for k in GROUPS[group] if only is None or k in only.split(",")]
+        for name, build in candidates(cfg, names, batch, seq, dims):
             impl = name.removeprefix("blocks:")
             try:
                 loss, data, params, mask, context = build()

@@ -24,7 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-RESULTS_DIR = Path(__file__).parent / "results"
+# PF_RESULTS_DIR keeps a run's rows apart from the rows of record (a run on another jax version, say).
+RESULTS_DIR = Path(os.environ.get("PF_RESULTS_DIR") or Path(__file__).parent / "results")
 
 
 def _median_of_means(call: Callable, sync: Callable, n: int, reps: int) -> float:
