@@ -11,10 +11,6 @@ Cases: tokens x in -> out, rank, bf16. Implementations:
                      dx = (dy g) W^T + ((dy g)(s B)^T) A^T as one such GEMM, dy g written by the column launch.
                      fwdbwd configuration: pallas:sm90_cols_registers (ColumnsConfig(mma_sums=False): the column
                      launch's register path)
-  pallas:sm90_prologue  pallas:sm90 with the column norm (finished to g), s B and x A from one Triton launch before
-                     the GEMM instead of four kernels (norm, partial-sum finish, cuBLAS x A, s B); the same GEMMs and
-                     backward. Only an explicit implementation selects it: these rows decide whether it should be
-                     plain "pallas"'s pick on Hopper
   lora:pallas        the same layer as plain LoRA, x W + s (x A) B (dora.lora_dense): on Hopper the sm90 GEMM
                      with the low-rank step both ways; lora:xla its XLA dots. What DoRA costs over LoRA.
   pallas:gemm        (fwdbwd) Pallas GEMMs both ways: the fused-epilogue forward and the Pallas dx GEMM
@@ -80,7 +76,7 @@ from pallas_fused.dora import (
 CASES = [(512, 4096, 4096, 16), (4096, 4096, 4096, 16), (8192, 4096, 4096, 16),
          (512, 4096, 11008, 64), (4096, 4096, 11008, 64), (8192, 4096, 11008, 64)]
 QUICK = [(4096, 4096, 4096, 16), (4096, 4096, 11008, 64)]
-IMPLS = ["pallas", "pallas:sm90", "pallas:sm90_prologue", "pallas:epilogue", "pallas:merged"]
+IMPLS = ["pallas", "pallas:sm90", "pallas:epilogue", "pallas:merged"]
 SM90_FWDBWD_CONFIGS = {"pallas:sm90_cols_registers": Config(columns=ColumnsConfig(mma_sums=False))}
 
 

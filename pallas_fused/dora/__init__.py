@@ -10,7 +10,6 @@ from pallas_fused.dora.config import (
     MergeConfig,
     NormConfig,
     NormTiles,
-    PrologueConfig,
 )
 from pallas_fused.dora.flax import DoRADense, DoRALinear, LoRADense, dense_to_dora_params, lora_scale, merge
 from pallas_fused.dora.lora import lora_dense, lora_dense_reference
@@ -25,7 +24,6 @@ __all__ = [
     "MergeConfig",
     "NormConfig",
     "NormTiles",
-    "PrologueConfig",
     "DoRADense",
     "DoRALinear",
     "Int8Kernel",

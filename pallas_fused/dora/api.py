@@ -22,10 +22,6 @@ VARIANTS = {
         "the column norm's read-only pass over W, then one Mosaic GPU GEMM (x W + (x A)(s B)) g + bias each way "
         "(dx = (dy g) W^T + ((dy g)(s B)^T) A^T): W is never merged (Hopper, dense 16-bit W, tile-multiple shapes)",
         needs=(9, 0), mosaic=True),
-    "pallas:sm90_prologue": _backend.Variant(
-        "\"sm90\" with the column norm (n and g finished in-kernel), s B and x A from one Triton launch before the "
-        "GEMM instead of four kernels; the same GEMMs and backward (explicit only: plain \"pallas\" never picks it)",
-        needs=(9, 0), mosaic=True),
     "pallas:merged": _backend.Variant(
         "one Pallas pass forms (W + s A B) g, then one cuBLAS GEMM; any weight (QDoRA at cuBLAS speed: the merged "
         "weight of an Int8Kernel / NF4Kernel is a transient full-precision array, formed again in the backward)"),
@@ -38,10 +34,6 @@ VARIANTS = {
                                     "dequantised in-kernel: Int8Kernel / NF4Kernel weights never formed in full "
                                     "precision, at the cost of speed"),
 }
-
-
-# The dense variants whose GEMMs are the sm90 skeleton's with the low-rank step (their backward is one code path).
-SM90_DENSE = ("sm90", "sm90_prologue")
 
 
 def choose_variant(kind: str, tokens: int, fin: int, fout: int, dtype, interpret: bool, rank: int = 16) -> str:
@@ -230,26 +222,21 @@ def _forward(statics, x, ops, a, b, m, bias, scale):
     kind, variant, interpret, config = statics[:4]
     dt = x.dtype
     ap, bp = _pad_rank(a, b)
-    if variant in SM90_DENSE:
+    if variant == "sm90":
         # y = (x W + (x A)(s B)) g + bias in one Mosaic GPU GEMM (the low-rank product in its accumulator, g and the
         # bias in its epilogue), g from the column norm's read-only pass over W: W + s A B is never written. x A is
         # kept for the backward (its column sums and dA need it).
-        from pallas_fused.dora import kernel_prologue, kernel_sm90
+        from pallas_fused.dora import kernel_sm90
 
         if not _sm90_ok(kind, x.shape[0], ap.shape[0], bp.shape[1], x.dtype, ap.shape[1], interpret):
             cfg = kernel_sm90.config_for(x.shape[0], bp.shape[1], ap.shape[0], ap.shape[1])
-            raise ValueError(f"dora_dense: implementation='pallas:{variant}' needs a dense 16-bit kernel on one Hopper "
-                             f"GPU (or 'interpret:{variant}') and shapes that are multiples of the tile "
-                             f"{cfg.cluster_tile} x {cfg.tile_k}; got x {x.shape} {x.dtype}, "
+            raise ValueError(f"dora_dense: implementation='pallas:sm90' needs a dense 16-bit kernel on one Hopper GPU "
+                             f"(or 'interpret:sm90') and shapes that are multiples of the tile {cfg.cluster_tile} x "
+                             f"{cfg.tile_k}; got x {x.shape} {x.dtype}, "
                              f"kernel {ops[0].shape}")
-        if variant == "sm90_prologue":
-            # n, g, s B and x A from one launch (kernel_prologue): the same values as the separate kernels below
-            n, g, sb, xa = kernel_prologue.prologue(x, ops[0], ap, bp, scale, m, interpret=interpret,
-                                                    config=config.prologue)
-        else:
-            n, g = _column_norm_scale(ops, kind, ap, bp, scale, m, interpret, config)
-            xa = _xa(x, ap)
-            sb = (bp.astype(jnp.float32) * scale).astype(dt)
+        n, g = _column_norm_scale(ops, kind, ap, bp, scale, m, interpret, config)
+        xa = _xa(x, ap)
+        sb = (bp.astype(jnp.float32) * scale).astype(dt)
         y = kernel_sm90.scaled_matmul(x, ops[0], g, bias, lowrank=(xa, sb), interpret=interpret)
         return y, (ap, bp, n, g, xa, (None, None))
     if variant == "merged":
@@ -330,7 +317,7 @@ def _dora_2d_bwd(statics, res, dy):
         xa = _xa(x, ap)
     # "sm90": dx = (dy g) W^T + us A^T in one Mosaic GPU GEMM; dy g is written by the column launch (it reads dy
     # anyway) where that launch runs below, by XLA otherwise.
-    sm90_dx = variant in SM90_DENSE
+    sm90_dx = variant == "sm90"
     # "sm90_dequant": dx = (dy g wscale) q^T + us A^T, the int8 scale per contraction index there, on dy.
     dyg_scale = g if sm90_dx else (g * ops[1] if variant == "sm90_dequant" else None)
     finished = None
@@ -456,9 +443,6 @@ def dora_dense(x, kernel, lora_a, lora_b, magnitude, bias=None, *, scale, exact_
         norm's read-only pass over W, then one Mosaic GPU GEMM (x W + (x A)(s B)) g + bias (the low-rank product in
         its accumulator, g and the bias in its epilogue); the backward's dx = (dy g) W^T + ((dy g)(s B)^T) A^T is one
         such GEMM too. W + s A B is never formed; only x A (tokens x rank) is kept for the backward.
-        "pallas:sm90_prologue" (Hopper; "interpret:sm90_prologue" on jax >= 0.12): "pallas:sm90" with its column norm,
-        s B and x A from one Triton launch before the GEMM (kernel_prologue), the norm finished to g in that launch;
-        the same GEMMs and backward. Untimed, so only an explicit `implementation` selects it.
         "pallas:sm90_dequant" (Hopper, Int8Kernel, 16-bit x, tile-multiple shapes; plain "pallas" takes it there): the
         column norm read from the int8 codes in-kernel, then one Mosaic GPU GEMM (x q + (x A)(s B / wscale)) g wscale
         + bias with q's int8 tiles converted in registers and the low-rank term in the same fp32 accumulator; the

@@ -8,7 +8,6 @@ from pallas_fused.dora.kernel_columns import ColumnsConfig
 from pallas_fused.dora.kernel_gemm import DX, FORWARD, EpilogueConfig, GemmConfig
 from pallas_fused.dora.kernel_merge import MergeConfig
 from pallas_fused.dora.kernel_norm import NormConfig, NormTiles
-from pallas_fused.dora.kernel_prologue import PrologueConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,7 +23,6 @@ class Config:
     dx: GemmConfig = DX  # the backward dx GEMM of "gemm"
     epilogue: EpilogueConfig = EpilogueConfig()  # the epilogue pass of "epilogue"
     columns: ColumnsConfig = ColumnsConfig()  # the backward column reductions (kernel_columns)
-    prologue: PrologueConfig = PrologueConfig()  # the norm, s B and x A launch of "sm90_prologue" (kernel_prologue)
     # "merged": keep the merged weight from the forward for the backward's dx: one copy of W per layer in
     # the compute dtype held until the backward (Llama-7B: ~12.5 GB over 32 blocks in bf16). False: the backward
     # forms it again (one more pass over W: read W, write the copy). None: keep it for a dense W only (a quantised
@@ -34,5 +32,4 @@ class Config:
 
 DEFAULT = Config()
 
-__all__ = ["ColumnsConfig", "Config", "EpilogueConfig", "GemmConfig", "MergeConfig", "NormConfig", "NormTiles",
-           "PrologueConfig"]
+__all__ = ["ColumnsConfig", "Config", "EpilogueConfig", "GemmConfig", "MergeConfig", "NormConfig", "NormTiles"]

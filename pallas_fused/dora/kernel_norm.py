@@ -225,27 +225,11 @@ def _colnorm_expand_kernel(*refs, kind, K, N, R, bk, bn, rows_per_prog, finish):
     nw = num_weight_refs(kind)
     w_refs = refs[:nw]
     a_ref, b_ref, s_ref = refs[nw:nw + 3]
-    total, _, n0, cmask = expand_column_sums(w_refs, a_ref, b_ref, s_ref[0], kind=kind, K=K, N=N, R=R, bk=bk, bn=bn,
-                                             j=pl.program_id(0), split=pl.program_id(1), rows_per_prog=rows_per_prog)
     if finish:
         m_ref, n_ref, g_ref = refs[nw + 3:]
-        store_norm_scale(total, m_ref, n_ref, g_ref, n0, bn, cmask)
     else:
         (out_ref,) = refs[nw + 3:]
-        store(out_ref.at[pl.program_id(1), pl.ds(n0, bn)], total, cmask)
-
-
-def store_norm_scale(total, m_ref, n_ref, g_ref, n0, bn: int, cmask):
-    """Writes n = max(sqrt(total), NORM_FLOOR) and g = m / n for the columns [n0, n0 + bn)."""
-    n = floored_norm(total)  # a zero column gives g = 0, not 0 / 0
-    store(n_ref.at[pl.ds(n0, bn)], n, cmask)
-    g = load(m_ref.at[pl.ds(n0, bn)], cmask, 1.0).astype(jnp.float32) / n
-    store(g_ref.at[pl.ds(n0, bn)], g, cmask)
-
-
-def expand_column_sums(w_refs, a_ref, b_ref, s, *, kind, K, N, R, bk, bn, j, split, rows_per_prog):
-    """The "expand" sums of column block `j` over row range `split`: (total (bn,) float32, B's tile (R, bn) float32,
-    n0, the column mask)."""
+    j, split = pl.program_id(0), pl.program_id(1)
     n0 = pl.multiple_of(j * bn, bn)
     cmask = in_bounds(n0, bn, N, N % bn == 0)
     k_start = split * rows_per_prog
@@ -273,15 +257,21 @@ def expand_column_sums(w_refs, a_ref, b_ref, s, *, kind, K, N, R, bk, bn, j, spl
     init = (jnp.zeros((bk, bn), jnp.float32), jnp.zeros((bn, R), jnp.float32), jnp.zeros((R, R), jnp.float32),
             a_tile(k_start))
     sq, wa, aa, _ = lax.fori_loop(0, rows_per_prog // bk, body, init)
-    b_raw = load(b_ref.at[:, pl.ds(n0, bn)], mask(None, cmask, (R, bn)))
-    b = b_raw.astype(jnp.float32)
+    s = s_ref[0]
+    b = load(b_ref.at[:, pl.ds(n0, bn)], mask(None, cmask, (R, bn))).astype(jnp.float32)
     sq = jnp.sum(sq, axis=0)
     if kind == "int8":  # W = q * wscale: every term linear in W takes one wscale, W^2 two
         wscale = load(w_refs[1].at[pl.ds(n0, bn)], cmask, 1.0)
         sq, wa = sq * wscale * wscale, wa * wscale[:, None]
-    aab = _dot_f32_exact(aa, b_ref.dtype, b_raw)
+    aab = _dot_f32_exact(aa, b_ref.dtype, load(b_ref.at[:, pl.ds(n0, bn)], mask(None, cmask, (R, bn))))
     total = sq + 2.0 * s * jnp.sum(wa * b.T, axis=1) + (s * s) * jnp.sum(b * aab, axis=0)
-    return total, b, n0, cmask
+    if finish:
+        n = floored_norm(total)  # a zero column gives g = 0, not 0 / 0
+        store(n_ref.at[pl.ds(n0, bn)], n, cmask)
+        g = load(m_ref.at[pl.ds(n0, bn)], cmask, 1.0).astype(jnp.float32) / n
+        store(g_ref.at[pl.ds(n0, bn)], g, cmask)
+    else:
+        store(out_ref.at[split, pl.ds(n0, bn)], total, cmask)
 
 
 def expand_supported(weight, kind: str, lora_a, max_rank: int | None = None) -> bool:

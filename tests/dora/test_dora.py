@@ -286,111 +286,6 @@ def test_sm90_interpret(lead, fin, fout, r, with_bias):
                             what=f"interpret sm90 r{r}")
 
 
-@needs_mosaic_interpret
-@pytest.mark.parametrize("lead, fin, fout, r, with_bias", [((128,), 256, 256, 5, True), ((2, 64), 256, 512, 40, False)],
-                         ids=["r5_bias", "r40_nobias"])
-def test_sm90_prologue_interpret(lead, fin, fout, r, with_bias):
-    """"interpret:sm90_prologue": the norm, s B and x A from one launch, then "sm90"'s GEMMs; the forward and every
-    gradient against the reference, and within rounding of "interpret:sm90" (the backward is the same code)."""
-    x, w, a, b, m, bias, dy = make(300, lead, fin, fout, r, jnp.bfloat16)
-    bias = bias if with_bias else None
-    check_against_reference(w, x, a, b, m, bias, dy, scale=0.5, impl="interpret:sm90_prologue",
-                            what=f"interpret sm90_prologue r{r}")
-    outs = [vjp_all(lambda x, a, b, m, bias, impl=impl: dora_dense(x, w, a, b, m, bias, scale=0.5,
-                                                                    implementation=impl), (x, a, b, m, bias), dy)
-            for impl in ("interpret:sm90_prologue", "interpret:sm90")]
-    for name, ours, sm90 in zip(("y", *NAMES), jax.tree.leaves(outs[0]), jax.tree.leaves(outs[1])):
-        # x A's float32 sums in another order may round to a neighbouring bf16 value, which moves single elements of
-        # cancelling sums by more than an ulp: compared as a whole, the two agree to bf16 rounding
-        ours, sm90 = np.asarray(ours, np.float64), np.asarray(sm90, np.float64)
-        assert np.linalg.norm(ours - sm90) <= 4e-3 * np.linalg.norm(sm90), name
-
-
-@needs_mosaic_interpret
-def test_sm90_prologue_dora_dense_layer():
-    """The variant through the linen layer: `DoRADense(implementation="interpret:sm90_prologue")`."""
-    x = rand(310, (2, 64, 256), jnp.bfloat16)
-    layer = DoRADense(256, rank=8, alpha=16.0, dtype=jnp.bfloat16, implementation="interpret:sm90_prologue")
-    ref = DoRADense(256, rank=8, alpha=16.0, dtype=jnp.bfloat16, implementation="xla")
-    params = ref.init(jax.random.key(311), x)["params"]
-    params = {**params, "lora_b": rand(312, params["lora_b"].shape, scale=0.1)}
-    loss = lambda p, layer: jnp.mean(layer.apply({"params": p}, x).astype(jnp.float32) ** 2)  # noqa: E731
-    y, g = jax.value_and_grad(loss)(params, layer)
-    y_ref, g_ref = jax.value_and_grad(loss)(params, ref)
-    np.testing.assert_allclose(y, y_ref, rtol=2e-2)
-    for k in ("lora_a", "lora_b", "magnitude", "bias"):  # bf16 compute: close as a whole, not element by element
-        assert np.linalg.norm(g[k] - g_ref[k]) <= 2e-2 * np.linalg.norm(g_ref[k]), k
-
-
-def test_sm90_prologue_needs_16_bit():
-    """The prologue's column sums take W and A as 16-bit MMA operands: float32 is refused by name (as "sm90" is)."""
-    from pallas_fused.dora import kernel_prologue
-
-    x, w, a, b, m, _, _ = make(320, (16,), 32, 32, 16, jnp.float32)
-    with pytest.raises(ValueError, match="16-bit"):
-        kernel_prologue.prologue(x, w, a, b, 0.5, m, interpret=True)
-    with pytest.raises(ValueError, match="implementation='pallas:sm90_prologue' needs"):
-        dora_dense(x, w, a, b, m, scale=0.5, implementation="pallas:sm90_prologue")
-
-
-# (M, K, N, R) ragged every way at small tiles (several column and row programs, masked tails), and one program per
-# half at the default tiles
-PROLOGUE_CASES = [((37, 150, 36, 16), "small"), ((70, 45, 29, 32), "small"), ((64, 256, 128, 16), "default")]
-
-
-@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16], ids=lambda d: d.__name__)
-@pytest.mark.parametrize("shape, tiles", PROLOGUE_CASES, ids=str)
-def test_prologue_kernel(kernel_impl, dtype, shape, tiles):
-    """One launch: n and g as the column norm's (the same "expand" arithmetic, one row range), s B as XLA rounds it,
-    x A within one rounding of the exact product."""
-    from pallas_fused.dora import kernel_norm, kernel_prologue
-
-    M, K, N, R = shape
-    cfg = kernel_prologue.PrologueConfig(bn=16, bk=32, bm=16, bkx=32) if tiles == "small" else kernel_prologue.DEFAULT
-    x, w, a, b, m, _, _ = make(330, (M,), K, N, R, dtype)
-    a, b = a.astype(dtype), b.astype(dtype)
-    n, g, sb, xa = jax.jit(lambda *v: kernel_prologue.prologue(*v, interpret=kernel_impl == "interpret", config=cfg))(
-        x, w, a, b, -0.7, m)
-    assert (n.shape, g.shape, sb.shape, xa.shape) == ((N,), (N,), (R, N), (M, R))
-    assert sb.dtype == xa.dtype == dtype
-    v = np.asarray(w, np.float64) + -0.7 * np.asarray(a, np.float64) @ np.asarray(b, np.float64)
-    np.testing.assert_allclose(n, np.linalg.norm(v, axis=0), rtol=2e-6)
-    np.testing.assert_allclose(g, np.asarray(m, np.float64) / np.linalg.norm(v, axis=0), rtol=2e-6)
-    n0, g0 = kernel_norm.column_norm_scale((w,), "dense", a, b, -0.7, m, interpret=kernel_impl == "interpret")
-    np.testing.assert_allclose(n, n0, rtol=1e-6)
-    np.testing.assert_array_equal(sb, (b.astype(jnp.float32) * -0.7).astype(dtype))
-    xa_ex = np.asarray(x, np.float64) @ np.asarray(a, np.float64)
-    ulp = {jnp.bfloat16: 2.0 ** -8, jnp.float16: 2.0 ** -11}[dtype]
-    assert np.all(np.abs(np.asarray(xa, np.float64) - xa_ex) <= ulp * np.abs(xa_ex) + 1e-6 * np.abs(xa_ex).max())
-
-
-@pytest.mark.parametrize("delta", [None, 1e-1, 1e-2, 1e-3], ids=str)
-def test_expand_norm_near_cancellation(kernel_impl, delta):
-    """The "expand" sums (the prologue's and "sm90"'s column norm) add ||W||^2 + 2 s <W, A B> + s^2 ||A B||^2 in
-    float32, so where s A B nearly cancels W their rounding (~eps32 ||W||^2) is left on a small ||V||^2: relative to
-    the exact n, the error grows as eps32 kappa^2 with kappa = ||W|| / ||W + s A B|| per column (measured ~4-6 eps32
-    kappa^2, 2e-7 on random inputs). bf16 W bounds kappa (W's own rounding against -s A B stays in V: ~600 here),
-    and the bf16 XLA reference, which rounds s A B and V to bf16, errs by ~2^-9 kappa: always more in that range. W is
-    -s A B + delta E rounded to bf16 (None: W random)."""
-    from pallas_fused.dora import kernel_prologue
-    from pallas_fused.dora.reference import column_sumsq_reference
-
-    K, N, R, s = 512, 128, 16, 0.7
-    a, b = rand(340, (K, R), jnp.bfloat16, scale=K ** -0.5), rand(341, (R, N), jnp.bfloat16)
-    e = rand(342, (K, N), scale=K ** -0.5)
-    ab = np.asarray(a, np.float64) @ np.asarray(b, np.float64)
-    w = (e if delta is None else -s * jnp.asarray(ab, jnp.float32) + delta * e).astype(jnp.bfloat16)
-    w64 = np.asarray(w, np.float64)
-    exact = np.linalg.norm(w64 + s * ab, axis=0)
-    kappa = np.linalg.norm(w64, axis=0) / exact
-    x, m = rand(343, (16, K), jnp.bfloat16), jnp.ones((N,))
-    n = kernel_prologue.prologue(x, w, a, b, s, m, interpret=kernel_impl == "interpret")[0]
-    err = np.abs(np.asarray(n, np.float64) / exact - 1)
-    assert np.all(err <= 2.0 ** -24 * (16 * kappa ** 2 + 64)), (err.max(), kappa.max())
-    ref = np.sqrt(np.asarray(column_sumsq_reference(w, a, b, s), np.float64))
-    assert err.max() <= np.abs(ref / exact - 1).max()
-
-
 @pytest.mark.parametrize("variant", ["merged", "epilogue"])
 def test_few_tokens_no_bias(kernel_impl, variant):
     """Few tokens per weight, no bias. "merged": dx on the merged weight kept from the forward; "epilogue": the
@@ -775,14 +670,6 @@ def test_gpu_sm90_4096_tokens():
     """"pallas:sm90" at the benchmark's shape (4096 tokens, 4096 -> 4096, r16): the low-rank step in both GEMMs."""
     x, w, a, b, m, bias, dy = make(206, (4096,), 4096, 4096, 16, jnp.bfloat16)
     check_against_reference(w, x, a, b, m, bias, dy, scale=0.5, impl="pallas:sm90", what="gpu sm90 4096")
-
-
-@pytest.mark.gpu
-def test_gpu_sm90_prologue_4096_tokens():
-    """"pallas:sm90_prologue" at the benchmark's shape (4096 tokens, 4096 -> 4096, r16): the compiled prologue launch
-    before "sm90"'s GEMMs."""
-    x, w, a, b, m, bias, dy = make(230, (4096,), 4096, 4096, 16, jnp.bfloat16)
-    check_against_reference(w, x, a, b, m, bias, dy, scale=0.5, impl="pallas:sm90_prologue", what="gpu prologue 4096")
 
 
 @pytest.mark.gpu
