@@ -586,6 +586,66 @@ def test_sm90_tile_grid_walk(monkeypatch, m, n, num_sms, minor):
     assert api.sm90_config(m, n, 4096, num_sms=num_sms) == dataclasses.replace(config, grid_minor_dim="n")
 
 
+@pytest.fixture
+def h200_table(monkeypatch):
+    """"fp8_sm90" as the H200's tuning table gives it, on any machine (on a CPU `tuned` gives the heuristic)."""
+    tuned, table = _backend.tuned, _backend.tuning_table("NVIDIA H200")["fp8_sm90"]
+    monkeypatch.setattr(_backend, "tuned", lambda section, heuristic: {**heuristic, **table}
+                        if section == "fp8_sm90" else tuned(section, heuristic))
+
+
+@pytest.mark.parametrize("m,k,n,schedule,steps", [
+    (16384, 2048, 5504, "pingpong", 6),  # the example's tall GEMMs: K at most max_k
+    (16384, 2048, 2048, "pingpong", 6),
+    (16384, 4096, 11008, "pingpong", 6),
+    (16384, 8192, 4096, "cooperative", 4),  # K longer than max_k
+    (2048, 16384, 5504, "cooperative", 4),  # wide
+    (1024, 2048, 1024, "cooperative", 4),  # few tiles: the small tile
+])
+def test_sm90_tall_pingpong_rule(h200_table, monkeypatch, m, k, n, schedule, steps):
+    """The H200 table's "tall_pingpong" tile runs tall GEMMs (M >= N) with K at most its max_k on the ping-pong
+    schedule, walking the grid as the large tile would; the others, and every GEMM of a table without the entry,
+    keep the cooperative tiles."""
+    from pallas_fused.fp8 import api, kernel_sm90
+
+    config = api.sm90_config(m, n, k, num_sms=132)
+    assert (config.schedule, config.max_concurrent_steps) == (schedule, steps)
+    assert kernel_sm90.supported(m, n, k, E4, E4, config)
+    if schedule == "pingpong":
+        assert (config.tile_m, config.tile_n, config.tile_k, config.cluster) == (128, 128, 128, None)
+        assert config.grid_minor_dim == "m"
+    table = _backend.tuned("fp8_sm90", kernel_sm90.HEURISTIC)
+    without = {key: v for key, v in table.items() if key != "tall_pingpong"}
+    monkeypatch.setattr(_backend, "tuned", lambda section, heuristic: without)
+    assert api.sm90_config(m, n, k, num_sms=132).schedule == "cooperative"
+
+
+@pytest.mark.parametrize("table", ["heuristic", "h200"])
+@pytest.mark.parametrize("out_dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
+@pytest.mark.parametrize("m,k,n", [(16384, 2048, 5504), (16384, 4096, 11008), (8192, 8192, 8192), (4096, 512, 4096),
+                                   (2048, 16384, 512)])
+def test_sm90_config_fits_shared_memory(request, table, out_dtype, m, k, n):
+    """Every tile `sm90_config` gives fits one CTA's shared memory with its result's epilogue staging, so
+    "pallas:sm90" takes every out_dtype it accepts (a float32 result, as the sharded weight gradient's partial sums
+    are, stages twice a bf16 one's bytes: a shallower ring); a 16-bit result keeps the tuned depth."""
+    from pallas_fused import _sm90
+    from pallas_fused.fp8 import api, kernel_sm90
+
+    if table == "h200":
+        request.getfixturevalue("h200_table")
+    config = api.sm90_config(m, n, k, num_sms=132, out_dtype=out_dtype)
+    assert _sm90.smem_bytes(config, 1, 1, jnp.dtype(out_dtype).itemsize) <= _sm90.SMEM_LIMIT
+    if jnp.dtype(out_dtype).itemsize == 2:
+        assert config == api.sm90_config(m, n, k, num_sms=132)
+    cm, cn = config.cluster_tile
+    a = jax.ShapeDtypeStruct((-(-m // cm) * cm, k), E4)
+    bt = jax.ShapeDtypeStruct((-(-n // cn) * cn, k), E4)
+    out = jax.eval_shape(functools.partial(kernel_sm90.scaled_matmul_nt, out_dtype=out_dtype, config=config), a, bt,
+                         jax.ShapeDtypeStruct(a.shape[:1], jnp.float32),
+                         jax.ShapeDtypeStruct(bt.shape[:1], jnp.float32))
+    assert out.shape == (a.shape[0], bt.shape[0]) and out.dtype == out_dtype
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("granularity", ["tensorwise", "rowwise"])
 @pytest.mark.parametrize("cluster", ["m", "n"])
