@@ -237,9 +237,46 @@ def headline_table(doc: dict, link: str) -> str:
     return "\n".join(out)
 
 
-def tables(doc: dict) -> dict[Path, dict[str, str]]:
+def _pairs(doc: dict):
+    """(section, what, case, peer label, peer row, our row) of every pair of record in SECTIONS measured in one run."""
+    rec = records(doc)
+    for section, specs in SECTIONS.items():
+        for spec in specs:
+            cases = spec.cases or tuple(sorted({c for (op, c, impl) in rec if op == spec.op and impl == spec.ours}))
+            for case in cases:
+                ours = rec.get((spec.op, case, spec.ours))
+                for impl, label in spec.peers.items():
+                    peer = rec.get((spec.op, case, impl))
+                    if ours and peer and peer["run"] == ours["run"]:
+                        yield section, spec.what, spec.case_label.get(case, case), label, peer, ours
+
+
+def _jax_of(doc: dict, run: str) -> str:
+    return next((r.get("jax", "?") for r in doc["runs"] if r["date"] == run), "?")
+
+
+def versions_table(doc: dict, other: dict, moved: float = 0.10) -> str:
+    """Each pair of record that a run on another jax version (`other`, benchmarks/results/jax_<v>/) measured too:
+    the peer-over-ours ratio in both, and the change; a change of more than `moved` is marked."""
+    base = {(s, w, c, lab): (peer, ours) for s, w, c, lab, peer, ours in _pairs(doc)}
+    out = ["| capability | what you write | case | vs | ratio | on | ratio | on | change |",
+           "| --- | --- | --- | --- | ---: | --- | ---: | --- | ---: |"]
+    for key in (k for k in ((s, w, c, lab) for s, w, c, lab, _, _ in _pairs(other)) if k in base):
+        peer, ours = base[key]
+        opeer, oours = next((p, o) for s, w, c, lab, p, o in _pairs(other) if (s, w, c, lab) == key)
+        r0, r1 = peer["ms"] / ours["ms"], opeer["ms"] / oours["ms"]
+        change = r1 / r0 - 1
+        mark = "**" if abs(change) > moved else ""
+        out.append(f"| {key[0]} | {key[1]} | {key[2]} | {key[3]} | {_ratio(peer, ours)} | jax {_jax_of(doc, ours['run'])} "
+                   f"| {_ratio(opeer, oours)} | jax {_jax_of(other, oours['run'])} | {mark}{round(100 * change):+d}%{mark} |")
+    return "\n".join(out)
+
+
+def tables(doc: dict, device: str = "nvidia_h200") -> dict[Path, dict[str, str]]:
     """file -> {table name: generated text}."""
     perf = {f"rows-{anchor(name)}": section_table(doc, rows) for name, rows in SECTIONS.items()}
+    for path in sorted(RESULTS.glob(f"jax_*/{device}.json")):
+        perf[path.parent.name.replace(".", "")] = versions_table(doc, json.loads(path.read_text()))
     return {ROOT / "README.md": {"headline": headline_table(doc, "docs/performance.md")},
             ROOT / "docs" / "performance.md": perf}
 
@@ -259,7 +296,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     doc = json.loads((RESULTS / f"{args.device}.json").read_text())
     stale = []
-    for path, named in tables(doc).items():
+    for path, named in tables(doc, args.device).items():
         old = path.read_text()
         new = old
         for name, body in named.items():
