@@ -11,7 +11,7 @@ def _doc(jax_version: str, ours_ms: float, peer_ms: float, run: str) -> dict:
             {"op": "adam", "case": case, "impl": "peer:optax_adamw", "ms": peer_ms, "run": run},
             # a pair measured in two runs is not a pair: not shown
             {"op": "adam", "case": case, "impl": "pallas:inplace", "ms": 1.0, "run": "another run"},
-            {"op": "adam", "case": case, "impl": "peer:torch_fused_adamw", "ms": 1.0, "run": "another run"}]
+            {"op": "adam", "case": case, "impl": "peer:torch_fused_adamw", "ms": 1.0, "run": "a third run"}]
     return {"runs": [{"date": run, "jax": jax_version}], "rows": rows}
 
 
