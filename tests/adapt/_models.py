@@ -1,5 +1,6 @@
 """Model code we did not write (HF transformers' Flax Llama, built offline from a small config with random
-weights), and an NNX model with einsum projections in every layout the adapt package supports."""
+weights), an NNX model with einsum projections in every layout the adapt package supports, and the comparison of
+an adapted model's adapter gradients in 16 bits with a float32 reference."""
 
 from __future__ import annotations
 
@@ -7,6 +8,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 from flax import nnx
+
+from pallas_fused import adapt
+from tests.helpers import rel_err
 
 SEQ = 8
 
@@ -33,6 +37,57 @@ def hf_llama(dtype=jnp.float32, seed: int = 0):
 def lm_loss(logits, targets):
     logp = jax.nn.log_softmax(logits.astype(jnp.float32))
     return -jnp.mean(jnp.take_along_axis(logp, targets[..., None], axis=-1))
+
+
+def adapted_params(module, rules, inputs, pretrained, lora_b: float = 0.01):
+    """(adapted module, its params): `pretrained` loaded, every lora_b set to `lora_b` (B = 0 would give A no
+    gradient)."""
+    lmodel = adapt.apply(module, rules)
+    variables = adapt.from_pretrained(lmodel, lmodel.init(jax.random.key(0), *inputs), pretrained)
+    params = jax.tree_util.tree_map_with_path(
+        lambda path, x: x + lora_b if "lora_b" in jax.tree_util.keystr(path) else x, variables["params"])
+    return lmodel, params
+
+
+def loss_and_adapter_grads(lmodel, params, inputs, targets):
+    """The LM loss and its gradient with respect to the adapters alone (the frozen params closed over), jitted."""
+    adapters, frozen = adapt.split(params, adapt.trainable(params))
+
+    def loss_fn(adapters):
+        return lm_loss(lmodel.apply({"params": adapt.join(adapters, frozen)}, *inputs).logits, targets)
+
+    return jax.jit(jax.value_and_grad(loss_fn))(adapters)
+
+
+def float32_reference(module, rules, params, inputs, targets):
+    """`loss_and_adapter_grads` of the same params (adapters and frozen weights, 16-bit values upcast exactly)
+    through the model computing in float32 with full-precision dots (a GPU's default fp32 dot is TF32): what a
+    16-bit run approximates."""
+    up = jax.tree.map(lambda x: x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
+    lmodel = adapt.apply(module.clone(dtype=jnp.float32), rules)
+    with jax.default_matmul_precision("highest"):
+        return loss_and_adapter_grads(lmodel, up, inputs, targets)
+
+
+def grads_against_float32(out, baseline, ref, *, factor: float = 2.0, floor: float, cap: float) -> list[str]:
+    """The adapter gradients of `out` (the kernels) that are further from the float32 reference `ref` than
+    min(cap, max(floor, factor * the error of `baseline`, XLA in the same 16 bits)), one line each (empty: all
+    pass), every leaf named.
+
+    Judged against float32, not against the 16-bit XLA run: the two 16-bit runs round differently, and a gradient
+    that sums many rounded terms differs between them by both their errors. The cap keeps a kernel whose result is
+    wrong failing even where the 16-bit XLA run is itself far off."""
+    failures = []
+    got = jax.tree_util.tree_flatten_with_path(out)[0]
+    base, exact = jax.tree.leaves(baseline), jax.tree.leaves(ref)
+    assert len(got) == len(base) == len(exact)
+    for (path, g), b, e in zip(got, base, exact):
+        err, base_err = rel_err(g, e), rel_err(b, e)
+        allowed = min(cap, max(floor, factor * base_err))
+        if not err <= allowed:
+            failures.append(f"{jax.tree_util.keystr(path)}: {err:.4f} off float32 (allowed {allowed:.4f}; "
+                            f"XLA in 16 bits {base_err:.4f}, kernels vs XLA {rel_err(g, b):.4f})")
+    return failures
 
 
 class Block(nnx.Module):
