@@ -14,9 +14,9 @@ GEMMs (jax) or one Python call issues k (torch), so the ~0.03 ms host dispatch o
                        TileConfig.schedule="pingpong": each compute warpgroup owns whole 128 x 128 tiles, every other
                        one of the CTA's walk, so one's epilogue overlaps the other's main loop), 128-deep K steps
                        through a 4-stage ring, the tuned tile's grid walk, no cluster, through
-                       `kernel_sm90.scaled_matmul_nt` with the user's scales ((M,) / (N,) rowwise, (1,) tensorwise);
-                       not a default anywhere: chosen only by an explicit config
-  pallas:sm90_pingpong_s6  the same with a 6-stage ring (bf16 out: 192 KiB of ring beside the epilogue's staging)
+                       `kernel_sm90.scaled_matmul_nt` with the user's scales ((M,) / (N,) rowwise, (1,) tensorwise)
+  pallas:sm90_pingpong_s6  the same with a 6-stage ring (bf16 out: 192 KiB of ring beside the epilogue's staging):
+                       what the H200's tuning table gives tall GEMMs with K up to 4096 (`fp8_sm90.tall_pingpong`)
   pallas:sm90_pingpong_cluster  the 6-stage ring on 2-CTA clusters along the longer of M and N (the tile the
                        two CTAs share multicast), where the shape is a multiple of the cluster tile
   pallas:triton        our Triton-lowered kernel (the portable fallback)

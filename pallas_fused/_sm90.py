@@ -243,16 +243,7 @@ def _kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: in
 
             def store(acc):
                 """epilogue() of the warpgroup's fp32 tile, stored through SMEM."""
-                vecs = []
-                for i in range(len(vec_gmems)):
-                    if i in scalars:
-                        vecs.append(scalars[i])
-                        continue
-                    j = sliced.index(i)
-                    plgpu.barrier_wait(vec_barrier.at[2 * j + wg])
-                    vecs.append(_backend.mosaic_load(vec_smem[j].at[wg],
-                                                     layout=plgpu.Layout.WGMMA.reduce(1 if i < n_rows else 0))
-                                .astype(jnp.float32))
+                vecs = _epilogue_vecs(len(vec_gmems), n_rows, scalars, sliced, vec_smem, vec_barrier, wg)
                 out = epilogue(acc, vecs[:n_rows], vecs[n_rows:]).astype(out_dtype)
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                 slot = 0
@@ -357,6 +348,23 @@ def _kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: in
                                                     allocations=pipeline_allocs)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _epilogue_vecs(n_vecs: int, n_rows: int, scalars, sliced, vec_smem, vec_barrier, wg):
+    """The epilogue's row then column vectors for warpgroup `wg`'s tile: each a scalar read once (`scalars`), or the
+    warpgroup's slice in SMEM once its copy (vec_barrier[COMPUTE_WGS * j + wg] for the j-th of `sliced`) landed,
+    in the WGMMA layout along its axis."""
+    plgpu = _backend.mosaic_gpu()
+    vecs = []
+    for i in range(n_vecs):
+        if i in scalars:
+            vecs.append(scalars[i])
+            continue
+        j = sliced.index(i)
+        plgpu.barrier_wait(vec_barrier.at[COMPUTE_WGS * j + wg])
+        vecs.append(_backend.mosaic_load(vec_smem[j].at[wg], layout=plgpu.Layout.WGMMA.reduce(1 if i < n_rows else 0))
+                    .astype(jnp.float32))
+    return vecs
 
 
 def _pingpong_kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: int, epilogue: Epilogue,
@@ -492,16 +500,7 @@ def _pingpong_kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n
                 return carry
 
             def store(acc, row0, col0):
-                vecs = []
-                for i in range(len(vec_gmems)):
-                    if i in scalars:
-                        vecs.append(scalars[i])
-                        continue
-                    jv = sliced.index(i)
-                    plgpu.barrier_wait(vec_barrier.at[COMPUTE_WGS * jv + wg])
-                    vecs.append(_backend.mosaic_load(vec_smem[jv].at[wg],
-                                                     layout=plgpu.Layout.WGMMA.reduce(1 if i < n_rows else 0))
-                                .astype(jnp.float32))
+                vecs = _epilogue_vecs(len(vec_gmems), n_rows, scalars, sliced, vec_smem, vec_barrier, wg)
                 out = epilogue(acc, vecs[:n_rows], vecs[n_rows:]).astype(out_dtype)
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's stores have left out_smem
                 dst_tile = out_gmem.at[pl.ds(row0, tile_m), pl.ds(col0, tile_n)]
