@@ -215,10 +215,11 @@ def _sm90_tile(m, n, k, num_sms: int | None = None):
     dimension "tall_grid_minor_dim" (tuning data), if the table names one: on an H200, walking along M is up to 14%
     faster at the tall GEMMs of a Llama layer and at most 1% slower at any tall or square shape measured.
 
-    Where the table names a "tall_pingpong" tile, a tall GEMM (M >= N) with K at most its "max_k" and more tiles
-    than the small tile's threshold runs on the ping-pong schedule (`_sm90`'s TileConfig.schedule), each compute
-    warpgroup owning whole tiles so that one's epilogue overlaps the other's main loop: on an H200, 3-9% faster
-    than the cooperative tile at the Llama GEMMs 16384x2048x5504, 16384x2048x2048 and 16384x4096x11008."""
+    Where the table names a "tall_pingpong" tile, a tall GEMM (M >= N) with more tiles than the small tile's
+    threshold, and K at most its "max_k" or M at least its "long_k_min_m", runs on the ping-pong schedule (`_sm90`'s
+    TileConfig.schedule), each compute warpgroup owning whole tiles so that one's epilogue overlaps the other's main
+    loop: on an H200, 3-9% faster than the cooperative tile at the Llama GEMMs 16384x2048x5504, 16384x2048x2048 and
+    16384x4096x11008, 3-7% at 16384x11008x4096 and 16384^3, and 2-6% slower at 8192^3."""
     from pallas_fused.fp8 import kernel_sm90
 
     config, small, small_max_tiles_per_sm = kernel_sm90.tiles()
@@ -241,7 +242,7 @@ def _sm90_tile(m, n, k, num_sms: int | None = None):
         if small_fits:
             return small_fits[0]
     pingpong = table.get("tall_pingpong")
-    if m >= n and pingpong and k <= pingpong["max_k"]:
+    if m >= n and pingpong and (k <= pingpong["max_k"] or m >= pingpong.get("long_k_min_m", math.inf)):
         # Short K leaves the cooperative tile's epilogue a large share of each tile's time; the ping-pong
         # schedule hides it behind the other warpgroup's main loop. It walks the grid as the large tile would.
         config = kernel_sm90.TileConfig(**pingpong["tile"], grid_minor_dim=chosen.grid_minor_dim,

@@ -598,14 +598,16 @@ def h200_table(monkeypatch):
     (16384, 2048, 5504, "pingpong", 6),  # the example's tall GEMMs: K at most max_k
     (16384, 2048, 2048, "pingpong", 6),
     (16384, 4096, 11008, "pingpong", 6),
-    (16384, 8192, 4096, "cooperative", 4),  # K longer than max_k
+    (16384, 8192, 4096, "pingpong", 6),  # K longer than max_k, M at least long_k_min_m
+    (16384, 16384, 16384, "pingpong", 6),
+    (8192, 8192, 8192, "cooperative", 4),  # K longer than max_k, M under long_k_min_m
     (2048, 16384, 5504, "cooperative", 4),  # wide
     (1024, 2048, 1024, "cooperative", 4),  # few tiles: the small tile
 ])
 def test_sm90_tall_pingpong_rule(h200_table, monkeypatch, m, k, n, schedule, steps):
-    """The H200 table's "tall_pingpong" tile runs tall GEMMs (M >= N) with K at most its max_k on the ping-pong
-    schedule, walking the grid as the large tile would; the others, and every GEMM of a table without the entry,
-    keep the cooperative tiles."""
+    """The H200 table's "tall_pingpong" tile runs tall GEMMs (M >= N) with K at most its max_k, or M at least its
+    long_k_min_m, on the ping-pong schedule, walking the grid as the large tile would; the others, and every GEMM of
+    a table without the entry, keep the cooperative tiles."""
     from pallas_fused.fp8 import api, kernel_sm90
 
     config = api.sm90_config(m, n, k, num_sms=132)
