@@ -221,9 +221,12 @@ class Row:
 class Recorder:
     """Collects rows; turns bytes and FLOPs into rates and % of the measured ceilings."""
 
-    def __init__(self, ceilings: Ceilings):
+    def __init__(self, ceilings: Ceilings, on_row: Callable[[], None] | None = None):
         self.ceilings = ceilings
         self.rows: list[Row] = []
+        # Called after every row (the CLI writes the results file, at most every few seconds): a run killed in the
+        # middle of an op, where no exception handler runs, keeps what it measured.
+        self.on_row = on_row
 
     def add(self, op: str, case: str, impl: str, ms: float | None, *, nbytes: float | None = None,
             flops: float | None = None, matmul_ceiling: str = "bf16_tflops", **extra) -> Row:
@@ -247,6 +250,8 @@ class Recorder:
             rate += f" {row.tflops:7.1f} TFLOP/s"
         shown = f"{ms:8.4f} ms" if ms else "   failed"
         print(f"  {op:10s} {case:38s} {impl:30s} {shown} {rate}", flush=True)
+        if self.on_row:
+            self.on_row()
         return row
 
     def measure(self, op: str, case: str, impl: str, timing: Callable[[], float], **kw) -> Row:
@@ -305,8 +310,10 @@ def device_slug() -> str:
     return "".join(ch if ch.isalnum() else "_" for ch in name.lower()).strip("_")
 
 
-def write_results(rec: Recorder, ops: list[str], out_dir: str | os.PathLike | None = None) -> Path:
-    """Merge this run's rows into results/<device>.json (rows it did not measure again are kept)."""
+def write_results(rec: Recorder, ops: list[str], out_dir: str | os.PathLike | None = None, *,
+                  plot: bool = True) -> Path:
+    """Merge this run's rows into results/<device>.json (rows it did not measure again are kept); `plot`: redraw
+    results/<device>.png too."""
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     path = RESULTS_DIR / f"{device_slug()}.json"
     old = json.loads(path.read_text()) if path.exists() else {"rows": []}
@@ -325,8 +332,12 @@ def write_results(rec: Recorder, ops: list[str], out_dir: str | os.PathLike | No
         "runs": runs,
         "rows": kept + [{**asdict(r), "run": run["date"]} for r in rec.rows],
     }
-    path.write_text(json.dumps(doc, indent=1))
-    plot_results(doc, path.with_suffix(".png"))
+    # Written whole under another name, then renamed: a run killed while writing leaves the previous file intact.
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(doc, indent=1))
+    tmp.replace(path)
+    if plot:
+        plot_results(doc, path.with_suffix(".png"))
     if out_dir:
         Path(out_dir).mkdir(parents=True, exist_ok=True)
         for p in (path, path.with_suffix(".png")):

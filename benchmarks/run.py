@@ -18,6 +18,8 @@ import traceback
 import benchmarks
 from benchmarks.common import Ceilings, Recorder, write_results
 
+ROW_WRITE_INTERVAL_S = 5.0
+
 
 def _interrupt(signum, frame):
     raise KeyboardInterrupt
@@ -47,8 +49,16 @@ def main(argv: list[str] | None = None) -> int:
     ceilings = Ceilings.measure(quick=args.quick)
     print(f"  HBM {ceilings.hbm_gbps:.0f} GB/s, bf16 {ceilings.bf16_tflops:.0f} TFLOP/s, "
           f"tf32 {ceilings.tf32_tflops:.0f} TFLOP/s", flush=True)
-    rec = Recorder(ceilings)
     failed, started = [], []
+    last_write = [time.monotonic()]
+
+    def write_now():
+        # Every row is on disk within a few seconds of being measured, without rewriting the file for each row.
+        if started and time.monotonic() - last_write[0] >= ROW_WRITE_INTERVAL_S:
+            write_results(rec, started, args.out, plot=False)
+            last_write[0] = time.monotonic()
+
+    rec = Recorder(ceilings, on_row=write_now)
     # `timeout` sends SIGTERM: turn it into an exception so what was measured is still written.
     signal.signal(signal.SIGTERM, _interrupt)
     try:

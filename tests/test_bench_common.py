@@ -47,3 +47,38 @@ def test_interleaved_every_candidate_takes_every_place():
     places = {name: sorted(timed[r * 4:(r + 1) * 4].index(name) for r in range(4)) for name in names}
     assert places == dict.fromkeys(names, [0, 1, 2, 3])
     assert len(synced) == 1 + 4  # the warm-up and one wait per round, for "d" alone
+
+
+def test_rows_on_disk_before_an_op_ends(tmp_path, monkeypatch):
+    """The CLI writes the results file as rows arrive: an op killed in its middle (here a SystemExit, which no
+    handler of the CLI catches, as a SIGKILL or a call's time limit would end it) leaves its earlier rows on disk,
+    and rows of record from other runs stay."""
+    import json
+    import sys
+    import types
+
+    from benchmarks import common, run
+    from benchmarks.common import Ceilings
+
+    monkeypatch.setattr(common, "RESULTS_DIR", tmp_path)
+    monkeypatch.setattr(run, "ROW_WRITE_INTERVAL_S", 0.0)
+    monkeypatch.setattr(run.Ceilings, "measure", classmethod(lambda cls, quick=False: Ceilings(1.0, 1.0, 1.0)))
+    monkeypatch.setattr(run, "available_ops", lambda: ["killed"])
+    path = tmp_path / f"{common.device_slug()}.json"
+    path.write_text(json.dumps({"runs": [{"date": "earlier"}],
+                                "rows": [{"op": "other", "case": "c", "impl": "i", "ms": 1.0, "run": "earlier"}]}))
+
+    def body(rec, quick):
+        rec.add("killed", "case", "first", 1.0)
+        rec.add("killed", "case", "second", 2.0)
+        raise SystemExit("killed mid-op")
+
+    monkeypatch.setitem(sys.modules, "benchmarks.bench_killed", types.SimpleNamespace(run=body))
+    try:
+        run.main(["killed"])
+    except SystemExit:
+        pass
+    doc = json.loads(path.read_text())
+    assert {(r["op"], r["impl"]) for r in doc["rows"]} == {("other", "i"), ("killed", "first"), ("killed", "second")}
+    assert {r["date"] for r in doc["runs"]} >= {"earlier"}
+    assert not list(tmp_path.glob("*.tmp"))
