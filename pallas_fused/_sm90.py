@@ -27,9 +27,12 @@ scales step s - 1 loaded and carried, then runs beside step s's wgmma. The last 
 stage released after the loop. Stages are released by hand (manual consumed barriers) one step late, and the last
 one too before the tile ends, so the memory warpgroup refills no stage a wgmma may still read (the pipeline's own
 BlockSpec.delay_release never releases a run's last stage, which the next tile's first loads then overwrite
-without waiting). The accumulators are re-zeroed by a store, which the interpret mode runs as a plain ref write
-(`_backend.zero_accumulator`). Three fp32 tiles per warpgroup (two step accumulators and the sum) fit the
-64 x 128 tile; at 128 x 128 two already spill.
+without waiting). A release follows a proxy fence (commit_smem): the stage's scales were read by plain loads and
+its refill is a TMA write, which the fence orders after them (the interpret mode's race detector flags the
+unfenced order, which the other promotion schedules keep). The accumulators are re-zeroed by a store, which the
+interpret mode runs as a plain ref write (`_backend.zero_accumulator`). Three fp32 tiles per warpgroup (two step
+accumulators and the sum) are meant for the 64 x 128 tile: 192 of a compute thread's 232 registers (at 128 x 128
+two tiles already spill).
 
 A dequantisation (optional: `a_dequant`, for quantised weights; QDoRA uses it): a arrives by TMA in its stored dtype
 (int8 / uint8: half the bytes of bf16 through HBM and the SMEM ring), and each compute warpgroup loads its slice of
@@ -355,6 +358,9 @@ def _kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: in
 
             def release_step(kk):
                 """Releases K step kk's SMEM stage (by hand: the overlapped promotion's stages are released late)."""
+                # The stage's scales were read by plain loads (the generic proxy) and its refill is a TMA write (the
+                # async proxy): a proxy fence orders the reads before it (Mosaic GPU's interpret mode checks it).
+                plgpu.commit_smem()
                 slot = lax.rem(kk, stages)
                 for barrier in _backend.consumed_barriers(pipeline_allocs):
                     plgpu.barrier_arrive(barrier.at[slot])
