@@ -372,6 +372,37 @@ def test_gpu_kernel_promotion(b_block):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("b_block", [(128, 128), (1, 128)], ids=["weight_blocks", "token_tiles"])
+def test_gpu_kernel_promote_overlap(b_block):
+    """The overlapped promotion (TileConfig.promote_overlap: each K step's product promoted while the next step's
+    wgmma runs, its stage released a step late) on the tuned tile and on 128 x 64 split along N, 1024 x 2048 x 1024
+    (16 K steps through the ring, several output tiles per SM), the block heights passed and not, against the exact
+    product; and against the schedule without it, which sums the same step products in the same order (up to how
+    the compiler fuses each promotion's multiply and add)."""
+    _hopper()
+    from pallas_fused import _sm90
+    from pallas_fused.fp8 import api, kernel_sm90
+
+    m, k, n = 1024, 2048, 1024
+    a8, sa, b8, sb = _blockwise_operands(44, m, n, k, b_block)
+    want = ref.blockwise_scaled_matmul_nt_reference(a8, b8, sa, sb, (1, 128), b_block, out_dtype=jnp.float32)
+    sa_t = api._step_scales(api._Operand(a8, sa.T, block=(1, 128)), k)
+    sb_t = api._step_scales(api._Operand(b8, sb.T, block=b_block), k)
+    tuned = kernel_sm90.blockwise_tile(m, n, jnp.bfloat16)
+    other = kernel_sm90.blockwise_config(_sm90.TileConfig(tile_m=128, tile_n=64, max_concurrent_steps=4),
+                                         jnp.bfloat16)
+    for base, rows in itertools.product((tuned, other), ((1, 1), (1, b_block[0]))):
+        outs = []
+        for overlap in (True, False):
+            cfg = dataclasses.replace(base, promote_overlap=overlap)
+            outs.append(jax.jit(functools.partial(kernel_sm90.blockwise_matmul_nt, out_dtype=jnp.float32, config=cfg,
+                                                  scale_rows=rows))(a8, b8, sa_t, sb_t))
+        assert sqnr(outs[0], want) >= 40, (base, rows, sqnr(outs[0], want))
+        got, plain = np.asarray(outs[0]), np.asarray(outs[1])
+        np.testing.assert_allclose(got, plain, rtol=1e-6, atol=1e-6 * float(np.abs(plain).max()))
+
+
+@pytest.mark.gpu
 def test_gpu_kernel_exact_on_small_ints():
     """Small integers times power-of-2 per-tile scales: each K block's wgmma product is exact, so the kernel's
     result equals the exact one up to the rounding of the fp32 sum over blocks."""
