@@ -69,7 +69,15 @@ def float32_reference(module, rules, params, inputs, targets):
         return loss_and_adapter_grads(lmodel, up, inputs, targets)
 
 
-def grads_against_float32(out, baseline, ref, *, factor: float = 2.0, floor: float, cap: float) -> list[str]:
+# Adapter gradients, relative error against float32: bf16 XLA is 0.5-2.3% off per leaf on the HF Llama of these
+# tests (on the CPU; the kernels in interpret mode 0.4-2.3%, at most 1.8x XLA's error on the same leaf), so a kernel
+# may be twice XLA's error, 2% at least; 6% at most, so that a wrong kernel fails even where XLA's own bf16 run is
+# far off.
+GRAD_FACTOR, GRAD_FLOOR, GRAD_CAP = 2.0, 2e-2, 6e-2
+
+
+def grads_against_float32(out, baseline, ref, *, factor: float = GRAD_FACTOR, floor: float = GRAD_FLOOR,
+                          cap: float = GRAD_CAP) -> list[str]:
     """The adapter gradients of `out` (the kernels) that are further from the float32 reference `ref` than
     min(cap, max(floor, factor * the error of `baseline`, XLA in the same 16 bits)), one line each (empty: all
     pass), every leaf named.
