@@ -4,7 +4,8 @@ Everything that differs between the jax versions we run on (0.10 and 0.12 in CPU
 lives here, as does the one selector of implementation that every public op takes:
 
     implementation=None                 "pallas" on a CUDA GPU of compute capability >= 8.0 (8.9 for FP8),
-                                        else "xla"
+                                        else "xla" (and "xla" for the ops in HELD_BACK on the jax versions
+                                        it names)
     implementation="xla"                the plain-jnp reference, compiled by XLA (runs anywhere)
     implementation="pallas"             the op's Pallas kernels, compiled for the GPU (an error without one);
                                         where an op has several variants, its own rule picks one per call
@@ -71,6 +72,30 @@ JAX_011 = JAX_VERSION >= (0, 11)
 
 class ImplementationError(ValueError):
     """An implementation was requested that cannot run in this process."""
+
+
+# Ops whose default stays on XLA from a jax version on: op -> (first jax version, why). On an H200 with jax 0.12,
+# HF's Flax Llama with adapters on q, k and v got adapter gradients 30% to 20x away from the same model in float32
+# through these ops' Pallas paths (the LoRA and DoRA Mosaic GPU GEMMs, and QDoRA NF4's Triton passes with cuBLAS),
+# while XLA's were within 1.5%; every op alone matches its reference there, and jax 0.11.2 passes the same check.
+# `implementation=None` runs XLA there; "pallas" still runs the kernels, with a warning.
+HELD_BACK = {
+    op: ((0, 12), "adapter gradients measured wrong inside a model on jax 0.12 GPUs (docs/gpu_tests.md)")
+    for op in ("lora_dense", "dora_dense")
+}
+_warned_held_back: set[str] = set()
+
+
+def _held_back(op: str) -> str | None:
+    """Why `op`'s Pallas path is held back on this jax version (warned once per op), or None."""
+    since, why = HELD_BACK.get(op, ((10**6,), ""))
+    if JAX_VERSION < since:
+        return None
+    if op not in _warned_held_back:
+        _warned_held_back.add(op)
+        warnings.warn(f"{op}: on jax {jax.__version__} the default implementation is 'xla': {why}; "
+                      f"implementation='pallas' runs the kernels anyway", RuntimeWarning, stacklevel=4)
+    return why
 
 
 @functools.cache
@@ -238,7 +263,7 @@ def resolve_implementation(implementation: str | None, *, op: str, needs: tuple[
     variants = variants or {}
     if implementation is None:
         cc = compute_capability()
-        return "pallas" if cc is not None and cc >= needs else "xla"
+        return "pallas" if cc is not None and cc >= needs and _held_back(op) is None else "xla"
     base, variant = split_implementation(implementation) if isinstance(implementation, str) else ("", None)
     entry = variants.get(f"pallas:{variant}") if variant else None
     known = implementation in IMPLEMENTATIONS or (entry is not None and base == "pallas")
@@ -257,6 +282,7 @@ def resolve_implementation(implementation: str | None, *, op: str, needs: tuple[
                 f"{op}: implementation={implementation!r} needs jax >= {'.'.join(map(str, entry.min_jax))}, this is "
                 f"jax {jax.__version__}. Use 'pallas' (the Triton kernels).")
         _check_gpu(op, implementation, entry.needs if entry is not None else needs)
+        _held_back(op)
     return implementation
 
 

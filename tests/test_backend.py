@@ -1,3 +1,5 @@
+import warnings
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,6 +21,25 @@ def test_explicit_pallas_without_gpu_raises_naming_the_op():
         pytest.skip("a GPU is present")
     with pytest.raises(_backend.ImplementationError, match="my_op: implementation='pallas' needs a CUDA GPU"):
         _backend.resolve_implementation("pallas", op="my_op")
+
+
+@pytest.mark.parametrize("version, default", [((0, 11, 2), "pallas"), ((0, 12, 0), "xla")])
+def test_held_back_ops_default_to_xla_from_their_jax_version(monkeypatch, version, default):
+    monkeypatch.setattr(_backend, "compute_capability", lambda: (9, 0))
+    monkeypatch.setattr(_backend, "JAX_VERSION", version)
+    monkeypatch.setattr(_backend, "_warned_held_back", set())
+    for op in ("lora_dense", "dora_dense"):
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            assert _backend.resolve_implementation(None, op=op) == default
+            # an explicit "pallas" still runs the kernels, warned once per op and process
+            assert _backend.resolve_implementation("pallas", op=op) == "pallas"
+        held = [str(w.message) for w in seen if issubclass(w.category, RuntimeWarning)]
+        assert held == ([] if default == "pallas" else [f"{op}: on jax {jax.__version__} the default implementation "
+                                                         f"is 'xla': {_backend.HELD_BACK[op][1]}; "
+                                                         f"implementation='pallas' runs the kernels anyway"])
+    # other ops keep the Pallas default on every version
+    assert _backend.resolve_implementation(None, op="rms_norm") == "pallas"
 
 
 def test_unknown_implementation_raises():

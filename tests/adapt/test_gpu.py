@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from pallas_fused import adapt
+from pallas_fused import _backend, adapt
 from tests.adapt._models import (
     GRAD_CAP,
     adapted_params,
@@ -41,8 +41,14 @@ def _llama(seq: int = 256):
     return hf.module, jax.tree.map(lambda x: x.astype(jnp.bfloat16), hf.params), inputs, ids[:, 1:]
 
 
+# On jax 0.12 the adapters' Pallas paths are held back from the default (`_backend.HELD_BACK`): this check fails
+# there. Strict, so that the day it passes says the hold can go.
+HELD_BACK = pytest.mark.xfail(_backend.JAX_VERSION >= _backend.HELD_BACK["lora_dense"][0], strict=True,
+                              reason=_backend.HELD_BACK["lora_dense"][1])
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("kind", list(CASES))
+@pytest.mark.parametrize("kind", [pytest.param(k, marks=() if k == "fp8_rowwise" else HELD_BACK) for k in CASES])
 def test_gpu_kernels_match_xla(kind):
     module, pretrained, inputs, targets = _llama()
     results = {}
