@@ -34,10 +34,6 @@ example's shapes, TFLOP/s as above:
   pallas:sm90_blockwise  our Mosaic GPU kernel with per-K-block promotion, through the private `_mm_nt_blockwise`
                        (operands K-major, scales as its per-K-step rows); sqnr_vs_bf16 = SQNR in dB of the output
                        against the fp32 product of the bf16 inputs
-  pallas:sm90_blockwise_overlap  a candidate, not a default: the same kernel and tile with
-                       TileConfig.promote_overlap (each K step's promotion overlapped with the next step's wgmma),
-                       called as `_mm_nt_blockwise` calls the kernel; where a jax cannot run the option its error
-                       is the row
   pallas:sm90_rowwise    our rowwise kernel on the same inputs (its sqnr_vs_bf16 beside it)
   xla:blockwise        our reference: the exact fp32 product of the dequantized operands (what the recipe runs
                        off Hopper)
@@ -58,7 +54,6 @@ FP8_SHAPES (comma-separated M x K x N, e.g. 2048x16384x512) runs the matmul sect
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 import os
@@ -328,16 +323,8 @@ def _blockwise(rec, quick):
         # The weight's 128 x 128 blocks: one scale covers 128 rows of bt, as fp8_linear tells the kernel.
         ours = functools.partial(api._mm_nt_blockwise, out_dtype=jnp.bfloat16, scale_rows=(act[0], wblock[0]))
         rowwise = functools.partial(api._mm_nt, out_dtype=jnp.bfloat16, fast_accum=True, impl="pallas:sm90")
-        tuned = kernel_sm90.blockwise_tile(m, n, jnp.bfloat16)
-        tile = str(tuned)
-        # The candidate: the tuned tile with the promotion overlapped; the shapes are tile multiples, so this is
-        # the launch `_mm_nt_blockwise` makes (no padding), with the same scale_rows.
-        overlap_tile = dataclasses.replace(tuned, promote_overlap=True)
-        overlap = functools.partial(kernel_sm90.blockwise_matmul_nt, out_dtype=jnp.bfloat16, config=overlap_tile,
-                                    scale_rows=(act[0], wblock[0]))
+        tile = str(kernel_sm90.blockwise_tile(m, n, jnp.bfloat16))
         for impl, fn, sets, extra in (("pallas:sm90_blockwise", ours, kernel_sets, dict(tile=tile)),
-                                      ("pallas:sm90_blockwise_overlap", overlap, kernel_sets,
-                                       dict(tile=str(overlap_tile))),
                                       ("pallas:sm90_rowwise", rowwise, row_sets, {})):
             try:
                 extra = dict(extra, sqnr_vs_bf16=_sqnr(jax.jit(fn)(*sets[0]), exact))

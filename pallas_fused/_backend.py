@@ -352,32 +352,6 @@ def mosaic_load(ref, *, layout):
     return plgpu.load(ref, layout=layout)
 
 
-def consumed_barriers(allocations) -> list:
-    """The "consumed" barriers (one array per input, a barrier per ring stage) of a warp-specialized pipeline run
-    with manual_consumed_barriers, from the allocations its `get_allocations` made: a kernel that releases a stage
-    other than the current step's arrives on them itself. jax 0.10 to 0.12 name them as read here."""
-    try:
-        return list(allocations["flat_consumed_barrier_refs"])
-    except (KeyError, TypeError):
-        raise ImplementationError(
-            "the pipeline's allocations name no consumed barriers ('flat_consumed_barrier_refs', as in jax 0.10 to "
-            f"0.12): on this jax {jax.__version__} a ring stage cannot be released late "
-            "(TileConfig.promote_overlap)") from None
-
-
-def zero_accumulator(acc_ref, *, interpret: bool) -> None:
-    """Sets a wgmma accumulator ref to zeros. Compiled, that is the accumulator's own store (which fences it for
-    the next wgmma); Mosaic GPU's interpret mode has no rule for that store but keeps an accumulator as a plain
-    buffer, so there it is a plain ref write."""
-    zeros = jax.numpy.zeros(acc_ref.shape, acc_ref.dtype)
-    if interpret:
-        from jax._src.state import primitives as state_primitives
-
-        state_primitives.ref_set(acc_ref, (), zeros)
-    else:
-        acc_ref[...] = zeros
-
-
 def mosaic_rcp_rn(v, *, layout):
     """1 / v, correctly rounded (PTX rcp.rn.f32), of an fp32 Mosaic GPU array in `layout`: Mosaic GPU's own fp32
     division is not correctly rounded. Through Mosaic GPU's own arrays (`plgpu.inline_mgpu`), which its interpret

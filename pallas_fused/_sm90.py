@@ -17,23 +17,6 @@ step's SMEM stage is released is tuning data (TileConfig.early_release). A step 
 allocation (zeroed, as wgmma accumulates onto it) and the sum a loop carry, so the path runs in Mosaic GPU's
 interpret mode too (it cannot run a re-zeroing store into an accumulator ref).
 
-Overlapped promotion (TileConfig.promote_overlap, not a default until it is measured on a GPU): in the schedule
-above the tensor cores idle while a warpgroup promotes. With the option each compute warpgroup holds two step
-accumulators for the whole tile and takes them in turn (even K steps one, odd steps the other): K step s issues its
-wgmma into its zeroed accumulator, loads its own scales while that runs, waits until only that wgmma is in flight
-(wgmma_accumulator_load(wait_n=1)), which makes step s - 1's product final, releases step s - 1's SMEM stage (its
-wgmma has read it) and zeroes that accumulator for step s + 1; the promotion of step s - 1's product, with the
-scales step s - 1 loaded and carried, then runs beside step s's wgmma. The last step's product is promoted and its
-stage released after the loop. Stages are released by hand (manual consumed barriers) one step late, and the last
-one too before the tile ends, so the memory warpgroup refills no stage a wgmma may still read (the pipeline's own
-BlockSpec.delay_release never releases a run's last stage, which the next tile's first loads then overwrite
-without waiting). A release follows a proxy fence (commit_smem): the stage's scales were read by plain loads and
-its refill is a TMA write, which the fence orders after them (the interpret mode's race detector flags the
-unfenced order, which the other promotion schedules keep). The accumulators are re-zeroed by a store, which the
-interpret mode runs as a plain ref write (`_backend.zero_accumulator`). Three fp32 tiles per warpgroup (two step
-accumulators and the sum) are meant for the 64 x 128 tile: 192 of a compute thread's 232 registers (at 128 x 128
-two tiles already spill).
-
 A dequantisation (optional: `a_dequant`, for quantised weights; QDoRA uses it): a arrives by TMA in its stored dtype
 (int8 / uint8: half the bytes of bf16 through HBM and the SMEM ring), and each compute warpgroup loads its slice of
 the step's a tile into registers, converts it to b's 16-bit dtype there, a_dequant(stored tile), and feeds it to
@@ -109,12 +92,6 @@ class TileConfig:
     # Used only with `promote`: release a K step's SMEM stage as soon as its wgmma is done, before the promotion
     # (the memory warpgroup refills it meanwhile), instead of after the step's body.
     early_release: bool = False
-    # Used only with `promote` (and then required: max_concurrent_steps >= 2): promote K step s while step s + 1's
-    # wgmma runs, instead of with the tensor cores idle. Two step accumulators taken in turn, one wgmma kept in
-    # flight, each stage released one step late, once the wgmma that read it is known done (early_release does
-    # not apply). Three fp32 tiles of registers per thread (two step accumulators and the sum): meant for 64 x 128
-    # per warpgroup; not a default until measured (module docstring).
-    promote_overlap: bool = False
     # Two CTAs of a cluster side by side along "m" (they share b's tile) or "n" (they share a's): the shared tile
     # is loaded once per cluster and multicast into both CTAs' shared memory, halving its trips through L2.
     cluster: str | None = None
@@ -158,7 +135,7 @@ COMPUTE_WGS = 2  # compute warpgroups per CTA; the pipeline adds one memory warp
 
 def _kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: int, n_vecs: int, n_step_rows: int,
             epilogue: Epilogue, promote: Promote | None, uniform_steps: tuple[bool, bool], a_dequant: Dequant | None,
-            lowrank: bool, transpose_out: bool, interpret: bool = False):
+            lowrank: bool, transpose_out: bool):
     plgpu = _backend.mosaic_gpu()
     *vec_gmems, out_gmem = refs
     la_gmem = lb_gmem = None
@@ -182,11 +159,7 @@ def _kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: in
     out_transforms = _smem_transforms(plgpu, epi, out_dtype)
     split_m = config.wg_split == "m"
     minor = 1 if config.grid_minor_dim == "n" else 0  # planar_snake's minor_dim: 0 = M, 1 = N
-    overlap = config.promote_overlap and promote is not None
-    early = config.early_release and promote is not None and not overlap
-    # The ring depth the pipeline runs (it shrinks the ring to the step count): the overlapped promotion releases
-    # its stages by hand.
-    stages = min(config.max_concurrent_steps, k_iters)
+    early = config.early_release and promote is not None
     smem_spec = functools.partial(plgpu.BlockSpec, memory_space=plgpu.SMEM)
     # The operand both CTAs of a cluster read is one collective (multicast) load.
     a_shared = dict(collective_axes=("cluster",)) if config.cluster == "n" else {}
@@ -212,7 +185,7 @@ def _kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: in
             num_compute_wgs=COMPUTE_WGS,
             max_concurrent_steps=config.max_concurrent_steps,
             compute_context=compute_context,
-            manual_consumed_barriers=early or overlap,
+            manual_consumed_barriers=early,
         )
 
     ignore = lambda *_, **__: None  # noqa: E731 - the bodies do not change the allocations
@@ -328,21 +301,6 @@ def _kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: in
                             plgpu.wgmma_wait(0)
                             plgpu.barrier_arrive(shared_free)
                         store(acc_ref[...])
-                elif overlap:
-                    acc = plgpu.ACC((tile_m, tile_n), jnp.float32)
-
-                    @functools.partial(pl.run_scoped, even=acc, odd=acc)
-                    def _overlap_scope(even, odd):
-                        # Step -1's "product" is the odd accumulator's zeros: promoted with zero scales it adds 0.
-                        rows = [jnp.float32(0) if uniform_steps[0] else jnp.zeros((tile_m,), jnp.float32)
-                                for _ in range(n_step_rows)]
-                        cols = [jnp.float32(0) if uniform_steps[1] else jnp.zeros((tile_n,), jnp.float32)
-                                for _ in range(len(step_gmems) - n_step_rows)]
-                        _, total, scales = eval_pipeline(((even, odd), jnp.zeros((tile_m, tile_n), jnp.float32),
-                                                          (rows, cols)))
-                        product = (even, odd)[(k_iters - 1) % 2][...]  # waits for the last step's wgmma
-                        release_step(k_iters - 1)
-                        store(total + promote(product, *scales))
                 else:
                     store(eval_pipeline(jnp.zeros((tile_m, tile_n), jnp.float32)))
 
@@ -356,16 +314,7 @@ def _kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: in
                         for v in step_smems[n_step_rows:]]
                 return [r.astype(jnp.float32) for r in rows], [c.astype(jnp.float32) for c in cols]
 
-            def release_step(kk):
-                """Releases K step kk's SMEM stage (by hand: the overlapped promotion's stages are released late)."""
-                # The stage's scales were read by plain loads (the generic proxy) and its refill is a TMA write (the
-                # async proxy): a proxy fence orders the reads before it (Mosaic GPU's interpret mode checks it).
-                plgpu.commit_smem()
-                slot = lax.rem(kk, stages)
-                for barrier in _backend.consumed_barriers(pipeline_allocs):
-                    plgpu.barrier_arrive(barrier.at[slot])
-
-            def mma_body(idx, a_smem, b_smem, *rest):
+            def mma_body(_, a_smem, b_smem, *rest):
                 step_smems, consumed, carry = rest[:len(step_gmems)], rest[len(step_gmems):-1], rest[-1]
                 b_wg = b_smem.at[wg_n] if b_layout == "nk" else b_smem.at[:, wg_n]
                 b_tile = b_wg.transpose((1, 0)) if b_layout == "nk" else b_wg
@@ -378,31 +327,6 @@ def _kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: in
                     plgpu.wgmma(carry, a_tile, b_tile)
                     plgpu.wgmma_wait(0)
                     return carry
-
-                if overlap:
-                    (even, odd), total, last_scales = carry
-                    (kk,) = idx
-
-                    def issue(acc, last):
-                        """This step's wgmma into `acc` (zeroed) and the last step's product, from `last`."""
-                        plgpu.wgmma(acc, a_tile, b_tile)
-                        scales = step_scales(step_smems)  # loaded while the wgmma runs
-                        # Waits until this step's wgmma alone is in flight: the last step's is done.
-                        product = plgpu.wgmma_accumulator_load(last, wait_n=1)
-                        _backend.zero_accumulator(last, interpret=interpret)  # the next step accumulates onto it
-                        return product, scales
-
-                    # Even steps issue into one accumulator, odd steps into the other: which one is static in
-                    # each branch, so no accumulator changes registers while its wgmma is in flight.
-                    product, scales = lax.cond(lax.rem(kk, 2) == 0, lambda: issue(even, odd),
-                                               lambda: issue(odd, even))
-
-                    @pl.when(kk > 0)
-                    def _():  # the last step's wgmma has read its stage
-                        release_step(kk - 1)
-
-                    # The last step's product promoted while this step's wgmma runs.
-                    return (even, odd), total + promote(product, *last_scales), scales
 
                 def release():  # the stage's tiles are no longer read: its scales are in registers
                     for barrier in consumed:
@@ -683,13 +607,6 @@ def matmul(a, b, *, b_layout: str, row_vecs: Sequence[jax.Array] = (), col_vecs:
             if v.shape not in ((want,), (1,)):
                 raise ValueError(f"{name}: each of {kind} must have shape ({'M' if want == m else 'N'},) = ({want},) "
                                  f"or (1,), got {v.shape}")
-    if config.promote_overlap:
-        if promote is None:
-            raise ValueError(f"{name}: config.promote_overlap overlaps the per-K-step promotion: it needs promote")
-        if config.max_concurrent_steps < 2:
-            # A stage is released a step late: the next step's tiles must already have a stage of their own.
-            raise ValueError(f"{name}: config.promote_overlap needs max_concurrent_steps >= 2, got "
-                             f"{config.max_concurrent_steps}")
     if (step_row_vecs or step_col_vecs) and promote is None:
         raise ValueError(f"{name}: step_row_vecs / step_col_vecs need a promote function")
     for kind, vecs, want in (("step_row_vecs", step_row_vecs, m), ("step_col_vecs", step_col_vecs, n)):
@@ -724,7 +641,7 @@ def matmul(a, b, *, b_layout: str, row_vecs: Sequence[jax.Array] = (), col_vecs:
             return
         _kernel(*refs, config=config, b_layout=b_layout, n_rows=len(row_vecs), n_vecs=len(row_vecs) + len(col_vecs),
                 n_step_rows=len(step_row_vecs), epilogue=epilogue, promote=promote, uniform_steps=uniform_steps,
-                a_dequant=a_dequant, lowrank=lowrank is not None, transpose_out=transpose_out, interpret=interpret)
+                a_dequant=a_dequant, lowrank=lowrank is not None, transpose_out=transpose_out)
 
     body.__name__ = body.__qualname__ = name  # the kernel's name in profiles
     # One CTA per SM; with a cluster the grid counts clusters (of two CTAs, on two SMs).

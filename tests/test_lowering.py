@@ -235,28 +235,6 @@ def test_blockwise_gemm_promotion():
             assert sum(found.count(t) for t in MOSAIC) == 1, (config, rows, found)
 
 
-def test_blockwise_gemm_promote_overlap():
-    """The blockwise GEMM's overlapped promotion (TileConfig.promote_overlap: two step accumulators taken in turn
-    under a cond on the step's parity, one wgmma left in flight, each stage released by hand a step late) at the
-    tuned tile (64 x 128 split along M, early_release set) and 128 x 64 split along N, each scale read, 4 stages and
-    2 (the fewest it takes), and on a 2-CTA cluster: Mosaic GPU's layout inference and dialect lowering run here."""
-    from pallas_fused import _sm90
-    from pallas_fused.fp8 import kernel_sm90
-
-    a = jax.ShapeDtypeStruct((1024, 512), jnp.float8_e4m3fn)
-    scales = jax.ShapeDtypeStruct((4, 1024), jnp.float32)
-    with _backend.gpu_target((9, 0)):
-        tiles = (dict(tile_m=64, tile_n=128, wg_split="m", early_release=True), dict(tile_m=128, tile_n=64))
-        configs = [_sm90.TileConfig(**tile, max_concurrent_steps=stages, promote_overlap=True)
-                   for tile, stages in itertools.product(tiles, (4, 2))]
-        configs.append(_sm90.TileConfig(tile_m=64, wg_split="m", cluster="m", promote_overlap=True))
-        for config, rows in itertools.product(configs, ((1, 1), (1, 128), (128, 128))):
-            fn = functools.partial(kernel_sm90.blockwise_matmul_nt, out_dtype=jnp.bfloat16, config=config,
-                                   scale_rows=rows)
-            found = kernels(fn, a, a, scales, scales)
-            assert sum(found.count(t) for t in MOSAIC) == 1, (config, rows, found)
-
-
 @pytest.mark.parametrize("cluster", ["m", "n", None])
 def test_sm90_cluster(cluster):
     """The sm90 skeleton with a 2-CTA cluster (the shared operand tile one multicast TMA load) or without, at the

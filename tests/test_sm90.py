@@ -106,58 +106,6 @@ def test_promote_blockwise(tile_n, split, uniform, early):
     np.testing.assert_allclose(to64(out), want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
 
 
-@pytest.fixture
-def race_checked(monkeypatch):
-    """Interpret mode with its happens-before race detector, raising at the first race: a ring stage refilled
-    before its warpgroup has read it, an epilogue slot overwritten while its store reads it."""
-    plgpu = _backend.mosaic_gpu()
-    monkeypatch.setattr(_backend, "mosaic_interpret", lambda what: plgpu.InterpretGPUParams(detect_races=True))
-
-
-@needs_interpret
-@pytest.mark.parametrize("k", [128, 256, 640], ids=["1_step", "2_steps", "5_steps"])
-@pytest.mark.parametrize("tile_n,split,uniform,early,cluster", [
-    (128, "m", (True, True), True, None), (64, "n", (False, False), False, None), (64, "m", (False, True), True, "n")])
-def test_promote_overlap(race_checked, k, tile_n, split, uniform, early, cluster):
-    """The overlapped promotion (TileConfig.promote_overlap), race-checked: each K step's product promoted with its
-    own step's scales while the next step's wgmma runs, the two step accumulators taken in turn, each stage released
-    a step late and the last one after the loop: 1 K step (the ring shrinks to one stage), 2 (fewer than the
-    3-stage ring: the last product in the odd accumulator) and 5 (the ring wraps; the last in the even one), over
-    several output tiles per CTA (each a new pipeline run over the same barriers), both warpgroup splits, scales
-    read as vectors or one scalar per warpgroup tile, the tuned tile's early_release set (it does not apply) or
-    not, and on a 2-CTA cluster (its stages released to both CTAs)."""
-    config = _sm90.TileConfig(tile_m=64, tile_n=tile_n, tile_k=128, max_concurrent_steps=3, wg_split=split,
-                              early_release=early, cluster=cluster, promote_overlap=True)
-    (a, bt, sa, sb), want = _blockwise_operands(256, k, 256)
-    out = _sm90.matmul(a, bt, b_layout="nk", step_row_vecs=(sa,), step_col_vecs=(sb,), uniform_steps=uniform,
-                       promote=fp8_sm90._promote_blocks, epilogue=fp8_sm90._identity, out_dtype=jnp.float32,
-                       config=config, name="test_promote_overlap", interpret=True)
-    np.testing.assert_allclose(to64(out), want, rtol=1e-6, atol=1e-6 * np.abs(want).max())
-
-
-@pytest.mark.parametrize("change, kwargs, match", [
-    (dict(promote_overlap=True), {}, "promote_overlap overlaps the per-K-step promotion: it needs promote"),
-    (dict(promote_overlap=True, max_concurrent_steps=1), dict(promote=fp8_sm90._promote_blocks),
-     "promote_overlap needs max_concurrent_steps >= 2"),
-])
-def test_promote_overlap_bad_config(change, kwargs, match):
-    """The overlap without a promotion to overlap, or with a one-stage ring (a stage released a step late would
-    leave the next step's tiles no stage): refused before Mosaic compiles anything."""
-    a = jnp.zeros((128, 256), jnp.float8_e4m3fn)
-    config = dataclasses.replace(SMALL, tile_k=128, **change)
-    with pytest.raises(ValueError, match=match):
-        _sm90.matmul(a, a, b_layout="nk", epilogue=fp8_sm90._identity, out_dtype=jnp.float32, config=config,
-                     name="t", **kwargs, interpret=True)
-
-
-def test_consumed_barriers_named():
-    """A stage is released late through the pipeline's own consumed barriers, taken from its allocations; where a
-    jax names them otherwise, asking for the overlap says which jax versions name them so."""
-    assert _backend.consumed_barriers({"flat_consumed_barrier_refs": ["a", "b"]}) == ["a", "b"]
-    with pytest.raises(_backend.ImplementationError, match=r"jax 0.10 to 0.12.*promote_overlap"):
-        _backend.consumed_barriers({"consumed": []})
-
-
 def test_interpret_needs_new_jax():
     """Where jax has no Mosaic GPU interpret mode, asking for it names the version that has it."""
     if _backend.has_mosaic_interpret():
@@ -385,6 +333,14 @@ def test_gpu_int8_a(rank, direction):
 # The ping-pong schedule: 64 x 64 tiles per warpgroup, 3 K steps through a 2-deep ring, so a warpgroup's steps wrap
 # the ring and share it with the other's.
 PINGPONG = _sm90.TileConfig(tile_m=64, tile_n=64, tile_k=64, max_concurrent_steps=2, schedule="pingpong")
+
+
+@pytest.fixture
+def race_checked(monkeypatch):
+    """Interpret mode with its happens-before race detector, raising at the first race: a ring stage refilled
+    before its warpgroup has read it, an epilogue slot overwritten while its store reads it."""
+    plgpu = _backend.mosaic_gpu()
+    monkeypatch.setattr(_backend, "mosaic_interpret", lambda what: plgpu.InterpretGPUParams(detect_races=True))
 
 
 @needs_interpret
