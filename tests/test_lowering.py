@@ -309,7 +309,7 @@ def test_sm90_pingpong():
             assert sum(found.count(t) for t in MOSAIC) == 1, (fn, found)
 
 
-@pytest.mark.parametrize("implementation", [None, "pallas:sm90", "pallas:merged", "pallas:epilogue", "pallas:gemm"])
+@pytest.mark.parametrize("implementation", ["pallas", "pallas:sm90", "pallas:merged", "pallas:epilogue", "pallas:gemm"])
 def test_dora(cc, implementation):
     from pallas_fused.dora import dora_dense
 
@@ -326,14 +326,14 @@ def test_dora(cc, implementation):
 
 
 def test_lora(cc):
-    """On Hopper the forward and dx are the sm90 GEMM with the low-rank step (no Triton launch) up to the tuned rank
-    (12 pads to 16); elsewhere XLA."""
+    """On Hopper "pallas" runs the forward and dx as the sm90 GEMM with the low-rank step (no Triton launch) up to the
+    tuned rank (12 pads to 16); elsewhere XLA. ("pallas" named: on jax >= 0.12 the default is XLA, `HELD_BACK`.)"""
     from pallas_fused.dora import lora_dense
 
     fin, fout, rank = 512, 768, 12
     x, w = rnd(0, (256, fin), jnp.bfloat16), rnd(1, (fin, fout), jnp.bfloat16)
     a, b, bias = rnd(2, (fin, rank), jnp.bfloat16), rnd(3, (rank, fout), jnp.bfloat16), rnd(4, (fout,), jnp.bfloat16)
-    layer = lambda x, a, b, bias: lora_dense(x, w, a, b, bias, scale=2.0)  # noqa: E731
+    layer = lambda x, a, b, bias: lora_dense(x, w, a, b, bias, scale=2.0, implementation="pallas")  # noqa: E731
     found = kernels(jax.value_and_grad(loss(layer), (0, 1, 2, 3)), x, a, b, bias)
     assert sum(found.count(t) for t in MOSAIC) == (2 if cc >= (9, 0) else 0), found
 
