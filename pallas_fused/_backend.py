@@ -88,9 +88,9 @@ _warned_held_back: set[str] = set()
 
 def _held_back(op: str) -> str | None:
     """Why `op`'s Pallas path is held back on this jax version (warned once per op), or None."""
-    since, why = HELD_BACK.get(op, ((10**6,), ""))
-    if JAX_VERSION < since:
+    if op not in HELD_BACK or JAX_VERSION < HELD_BACK[op][0]:
         return None
+    why = HELD_BACK[op][1]
     if op not in _warned_held_back:
         _warned_held_back.add(op)
         warnings.warn(f"{op}: on jax {jax.__version__} the default implementation is 'xla': {why}; "
