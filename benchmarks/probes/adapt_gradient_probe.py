@@ -9,9 +9,17 @@ Development probe, two stages, each judging 16-bit runs against float32 (relativ
             (a regex alternation; default: q|k|v, then o, then the MLP's three): each adapter leaf's gradient,
             kernels and XLA
 
-    python benchmarks/probes/adapt_gradient_probe.py ops|model [GROUP ...] [--impl pallas|interpret]
+    fp8     the model with FP8 (rowwise) on one group: each weight's gradient through the kernels against XLA's FP8
+            recipe (no float32 judge: the recipe's own rounding is the point of comparison)
+    layers  the model with LoRA on one group in both layers, one layer through the kernels and the other through
+            XLA, each way round: which layer's kernels make layer 0's gradients wrong
+
+    python benchmarks/probes/adapt_gradient_probe.py ops|model|fp8|layers [GROUP ...] [--impl pallas|interpret]
+        [--xla-in fwd|bwd ...]
 
 The kernels' implementation is "pallas" (a GPU) unless --impl says otherwise ("interpret" on a CPU).
+`--xla-in` replaces LoRA's sm90 GEMM in its forward (fwd) or backward (bwd) by XLA's dots, inside the same
+custom VJP: which of the two kernels, run inside the model, is wrong.
 """
 
 import argparse
@@ -67,23 +75,49 @@ def ops(impl):
                                             for lab, e1, e2 in zip(labels, errs[impl], errs["xla"])), flush=True)
 
 
-def model(groups, impl):
+def xla_in(stages):
+    """LoRA's sm90 GEMM replaced by XLA's dots in its forward ("kn") and/or backward ("nk") launches."""
+    from pallas_fused.dora import lora
+
+    kernel, layouts = lora._sm90, {"fwd": "kn", "bwd": "nk"}
+
+    def dots(x, w, la, lb, bias, b_layout, interpret):
+        if b_layout not in [layouts[s] for s in stages]:
+            return kernel(x, w, la, lb, bias, b_layout, interpret)
+        wk, lbk = (w, lb) if b_layout == "kn" else (w.T, lb.T)
+        y = jnp.dot(x, wk, preferred_element_type=jnp.float32) + jnp.dot(la, lbk, preferred_element_type=jnp.float32)
+        return (y if bias is None else y + bias.astype(jnp.float32)).astype(x.dtype)
+
+    lora._sm90 = dots
+
+
+def _layer_rules(group, impls):
+    """LoRA on `group`; impls: one implementation for every layer, or {layer: implementation}."""
+    if isinstance(impls, str):
+        return [adapt.LoraRule(module_path=rf".*/({group})", rank=RANK, alpha=32.0, implementation=impls)]
+    return [adapt.LoraRule(module_path=rf".*/layers/{layer}/.*/({group})", rank=RANK, alpha=32.0, implementation=i)
+            for layer, i in impls.items()]
+
+
+def model(groups, impl, layers=False):
     from tests.adapt._models import adapted_params, float32_reference, loss_and_adapter_grads
     from tests.adapt.test_gpu import _llama
 
     module, pretrained, inputs, targets = _llama()
-    for group in groups:
+    runs_of = ([(f"L0 {impl} L1 xla", {0: impl, 1: "xla"}), (f"L0 xla L1 {impl}", {0: "xla", 1: impl})] if layers
+               else [(impl, impl)])
+    for group, (label, impls) in ((g, r) for g in groups for r in runs_of):
         start = time.time()
 
-        def rules(i, group=group):
-            return [adapt.LoraRule(module_path=rf".*/({group})", rank=RANK, alpha=32.0, implementation=i)]
+        def rules(i, group=group, impls=impls):
+            return _layer_rules(group, impls if i != "xla" else "xla")
 
         runs = {}
         for i in (impl, "xla"):
             lmodel, params = adapted_params(module, rules(i), inputs, pretrained)
             runs[i] = loss_and_adapter_grads(lmodel, params, inputs, targets)
         loss32, grads32 = float32_reference(module, rules("xla"), params, inputs, targets)
-        print(f"-- lora on {group}: loss {impl} {float(runs[impl][0]):.5f} xla {float(runs['xla'][0]):.5f} "
+        print(f"-- lora on {group}, {label}: loss {impl} {float(runs[impl][0]):.5f} xla {float(runs['xla'][0]):.5f} "
               f"f32 {float(loss32):.5f} ({time.time() - start:.0f} s)", flush=True)
         paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(grads32)[0]]
         for path, got, base, want in zip(paths, jax.tree.leaves(runs[impl][1]), jax.tree.leaves(runs["xla"][1]),
@@ -91,14 +125,43 @@ def model(groups, impl):
             print(f"   {path}: {impl} {rel_err(got, want):.4f} xla {rel_err(base, want):.4f}", flush=True)
 
 
+def fp8(groups, impl):
+    from tests.adapt._models import lm_loss
+    from tests.adapt.test_gpu import _llama
+
+    module, pretrained, inputs, targets = _llama()
+    for group in groups:
+        runs = {}
+        for i in (impl, "xla"):
+            rules = [adapt.Fp8Rule(module_path=rf".*/({group})", recipe="rowwise", implementation=i)]
+            lmodel = adapt.apply(module, rules)
+            params = adapt.from_pretrained(lmodel, lmodel.init(jax.random.key(0), *inputs), pretrained)["params"]
+            runs[i] = jax.jit(jax.value_and_grad(
+                lambda p, lmodel=lmodel: lm_loss(lmodel.apply({"params": p}, *inputs).logits, targets)))(params)
+        print(f"-- fp8 rowwise on {group}: loss {impl} {float(runs[impl][0]):.5f} xla {float(runs['xla'][0]):.5f}",
+              flush=True)
+        for (path, got), want in zip(jax.tree_util.tree_flatten_with_path(runs[impl][1])[0],
+                                     jax.tree.leaves(runs["xla"][1])):
+            if "proj" in jax.tree_util.keystr(path):
+                print(f"   {jax.tree_util.keystr(path)}: {impl} vs xla {rel_err(got, want):.4f}", flush=True)
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("stage", choices=["ops", "model"])
+    parser.add_argument("stage", choices=["ops", "model", "fp8", "layers"])
     parser.add_argument("groups", nargs="*", default=GROUPS)
     parser.add_argument("--impl", default="pallas")
+    parser.add_argument("--xla-in", nargs="*", choices=["fwd", "bwd"], default=[])
     args = parser.parse_args()
-    print("jax", jax.__version__, jax.devices(), flush=True)
-    ops(args.impl) if args.stage == "ops" else model(args.groups, args.impl)
+    print("jax", jax.__version__, jax.devices(), "XLA in LoRA's", args.xla_in or "nothing", flush=True)
+    if args.xla_in:
+        xla_in(args.xla_in)
+    if args.stage == "ops":
+        ops(args.impl)
+    elif args.stage == "fp8":
+        fp8(args.groups, args.impl)
+    else:
+        model(args.groups, args.impl, layers=args.stage == "layers")
 
 
 if __name__ == "__main__":
