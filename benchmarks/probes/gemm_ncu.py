@@ -5,8 +5,9 @@ inside one profiler window, for Nsight Compute to read side by side.
         python benchmarks/probes/gemm_ncu.py [CASE ...]
 
 A CASE is `MxKxN:recipe`, recipe one of rowwise, tensorwise, blockwise (our sm90 kernel on pre-quantized operands
-against torch._scaled_mm on the same bytes, as bench_fp8 times them), or `TOKENSxINxOUT:dora` (dora_dense's forward
-at rank 16 in bf16 against the base GEMM x @ W through XLA). Every function is compiled and run twice before the
+against torch._scaled_mm on the same bytes, as bench_fp8 times them), `TOKENSxINxOUT:dora` (dora_dense's forward
+at rank 16 in bf16 against the base GEMM x @ W through XLA) or `TOKENSxINxOUT:dora_fwdbwd` (its forward and
+backward, W frozen, against the base layer's: x @ W and dy @ W^T). Every function is compiled and run twice before the
 window opens (cudaProfilerStart / Stop through torch), so the profile holds the timed kernels only, in the order
 printed on stderr.
 """
@@ -51,15 +52,23 @@ def _fp8(m, k, n, recipe):
                                                             out_dtype=torch.bfloat16, use_fast_accum=False))
 
 
-def _dora(tokens, fin, fout):
-    """(dora_dense's forward, the base GEMM) at rank 16, bf16."""
+def _dora(tokens, fin, fout, backward=False):
+    """(dora_dense, the base layer) at rank 16, bf16: forwards, or forwards and backwards (W frozen)."""
     from benchmarks.bench_dora import _data
     from pallas_fused.dora import dora_dense
 
-    x, w, a, b, m, _ = _data(tokens, fin, fout, 16)
-    fwd = jax.jit(lambda x, w, a, b, m: dora_dense(x, w, a, b, m, scale=2.0, implementation="pallas"))
-    base = jax.jit(lambda x, w: x @ w)
-    return (lambda: fwd(x, w, a, b, m)), (lambda: base(x, w))
+    x, w, a, b, m, dy = _data(tokens, fin, fout, 16)
+
+    def layer(x, a, b, m):
+        return dora_dense(x, w, a, b, m, scale=2.0, implementation="pallas")
+
+    if not backward:
+        fwd = jax.jit(layer)
+        base = jax.jit(lambda x, w: x @ w)
+        return (lambda: fwd(x, a, b, m)), (lambda: base(x, w))
+    fb = jax.jit(lambda x, a, b, m, dy: jax.vjp(layer, x, a, b, m)[1](dy))
+    base_fb = jax.jit(lambda x, w, dy: (x @ w, dy @ w.T))
+    return (lambda: fb(x, a, b, m, dy)), (lambda: base_fb(x, w, dy))
 
 
 def main(cases):
@@ -70,7 +79,7 @@ def main(cases):
     for case in cases:
         shape, recipe = case.split(":")
         dims = tuple(int(d) for d in shape.split("x"))
-        pair = _dora(*dims) if recipe == "dora" else _fp8(*dims, recipe)
+        pair = _dora(*dims, backward=recipe == "dora_fwdbwd") if recipe.startswith("dora") else _fp8(*dims, recipe)
         for who, fn in zip(("ours", "peer"), pair):
             for _ in range(2):  # compile, then one warm run outside the window
                 out = fn()
