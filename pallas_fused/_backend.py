@@ -79,9 +79,9 @@ class ImplementationError(ValueError):
 # through these ops, while autodiff of their plain-jnp references was within 1.5%. The kernels are not at fault:
 # every op alone is right there, the ops' custom VJPs with plain dots in place of the kernels get it wrong too, and
 # a custom VJP of plain dots written in plain jnp, with no pallas_fused in it, is 137-152% off there (with XLA's
-# Triton GEMM fusions off; tests/adapt/_gqa_cotangent.py). jax 0.11.2
-# compiles all of it right. `implementation=None` runs the plain-jnp references there, which XLA compiled right in
-# the same model; "pallas" still runs the kernels, with a warning.
+# Triton GEMM fusions off; tests/adapt/_gqa_cotangent.py). jax 0.11.2 compiles all of it right.
+# `implementation=None` runs the plain-jnp references there, which XLA compiled right in the same model; "pallas"
+# still runs the kernels, with a warning.
 HELD_BACK = {
     op: ((0, 12), "jax 0.12's XLA miscompiles the backward pass around the adapters' custom VJP in models with "
                   "grouped-query attention, giving wrong adapter gradients (docs/gpu_tests.md)")

@@ -1,6 +1,7 @@
 """Backs docs/gpu_tests.md's account of the adapted HF Llama's wrong adapter gradients on jax 0.12 GPUs.
 
-Development probe, two stages, each judging 16-bit runs against float32 (relative error per output):
+Development probe, four stages, each judging 16-bit runs (relative error per output) against float32, or FP8
+against XLA's FP8 recipe:
 
     ops     `lora_dense` and `dora_dense` (dense and NF4 weights) alone, jitted vjp, at the adapt GPU test's
             shapes (512 tokens; 512 -> 512, 256, 1024 and 1024 -> 512, rank 16): the kernels' and XLA's y, dx, dA,
@@ -8,7 +9,6 @@ Development probe, two stages, each judging 16-bit runs against float32 (relativ
     model   the adapt GPU test's HF Flax Llama (transformers 4.x) with LoRA on one group of projections at a time
             (a regex alternation; default: q|k|v, then o, then the MLP's three): each adapter leaf's gradient,
             kernels and XLA
-
     fp8     the model with FP8 (rowwise) on one group: each weight's gradient through the kernels against XLA's FP8
             recipe (no float32 judge: the recipe's own rounding is the point of comparison)
     layers  the model with LoRA on one group in both layers, one layer through the kernels and the other through
