@@ -77,6 +77,7 @@ def main(cases):
     print("jax", jax.__version__, jax.devices(), "torch", torch.__version__, file=sys.stderr, flush=True)
     launches = []
     for case in cases:
+        print("setup:", case, file=sys.stderr, flush=True)  # names the case a crash before the window is in
         shape, recipe = case.split(":")
         dims = tuple(int(d) for d in shape.split("x"))
         pair = _dora(*dims, backward=recipe == "dora_fwdbwd") if recipe.startswith("dora") else _fp8(*dims, recipe)
