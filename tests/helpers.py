@@ -8,6 +8,8 @@ never passes.
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -38,6 +40,16 @@ def rand(seed: int, shape, dtype=jnp.float32, scale: float = 1.0, offset: float 
 
 def to64(x) -> np.ndarray:
     return np.asarray(jnp.asarray(x).astype(jnp.float32), dtype=np.float64)
+
+
+@contextlib.contextmanager
+def float32_judge_on_cpu():
+    """Yields the CPU device, with it the default and dots at full precision: where a float32 judge of a GPU run is
+    computed (its inputs put there), so that it is compiled by another backend than the run it judges and a GPU
+    compiler bug cannot hit both alike."""
+    cpu = jax.devices("cpu")[0]
+    with jax.default_device(cpu), jax.default_matmul_precision("highest"):
+        yield cpu
 
 
 def rel_err(x, ref) -> float:

@@ -1,5 +1,5 @@
 """jax 0.12's XLA miscompile of a custom VJP's cotangent under grouped-query attention, in plain jnp (no
-pallas_fused): the reproducer behind `_backend.HELD_BACK` (docs/gpu_tests.md).
+pallas_fused; only the tests' helpers): the reproducer behind `_backend.HELD_BACK` (docs/gpu_tests.md).
 
 A LoRA projection written as a custom VJP whose backward is plain dots (as the adapters' ops are), feeding attention
 with 4 key-value heads shared by 8 query heads (the adapt GPU test's HF Llama), differentiated in bf16 and judged
@@ -13,7 +13,8 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
+
+from tests.helpers import float32_judge_on_cpu, rel_err
 
 B, S, HIDDEN, KV_HEADS, HEADS, HEAD_DIM, RANK = 2, 256, 512, 4, 8, 64, 16
 NO_TRITON_GEMM = {"xla_gpu_enable_triton_gemm": False}
@@ -72,15 +73,9 @@ def _inputs():
     return a, b, x, w, probs, g
 
 
-def _rel(got, want):
-    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
-    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
-
-
 def _float32_on_cpu(grad_fn, *args):
-    """grad_fn(*args) in float32 at full precision, on the CPU: the judge, compiled by another backend."""
-    cpu = jax.devices("cpu")[0]
-    with jax.default_device(cpu), jax.default_matmul_precision("highest"):
+    """grad_fn(*args) in float32 at full precision, on the CPU: the judge."""
+    with float32_judge_on_cpu() as cpu:
         return jax.jit(grad_fn)(*jax.device_put(args, cpu))
 
 
@@ -98,7 +93,7 @@ def attention_gradients(compiler_options=None) -> dict[str, float]:
     bf = jax.tree.map(lambda t: t.astype(jnp.bfloat16), (adapters, x, weights))
     grad = jax.jit(jax.grad(functools.partial(_attention_loss, dense=_lora)), compiler_options=compiler_options)
     got = grad(*bf, g)
-    return {f"{p} d{m}": _rel(got[i][j], want[i][j]) for i, p in enumerate("qkv") for j, m in enumerate("AB")}
+    return {f"{p} d{m}": rel_err(got[i][j], want[i][j]) for i, p in enumerate("qkv") for j, m in enumerate("AB")}
 
 
 def value_gradients_float32():
@@ -116,7 +111,7 @@ def value_gradients_bf16(compiler_options=None):
 
 
 def errors(got, want) -> dict[str, float]:
-    return {"dA": _rel(got[0], want[0]), "dB": _rel(got[1], want[1])}
+    return {"dA": rel_err(got[0], want[0]), "dB": rel_err(got[1], want[1])}
 
 
 def gradients(compiler_options=None) -> dict[str, float]:

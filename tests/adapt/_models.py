@@ -10,7 +10,7 @@ import pytest
 from flax import nnx
 
 from pallas_fused import adapt
-from tests.helpers import rel_err
+from tests.helpers import float32_judge_on_cpu, rel_err
 
 SEQ = 8
 
@@ -62,14 +62,11 @@ def loss_and_adapter_grads(lmodel, params, inputs, targets):
 def float32_reference(module, rules, params, inputs, targets):
     """`loss_and_adapter_grads` of the same params (adapters and frozen weights, 16-bit values upcast exactly)
     through the model computing in float32 with full-precision dots (a GPU's default fp32 dot is TF32): what a
-    16-bit run approximates. Run on the CPU, so that the judge of a GPU run is compiled by another backend: a bug
-    of the GPU compiler could otherwise hit both alike and pass unseen."""
-    cpu = jax.devices("cpu")[0]
+    16-bit run approximates, on the CPU (`float32_judge_on_cpu`)."""
     up = jax.tree.map(lambda x: x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
-    up, inputs, targets = jax.device_put((up, inputs, targets), cpu)
     lmodel = adapt.apply(module.clone(dtype=jnp.float32), rules)
-    with jax.default_device(cpu), jax.default_matmul_precision("highest"):
-        return loss_and_adapter_grads(lmodel, up, inputs, targets)
+    with float32_judge_on_cpu() as cpu:
+        return loss_and_adapter_grads(lmodel, *jax.device_put((up, inputs, targets), cpu))
 
 
 # Adapter gradients, relative error against float32: bf16 XLA is 0.5-2.3% off per leaf on the HF Llama of these
