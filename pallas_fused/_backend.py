@@ -4,8 +4,7 @@ Everything that differs between the jax versions we run on (0.10 and 0.12 in CPU
 lives here, as does the one selector of implementation that every public op takes:
 
     implementation=None                 "pallas" on a CUDA GPU of compute capability >= 8.0 (8.9 for FP8),
-                                        else "xla" (and "xla" for the ops in HELD_BACK on the jax versions
-                                        it names)
+                                        else "xla"
     implementation="xla"                the plain-jnp reference, compiled by XLA (runs anywhere)
     implementation="pallas"             the op's Pallas kernels, compiled for the GPU (an error without one);
                                         where an op has several variants, its own rule picks one per call
@@ -34,6 +33,7 @@ import dataclasses
 import functools
 import inspect
 import json
+import os
 import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -74,32 +74,59 @@ class ImplementationError(ValueError):
     """An implementation was requested that cannot run in this process."""
 
 
-# Ops whose default stays on XLA from a jax version on: op -> (first jax version, why). On an H200 with jax 0.12,
-# HF's Flax Llama with adapters on q, k and v got adapter gradients 38% to 18x away from the same model in float32
-# through these ops, while autodiff of their plain-jnp references was within 1.5%. The kernels are not at fault:
-# every op alone is right there, the ops' custom VJPs with plain dots in place of the kernels get it wrong too, and
-# a custom VJP of plain dots written in plain jnp, with no pallas_fused in it, is 137-152% off there (with XLA's
-# Triton GEMM fusions off; tests/adapt/_gqa_cotangent.py). jax 0.11.2 compiles all of it right.
-# `implementation=None` runs the plain-jnp references there, which XLA compiled right in the same model; "pallas"
-# still runs the kernels, with a warning.
-HELD_BACK = {
-    op: ((0, 12), "jax 0.12's XLA miscompiles the backward pass around the adapters' custom VJP in models with "
-                  "grouped-query attention, giving wrong adapter gradients (docs/gpu_tests.md)")
-    for op in ("lora_dense", "dora_dense")
-}
-_warned_held_back: set[str] = set()
+@dataclasses.dataclass(frozen=True)
+class XlaMiscompile:
+    """A wrong result XLA's GPU compiler gives from a jax version on (no upper bound until a fixed one is measured),
+    and the XLA pass whose disabling avoids it."""
+
+    since: tuple[int, ...]  # the first jax version measured wrong
+    disable_pass: str  # XLA_FLAGS=--xla_disable_hlo_passes=<this> avoids it
+    what: str  # one sentence: what comes out wrong, where it was measured
 
 
-def _held_back(op: str) -> str | None:
-    """Why `op`'s Pallas path is held back on this jax version (warned once per op), or None."""
-    if op not in HELD_BACK or JAX_VERSION < HELD_BACK[op][0]:
-        return None
-    why = HELD_BACK[op][1]
-    if op not in _warned_held_back:
-        _warned_held_back.add(op)
-        warnings.warn(f"{op}: on jax {jax.__version__} the default implementation is 'xla': {why}; "
-                      f"implementation='pallas' runs the kernels anyway", RuntimeWarning, stacklevel=4)
-    return why
+# On an H200 with jax 0.12.0.1, XLA's default options get the backward pass of grouped-query attention wrong (key
+# and value heads repeated over the query heads, as HF's Flax Llama does): a plain HF Llama's weight gradients came
+# out up to 111% away from the same model's on the CPU, in float32 at full precision as in bf16, with no
+# pallas_fused in it, and so do a LoRA model's adapter gradients, whichever implementation runs the adapters. With
+# the reduce-decomposer pass disabled they agree with the CPU as on jax 0.11.2 (to 0.0% in float32; 1.3% in bf16).
+# The reproducer is tests/adapt/_gqa_cotangent.py, the account docs/gpu_tests.md.
+XLA_GPU_MISCOMPILES = (
+    XlaMiscompile(since=(0, 12), disable_pass="reduce-decomposer",
+                  what="gradients through grouped-query attention (key-value heads repeated over the query heads) "
+                       "up to 150% off, in float32 too, with or without pallas_fused (docs/gpu_tests.md)"),
+)
+_warned_miscompiles: set[XlaMiscompile] = set()
+
+
+def xla_disabled_passes(xla_flags: str | None = None) -> frozenset[str]:
+    """The passes that `--xla_disable_hlo_passes=a,b` flags in XLA_FLAGS (or `xla_flags`) disable."""
+    flags = os.environ.get("XLA_FLAGS", "") if xla_flags is None else xla_flags
+    names = set()
+    for flag in flags.split():
+        key, _, value = flag.partition("=")
+        if key.lstrip("-") == "xla_disable_hlo_passes":
+            names.update(name for name in value.strip("'\"").split(",") if name)
+    return frozenset(names)
+
+
+def xla_gpu_miscompiles() -> tuple[XlaMiscompile, ...]:
+    """The entries of XLA_GPU_MISCOMPILES that apply to this process: a GPU present, the jax version affected,
+    the pass not disabled through XLA_FLAGS."""
+    if gpu_device() is None:
+        return ()
+    disabled = xla_disabled_passes()
+    return tuple(m for m in XLA_GPU_MISCOMPILES if JAX_VERSION >= m.since and m.disable_pass not in disabled)
+
+
+def _warn_xla_miscompiles() -> None:
+    """Warns once per process of each XLA miscompile that applies here, naming the flag that avoids it: it hits
+    the model around the kernels as much as the kernels, so no choice of implementation avoids it."""
+    for m in xla_gpu_miscompiles():
+        if m not in _warned_miscompiles:
+            _warned_miscompiles.add(m)
+            warnings.warn(f"jax {jax.__version__}'s XLA on the GPU gets {m.what}. Set "
+                          f"XLA_FLAGS=--xla_disable_hlo_passes={m.disable_pass} before jax starts to avoid it.",
+                          RuntimeWarning, stacklevel=4)
 
 
 @functools.cache
@@ -267,7 +294,9 @@ def resolve_implementation(implementation: str | None, *, op: str, needs: tuple[
     variants = variants or {}
     if implementation is None:
         cc = compute_capability()
-        return "pallas" if cc is not None and cc >= needs and _held_back(op) is None else "xla"
+        if cc is not None:
+            _warn_xla_miscompiles()
+        return "pallas" if cc is not None and cc >= needs else "xla"
     base, variant = split_implementation(implementation) if isinstance(implementation, str) else ("", None)
     entry = variants.get(f"pallas:{variant}") if variant else None
     known = implementation in IMPLEMENTATIONS or (entry is not None and base == "pallas")
@@ -286,7 +315,7 @@ def resolve_implementation(implementation: str | None, *, op: str, needs: tuple[
                 f"{op}: implementation={implementation!r} needs jax >= {'.'.join(map(str, entry.min_jax))}, this is "
                 f"jax {jax.__version__}. Use 'pallas' (the Triton kernels).")
         _check_gpu(op, implementation, entry.needs if entry is not None else needs)
-        _held_back(op)
+        _warn_xla_miscompiles()
     return implementation
 
 

@@ -23,23 +23,47 @@ def test_explicit_pallas_without_gpu_raises_naming_the_op():
         _backend.resolve_implementation("pallas", op="my_op")
 
 
-@pytest.mark.parametrize("version, default", [((0, 11, 2), "pallas"), ((0, 12, 0), "xla")])
-def test_held_back_ops_default_to_xla_from_their_jax_version(monkeypatch, version, default):
-    monkeypatch.setattr(_backend, "compute_capability", lambda: (9, 0))
+@pytest.mark.parametrize("flags, passes", [
+    ("", set()),
+    ("--xla_disable_hlo_passes=reduce-decomposer", {"reduce-decomposer"}),
+    ("--xla_gpu_autotune_level=0 --xla_disable_hlo_passes=a,reduce-decomposer", {"a", "reduce-decomposer"}),
+    ("--xla_disable_hlo_passes=a --xla_disable_hlo_passes=b", {"a", "b"}),
+    ("--xla_disable_hlo_passes='a,b'", {"a", "b"}),
+    ("--xla_dump_hlo_pass_re=reduce-decomposer", set()),
+])
+def test_xla_disabled_passes_read_from_xla_flags(monkeypatch, flags, passes):
+    monkeypatch.setenv("XLA_FLAGS", flags)
+    assert _backend.xla_disabled_passes() == passes
+    assert _backend.xla_disabled_passes(flags) == passes
+
+
+@pytest.mark.parametrize("version, gpu, flags, warned", [
+    ((0, 11, 2), True, "", False),
+    ((0, 12, 0), True, "", True),
+    ((0, 12, 0), True, "--xla_disable_hlo_passes=reduce-decomposer", False),
+    ((0, 12, 0), False, "", False),
+])
+def test_xla_miscompile_warned_once_where_it_applies(monkeypatch, version, gpu, flags, warned):
+    """On a GPU with an affected jax and the pass not disabled, the first op resolved warns once per process,
+    naming the flag that avoids the miscompile; the defaults stay the kernels (XLA gets the model around them
+    wrong as much)."""
+    monkeypatch.setattr(_backend, "gpu_device", lambda: object() if gpu else None)
+    monkeypatch.setattr(_backend, "compute_capability", lambda: (9, 0) if gpu else None)
     monkeypatch.setattr(_backend, "JAX_VERSION", version)
-    monkeypatch.setattr(_backend, "_warned_held_back", set())
-    for op in ("lora_dense", "dora_dense"):
-        with warnings.catch_warnings(record=True) as seen:
-            warnings.simplefilter("always")
-            assert _backend.resolve_implementation(None, op=op) == default
-            # an explicit "pallas" still runs the kernels, warned once per op and process
-            assert _backend.resolve_implementation("pallas", op=op) == "pallas"
-        held = [str(w.message) for w in seen if issubclass(w.category, RuntimeWarning)]
-        assert held == ([] if default == "pallas" else [f"{op}: on jax {jax.__version__} the default implementation "
-                                                         f"is 'xla': {_backend.HELD_BACK[op][1]}; "
-                                                         f"implementation='pallas' runs the kernels anyway"])
-    # other ops keep the Pallas default on every version
-    assert _backend.resolve_implementation(None, op="rms_norm") == "pallas"
+    monkeypatch.setattr(_backend, "_warned_miscompiles", set())
+    monkeypatch.setenv("XLA_FLAGS", flags)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for op in ("lora_dense", "dora_dense", "rms_norm"):
+            assert _backend.resolve_implementation(None, op=op) == ("pallas" if gpu else "xla")
+            if gpu:
+                assert _backend.resolve_implementation("pallas", op=op) == "pallas"
+    messages = [str(w.message) for w in seen if issubclass(w.category, RuntimeWarning)]
+    want = [m for m in _backend.XLA_GPU_MISCOMPILES if version >= m.since] if warned else []
+    assert len(messages) == len(want)
+    for message, m in zip(messages, want):
+        assert f"XLA_FLAGS=--xla_disable_hlo_passes={m.disable_pass}" in message and m.what in message
+    assert _backend.xla_gpu_miscompiles() == tuple(want)
 
 
 def test_unknown_implementation_raises():

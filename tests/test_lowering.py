@@ -327,7 +327,7 @@ def test_dora(cc, implementation):
 
 def test_lora(cc):
     """On Hopper "pallas" runs the forward and dx as the sm90 GEMM with the low-rank step (no Triton launch) up to the
-    tuned rank (12 pads to 16); elsewhere XLA. ("pallas" named: on jax >= 0.12 the default is XLA, `HELD_BACK`.)"""
+    tuned rank (12 pads to 16); elsewhere XLA."""
     from pallas_fused.dora import lora_dense
 
     fin, fout, rank = 512, 768, 12

@@ -1,9 +1,8 @@
-"""Which of XLA's passes the wrong gradients of `tests/adapt/_gqa_cotangent.py`'s reproducer hang on (the bug
-behind `_backend.HELD_BACK`): each pass that changes the reproducer's module disabled in turn, through XLA_FLAGS
-in a process of its own (jit's compiler_options does not do the same), and the value projection's bf16 gradients
-there (XLA's Triton GEMM fusions off) judged against float32 autodiff computed here on the CPU, without the flag:
-a judge compiled under the same flag could share whatever the flag breaks. A pass whose disabling brings dA and dB
-under 5% is printed as a fix.
+"""Which of XLA's passes the wrong gradients of `tests/adapt/_gqa_cotangent.py`'s reproducer hang on (the bug of
+`_backend.XLA_GPU_MISCOMPILES`): each pass that changes the reproducer's module disabled in turn, through XLA_FLAGS
+in a process of its own, and the value projection's bf16 gradients there (XLA's default options) judged against
+float32 autodiff computed here on the CPU, without the flag: a judge compiled under the same flag could share
+whatever the flag breaks. A pass whose disabling brings dA and dB under 5% is printed as a fix.
 
     python benchmarks/probes/xla_pass_bisect.py [--workers 8] [PASS ...]
 
@@ -25,8 +24,8 @@ ROOT = Path(__file__).parents[2]
 sys.path.insert(0, str(ROOT))
 from tests.adapt._gqa_cotangent import errors, value_gradients_float32  # noqa: E402
 
-CHILD = ("import sys, numpy as np; from tests.adapt._gqa_cotangent import NO_TRITON_GEMM, value_gradients_bf16; "
-         "np.savez(sys.argv[1], *[np.asarray(t, np.float32) for t in value_gradients_bf16(NO_TRITON_GEMM)])")
+CHILD = ("import sys, numpy as np; from tests.adapt._gqa_cotangent import value_gradients; "
+         "np.savez(sys.argv[1], *[np.asarray(t, np.float32) for t in value_gradients()])")
 
 
 def bf16_in_process(xla_flags: str, out: str, timeout: float = 300) -> list[np.ndarray] | str:

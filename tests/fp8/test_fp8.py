@@ -512,15 +512,19 @@ def test_cublas_wins_few_tiles_long_k(m, n, k, xla):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("granularity", ["tensorwise", "rowwise"])
-@pytest.mark.parametrize("m,k,n,cta_tile", [(6144, 256, 384, (256, 128)), (256, 1024, 384, (128, 128))])
-def test_gpu_scaled_matmul_nt_tiles(granularity, m, k, n, cta_tile):
-    """The user's call (quantize outputs into scaled_matmul_nt) at a shape only the 256 x 128 tile fits unpadded,
-    and at one with so few output tiles that the 128 x 128 tile is taken."""
+@pytest.mark.parametrize("m,k,n,cta_tile,schedule", [
+    (2048, 256, 6528, (256, 128), "cooperative"),  # wide, N = 51 x 128: only the 256 x 128 tile fits unpadded
+    (6144, 256, 384, (128, 128), "pingpong"),  # tall, many tiles: the tuned ping-pong tile
+    (256, 1024, 384, (128, 128), "cooperative"),  # so few output tiles that the small tile is taken
+])
+def test_gpu_scaled_matmul_nt_tiles(granularity, m, k, n, cta_tile, schedule):
+    """The user's call (quantize outputs into scaled_matmul_nt) on each kind of tile the H200's tuning table picks."""
     from pallas_fused.fp8 import api
 
     if not _backend.is_hopper():
         pytest.skip("needs Hopper")
-    assert api.sm90_config(m, n, k).cta_tile == cta_tile
+    config = api.sm90_config(m, n, k)
+    assert (config.cta_tile, config.schedule) == (cta_tile, schedule)
     axis = None if granularity == "tensorwise" else -1
     a8, sa = quantize(rand(35, (m, k), jnp.bfloat16), E4, axis)
     bt8, sb = quantize(rand(36, (n, k), jnp.bfloat16), E4, axis)
@@ -701,7 +705,7 @@ def test_gpu_scaled_matmul_nt_cluster_user_path(cluster_table):
 
     if not _backend.is_hopper():
         pytest.skip("needs Hopper")
-    m, k, n = 8192, 768, 4096
+    m, k, n = 4096, 768, 8192  # wide: a tall GEMM would take the tuned ping-pong tile, which has no cluster
     assert api.sm90_config(m, n, k).cluster == "m"
     a8, sa = quantize(rand(39, (m, k), jnp.bfloat16), E4, -1)
     bt8, sb = quantize(rand(40, (n, k), jnp.bfloat16), E4, -1)
