@@ -83,6 +83,9 @@ class XlaMiscompile:
     disable_pass: str  # XLA_FLAGS=--xla_disable_hlo_passes=<this> avoids it
     what: str  # one sentence: what comes out wrong, where it was measured
 
+    def describe(self) -> str:
+        return f"jax {jax.__version__}'s XLA on the GPU gets {self.what}"
+
 
 # On an H200 with jax 0.12.0.1, XLA's default options get the backward pass of grouped-query attention wrong (key
 # and value heads repeated over the query heads, as HF's Flax Llama does): a plain HF Llama's weight gradients came
@@ -95,7 +98,6 @@ XLA_GPU_MISCOMPILES = (
                   what="gradients through grouped-query attention (key-value heads repeated over the query heads) "
                        "up to 150% off, in float32 too, with or without pallas_fused (docs/gpu_tests.md)"),
 )
-_warned_miscompiles: set[XlaMiscompile] = set()
 
 
 def xla_disabled_passes(xla_flags: str | None = None) -> frozenset[str]:
@@ -118,15 +120,14 @@ def xla_gpu_miscompiles() -> tuple[XlaMiscompile, ...]:
     return tuple(m for m in XLA_GPU_MISCOMPILES if JAX_VERSION >= m.since and m.disable_pass not in disabled)
 
 
+@functools.cache
 def _warn_xla_miscompiles() -> None:
-    """Warns once per process of each XLA miscompile that applies here, naming the flag that avoids it: it hits
-    the model around the kernels as much as the kernels, so no choice of implementation avoids it."""
+    """Warns of each XLA miscompile that applies here, naming the flag that avoids it, once per process (XLA reads
+    XLA_FLAGS once, when jax first uses a device): it hits the model around the kernels as much as the kernels, so
+    no choice of implementation avoids it."""
     for m in xla_gpu_miscompiles():
-        if m not in _warned_miscompiles:
-            _warned_miscompiles.add(m)
-            warnings.warn(f"jax {jax.__version__}'s XLA on the GPU gets {m.what}. Set "
-                          f"XLA_FLAGS=--xla_disable_hlo_passes={m.disable_pass} before jax starts to avoid it.",
-                          RuntimeWarning, stacklevel=4)
+        warnings.warn(f"{m.describe()}. Set XLA_FLAGS=--xla_disable_hlo_passes={m.disable_pass} before jax starts "
+                      f"to avoid it.", RuntimeWarning, stacklevel=4)
 
 
 @functools.cache

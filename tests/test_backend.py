@@ -1,3 +1,4 @@
+import functools
 import warnings
 
 import jax
@@ -50,7 +51,7 @@ def test_xla_miscompile_warned_once_where_it_applies(monkeypatch, version, gpu, 
     monkeypatch.setattr(_backend, "gpu_device", lambda: object() if gpu else None)
     monkeypatch.setattr(_backend, "compute_capability", lambda: (9, 0) if gpu else None)
     monkeypatch.setattr(_backend, "JAX_VERSION", version)
-    monkeypatch.setattr(_backend, "_warned_miscompiles", set())
+    monkeypatch.setattr(_backend, "_warn_xla_miscompiles", functools.cache(_backend._warn_xla_miscompiles.__wrapped__))
     monkeypatch.setenv("XLA_FLAGS", flags)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")

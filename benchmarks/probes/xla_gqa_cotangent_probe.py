@@ -20,10 +20,6 @@ from tests.adapt._gqa_cotangent import NO_TRITON_GEMM, attention_gradients, grad
 from tests.helpers import float32_judge_on_cpu, rel_err
 
 
-def _upcast(tree):
-    return jax.tree.map(lambda t: t.astype(jnp.float32) if jnp.issubdtype(t.dtype, jnp.floating) else t, tree)
-
-
 def _worst(name, got, want, paths):
     errs = [rel_err(g, w) for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want))]
     worst = sorted(zip(errs, paths), reverse=True)[:3]
@@ -31,7 +27,7 @@ def _worst(name, got, want, paths):
 
 
 def model_rows():
-    from tests.adapt._models import adapted_params, float32_reference, lm_loss, loss_and_adapter_grads
+    from tests.adapt._models import adapted_params, float32_reference, lm_loss, loss_and_adapter_grads, upcast_float32
     from tests.adapt.test_gpu import CASES, _llama
 
     module, pretrained, inputs, targets = _llama()
@@ -39,7 +35,7 @@ def model_rows():
     def plain(mod, params, inputs, targets):
         return jax.jit(jax.grad(lambda p: lm_loss(mod.apply({"params": p}, *inputs).logits, targets)))(params)
 
-    m32, up = module.clone(dtype=jnp.float32), _upcast(pretrained)
+    m32, up = module.clone(dtype=jnp.float32), upcast_float32(pretrained)
     with float32_judge_on_cpu() as cpu:
         want = plain(m32, *jax.device_put((up, inputs, targets), cpu))
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(want)[0]]

@@ -59,11 +59,16 @@ def loss_and_adapter_grads(lmodel, params, inputs, targets):
     return jax.jit(jax.value_and_grad(loss_fn))(adapters)
 
 
+def upcast_float32(tree):
+    """`tree` with its floating-point leaves in float32 (exact from 16 bits), the others as they are."""
+    return jax.tree.map(lambda x: x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+
+
 def float32_reference(module, rules, params, inputs, targets):
     """`loss_and_adapter_grads` of the same params (adapters and frozen weights, 16-bit values upcast exactly)
     through the model computing in float32 with full-precision dots (a GPU's default fp32 dot is TF32): what a
     16-bit run approximates, on the CPU (`float32_judge_on_cpu`)."""
-    up = jax.tree.map(lambda x: x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
+    up = upcast_float32(params)
     lmodel = adapt.apply(module.clone(dtype=jnp.float32), rules)
     with float32_judge_on_cpu() as cpu:
         return loss_and_adapter_grads(lmodel, *jax.device_put((up, inputs, targets), cpu))

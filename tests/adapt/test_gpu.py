@@ -48,7 +48,7 @@ def _llama(seq: int = 256):
 # compiles them right says `_backend.XLA_GPU_MISCOMPILES` can name its last affected version.
 MISCOMPILES = _backend.xla_gpu_miscompiles()
 MISCOMPILED = pytest.mark.xfail(bool(MISCOMPILES), strict=True,
-                                reason="; ".join(f"jax {jax.__version__}'s XLA gets {m.what}" for m in MISCOMPILES))
+                                reason="; ".join(m.describe() for m in MISCOMPILES))
 
 
 @pytest.mark.gpu
