@@ -20,8 +20,11 @@ from tests.adapt._gqa_cotangent import NO_TRITON_GEMM, attention_gradients, grad
 from tests.helpers import float32_judge_on_cpu, rel_err
 
 
-def _worst(name, got, want, paths):
-    errs = [rel_err(g, w) for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want))]
+def _worst(name, got, want):
+    """Prints the largest error of `got`'s leaves against `want`'s, and the three worst leaves by path."""
+    flat, _ = jax.tree_util.tree_flatten_with_path(want)
+    paths = [jax.tree_util.keystr(p) for p, _ in flat]
+    errs = [rel_err(g, w) for g, (_, w) in zip(jax.tree.leaves(got), flat)]
     worst = sorted(zip(errs, paths), reverse=True)[:3]
     print(f"{name}: max {max(errs):.4f};", ", ".join(f"{p} {e:.4f}" for e, p in worst), flush=True)
 
@@ -38,19 +41,17 @@ def model_rows():
     m32, up = module.clone(dtype=jnp.float32), upcast_float32(pretrained)
     with float32_judge_on_cpu() as cpu:
         want = plain(m32, *jax.device_put((up, inputs, targets), cpu))
-    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(want)[0]]
-    _worst("plain Llama, bf16", plain(module, pretrained, inputs, targets), want, paths)
+    _worst("plain Llama, bf16", plain(module, pretrained, inputs, targets), want)
     with jax.default_matmul_precision("highest"):
-        _worst("plain Llama, float32", plain(m32, up, inputs, targets), want, paths)
+        _worst("plain Llama, float32", plain(m32, up, inputs, targets), want)
     impl = "pallas" if jax.default_backend() == "gpu" else "interpret"
     for kind in ("lora", "dora"):
         lmodel, params = adapted_params(module, CASES[kind](impl), inputs, pretrained)
         _, want = float32_reference(module, CASES[kind]("xla"), params, inputs, targets)
-        paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(want)[0]]
         _, got = loss_and_adapter_grads(lmodel, params, inputs, targets)
-        _worst(f"{kind}, kernels, bf16", got, want, paths)
+        _worst(f"{kind}, kernels, bf16", got, want)
         xla_model, _ = adapted_params(module, CASES[kind]("xla"), inputs, pretrained)
-        _worst(f"{kind}, XLA, bf16", loss_and_adapter_grads(xla_model, params, inputs, targets)[1], want, paths)
+        _worst(f"{kind}, XLA, bf16", loss_and_adapter_grads(xla_model, params, inputs, targets)[1], want)
 
 
 if __name__ == "__main__":
