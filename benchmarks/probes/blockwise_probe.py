@@ -2,7 +2,7 @@
 
 Blockwise FP8 GEMM on Hopper (dev probe): compile, check against the exact reference, time.
 
-python -m benchmarks.probes.blockwise_probe [small|large|shapes|sweep|dense|schedules|quantize|cluster ...]
+python -m benchmarks.probes.blockwise_probe [small|large|shapes|sweep|dense|schedules|quantize|cluster|walk ...]
 (default: all but schedules, quantize and cluster)
 
 small: 256x512x384 with every tile config that takes it; large: 8192^3 with the api's tile; shapes: the example's
@@ -12,10 +12,14 @@ early_release) and the scalar read of b's block scales (scale_rows) by tile and 
 rowwise kernel at the same tiles (the ceiling without promotion); then the fastest four and the tuned tile with
 vector scales at the example's GEMMs 16384x2048x{2048,5504,512} (M x K x N); torch._scaled_mm's blockwise mode
 at each shape. With MOSAIC_GPU_DUMP_PTXAS=1 each kernel's ptxas report (registers, spills, wgmma serialization)
-precedes its line on stderr ("compiling <label>" marks where each begins). cluster: the tuned tile as a 2-CTA cluster
-along M and N beside it alone, at 8192^3 and the example's GEMMs. quantize: the one-pass quantize kernel
-writing both copies at 16384x8192 bf16 by warps per program, in GB/s of HBM traffic (4.8 TB/s peak); it runs
-before schedules, and both stop starting cases some BUDGET_S seconds (default 170) after the probe starts.
+precedes its line on stderr ("compiling <label>" marks where each begins). cluster: the tuned tile as a 2-CTA
+cluster along M and N beside it alone, at 8192^3 and the example's GEMMs. walk: the tuned tile walking the output
+grid along N (its default) and along M (TileConfig.grid_minor_dim, as the rowwise kernel's tall GEMMs do), each with
+the tuned 4 stages and with as many as fit (5), at 8192^3 and the example's GEMMs, timed in turn with torch's
+blockwise mode.
+quantize: the one-pass quantize kernel writing both copies at 16384x8192 bf16 by warps per program, in GB/s of HBM
+traffic (4.8 TB/s peak); it runs before schedules, and both stop starting cases some BUDGET_S seconds (default 170)
+after the probe starts.
 (benchmarks/results/logs/h200_2026-11-26_blockwise_schedules.log also timed promotion schedules and a quantize
 variant since removed as slower or equal.) Each case prints its SQNR
 against the exact fp32 product of the dequantized operands (and against the bf16 inputs' product), its time and
@@ -282,3 +286,39 @@ if "cluster" in WHAT:
             case(f"cluster {m}x{k}x{n} {cfg.tile_m}x{cfg.tile_n}/{cfg.wg_split} st{cfg.max_concurrent_steps} "
                  f"cluster={cluster}", direct(cfg, scale_rows=(1, 128)), args, want, 2 * m * n * k, n=30)
         torch_blockwise(f"cluster {m}x{k}x{n}", args, want, 2 * m * n * k, n=30)
+
+if "walk" in WHAT:
+    import torch
+
+    from benchmarks.common import bench_interleaved, torch_sync
+
+    for m, k, n in ((8192, 8192, 8192), (16384, 2048, 2048), (16384, 2048, 5504), (16384, 2048, 512),
+                    (16384, 5504, 2048)):
+        if time.time() - START > BUDGET_S:
+            break
+        args, want, _ = operands(m, k, n)
+        here = kernel_sm90.blockwise_tile(m, n, jnp.bfloat16)
+        fns = {}
+        for walk, steps in itertools.product(("n", "m"), (here.max_concurrent_steps, 8)):
+            cfg = kernel_sm90.blockwise_config(dataclasses.replace(here, grid_minor_dim=walk,
+                                                                   max_concurrent_steps=steps), jnp.bfloat16)
+            name = f"along {walk} st{cfg.max_concurrent_steps}" + (" (tuned)" if cfg == here else "")
+            fns[name] = (direct(cfg, scale_rows=(1, 128)), args)
+            print(f"walk {m}x{k}x{n} {name}: sqnr vs exact {sqnr(fns[name][0](*args), want):.1f} dB", flush=True)
+        a8, b8, sa_t, sb_t = args
+        ta, tb = bench_fp8._to_torch(a8), bench_fp8._to_torch(b8).t()
+        tsa = torch.from_numpy(np.asarray(sa_t)).cuda().contiguous().t()
+        tsb = torch.from_numpy(np.asarray(sb_t[:, ::128].T)).cuda()
+        kb = tsb.shape[1]
+        tsb = torch.nn.functional.pad(tsb, (0, -kb % 4))[:, :kb].t()  # cuBLAS: the K-block count padded to 4
+
+        def peer(ta=ta, tb=tb, tsa=tsa, tsb=tsb):
+            return torch._scaled_mm(ta, tb, scale_a=tsa, scale_b=tsb, out_dtype=torch.bfloat16, use_fast_accum=False)
+
+        got = jnp.asarray(peer().float().cpu().numpy())
+        print(f"walk {m}x{k}x{n} torch blockwise: sqnr vs exact {sqnr(got, want):.1f} dB", flush=True)
+        fns["torch"] = (peer, ())
+        times = bench_interleaved(fns, n=30, reps=5, syncs={"torch": torch_sync})
+        for name, ms in times.items():
+            print(f"walk {m}x{k}x{n} {name:24s} {ms:8.4f} ms {2 * m * n * k / ms / 1e9:7.1f} TFLOP/s "
+                  f"({times['torch'] / ms:.3f}x torch)", flush=True)

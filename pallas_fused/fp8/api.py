@@ -255,20 +255,31 @@ def _sm90_tile(m, n, k, num_sms: int | None = None):
 
 
 def cublas_wins(m, n, k, num_sms: int | None = None) -> bool:
-    """Whether plain "pallas" runs an (M, K) x (N, K) GEMM as XLA's fp8 dot (cuBLAS) instead of the sm90 kernel:
-    where even `sm90_config`'s small tile leaves most SMs idle (at most "xla_max_tiles_per_sm" tiles per SM) and
-    K is long (at least "xla_min_k"), cuBLAS splits K across the idle SMs, which the sm90 kernel does not: the
-    weight gradient of a narrow projection, 2048x16384x512, runs at 1108 TFLOP/s through XLA against 718 in the
-    sm90 kernel on an H200 (tuning data "fp8_sm90")."""
+    """Whether plain "pallas" runs an (M, K) x (N, K) GEMM as XLA's fp8 dot (cuBLAS) instead of the sm90 kernel
+    (tuning data "fp8_sm90"; the figures are an H200's), where K is long and the sm90 kernel's tiles leave SMs idle:
+
+    - even `sm90_config`'s small tile leaves most SMs idle (at most "xla_max_tiles_per_sm" tiles per SM, K at least
+      "xla_min_k"): cuBLAS splits K across the idle SMs, which the sm90 kernel does not. The weight gradient of a
+      narrow projection, 2048x16384x512, runs at 1108 TFLOP/s through XLA against 718 in the sm90 kernel.
+    - the last wave of `sm90_config`'s tiles leaves SMs idle for a long K loop (K at least "xla_tail_min_k", the
+      tiles filling at most "xla_tail_max_wave_use" of the waves they take): cuBLAS's tiles divide the output into
+      fuller waves. 2048x16384x5504 and 5504x16384x2048 (344 tiles on 132 SMs: 2.6 waves, 87% used) run 6% and 1-2%
+      faster through XLA."""
     from pallas_fused.fp8 import kernel_sm90
 
     table = _backend.tuned("fp8_sm90", kernel_sm90.HEURISTIC)
-    if k < table["xla_min_k"]:
-        return False
-    _, small, _ = kernel_sm90.tiles()
-    tiles = -(-m // small.cta_tile[0]) * -(-n // small.cta_tile[1])
     num_sms = _backend.num_sms() if num_sms is None else num_sms
-    return tiles <= table["xla_max_tiles_per_sm"] * num_sms
+    if k >= table["xla_min_k"]:
+        _, small, _ = kernel_sm90.tiles()
+        if -(-m // small.cta_tile[0]) * -(-n // small.cta_tile[1]) <= table["xla_max_tiles_per_sm"] * num_sms:
+            return True
+    if k < table["xla_tail_min_k"]:
+        return False
+    config = sm90_config(m, n, k, num_sms)
+    tile_m, tile_n = config.cluster_tile
+    units = -(-m // tile_m) * -(-n // tile_n)
+    slots = max(1, num_sms // (2 if config.cluster else 1))  # a cluster's two CTAs take one unit on two SMs
+    return units / (-(-units // slots) * slots) <= table["xla_tail_max_wave_use"]
 
 
 def _mm_nt(a, bt, sa, sb, out_dtype, fast_accum, impl):

@@ -47,7 +47,8 @@ TileConfig = _sm90.TileConfig
 HEURISTIC = {"large": dict(tile_m=128, tile_n=128, tile_k=128, max_concurrent_steps=4, cluster="m"),
              "small": dict(tile_m=128, tile_n=64, tile_k=128, max_concurrent_steps=4),
              "small_max_tiles_per_sm": 0.5, "xla_max_tiles_per_sm": 0.5, "xla_min_k": 8192,
-             "cluster_min_tiles_per_sm": 0.0, "tall_grid_minor_dim": "m"}
+             "xla_tail_min_k": 16384, "xla_tail_max_wave_use": 0.9, "cluster_min_tiles_per_sm": 0.0,
+             "tall_grid_minor_dim": "m"}
 
 
 def tiles() -> tuple[TileConfig, TileConfig, float]:
@@ -95,19 +96,25 @@ BLOCK_K = 128  # the K extent of one scale block, = tile_k: one scale row per pi
 # sweeps). Each compute warpgroup holds two fp32 accumulators (the K step's product and the running sum), so
 # its tile is half the scaled GEMM's: 64 x 128 (64 registers per thread each), the warpgroups splitting the
 # 128 x 128 CTA tile along M; each K step's stage is released as soon as its wgmma is done (early_release).
-# At 128 x 128 per warpgroup ptxas spills.
+# At 128 x 128 per warpgroup ptxas spills. "tall_grid_minor_dim": the grid walk where M >= N, as for the scaled GEMM.
 BLOCKWISE_HEURISTIC = {"tile": dict(tile_m=64, tile_n=128, tile_k=BLOCK_K, max_concurrent_steps=4, wg_split="m",
-                                    early_release=True)}
+                                    early_release=True),
+                       "tall_grid_minor_dim": "m"}
 
 
 def blockwise_tile(m: int, n: int, out_dtype) -> TileConfig:
     """The blockwise GEMM's tile for an (M, K) x (N, K) product on this device kind (its tuning table's
     "fp8_sm90_blockwise", else BLOCKWISE_HEURISTIC): the two warpgroups split the CTA tile as the table says
-    unless only the other split fits the shape without padding; stages as `blockwise_config` fits them."""
-    base = TileConfig(**_backend.tuned("fp8_sm90_blockwise", BLOCKWISE_HEURISTIC)["tile"])
+    unless only the other split fits the shape without padding; an output at least as tall as it is wide walks the
+    grid with the minor dimension "tall_grid_minor_dim"; stages as `blockwise_config` fits them."""
+    table = _backend.tuned("fp8_sm90_blockwise", BLOCKWISE_HEURISTIC)
+    base = TileConfig(**table["tile"])
     other = dataclasses.replace(base, wg_split="n" if base.wg_split == "m" else "m")
     fits = lambda c: _sm90.supported(m, n, BLOCK_K, c)  # noqa: E731 - K is padded to BLOCK_K in any case
-    return blockwise_config(other if fits(other) and not fits(base) else base, out_dtype)
+    chosen = other if fits(other) and not fits(base) else base
+    if m >= n and table.get("tall_grid_minor_dim"):
+        chosen = dataclasses.replace(chosen, grid_minor_dim=table["tall_grid_minor_dim"])
+    return blockwise_config(chosen, out_dtype)
 
 
 def blockwise_config(config: TileConfig, out_dtype) -> TileConfig:

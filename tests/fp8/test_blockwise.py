@@ -90,7 +90,8 @@ def test_gemm_variants_refused(implementation):
 def test_blockwise_tile():
     """The blockwise GEMM's tile: each warpgroup's accumulators (the K step's product and the running sum) fit
     the registers (at most 128 x 64 fp32 each), the tuned split unless only the other avoids padding, K = one
-    scale block, and the SMEM stages fit beside the scale rows (4 at a 128 x 128 CTA tile, bf16 or fp32 out)."""
+    scale block, the SMEM stages fit beside the scale rows (4 at a 128 x 128 CTA tile, bf16 or fp32 out), and a
+    tall output walks the grid along M, a wide one along N."""
     from pallas_fused.fp8 import kernel_sm90
 
     # The tuned 64 x 128 split along M (a 128 x 128 CTA tile); split along N (64 x 256) where only that fits.
@@ -99,6 +100,7 @@ def test_blockwise_tile():
             tile = kernel_sm90.blockwise_tile(m, n, out_dtype)
             assert tile.tile_m * tile.tile_n <= 128 * 64 and tile.tile_k == kernel_sm90.BLOCK_K
             assert tile.wg_split == split, (m, n, tile)
+            assert tile.grid_minor_dim == ("m" if m >= n else "n"), (m, n, tile)
             assert kernel_sm90.blockwise_config(tile, out_dtype) == tile
             if tile.cta_tile == (128, 128):
                 assert tile.max_concurrent_steps == 4, tile

@@ -510,6 +510,20 @@ def test_cublas_wins_few_tiles_long_k(m, n, k, xla):
     assert not api.cublas_wins(m, n, k, num_sms=1)
 
 
+@pytest.mark.parametrize("m,n,k,xla", [(2048, 5504, 16384, True), (5504, 2048, 16384, True),
+                                       (2048, 5504, 8192, False), (2048, 2048, 16384, False),
+                                       (16384, 16384, 16384, False), (8192, 8192, 8192, False)])
+def test_cublas_wins_partial_last_wave_long_k(m, n, k, xla):
+    """Plain "pallas" hands a long-K GEMM to XLA's fp8 dot where the sm90 tiles' last wave leaves SMs idle
+    (344 tiles on 132 SMs: 87% of 3 waves), not where the waves are nearly full (128 tiles; thousands) or K is
+    shorter; on one SM every wave is full."""
+    from pallas_fused.fp8 import api
+
+    assert api.cublas_wins(m, n, k, num_sms=132) is xla
+    assert not api.cublas_wins(m, n, k, num_sms=1)
+    assert not api.cublas_wins(m, n, k, num_sms=2)  # one cluster, where the tile has one
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("granularity", ["tensorwise", "rowwise"])
 @pytest.mark.parametrize("m,k,n,cta_tile,schedule", [
