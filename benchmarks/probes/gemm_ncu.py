@@ -4,8 +4,9 @@ inside one profiler window, for Nsight Compute to read side by side.
     ncu --profile-from-start off --clock-control none --csv --page details [--section ...] \\
         python benchmarks/probes/gemm_ncu.py [CASE ...]
 
-A CASE is `MxKxN:recipe`, recipe one of rowwise, tensorwise, blockwise (our sm90 kernel on pre-quantized operands
-against torch._scaled_mm on the same bytes, as bench_fp8 times them), `TOKENSxINxOUT:dora` (dora_dense's forward
+A CASE is `MxKxN:recipe`, recipe one of rowwise, tensorwise, blockwise (our kernel on pre-quantized operands against
+torch._scaled_mm on the same bytes, as bench_fp8 times them: rowwise and tensorwise through the default path, the
+sm90 kernel or, where `api.cublas_wins`, XLA's fp8 dot), `TOKENSxINxOUT:dora` (dora_dense's forward
 at rank 16 in bf16 against the base GEMM x @ W through XLA) or `TOKENSxINxOUT:dora_fwdbwd` (its forward and
 backward, W frozen, against the base layer's: x @ W and dy @ W^T). Every function is compiled and run twice before the
 window opens (cudaProfilerStart / Stop through torch), so the profile holds the timed kernels only, in the order
@@ -37,7 +38,7 @@ def _fp8(m, k, n, recipe):
     a, bt = rnd(1, (m, k), jnp.bfloat16), rnd(2, (n, k), jnp.bfloat16)
     if recipe != "blockwise":
         user, vec = quantized_sets([(a, bt)], -1 if recipe == "rowwise" else None)
-        ours = jax.jit(functools.partial(api._mm_nt, out_dtype=jnp.bfloat16, fast_accum=True, impl="pallas:sm90"))
+        ours = jax.jit(functools.partial(api._mm_nt, out_dtype=jnp.bfloat16, fast_accum=True, impl="pallas"))
         return (lambda: ours(*vec[0])), torch_scaled_mm_fn(user, recipe)
     act, wblock = (1, 128), (128, 128)
     a8, sa = ref.quantize_blockwise_reference(a, E4, act)
