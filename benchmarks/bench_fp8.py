@@ -21,6 +21,9 @@ GEMMs (jax) or one Python call issues k (torch), so the ~0.03 ms host dispatch o
                        two CTAs share multicast), where the shape is a multiple of the cluster tile
   pallas:triton        our Triton-lowered kernel (the portable fallback)
   xla                  our reference: XLA's fp8 dot (fp32 out) + fp32 rescale, b (K, N)
+  xla:dequantize_dot   tensorwise only: the dequantize-then-dot form XLA's GPU compiler rewrites into one fp8
+                       cuBLAS call with both scales in it and a bf16 output (flax's FP8 ops take this path), in
+                       place of the fp32 product and the separate rescale pass of the "xla" row
   peer:torch_scaled_mm torch._scaled_mm, use_fast_accum=True (cuBLAS / CUTLASS rowwise)
   peer:bf16_xla        XLA bf16 matmul, same shape
 
@@ -111,6 +114,14 @@ def quantized_sets(pairs, axis):
     return user_sets, vec_sets
 
 
+def dequantize_dot(a8, bt8, sa, sb):
+    """(a8 * sa) @ (bt8 * sb)^T in bf16 with scalar scales: the dequantize-then-dot that XLA's GPU compiler rewrites
+    into one fp8 GEMM with the scales in it."""
+    a = a8.astype(jnp.bfloat16) * sa.astype(jnp.bfloat16)
+    b = bt8.astype(jnp.bfloat16) * sb.astype(jnp.bfloat16)
+    return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.bfloat16)
+
+
 def pingpong_configs(m, n, k):
     """The ping-pong rows' configurations at an (M, K) x (N, K) GEMM: 128 x 128 x 128 tiles walked as the tuned
     tile walks that shape, 4 and 6 ring stages, and 6 on a 2-CTA cluster along the longer side; each only where
@@ -160,6 +171,8 @@ def _matmul(rec, quick):
             f32 = jnp.float32
             pp_sets = [(a8, bt8, jnp.reshape(sa, (-1,)).astype(f32), jnp.reshape(sb, (-1,)).astype(f32))
                        for a8, bt8, sa, sb in user_sets]
+            if gran == "tensorwise":
+                cands["xla:dequantize_dot"] = (amortized(dequantize_dot), (user_sets,), {})
             for name, config in pingpong_configs(m, n, k).items():
                 pp = functools.partial(kernel_sm90.scaled_matmul_nt, out_dtype=jnp.bfloat16, config=config)
                 cands[name] = (amortized(pp), (pp_sets,), dict(tile=str(config)))
