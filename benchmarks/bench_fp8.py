@@ -23,7 +23,8 @@ GEMMs (jax) or one Python call issues k (torch), so the ~0.03 ms host dispatch o
   xla                  our reference: XLA's fp8 dot (fp32 out) + fp32 rescale, b (K, N)
   xla:dequantize_dot   tensorwise only: the dequantize-then-dot form XLA's GPU compiler rewrites into one fp8
                        cuBLAS call with both scales in it and a bf16 output (flax's FP8 ops take this path), in
-                       place of the fp32 product and the separate rescale pass of the "xla" row
+                       place of the fp32 product and the separate rescale pass of the "xla" row (a speed row: the
+                       scales are rounded to bf16 there, as flax's are, which the library's path may not do)
   peer:torch_scaled_mm torch._scaled_mm, use_fast_accum=True (cuBLAS / CUTLASS rowwise)
   peer:bf16_xla        XLA bf16 matmul, same shape
 
