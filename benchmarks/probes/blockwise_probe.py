@@ -93,20 +93,30 @@ def direct(config, out_dtype=jnp.bfloat16, scale_rows=(1, 1)):
                                      scale_rows=scale_rows))
 
 
+def torch_blockwise_operands(args):
+    """The probe's operands as torch._scaled_mm's blockwise mode takes them: (a, b column-major (K, N), a's
+    1 x 128 scales, b's 128 x 128 block scales in the two layouts tried: as they are, and with the K-block count's
+    stride padded to 4, which cuBLAS wants)."""
+    import torch
+
+    a8, b8, sa_t, sb_t = args
+    ta, tb = bench_fp8._to_torch(a8), bench_fp8._to_torch(b8).t()
+    tsa = torch.from_numpy(np.asarray(sa_t)).cuda().contiguous().t()  # (M, K / 128), stride (1, M)
+    tsb = torch.from_numpy(np.asarray(sb_t[:, ::128].T)).cuda()  # (N / 128, K / 128): the weight's block scales
+    kb = tsb.shape[1]
+    padded = torch.nn.functional.pad(tsb, (0, -kb % 4))[:, :kb]
+    return ta, tb, tsa, (tsb.t(), padded.t())
+
+
 def torch_blockwise(label, args, want, flops, n):
     """torch._scaled_mm's blockwise mode on the same operands (1 x 128 scales for a, 128 x 128 for b, the layouts
     bench_fp8 passes), with and without fast accumulation; its lines, or its refusal."""
     import torch
 
-    a8, b8, sa_t, sb_t = args
-    ta, tb = bench_fp8._to_torch(a8), bench_fp8._to_torch(b8).t()  # b column-major (K, N)
-    tsa = torch.from_numpy(np.asarray(sa_t)).cuda().contiguous().t()  # (M, K / 128), stride (1, M)
-    tsb = torch.from_numpy(np.asarray(sb_t[:, ::128].T)).cuda()  # (N / 128, K / 128): the weight's block scales
-    kb = tsb.shape[1]
-    padded = torch.nn.functional.pad(tsb, (0, -kb % 4))[:, :kb]  # cuBLAS: the K-block count padded to 4
+    ta, tb, tsa, scale_b_layouts = torch_blockwise_operands(args)
     for fast in (False, True):
         errors = []
-        for scale_b in (tsb.t(), padded.t()):
+        for scale_b in scale_b_layouts:
             def fn(scale_b=scale_b, fast=fast):
                 return torch._scaled_mm(ta, tb, scale_a=tsa, scale_b=scale_b, out_dtype=torch.bfloat16,
                                         use_fast_accum=fast)
@@ -305,12 +315,7 @@ if "walk" in WHAT:
             name = f"along {walk} st{cfg.max_concurrent_steps}" + (" (tuned)" if cfg == here else "")
             fns[name] = (direct(cfg, scale_rows=(1, 128)), args)
             print(f"walk {m}x{k}x{n} {name}: sqnr vs exact {sqnr(fns[name][0](*args), want):.1f} dB", flush=True)
-        a8, b8, sa_t, sb_t = args
-        ta, tb = bench_fp8._to_torch(a8), bench_fp8._to_torch(b8).t()
-        tsa = torch.from_numpy(np.asarray(sa_t)).cuda().contiguous().t()
-        tsb = torch.from_numpy(np.asarray(sb_t[:, ::128].T)).cuda()
-        kb = tsb.shape[1]
-        tsb = torch.nn.functional.pad(tsb, (0, -kb % 4))[:, :kb].t()  # cuBLAS: the K-block count padded to 4
+        ta, tb, tsa, (_, tsb) = torch_blockwise_operands(args)  # b's scales with the padded stride
 
         def peer(ta=ta, tb=tb, tsa=tsa, tsb=tsb):
             return torch._scaled_mm(ta, tb, scale_a=tsa, scale_b=tsb, out_dtype=torch.bfloat16, use_fast_accum=False)

@@ -233,8 +233,7 @@ def _sm90_tile(m, n, k, num_sms: int | None = None):
     fitting = [c for c in (*splits, *map(alone, splits)) if fits(c)]
     padded = lambda c: (m + -m % c.cta_tile[0]) * (n + -n % c.cta_tile[1])  # noqa: E731
     chosen = fitting[0] if fitting else min(map(alone, splits), key=padded)
-    if m >= n and table.get("tall_grid_minor_dim"):
-        chosen = dataclasses.replace(chosen, grid_minor_dim=table["tall_grid_minor_dim"])
+    chosen = kernel_sm90.walk_tall(chosen, m, n, table)
     tiles = -(-m // chosen.cta_tile[0]) * -(-n // chosen.cta_tile[1])
     num_sms = _backend.num_sms() if num_sms is None else num_sms
     if tiles <= small_max_tiles_per_sm * num_sms:

@@ -102,6 +102,14 @@ BLOCKWISE_HEURISTIC = {"tile": dict(tile_m=64, tile_n=128, tile_k=BLOCK_K, max_c
                        "tall_grid_minor_dim": "m"}
 
 
+def walk_tall(config: TileConfig, m: int, n: int, table) -> TileConfig:
+    """`config` walking the grid with the minor dimension `table["tall_grid_minor_dim"]` where the output is at
+    least as tall as it is wide (M >= N) and the table names one; else `config` as it is."""
+    if m >= n and table.get("tall_grid_minor_dim"):
+        return dataclasses.replace(config, grid_minor_dim=table["tall_grid_minor_dim"])
+    return config
+
+
 def blockwise_tile(m: int, n: int, out_dtype) -> TileConfig:
     """The blockwise GEMM's tile for an (M, K) x (N, K) product on this device kind (its tuning table's
     "fp8_sm90_blockwise", else BLOCKWISE_HEURISTIC): the two warpgroups split the CTA tile as the table says
@@ -111,10 +119,7 @@ def blockwise_tile(m: int, n: int, out_dtype) -> TileConfig:
     base = TileConfig(**table["tile"])
     other = dataclasses.replace(base, wg_split="n" if base.wg_split == "m" else "m")
     fits = lambda c: _sm90.supported(m, n, BLOCK_K, c)  # noqa: E731 - K is padded to BLOCK_K in any case
-    chosen = other if fits(other) and not fits(base) else base
-    if m >= n and table.get("tall_grid_minor_dim"):
-        chosen = dataclasses.replace(chosen, grid_minor_dim=table["tall_grid_minor_dim"])
-    return blockwise_config(chosen, out_dtype)
+    return blockwise_config(walk_tall(other if fits(other) and not fits(base) else base, m, n, table), out_dtype)
 
 
 def blockwise_config(config: TileConfig, out_dtype) -> TileConfig:
