@@ -124,7 +124,7 @@ def quantize(x, dtype=jnp.float8_e4m3fn, axis: int | None = None, power_of_2: bo
 
     axis=None: tensorwise, scale is an fp32 scalar. axis=k: the amax is taken along axis k (keepdims),
     like jnp.max(abs(x), axis=k, keepdims=True); for a (M, K) operand axis=-1 gives (M, 1) rowwise
-    scales. scale = max(amax, 1e-12) / fp8_max, so amax = 0 gives a finite scale; values beyond
+    scales. scale = max(amax, 1e-12) * (1 / fp8_max), so amax = 0 gives a finite scale; values beyond
     fp8_max * scale clamp to +-fp8_max. `power_of_2` rounds each scale up to a power of two.
     One pass of the Pallas kernel computes the amax and the cast (tensorwise: XLA's amax, then one cast pass).
 

@@ -20,18 +20,11 @@ from jax.experimental import pallas as pl
 
 from pallas_fused import _backend
 from pallas_fused.fp8.reference import (
-    AMAX_FLOOR,
-    block_scale_from_amax,
     finite_amax,
     fp8_max,
-    round_up_pow2,
     saturate,
+    scale_from_amax,
 )
-
-
-def _scale(amax, dtype, power_of_2):
-    scale = jnp.maximum(amax, AMAX_FLOOR) / fp8_max(dtype)
-    return round_up_pow2(scale) if power_of_2 else scale
 
 
 def _cast(x, scale, dtype):
@@ -107,7 +100,7 @@ def quantize_2d(x, *, dtype, axis, power_of_2, emit_n=True, emit_t=False, interp
     # Phase 1: the amax of the finite values (XLA's reduction fuses abs, max and the scale arithmetic into one
     # read of x).
     amax = finite_amax(x, axis)
-    scale = _scale(amax, dtype, power_of_2)
+    scale = scale_from_amax(amax, dtype, power_of_2)
     # Phase 2: the cast, tile by tile.
     tuned_block, tuned_warps = cast_config(axis)
     block = block or ((32, 32) if interpret else tuned_block)
@@ -190,9 +183,9 @@ def fp8_cast(dtype, interpret: bool):
 
 
 def _block_scale(amax, dtype, power_of_2, interpret):
-    """(scale, 1 / scale): reference.block_scale_from_amax and its cast's reciprocal, correctly rounded (PTX rcp.rn;
+    """(scale, 1 / scale): reference.scale_from_amax and its cast's reciprocal, correctly rounded (PTX rcp.rn;
     Triton's own fp32 division is div.full, approximate)."""
-    scale = block_scale_from_amax(amax, dtype, power_of_2)
+    scale = scale_from_amax(amax, dtype, power_of_2)
     if interpret:
         return scale, 1.0 / scale
     from jax.experimental.pallas import triton as pl_triton
@@ -442,7 +435,7 @@ def quantize_blockwise(x, *, dtype, block_n=None, block_t=None, power_of_2=False
     A K step of the blockwise GEMM thereby reads one contiguous row of scales.
 
     Numbers: exactly the reference's, per block: amax of the finite |x| (a ragged edge block is a block of its
-    own; 0 gives the floor scale), scale = max(amax, 1e-12) / fp8_max (rounded up to a power of 2 if asked), the
+    own; 0 gives the floor scale), scale = max(amax, 1e-12) * (1 / fp8_max) (rounded up to a power of 2 if asked), the
     cast saturating with NaN kept.
 
     The launch (warps, rows per loop step, q^T packed four codes to a word) is tuning data per mode,

@@ -34,7 +34,7 @@ from jax.experimental import pallas as pl
 from pallas_fused import _backend
 from pallas_fused._sm90 import _smem_transforms
 from pallas_fused.fp8.kernel import _abs_key, _key_amax, fp8_cast
-from pallas_fused.fp8.reference import block_scale_from_amax, finite_abs
+from pallas_fused.fp8.reference import finite_abs, scale_from_amax
 
 TILE = 128  # the block length of both copies: a program's tile is TILE x TILE elements of x
 SCALE_WORDS = 4  # a weight tile's scale is stored this many times over: TMA moves 16 bytes at least
@@ -84,7 +84,7 @@ def _block_scales(amax, dtype, power_of_2: bool, reciprocal, key_amax: bool):
     """(scale, 1 / scale) of blocks from their amaxes as `_row_amax` gives them. The cast is x * (1 / scale) with
     the reciprocal correctly rounded, as the Triton kernel's: a last-bit error moves the codes of values at a
     rounding tie, which bf16 inputs hit (subnormal fp8 codes above all)."""
-    scale = block_scale_from_amax(_key_amax(amax) if key_amax else amax, dtype, power_of_2)
+    scale = scale_from_amax(_key_amax(amax) if key_amax else amax, dtype, power_of_2)
     return scale, reciprocal(scale)
 
 

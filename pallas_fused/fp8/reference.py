@@ -1,6 +1,6 @@
 """Plain-jnp ground truth for FP8 quantization and scaled matmuls; also the "xla" implementation.
 
-Convention: x ~= x_fp8.astype(float32) * scale, with scale = amax / fp8_max (fp32). amax = 0 gives
+Convention: x ~= x_fp8.astype(float32) * scale, with scale = amax * (1 / fp8_max) (fp32). amax = 0 gives
 scale = AMAX_FLOOR / fp8_max (finite, positive); the cast saturates at +-fp8_max.
 
 Non-finite input: the amax is taken over the finite values only, so one inf or NaN never reaches the scale;
@@ -42,7 +42,14 @@ def finite_amax(x: jax.Array, axis=None) -> jax.Array:
 
 
 def scale_from_amax(amax: jax.Array, dtype, power_of_2: bool) -> jax.Array:
-    scale = jnp.maximum(amax.astype(jnp.float32), AMAX_FLOOR) / fp8_max(dtype)
+    """amax / fp8_max as the product by fp8_max's fp32 reciprocal, floored at AMAX_FLOOR / fp8_max.
+
+    Every scale (tensorwise, rowwise, blockwise) is defined by that product so that every backend computes it bit
+    for bit alike: whether XLA's simplifier turns a division by a constant into the product by its (inexact)
+    reciprocal differs between programs and between XLA releases (jax 0.12.1 keeps the division in a plain jitted
+    function and rewrites it in an interpret-mode kernel's), and Triton's fp32 division is approximate (div.full).
+    A product leaves no compiler a choice."""
+    scale = jnp.maximum(amax.astype(jnp.float32), AMAX_FLOOR) * jnp.float32(1.0 / fp8_max(dtype))
     return round_up_pow2(scale) if power_of_2 else scale
 
 
@@ -95,19 +102,8 @@ def quantize_blockwise_reference(x: jax.Array, dtype=jnp.float8_e4m3fn, block=(1
     # Zero padding leaves every amax as it is (|x| >= 0), and makes the tiles a reshape.
     a = jnp.pad(finite_abs(x), ((0, mb * bm - m), (0, kb * bk - k)))
     amax = jnp.max(a.reshape(mb, bm, kb, bk), axis=(1, 3), initial=0.0)
-    scales = block_scale_from_amax(amax, dtype, power_of_2)
+    scales = scale_from_amax(amax, dtype, power_of_2)
     return saturate(x.astype(jnp.float32) * expand_block_scales(1.0 / scales, block, x.shape), dtype), scales
-
-
-def block_scale_from_amax(amax: jax.Array, dtype, power_of_2: bool) -> jax.Array:
-    """`scale_from_amax` with the division by fp8_max written as the product by its fp32 reciprocal.
-
-    Blockwise numbers are defined by products and one reciprocal per block (the cast is x * (1 / scale)) so that
-    every backend computes them bit for bit alike: XLA's simplifier turns a division by a constant, and at some
-    shapes one by a broadcast scale, into such a product, and Triton's fp32 division is approximate (div.full);
-    products and a correctly rounded reciprocal leave no compiler a choice."""
-    scale = jnp.maximum(amax.astype(jnp.float32), AMAX_FLOOR) * jnp.float32(1.0 / fp8_max(dtype))
-    return round_up_pow2(scale) if power_of_2 else scale
 
 
 def expand_block_scales(scales: jax.Array, block, shape) -> jax.Array:
