@@ -124,22 +124,12 @@ def dequantize_dot(a8, bt8, sa, sb):
 
 
 def pingpong_configs(m, n, k):
-    """The ping-pong rows' configurations at an (M, K) x (N, K) GEMM: 128 x 128 x 128 tiles walked as the tuned
-    tile walks that shape, 4 and 6 ring stages, and 6 on a 2-CTA cluster along the longer side; each only where
-    the shape is a multiple of its (cluster) tile."""
-    import dataclasses
-
-    from pallas_fused import _sm90
+    """The ping-pong rows' configurations at an (M, K) x (N, K) GEMM (`fp8.api.pingpong_tiles`, what the tuner times
+    too): 128 x 128 x 128 tiles walked as the tuned tile walks that shape, 4 and 6 ring stages, and 6 on a 2-CTA
+    cluster along the longer side; each only where the shape is a multiple of its (cluster) tile."""
     from pallas_fused.fp8 import api
 
-    tuned = api.sm90_config(m, n, k)
-    base = _sm90.TileConfig(tile_m=128, tile_n=128, tile_k=128, max_concurrent_steps=4, schedule="pingpong",
-                            grid_minor_dim=tuned.grid_minor_dim, grid_tile_width=tuned.grid_tile_width)
-    configs = {"pallas:sm90_pingpong": base,
-               "pallas:sm90_pingpong_s6": dataclasses.replace(base, max_concurrent_steps=6),
-               "pallas:sm90_pingpong_cluster": dataclasses.replace(base, max_concurrent_steps=6,
-                                                                   cluster="m" if m >= n else "n")}
-    return {name: c for name, c in configs.items() if _sm90.supported(m, n, k, c)}
+    return {f"pallas:{name}": config for name, config in api.pingpong_tiles(m, n, k).items()}
 
 
 def _matmul(rec, quick):
