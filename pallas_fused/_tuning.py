@@ -14,8 +14,11 @@ Lookups go through layers, the first that has an entry winning (key by key withi
   1. the user's cache, <cache dir>/<device>.json, written by `pallas_fused.tune` (the cache dir: `set_cache_dir`,
      else $PALLAS_FUSED_TUNING_CACHE, else $XDG_CACHE_HOME/pallas_fused, else ~/.cache/pallas_fused);
   2. the table shipped for this device kind, pallas_fused/tuning/<device>.json;
-  3. on a GPU without one, the nearest shipped table of the same architecture (compute capability major): by SM
-     count and memory bandwidth (`KNOWN_DEVICES`; an unknown device by its SM count alone);
+  3. the nearest shipped table of the same architecture (compute capability major) by SM count and memory
+     bandwidth (`KNOWN_DEVICES`; an unknown device by its SM count alone): in place of a table this GPU kind lacks,
+     and, for launch parameters, for the sections its own table lacks (a table the tuner wrote holds shapes only);
+     per-shape choices come from it only where the GPU kind has no shipped table, as a table's shapes were chosen
+     on its own GPU;
   4. the op's own heuristic.
 A cache file that is not JSON, is of another device kind or another schema version is ignored with one warning.
 
@@ -197,15 +200,18 @@ def nearest(device: Device, candidates: list[Device]) -> Device | None:
 
 
 @functools.cache
-def layers(device: Device, cache: Path) -> tuple[Mapping[str, Any], ...]:
-    """The tables `device` reads, first hit first: its cache file in `cache`, its shipped table, else the nearest
-    shipped one (module docstring). Read once per (device, cache dir) per process."""
-    found = [read_table(cache / f"{device_slug(device.kind)}.json", device.kind), tuning_table(device.kind)]
-    if not found[1]:
-        near = nearest(device, shipped_devices())
-        if near is not None:
-            found.append(tuning_table(near.kind))
-    return tuple(table for table in found if table)
+def layers(device: Device, cache: Path) -> tuple[tuple[Mapping[str, Any], ...], tuple[Mapping[str, Any], ...]]:
+    """The tables `device` reads, first hit first: (for sections, for shapes). Its cache file in `cache`, its
+    shipped table, then the nearest shipped one (module docstring): for shapes only where the device has no shipped
+    table (a table of its own chose its shapes), for sections also to fill the sections its own lacks (a table the
+    tuner wrote holds shapes only). Read once per (device, cache dir) per process."""
+    cached = read_table(cache / f"{device_slug(device.kind)}.json", device.kind)
+    own = tuning_table(device.kind)
+    near = nearest(device, shipped_devices())
+    near_table = tuning_table(near.kind) if near is not None else {}
+    sections = tuple(t for t in (cached, own, near_table) if t)
+    shapes = tuple(t for t in (cached, own or near_table) if t)
+    return sections, shapes
 
 
 def reload() -> None:
@@ -214,15 +220,15 @@ def reload() -> None:
     tuning_table.cache_clear()
 
 
-def active_layers() -> tuple[Mapping[str, Any], ...]:
+def active_layers() -> tuple[tuple[Mapping[str, Any], ...], tuple[Mapping[str, Any], ...]]:
     device = current_device()
-    return layers(device, cache_dir()) if device is not None else ()
+    return layers(device, cache_dir()) if device is not None else ((), ())
 
 
 def tuned(section: str, heuristic: Mapping[str, Any]) -> dict[str, Any]:
     """`section` of this process' tables over `heuristic` (the op's guess, for entries no table has)."""
     merged = dict(heuristic)
-    for table in reversed(active_layers()):
+    for table in reversed(active_layers()[0]):
         merged.update(table.get(section, {}))
     return merged
 
@@ -250,7 +256,7 @@ def choice(op: str, key: str) -> Mapping[str, Any] | None:
     for seen in _recorders:
         if (op, key) not in seen:
             seen.append((op, key))
-    for table in active_layers():
+    for table in active_layers()[1]:
         entry = table.get(SHAPES, {}).get(op, {}).get(key)
         if entry is not None:
             return entry
