@@ -313,3 +313,33 @@ def test_fp8_lookups_are_recorded_under_a_hopper_target():
     with _backend.gpu_target((9, 0)), _tuning.recording() as seen:
         jax.eval_shape(lambda ops: [fp8.scaled_matmul_nt(*o) for o in ops], operands)
     assert seen == [("fp8_gemm", api.gemm_key(m, k, n, e4, jnp.bfloat16, True, False)) for m, k, n in shapes]
+
+
+@pytest.mark.parametrize("choice", ["rule", "xla", "sm90_pingpong"])
+def test_tuned_gemm_lowers(cache, monkeypatch, choice):
+    """scaled_matmul_nt exported for a Hopper GPU runs the cache's choice at its shape: XLA's fp8 dot (no Mosaic GPU
+    kernel), or the kernel with the tuned tile, or without an entry the rule's kernel."""
+    import re
+
+    from jax import export
+
+    from pallas_fused import fp8
+
+    as_h200(monkeypatch)
+    m, k, n = 512, 256, 384
+    key = api.gemm_key(m, k, n, jnp.float8_e4m3fn, jnp.bfloat16, True, True)
+    if choice != "rule":
+        with _backend.gpu_target((9, 0)):
+            config = api.gemm_candidates(key)[choice]
+        write(cache / "nvidia_h200.json", {"schema": _tuning.SCHEMA, "device_kind": "NVIDIA H200", "shapes": {
+            "fp8_gemm": {key: {"choice": choice, "config": config, "ms": {choice: 1.0}}}}})
+        _tuning.reload()
+    args = (jnp.ones((m, k), jnp.float8_e4m3fn), jnp.ones((n, k), jnp.float8_e4m3fn), jnp.ones((m, 1)),
+            jnp.ones((n, 1)))
+    checks = [export.DisabledSafetyCheck.custom_call(t) for t in ("mosaic_gpu", "mosaic_gpu_v2")]
+    jax.clear_caches()  # traced by another case with another cache: traced again (as `tune` does after writing)
+    with _backend.gpu_target((9, 0)), _tuning.recording() as seen:
+        module = export.export(jax.jit(fp8.scaled_matmul_nt), platforms=["cuda"], disabled_checks=checks)(
+            *args).mlir_module()
+    assert seen == [("fp8_gemm", key)]
+    assert len(re.findall(r"custom_call @mosaic_gpu", module)) == (0 if choice == "xla" else 1)
