@@ -133,6 +133,7 @@ def pingpong_configs(m, n, k):
 
 
 def _matmul(rec, quick):
+    from pallas_fused import _tuning
     from pallas_fused.fp8 import api, kernel, kernel_sm90, scaled_matmul_nt
 
     shapes = SHAPES if quick else SHAPES + [(16384, 4096, 4096)]
@@ -154,8 +155,11 @@ def _matmul(rec, quick):
             # the reference: XLA's fp8 dot (cuBLASLt) to fp32, then an fp32 rescale pass
             xla = functools.partial(api._mm_nt, out_dtype=jnp.bfloat16, fast_accum=True, impl="xla")
             # each timed call runs the k operand sets (one jit for ours, k calls for torch); the candidates in turn
+            # what plain "pallas" runs there: the tuning tables' choice (pallas_fused.tune), else the rule
+            tuned = _tuning.choice(api.GEMM_OP, api.gemm_key(m, k, n, E4, jnp.bfloat16, axis == -1, axis == -1))
             cands = {"user:scaled_matmul_nt": (amortized(scaled_matmul_nt), (user_sets,),
-                                               dict(tile=str(api.sm90_config(m, n, k)))),
+                                               dict(tile=str(api.sm90_config(m, n, k)),
+                                                    choice=tuned["choice"] if tuned else "rule")),
                      "pallas:sm90": (amortized(sm90), (vec_sets,), dict(layout="a (M,K), bt (N,K)")),
                      "xla": (amortized(xla), (vec_sets,), {})}
             # the ping-pong schedule, with the scales as the user's path passes them (a tensorwise one as (1,))

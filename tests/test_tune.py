@@ -343,3 +343,24 @@ def test_tuned_gemm_lowers(cache, monkeypatch, choice):
             *args).mlir_module()
     assert seen == [("fp8_gemm", key)]
     assert len(re.findall(r"custom_call @mosaic_gpu", module)) == (0 if choice == "xla" else 1)
+
+
+def test_cooperative_candidate_beside_the_tables_pingpong(cache, monkeypatch):
+    """Where the H200's table gives a tall GEMM the ping-pong tile, the tuner times the cooperative tile too."""
+    as_h200(monkeypatch)
+    found = api.gemm_candidates(api.gemm_key(16384, 2048, 5504, jnp.float8_e4m3fn, jnp.bfloat16, True, True))
+    assert found["sm90"]["tile"]["schedule"] == "pingpong"
+    assert found["sm90_cooperative"]["tile"]["schedule"] == "cooperative"
+
+
+def test_default_timer_times_a_candidate():
+    """The default timer compiles and times the op's own call (XLA's candidate runs on the CPU)."""
+    from pallas_fused.tune import time_candidate
+
+    key = api.gemm_key(128, 256, 128, jnp.float8_e4m3fn, jnp.bfloat16, True, False)
+    ms = time_candidate("fp8_gemm", key, "xla", {"impl": "xla"})
+    assert 0 < ms < 1000
+    call, ops = _tuning.TUNABLES["fp8_gemm"].build(key, {"impl": "xla"})
+    a, bt, sa, sb = api._gemm_operands(key)[0]
+    expect = (a.astype(jnp.float32) * sa[:, None]) @ (bt.astype(jnp.float32) * sb).T
+    assert ops == 8 and jnp.allclose(call()[0].astype(jnp.float32), expect, rtol=1e-2, atol=1e-2)

@@ -200,7 +200,7 @@ def _fit_stages(config, out_dtype):
     return dataclasses.replace(config, max_concurrent_steps=steps)
 
 
-def _sm90_tile(m, n, k, num_sms: int | None = None):
+def _sm90_tile(m, n, k, num_sms: int | None = None, pingpong: bool = True):
     """The sm90 tile for an (M, K) x (N, K) GEMM: the two compute warpgroups split the CTA tile along N
     (128 x 256) unless only the split along M (256 x 128) fits the shape without padding, as for the
     N = 5504 projections of a 2048-wide Llama. Padding costs a copy of each padded operand and of the
@@ -245,7 +245,7 @@ def _sm90_tile(m, n, k, num_sms: int | None = None):
         small_fits = [c for c in (small, alone(small)) if fits(c)]
         if small_fits:
             return small_fits[0]
-    pingpong = table.get("tall_pingpong")
+    pingpong = table.get("tall_pingpong") if pingpong else None  # the tuner times the cooperative tile too
     if m >= n and pingpong and (k <= pingpong["max_k"] or m >= pingpong.get("long_k_min_m", math.inf)):
         # Short K leaves the cooperative tile's epilogue a large share of each tile's time; the ping-pong
         # schedule hides it behind the other warpgroup's main loop. It walks the grid as the large tile would.
@@ -400,38 +400,46 @@ def pingpong_tiles(m, n, k):
 
 def gemm_candidates(key: str) -> dict[str, dict]:
     """The configurations the tuner times at shape `key`: the rule's choice first (XLA's fp8 dot where `cublas_wins`,
-    else `sm90_config`'s tile), then the other of the two, then the ping-pong tiles; each once."""
+    else `sm90_config`'s tile), then the other of the two, the cooperative tile where the rule's is a ping-pong one,
+    and the ping-pong tiles; each once."""
     m, k, n, _, out_dtype, _ = _parse_gemm_key(key)
     sm90 = {"impl": "pallas:sm90", "tile": dataclasses.asdict(sm90_config(m, n, k, out_dtype=out_dtype))}
     found = {"xla": {"impl": "xla"}, "sm90": sm90} if cublas_wins(m, n, k) else {"sm90": sm90, "xla": {"impl": "xla"}}
-    for name, tile in pingpong_tiles(m, n, k).items():
+    others = {"sm90_cooperative": _sm90_tile(m, n, k, pingpong=False), **pingpong_tiles(m, n, k)}
+    for name, tile in others.items():
         config = {"impl": "pallas:sm90", "tile": dataclasses.asdict(_fit_stages(tile, out_dtype))}
         if config not in found.values():
             found[name] = config
     return found
 
 
-def _gemm_build(key: str, config: dict):
-    """A call running the GEMM at shape `key` with `config` on distinct random operand sets that pass the 50 MB L2
-    together (at most 8), so that it reads HBM as a training step's GEMMs do, and the number of GEMMs it runs."""
-    from pallas_fused import _sm90
+@functools.lru_cache(maxsize=1)  # the candidates of one shape are timed one after another, on the same operands
+def _gemm_operands(key: str):
+    """Distinct random operand sets of the GEMM at shape `key` that pass the 50 MB L2 together (at most 8), so that
+    a call over them reads HBM as a training step's GEMMs do: normal fp8 codes (never zeros), scales in [0.5, 2)."""
+    m, k, n, dtype, _, (row_a, row_b) = _parse_gemm_key(key)
 
-    m, k, n, dtype, out_dtype, (row_a, row_b) = _parse_gemm_key(key)
-    count = min(8, max(1, math.ceil(100e6 / (m * k + n * k + 2 * m * n))))
-
-    def operands(seed):  # random normal codes (never zeros) and scales in [0.5, 2)
+    def operands(seed):
         ka, kb, ksa, ksb = jax.random.split(jax.random.key(seed), 4)
         return (jax.random.normal(ka, (m, k)).astype(dtype), jax.random.normal(kb, (n, k)).astype(dtype),
                 jax.random.uniform(ksa, (m,) if row_a else (), jnp.float32, 0.5, 2.0),
                 jax.random.uniform(ksb, (n,) if row_b else (), jnp.float32, 0.5, 2.0))
 
-    sets = [operands(seed) for seed in range(count)]
+    return [operands(seed) for seed in range(min(8, max(1, math.ceil(100e6 / (m * k + n * k + 2 * m * n)))))]
+
+
+def _gemm_build(key: str, config: dict):
+    """A call running the GEMM at shape `key` with `config` once on each of `_gemm_operands(key)`, in one jit (the
+    host's dispatch amortized), and the number of GEMMs it runs."""
+    from pallas_fused import _sm90
+
+    out_dtype, sets = _parse_gemm_key(key)[4], _gemm_operands(key)
     if config["impl"] == "xla":
         one = functools.partial(_xla_mm_nt, out_dtype=out_dtype)
     else:
         one = functools.partial(_sm90_mm_nt, out_dtype=out_dtype, config=_sm90.TileConfig(**config["tile"]))
     many = jax.jit(lambda sets: [one(*s) for s in sets])
-    return (lambda: many(sets)), count
+    return (lambda: many(sets)), len(sets)
 
 
 _tuning.register(GEMM_OP, _tuning.Tunable(candidates=gemm_candidates, build=_gemm_build))
