@@ -98,7 +98,9 @@ def current_device() -> Device | None:
         import jax
 
         return Device(getattr(jax.devices()[0], "device_kind", "cpu"))
-    return describe(gpu.device_kind, _backend.compute_capability(), getattr(gpu, "core_count", None))
+    major, _, minor = str(getattr(gpu, "compute_capability", "")).partition(".")
+    cc = (int(major), int("".join(filter(str.isdigit, minor)) or 0)) if major.isdigit() else None
+    return describe(gpu.device_kind, cc, getattr(gpu, "core_count", None))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -10,10 +10,12 @@ per-shape lookup a tunable op makes (`_tuning.choice`), then times each candidat
 on the device: one compile per candidate, a warm-up call, the median of several means of back-to-back calls, each
 call running the op on a few distinct operand sets (past the L2) so that the host's dispatch is amortized, as
 benchmarks/common.py times. The winners (the op's untuned choice on a tie), with every candidate's time, go to the
-user's tuning cache, <cache dir>/<device>.json, written atomically by process 0; this process then reads it, and so
-does every later one, before the shipped table (pallas_fused/_tuning.py). The time is bounded by `budget_s`: once
-it is spent, the remaining candidates are left untimed (a candidate started before then finishes), and a shape
-keeps the fastest of those timed, its untuned choice always first.
+user's tuning cache, <cache dir>/<device>.json, written atomically; this process then reads it, and so does every
+later one, before the shipped table (pallas_fused/_tuning.py). In a multi-process job every process times its own
+GPU, then writes process 0's results, so that every host holds the same file (a shared cache dir gets the same
+bytes from each). The time is bounded by `budget_s`: once it is spent, the remaining candidates are left untimed (a
+candidate started before then finishes), and a shape keeps the fastest of those timed, its untuned choice always
+first.
 
 On a machine without a GPU nothing is timed (the recording still runs); a test passes its own `timer`.
 """
@@ -170,13 +172,28 @@ def tune(fn: Callable, *example_args, budget_s: float = 600.0, cache_dir: str | 
         if winner is not None:
             configs = dict(plan[work.index((op, key))][2])
             entries.setdefault(op, {})[key] = {"choice": winner, "config": configs[winner], "ms": ms}
+    entries = process_zeros(entries)
     directory = Path(cache_dir).expanduser() if cache_dir is not None else _tuning.cache_dir()
-    path = write_cache(directory, entries) if entries and jax.process_index() == 0 else None
+    path = write_cache(directory, entries) if entries else None
     if cache_dir is not None:
         _tuning.set_cache_dir(directory)
     _tuning.reload()
     jax.clear_caches()  # the next trace of a function reads the new choices
     return TuneResult(entries, path, list(recorded), untimed, clock() - start)
+
+
+def process_zeros(entries: dict) -> dict:
+    """Process 0's `entries` in every process of a multi-process job (each timed its own GPU, and a budget may have
+    cut them off at different candidates): every host then writes the same file and makes the same choices."""
+    if jax.process_count() == 1:
+        return entries
+    from jax.experimental import multihost_utils
+
+    data = np.frombuffer(json.dumps(entries).encode(), np.uint8)
+    size = int(multihost_utils.broadcast_one_to_all(np.int32(data.size)))
+    padded = np.zeros(size, np.uint8)
+    padded[:min(size, data.size)] = data[:size]
+    return json.loads(bytes(np.asarray(multihost_utils.broadcast_one_to_all(padded))).decode())
 
 
 def write_cache(directory: Path, entries: dict[str, dict[str, dict[str, Any]]]) -> Path:
