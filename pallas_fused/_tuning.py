@@ -23,8 +23,9 @@ Lookups go through layers, the first that has an entry winning (key by key withi
 A cache file that is not JSON, is of another device kind or another schema version is ignored with one warning.
 
 Each file is read once per process (`reload` reads them again): the choice is a pure function of shapes, dtypes,
-the device kind and these files. Every process of a multi-host job must see the same files (ship one cache file to
-every host, or share the cache dir), or the hosts would compile different programs.
+the device kind and these files. Every process of a multi-host job must see the same files, or the hosts would
+compile different programs: `pallas_fused.tune` run in every process writes process 0's results on every host; a
+cache file tuned elsewhere is copied to every host (or the cache dir shared) before the job starts.
 """
 
 from __future__ import annotations
