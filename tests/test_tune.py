@@ -364,3 +364,17 @@ def test_default_timer_times_a_candidate():
     a, bt, sa, sb = api._gemm_operands(key)[0]
     expect = (a.astype(jnp.float32) * sa[:, None]) @ (bt.astype(jnp.float32) * sb).T
     assert ops == 8 and jnp.allclose(call()[0].astype(jnp.float32), expect, rtol=1e-2, atol=1e-2)
+
+
+def test_command_line(cache, capsys):
+    """`python -m pallas_fused.tune`: its arguments checked, naming the option; without a GPU it times nothing and
+    prints the (empty) table last."""
+    from pallas_fused.tune.__main__ import main
+
+    for bad in (["--shapes", "256x128"], ["--shapes", "axbxc"], ["--scales", "blockwise"]):
+        with pytest.raises(SystemExit, match=bad[0]):
+            main(bad)
+    if _backend.gpu_device() is None:
+        with pytest.warns(RuntimeWarning, match="no GPU"):
+            assert main(["--shapes", "256x128x128", "--budget", "5", "--no-progress"]) == 0
+        assert capsys.readouterr().out.strip().endswith("cache: None")
