@@ -124,25 +124,16 @@ def dequantize_dot(a8, bt8, sa, sb):
 
 
 def pingpong_configs(m, n, k):
-    """The ping-pong rows' configurations at an (M, K) x (N, K) GEMM: 128 x 128 x 128 tiles walked as the tuned
-    tile walks that shape, 4 and 6 ring stages, and 6 on a 2-CTA cluster along the longer side; each only where
-    the shape is a multiple of its (cluster) tile."""
-    import dataclasses
-
-    from pallas_fused import _sm90
+    """The ping-pong rows' configurations at an (M, K) x (N, K) GEMM (`fp8.api.pingpong_tiles`, what the tuner times
+    too): 128 x 128 x 128 tiles walked as the tuned tile walks that shape, 4 and 6 ring stages, and 6 on a 2-CTA
+    cluster along the longer side; each only where the shape is a multiple of its (cluster) tile."""
     from pallas_fused.fp8 import api
 
-    tuned = api.sm90_config(m, n, k)
-    base = _sm90.TileConfig(tile_m=128, tile_n=128, tile_k=128, max_concurrent_steps=4, schedule="pingpong",
-                            grid_minor_dim=tuned.grid_minor_dim, grid_tile_width=tuned.grid_tile_width)
-    configs = {"pallas:sm90_pingpong": base,
-               "pallas:sm90_pingpong_s6": dataclasses.replace(base, max_concurrent_steps=6),
-               "pallas:sm90_pingpong_cluster": dataclasses.replace(base, max_concurrent_steps=6,
-                                                                   cluster="m" if m >= n else "n")}
-    return {name: c for name, c in configs.items() if _sm90.supported(m, n, k, c)}
+    return {f"pallas:{name}": config for name, config in api.pingpong_tiles(m, n, k).items()}
 
 
 def _matmul(rec, quick):
+    from pallas_fused import _tuning
     from pallas_fused.fp8 import api, kernel, kernel_sm90, scaled_matmul_nt
 
     shapes = SHAPES if quick else SHAPES + [(16384, 4096, 4096)]
@@ -164,8 +155,11 @@ def _matmul(rec, quick):
             # the reference: XLA's fp8 dot (cuBLASLt) to fp32, then an fp32 rescale pass
             xla = functools.partial(api._mm_nt, out_dtype=jnp.bfloat16, fast_accum=True, impl="xla")
             # each timed call runs the k operand sets (one jit for ours, k calls for torch); the candidates in turn
+            # what plain "pallas" runs there: the tuning tables' choice (pallas_fused.tune), else the rule
+            tuned = _tuning.choice(api.GEMM_OP, api.gemm_key(m, k, n, E4, jnp.bfloat16, axis == -1, axis == -1))
             cands = {"user:scaled_matmul_nt": (amortized(scaled_matmul_nt), (user_sets,),
-                                               dict(tile=str(api.sm90_config(m, n, k)))),
+                                               dict(tile=str(api.sm90_config(m, n, k)),
+                                                    choice=tuned["choice"] if tuned else "rule")),
                      "pallas:sm90": (amortized(sm90), (vec_sets,), dict(layout="a (M,K), bt (N,K)")),
                      "xla": (amortized(xla), (vec_sets,), {})}
             # the ping-pong schedule, with the scales as the user's path passes them (a tensorwise one as (1,))

@@ -5,13 +5,15 @@ Capabilities (one subpackage each): `rotary` (q and k rotated in one kernel), `d
 `embed` (embedding lookup with a one-hot GEMM gradient), `norm` (fused RMSNorm), `swiglu` (SwiGLU's gating
 product and the Llama MLP around it);
 `optim` gathers the optax transforms. Every op takes `implementation=None | "pallas" | "xla" |
-"interpret"` (see `pallas_fused._backend`).
+"interpret"` (see `pallas_fused._backend`). `tune(fn, *example_args)` times the ops' candidates at the shapes `fn`
+runs on this GPU and keeps the fastest in a per-device cache (`python -m pallas_fused.tune` for a model's shapes).
 """
 
 from pallas_fused import adam, dora, embed, fp8, galore, norm, optim, rotary, swiglu
 from pallas_fused._backend import IMPLEMENTATIONS, ImplementationError, resolve_implementation
+from pallas_fused.tune import tune  # the function; its module stays importable as `from pallas_fused.tune import ...`
 
 __version__ = "0.2.0"
 
 __all__ = ["IMPLEMENTATIONS", "ImplementationError", "adam", "dora", "embed", "fp8", "galore", "norm", "optim",
-           "resolve_implementation", "rotary", "swiglu"]
+           "resolve_implementation", "rotary", "swiglu", "tune"]

@@ -32,16 +32,16 @@ import contextlib
 import dataclasses
 import functools
 import inspect
-import json
 import os
 import warnings
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import jax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
+
+from pallas_fused._tuning import TUNING_DIR, device_slug, tuned, tuning_table  # noqa: F401 - the ops' lookups
 
 IMPLEMENTATIONS = ("pallas", "xla", "interpret")
 MIN_COMPUTE_CAPABILITY = (8, 0)
@@ -223,29 +223,6 @@ def trace_time_int(x) -> int | None:
     except (TypeError, ValueError):
         return None
     return as_int if as_int == value else None
-
-
-TUNING_DIR = Path(__file__).parent / "tuning"
-
-
-def device_slug(kind: str) -> str:
-    """A device kind as a file name: "NVIDIA H200" -> "nvidia_h200" (as benchmarks/results/<device>.json)."""
-    return "".join(ch if ch.isalnum() else "_" for ch in kind.lower()).strip("_")
-
-
-@functools.cache
-def tuning_table(kind: str) -> Mapping[str, Any]:
-    """The tuning table of one GPU kind (pallas_fused/tuning/<device>.json), or {} where none was measured."""
-    path = TUNING_DIR / f"{device_slug(kind)}.json"
-    return json.loads(path.read_text()) if path.exists() else {}
-
-
-def tuned(section: str, heuristic: Mapping[str, Any]) -> dict[str, Any]:
-    """`section` of this process's GPU kind's tuning table over `heuristic` (the op's guess, for entries the table
-    lacks and for a GPU, or a CPU, without a table)."""
-    device = gpu_device()
-    table = tuning_table(getattr(device, "device_kind", "")) if device is not None else {}
-    return {**heuristic, **table.get(section, {})}
 
 
 @dataclasses.dataclass(frozen=True)

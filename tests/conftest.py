@@ -2,12 +2,16 @@
 the tests."""
 
 import os
+import tempfile
 
 # Mosaic GPU's interpret mode runs a kernel's warpgroups as threads whose barrier waits block inside host
 # callbacks, which XLA runs on its CPU thread pool (NPROC threads, default the core count): with fewer pool threads
 # than warpgroups that can wait at once (3 per CTA, 6 in a 2-CTA cluster), a 2-core machine deadlocks. Read when jax
 # starts its CPU client.
 os.environ["NPROC"] = str(max(8, int(os.environ.get("NPROC", 0)), os.cpu_count() or 1))
+# The tests read the shipped tuning tables only, never a tuning cache the machine's user wrote (pallas_fused.tune):
+# a directory no test writes to.
+os.environ["PALLAS_FUSED_TUNING_CACHE"] = os.path.join(tempfile.gettempdir(), "pallas_fused_tests_no_tuning_cache")
 
 import jax  # noqa: E402
 import pytest

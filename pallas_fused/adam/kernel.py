@@ -79,7 +79,7 @@ class Launch:
 
 
 # The launches of a GPU without a tuning table: the H200's (from its sweeps at 105M params in place, see
-# pallas_fused/tuning/nvidia_h200.json). On the H200 the 8-bit kernel encoding with five lookups per code beat
+# docs/performance.md, "Tuning tables"). On the H200 the 8-bit kernel encoding with five lookups per code beat
 # three lookups (0.4844 against 0.4957 ms) and select chains over rows of 256 (0.7113). A revision with 2 blocks per
 # program, m decoded by magnitude and the update stored before requantizing (86.5 instead of 96 SASS instructions
 # per element) measured 0.69 ms and was set aside: fewer instructions did not mean faster here.

@@ -43,7 +43,7 @@ SCALARS_PADDED = 32
 @dataclasses.dataclass(frozen=True)
 class MosaicLaunch:
     """The largest launch (`launch_shape` fits it to each tensor); the defaults are a GPU's without a tuning table,
-    the H200's (pallas_fused/tuning/nvidia_h200.json cites the sweep)."""
+    the H200's (its sweep: docs/performance.md, "Tuning tables")."""
 
     block: int = 1024  # elements per pipeline step
     steps: int = 32  # blocks per program

@@ -24,7 +24,7 @@ from jax import lax
 from pallas_fused import _backend, _sm90
 
 # Tile configurations by output size: "large", and "small" where large leaves SMs idle. A GPU without a tuning table
-# gets the H200's (Hopper parts share the SM design; the table cites the measurements).
+# gets the H200's (Hopper parts share the SM design; the measurements: docs/performance.md, "Tuning tables").
 # "max_rank": the largest (padded) adapter rank for which plain "pallas" picks "sm90": the low-rank slices take
 # shared memory from the ring (`fit_lowrank`), and at rank 64 the shrunk ring loses to cuBLAS on the merged weight.
 HEURISTIC = {"large": dict(tile_m=128, tile_n=128, tile_k=128, max_concurrent_steps=2),

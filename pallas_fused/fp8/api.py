@@ -29,7 +29,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from pallas_fused import _backend, _sharding
+from pallas_fused import _backend, _sharding, _tuning
 from pallas_fused.fp8 import reference
 from pallas_fused.fp8.config import FP8_DTYPES, CastConfig, Float8Config, as_config
 
@@ -184,9 +184,14 @@ def sm90_config(m, n, k, num_sms: int | None = None, out_dtype=jnp.bfloat16):
     """The sm90 tile for an (M, K) x (N, K) GEMM with an `out_dtype` result (`_sm90_tile`), its ring as deep as
     fits in shared memory beside the epilogue's staging: a float32 result stages twice the bytes of a bf16 one,
     so the tuned 128 x 256 tile's 4 stages become 3 there (and the ping-pong tile's 6, 5)."""
+    return _fit_stages(_sm90_tile(m, n, k, num_sms), out_dtype)
+
+
+def _fit_stages(config, out_dtype):
+    """`config` with its ring (at least 2 stages) cut to what fits in shared memory beside an `out_dtype` result's
+    staging."""
     from pallas_fused import _sm90
 
-    config = _sm90_tile(m, n, k, num_sms)
     out_itemsize = jnp.dtype(out_dtype).itemsize
     steps = config.max_concurrent_steps
     while steps > 2 and _sm90.smem_bytes(dataclasses.replace(config, max_concurrent_steps=steps), 1, 1,
@@ -195,7 +200,7 @@ def sm90_config(m, n, k, num_sms: int | None = None, out_dtype=jnp.bfloat16):
     return dataclasses.replace(config, max_concurrent_steps=steps)
 
 
-def _sm90_tile(m, n, k, num_sms: int | None = None):
+def _sm90_tile(m, n, k, num_sms: int | None = None, pingpong: bool = True):
     """The sm90 tile for an (M, K) x (N, K) GEMM: the two compute warpgroups split the CTA tile along N
     (128 x 256) unless only the split along M (256 x 128) fits the shape without padding, as for the
     N = 5504 projections of a 2048-wide Llama. Padding costs a copy of each padded operand and of the
@@ -240,7 +245,7 @@ def _sm90_tile(m, n, k, num_sms: int | None = None):
         small_fits = [c for c in (small, alone(small)) if fits(c)]
         if small_fits:
             return small_fits[0]
-    pingpong = table.get("tall_pingpong")
+    pingpong = table.get("tall_pingpong") if pingpong else None  # the tuner times the cooperative tile too
     if m >= n and pingpong and (k <= pingpong["max_k"] or m >= pingpong.get("long_k_min_m", math.inf)):
         # Short K leaves the cooperative tile's epilogue a large share of each tile's time; the ping-pong
         # schedule hides it behind the other warpgroup's main loop. It walks the grid as the large tile would.
@@ -287,29 +292,22 @@ def _mm_nt(a, bt, sa, sb, out_dtype, fast_accum, impl):
     if 0 in (*a.shape, bt.shape[0]):  # no tokens (or an empty contraction): nothing for a kernel to do
         return jnp.zeros((a.shape[0], bt.shape[0]), out_dtype)
     same = a.dtype == bt.dtype
+    tile, shape = None, (a.shape[0], a.shape[1], bt.shape[0], jnp.dtype(out_dtype))
     if impl == "pallas":
         sm90 = _backend.is_hopper() and same and fast_accum
-        impl = "pallas:sm90" if sm90 and not cublas_wins(a.shape[0], bt.shape[0], a.shape[1]) else "xla"
+        impl, tile = _tuned_gemm(a, bt, sa, sb, out_dtype) if sm90 else ("xla", None)
     if impl == "xla":
-        precision = None if fast_accum else jax.lax.Precision.HIGHEST
-        acc = jax.lax.dot_general(a, bt, (((1,), (1,)), ((), ())), precision=precision,
-                                  preferred_element_type=jnp.float32)
-        return (acc * _per_row(sa) * _per_col(sb)).astype(out_dtype)
+        return _xla_mm_nt(a, bt, sa, sb, out_dtype, fast_accum)
     if impl == "pallas:sm90":
-        from pallas_fused.fp8 import kernel_sm90
-
         if not same:
             raise ValueError(f"scaled_matmul: implementation='pallas:sm90' needs one fp8 dtype for both operands, "
                              f"got {a.dtype} and {bt.dtype}")
 
         def launch(a, bt, sa, sb, out_dtype):
-            m, n = a.shape[0], bt.shape[0]
-            config = sm90_config(m, n, a.shape[1], out_dtype=out_dtype)
-            cm, cn = config.cluster_tile
-            out = kernel_sm90.scaled_matmul_nt(
-                _pad_to(a, cm, config.tile_k), _pad_to(bt, cn, config.tile_k), _pad_vec(sa, cm), _pad_vec(sb, cn),
-                out_dtype=jnp.dtype(out_dtype), config=config)  # a scalar scale as a (1,) vector, read once
-            return out[:m, :n]
+            # The tuned tile is of the whole GEMM; a shard of it takes the rule's tile for its own shape.
+            mine = tile is not None and (a.shape[0], a.shape[1], bt.shape[0], jnp.dtype(out_dtype)) == shape
+            config = tile if mine else sm90_config(a.shape[0], bt.shape[0], a.shape[1], out_dtype=out_dtype)
+            return _sm90_mm_nt(a, bt, sa, sb, out_dtype, config)
     else:
         from pallas_fused.fp8 import kernel
 
@@ -323,6 +321,128 @@ def _mm_nt(a, bt, sa, sb, out_dtype, fast_accum, impl):
     rule = f"m k, n k, {'m' if sa.ndim else ''}, {'n' if sb.ndim else ''} -> m n"
     return _sharding.partitioned(lambda *args: launch(*args, out_dtype), rule, summed=("k",),
                                  partial_fn=lambda *args: launch(*args, jnp.float32))(a, bt, sa, sb)
+
+
+def _xla_mm_nt(a, bt, sa, sb, out_dtype, fast_accum=True):
+    """The reference: XLA's fp8 dot (cuBLAS on a GPU) to fp32, then the fp32 rescale."""
+    precision = None if fast_accum else jax.lax.Precision.HIGHEST
+    acc = jax.lax.dot_general(a, bt, (((1,), (1,)), ((), ())), precision=precision,
+                              preferred_element_type=jnp.float32)
+    return (acc * _per_row(sa) * _per_col(sb)).astype(out_dtype)
+
+
+def _sm90_mm_nt(a, bt, sa, sb, out_dtype, config):
+    """The Hopper kernel with tile `config`, the operands padded to its cluster tile and tile_k and the result
+    sliced back."""
+    from pallas_fused.fp8 import kernel_sm90
+
+    m, n = a.shape[0], bt.shape[0]
+    cm, cn = config.cluster_tile
+    out = kernel_sm90.scaled_matmul_nt(
+        _pad_to(a, cm, config.tile_k), _pad_to(bt, cn, config.tile_k), _pad_vec(sa, cm), _pad_vec(sb, cn),
+        out_dtype=jnp.dtype(out_dtype), config=config)  # a scalar scale as a (1,) vector, read once
+    return out[:m, :n]
+
+
+# ----------------------------------------------------------------------------------------------
+# the GEMM's per-shape choice: tuning data that `pallas_fused.tune` measures (pallas_fused/_tuning.py)
+
+GEMM_OP = "fp8_gemm"
+_SCALES = {(True, True): "rowwise", (False, False): "tensorwise", (True, False): "rowwise,tensorwise",
+           (False, True): "tensorwise,rowwise"}
+
+
+def gemm_key(m, k, n, dtype, out_dtype, a_rowwise: bool, b_rowwise: bool) -> str:
+    """The shape key of an (M, K) x (N, K) GEMM of `dtype` operands to `out_dtype`, with a scale per row of a (of bt)
+    or one for all: "16384x2048x5504 float8_e4m3fn bfloat16 rowwise" (M x K x N, as the benchmarks name cases)."""
+    return f"{m}x{k}x{n} {jnp.dtype(dtype).name} {jnp.dtype(out_dtype).name} {_SCALES[a_rowwise, b_rowwise]}"
+
+
+def _parse_gemm_key(key: str):
+    dims, dtype, out_dtype, scales = key.split(" ")
+    m, k, n = (int(d) for d in dims.split("x"))
+    rowwise = {v: k for k, v in _SCALES.items()}[scales]
+    return m, k, n, jnp.dtype(dtype), jnp.dtype(out_dtype), rowwise
+
+
+def _tuned_gemm(a, bt, sa, sb, out_dtype):
+    """("xla", None) or ("pallas:sm90", tile) for plain "pallas" on Hopper: the tuned choice at this shape, else the
+    rule (`cublas_wins`, `sm90_config`; tile None)."""
+    m, k = a.shape
+    n = bt.shape[0]
+    entry = _tuning.choice(GEMM_OP, gemm_key(m, k, n, a.dtype, out_dtype, sa.ndim > 0, sb.ndim > 0))
+    if entry is not None:
+        config = entry["config"]
+        if config.get("impl") == "xla":
+            return "xla", None
+        if config.get("impl") == "pallas:sm90":
+            from pallas_fused import _sm90
+
+            return "pallas:sm90", _sm90.TileConfig(**config["tile"])
+    return ("xla", None) if cublas_wins(m, n, k) else ("pallas:sm90", None)
+
+
+def pingpong_tiles(m, n, k):
+    """The ping-pong schedule's tiles worth timing at an (M, K) x (N, K) GEMM: 128 x 128 x 128 walked as
+    `sm90_config`'s tile walks that shape, with 4 and 6 ring stages, and 6 on a 2-CTA cluster along the longer side;
+    each only where the shape is a multiple of its (cluster) tile."""
+    from pallas_fused import _sm90
+
+    rule = sm90_config(m, n, k)
+    base = _sm90.TileConfig(tile_m=128, tile_n=128, tile_k=128, max_concurrent_steps=4, schedule="pingpong",
+                            grid_minor_dim=rule.grid_minor_dim, grid_tile_width=rule.grid_tile_width)
+    tiles = {"sm90_pingpong": base,
+             "sm90_pingpong_s6": dataclasses.replace(base, max_concurrent_steps=6),
+             "sm90_pingpong_cluster": dataclasses.replace(base, max_concurrent_steps=6,
+                                                          cluster="m" if m >= n else "n")}
+    return {name: c for name, c in tiles.items() if _sm90.supported(m, n, k, c)}
+
+
+def gemm_candidates(key: str) -> dict[str, dict]:
+    """The configurations the tuner times at shape `key`: the rule's choice first (XLA's fp8 dot where `cublas_wins`,
+    else `sm90_config`'s tile), then the other of the two, the cooperative tile where the rule's is a ping-pong one,
+    and the ping-pong tiles; each once."""
+    m, k, n, _, out_dtype, _ = _parse_gemm_key(key)
+    sm90 = {"impl": "pallas:sm90", "tile": dataclasses.asdict(sm90_config(m, n, k, out_dtype=out_dtype))}
+    found = {"xla": {"impl": "xla"}, "sm90": sm90} if cublas_wins(m, n, k) else {"sm90": sm90, "xla": {"impl": "xla"}}
+    others = {"sm90_cooperative": _sm90_tile(m, n, k, pingpong=False), **pingpong_tiles(m, n, k)}
+    for name, tile in others.items():
+        config = {"impl": "pallas:sm90", "tile": dataclasses.asdict(_fit_stages(tile, out_dtype))}
+        if config not in found.values():
+            found[name] = config
+    return found
+
+
+@functools.lru_cache(maxsize=1)  # the candidates of one shape are timed one after another, on the same operands
+def _gemm_operands(key: str):
+    """Distinct random operand sets of the GEMM at shape `key` that pass the 50 MB L2 together (at most 8), so that
+    a call over them reads HBM as a training step's GEMMs do: normal fp8 codes (never zeros), scales in [0.5, 2)."""
+    m, k, n, dtype, _, (row_a, row_b) = _parse_gemm_key(key)
+
+    def operands(seed):
+        ka, kb, ksa, ksb = jax.random.split(jax.random.key(seed), 4)
+        return (jax.random.normal(ka, (m, k)).astype(dtype), jax.random.normal(kb, (n, k)).astype(dtype),
+                jax.random.uniform(ksa, (m,) if row_a else (), jnp.float32, 0.5, 2.0),
+                jax.random.uniform(ksb, (n,) if row_b else (), jnp.float32, 0.5, 2.0))
+
+    return [operands(seed) for seed in range(min(8, max(1, math.ceil(100e6 / (m * k + n * k + 2 * m * n)))))]
+
+
+def _gemm_build(key: str, config: dict):
+    """A call running the GEMM at shape `key` with `config` once on each of `_gemm_operands(key)`, in one jit (the
+    host's dispatch amortized), and the number of GEMMs it runs."""
+    from pallas_fused import _sm90
+
+    out_dtype, sets = _parse_gemm_key(key)[4], _gemm_operands(key)
+    if config["impl"] == "xla":
+        one = functools.partial(_xla_mm_nt, out_dtype=out_dtype)
+    else:
+        one = functools.partial(_sm90_mm_nt, out_dtype=out_dtype, config=_sm90.TileConfig(**config["tile"]))
+    many = jax.jit(lambda sets: [one(*s) for s in sets])
+    return (lambda: many(sets)), len(sets)
+
+
+_tuning.register(GEMM_OP, _tuning.Tunable(candidates=gemm_candidates, build=_gemm_build))
 
 
 def _mm_nt_blockwise(a, bt, sa_t, sb_t, out_dtype, scale_rows=(1, 1)):

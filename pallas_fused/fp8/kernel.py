@@ -69,7 +69,7 @@ def _outs(shape, dtype, emit_n, emit_t):
 
 
 # (rows, columns) of x per program of the cast pass, and warps, per scale axis, for a GPU without a tuning table:
-# the H200's (the fastest of its sweep, see pallas_fused/tuning/nvidia_h200.json).
+# the H200's (the fastest of its sweep, see docs/performance.md, "Tuning tables").
 HEURISTIC = {"tensorwise": dict(block=(128, 128), num_warps=8), "axis1": dict(block=(64, 64), num_warps=8),
              "axis0": dict(block=(128, 64), num_warps=4)}
 
@@ -373,8 +373,8 @@ def _blockwise_packed_kernel(x_ref, o_ref, so_ref, ot_ref, sot_ref, *, shape, ti
     _backend.store(sot_ref.at[pl.ds(i * c + c0, tile[1])], scale, mask=col_mask)
 
 
-# The blockwise pass' launch per mode, for a GPU without a tuning table: the H200's (pallas_fused/tuning/
-# nvidia_h200.json says what was measured). Modes: both activation copies (q in 1 x bk blocks and q^T in bm x 1),
+# The blockwise pass' launch per mode, for a GPU without a tuning table: the H200's (docs/performance.md,
+# "Tuning tables", says what was measured). Modes: both activation copies (q in 1 x bk blocks and q^T in bm x 1),
 # one copy, or a square tile's two. num_warps per program; rows: the tile's rows per loop step (None: the whole
 # tile at once); packed: q^T's codes four to a word (`_blockwise_packed_kernel`).
 BLOCKWISE_HEURISTIC = {"both": {"num_warps": 4, "rows": 64, "packed": True},

@@ -37,7 +37,7 @@ from pallas_fused import _backend, _sm90
 
 TileConfig = _sm90.TileConfig
 
-# The tiles of a GPU without a tuning table: the H200's (pallas_fused/tuning/nvidia_h200.json cites the sweeps).
+# The tiles of a GPU without a tuning table: the H200's (the sweeps: docs/performance.md, "Tuning tables").
 # "large": 128 x 128 per warpgroup, tile_k 128 (bytes), 4 stages = 192 KiB of shared memory; "small": half as wide,
 # for a GEMM whose large tiles number at most "small_max_tiles_per_sm" per SM (`api.sm90_config`); "xla_*": where
 # plain "pallas" calls XLA's fp8 dot instead (`api.cublas_wins`). A tile may carry any TileConfig field: the large
@@ -92,8 +92,8 @@ def scaled_matmul_nt(a, bt, a_scale, b_scale, *, out_dtype, config: TileConfig):
 # blockwise scaling: per-K-block scales promoted in fp32 (DeepSeek-V3 / DeepGEMM)
 
 BLOCK_K = 128  # the K extent of one scale block, = tile_k: one scale row per pipeline step
-# The blockwise tile of a GPU without a tuning table: the H200's (pallas_fused/tuning/nvidia_h200.json cites the
-# sweeps). Each compute warpgroup holds two fp32 accumulators (the K step's product and the running sum), so
+# The blockwise tile of a GPU without a tuning table: the H200's (the sweeps: docs/performance.md,
+# "Tuning tables"). Each compute warpgroup holds two fp32 accumulators (the K step's product and the running sum), so
 # its tile is half the scaled GEMM's: 64 x 128 (64 registers per thread each), the warpgroups splitting the
 # 128 x 128 CTA tile along M; each K step's stage is released as soon as its wgmma is done (early_release).
 # At 128 x 128 per warpgroup ptxas spills. "tall_grid_minor_dim": the grid walk where M >= N, as for the scaled GEMM.

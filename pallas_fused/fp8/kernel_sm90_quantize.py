@@ -52,7 +52,7 @@ class QuantizeConfig:
 
 
 # The launches of a GPU without a tuning table, for activations ("launch") and weights: the H200's
-# (pallas_fused/tuning/nvidia_h200.json cites the sweeps).
+# (the sweeps: docs/performance.md, "Tuning tables").
 HEURISTIC = {"launch": dataclasses.asdict(QuantizeConfig()),
              "weight": dataclasses.asdict(QuantizeConfig(chunk=128, key_amax=False))}
 

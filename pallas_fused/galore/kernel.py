@@ -65,8 +65,8 @@ class UpConfig(NamedTuple):
 # (gradients can be far below 6e-5): the down-projection (XLA's GEMM) reads G as it is.
 
 
-# The launches of a GPU without a tuning table: the H200's (pallas_fused/tuning/nvidia_h200.json holds them with
-# their measurements), per side of the projector.
+# The launches of a GPU without a tuning table: the H200's (pallas_fused/tuning/nvidia_h200.json holds them, their
+# measurements are in docs/performance.md, "Tuning tables"), per side of the projector.
 UP_HEURISTIC = {
     "right": dict(bm=64, bn=128, br=128, warps=8, stages=2, w_first=True, tn=1, tm=8, f16=True, p16=False),
     "left": dict(bm=64, bn=64, br=128, warps=4, stages=2, w_first=True, tn=1, tm=8, f16=True, p16=True),
