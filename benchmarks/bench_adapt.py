@@ -1,5 +1,5 @@
-"""Adoption without a rewrite, timed as a user trains: HF transformers' Flax Llama (linen, random weights from a
-config, bf16) with adapters on every block projection, one jitted training step of the adapters alone (Adam,
+"""Adoption without a rewrite, timed as a user trains: HF transformers' Flax Llama, or with ADAPT_ARCH=gemma_mqa a
+Gemma-shaped model with one key-value head (linen, random weights from a config, bf16) with adapters on every block projection, one jitted training step of the adapters alone (Adam,
 donated state), each candidate in turn in one process:
 
     adapt:dora / adapt:lora / adapt:qdora_nf4   pallas_fused.adapt.apply(model, [DoraRule(...)]) etc.
@@ -35,9 +35,17 @@ MLP = r".*/(gate_proj|up_proj|down_proj)"
 BLOCKS = {"1b": (4096, 11008), "tiny": (128, 256)}  # the Dense blocks' d_model, d_ff beside each Llama size
 
 
-def llama_config(size: str):
-    from transformers import LlamaConfig
+def model_config(arch: str, size: str):
+    """The HF config of `arch` ("llama" or "gemma_mqa") at `size` ("1b" or "tiny")."""
+    from transformers import GemmaConfig, LlamaConfig
 
+    if arch == "gemma_mqa":  # Gemma's shape (one key-value head, head_dim 256, GeGLU, tied 256k vocab) at ~1B
+        if size == "1b":
+            return GemmaConfig(vocab_size=256000, hidden_size=2048, intermediate_size=8192, num_hidden_layers=8,
+                               num_attention_heads=8, num_key_value_heads=1, head_dim=256,
+                               max_position_embeddings=2048)
+        return GemmaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=1, head_dim=32, max_position_embeddings=128)
     if size == "1b":  # Llama 3.2 1B's shape: 1.24B parameters
         return LlamaConfig(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                            num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=2048,
@@ -47,9 +55,10 @@ def llama_config(size: str):
 
 
 def hf_module(cfg):
-    from transformers import FlaxLlamaForCausalLM
+    import transformers
 
-    return FlaxLlamaForCausalLM(cfg, dtype=jnp.bfloat16, _do_init=False).module
+    cls = {"gemma": transformers.FlaxGemmaForCausalLM, "llama": transformers.FlaxLlamaForCausalLM}[cfg.model_type]
+    return cls(cfg, dtype=jnp.bfloat16, _do_init=False).module
 
 
 @contextlib.contextmanager
@@ -57,7 +66,9 @@ def dropin(cfg, kind: str):
     """HF's Llama with `kind`'s drop-in written in place of each block projection's nn.Dense (the module-level
     `nn` its source names, swapped for one whose Dense is the drop-in; the LM head, vocab wide, stays nn.Dense)."""
     import flax.linen as nn
-    from transformers.models.llama import modeling_flax_llama as src
+    import importlib
+
+    src = importlib.import_module(f"transformers.models.{cfg.model_type}.modeling_flax_{cfg.model_type}")
 
     from pallas_fused.dora import DoRADense, LoRADense
 
@@ -250,7 +261,8 @@ def run(rec: Recorder, quick: bool) -> None:
     size = os.environ.get("ADAPT_MODEL", "1b" if jax.default_backend() == "gpu" else "tiny")
     batch, seq = (8, 1024) if size == "1b" else (2, 16)
     dims = BLOCKS[size]
-    cfg = llama_config(size)
+    arch = os.environ.get("ADAPT_ARCH", "llama")
+    cfg = model_config(arch, size)
     n, reps = (5, 3) if quick else (10, 5)
     trace = os.environ.get("ADAPT_TRACE", "1" if jax.default_backend() == "gpu" else "0") == "1"
     wanted = os.environ.get("ADAPT_GROUPS", ",".join(GROUPS)).split(",")
@@ -258,7 +270,7 @@ def run(rec: Recorder, quick: bool) -> None:
     only = os.environ.get("ADAPT_IMPLS")
     for group in wanted:
         case = (f"dense_blocks_4x{dims[0]}x{dims[1]}_{batch * seq}tok_r{RANK}" if group.startswith("blocks")
-                else f"hf_llama_{size}_{batch}x{seq}_r{RANK}")
+                else f"hf_{arch}_{size}_{batch}x{seq}_r{RANK}")
         steps = {}
         names = [k for k in GROUPS[group] if only is None or k in only.split(",")]
         for name, build in candidates(cfg, names, batch, seq, dims):
