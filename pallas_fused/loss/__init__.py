@@ -6,6 +6,7 @@
 """
 
 from pallas_fused.loss.api import linear_cross_entropy
+from pallas_fused.loss.flax import LinearCrossEntropy, NNXLinearCrossEntropy
 from pallas_fused.loss.reference import reference_linear_cross_entropy
 
-__all__ = ["linear_cross_entropy", "reference_linear_cross_entropy"]
+__all__ = ["LinearCrossEntropy", "NNXLinearCrossEntropy", "linear_cross_entropy", "reference_linear_cross_entropy"]

@@ -143,9 +143,9 @@ def _layout(hidden, head_weight, weight_layout):
             raise ValueError(f"weight_layout: expected None, 'vd' (vocab, d) or 'dv' (d, vocab), got "
                              f"{weight_layout!r}")
         if weight_layout not in fits:
-            raise ValueError(f"head_weight: expected shape {'(vocab, ' + str(d) + ')' if weight_layout == 'vd' else '(' + str(d) + ', vocab)'} "
-                             f"for weight_layout={weight_layout!r} (hidden's last axis is {d}), got "
-                             f"{tuple(head_weight.shape)}")
+            want = f"(vocab, {d})" if weight_layout == "vd" else f"({d}, vocab)"
+            raise ValueError(f"head_weight: expected shape {want} for weight_layout={weight_layout!r} (hidden's last "
+                             f"axis is {d}), got {tuple(head_weight.shape)}")
         return weight_layout
     if not fits:
         raise ValueError(f"head_weight: expected (vocab, {d}) or ({d}, vocab) to match hidden's last axis {d}, got "
