@@ -38,6 +38,8 @@ import optax
 from benchmarks.common import Recorder, error_text, rnd, torch_sync
 from pallas_fused import _backend
 from pallas_fused.loss import linear_cross_entropy
+from pallas_fused.loss.api import linear_cross_entropy_with_config
+from pallas_fused.loss.kernel import LaunchConfig
 
 OP = "loss"
 VOCAB = 128256
@@ -46,6 +48,11 @@ QUICK_CASES = CASES[:2]
 CPU_QUICK = [(256, 64)]
 CPU_VOCAB = 1000
 MIB = 1 << 20
+# Other launches of the Pallas path, timed beside the default at the 8192-token cases (not with --quick):
+# name -> (block_tokens, block_vocab, block_k, num_warps, num_stages) for both kernels, and the backward's chunk
+# (vocabulary columns; None: the default).
+SWEEP = {"pallas:bv256": ((128, 256, 64, 8, 3), None), "pallas:bt64_s4": ((64, 128, 64, 4, 4), None),
+         "pallas:bk32_s4": ((128, 128, 32, 8, 4), None), "pallas:chunk16384": (None, 16384)}
 
 
 def _xla_loss(hidden, weight, labels):
@@ -57,13 +64,29 @@ def _fwdbwd(loss):
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
 
 
-def _jax_fns(labels):
-    return {
+def _swept(labels, tokens, d, vocab, launch, chunk):
+    def loss(h, w):
+        cfgs = {}
+        if launch is not None:
+            bt, bv, bk, warps, stages = launch
+            splits = _backend.cdiv(4 * _backend.num_sms(), _backend.cdiv(tokens, bt))  # as choose_config's
+            cfgs = dict(fwd_config=LaunchConfig(bt, bv, bk, warps, stages, splits=splits),
+                        bwd_config=LaunchConfig(bt, bv, bk, warps, stages))
+        return linear_cross_entropy_with_config(h, w, labels, implementation="pallas", chunk=chunk, **cfgs)
+
+    return _fwdbwd(loss)
+
+
+def _jax_fns(labels, tokens, d, vocab, sweep: bool):
+    fns = {
         "user:linear_cross_entropy": (_fwdbwd(lambda h, w: linear_cross_entropy(h, w, labels)), "dv"),
         "user:linear_cross_entropy vd": (_fwdbwd(lambda h, w: linear_cross_entropy(h, w, labels)), "vd"),
         "xla:chunked": (_fwdbwd(lambda h, w: linear_cross_entropy(h, w, labels, implementation="xla")), "dv"),
         "xla": (_fwdbwd(lambda h, w: _xla_loss(h, w, labels)), "dv"),
     }
+    if sweep:
+        fns.update({name: (_swept(labels, tokens, d, vocab, *spec), "dv") for name, spec in SWEEP.items()})
+    return fns
 
 
 def _memory(fn, *args) -> dict:
@@ -125,7 +148,7 @@ def run(rec: Recorder, quick: bool) -> None:
         weight_vd = weight.T.copy()
         labels = jax.random.randint(jax.random.key(3), (tokens,), 0, vocab)
         flops = 6 * tokens * d * vocab
-        fns = _jax_fns(labels)
+        fns = _jax_fns(labels, tokens, d, vocab, sweep=on_gpu and not quick and tokens == 8192)
         cands, ref = {}, None
         for impl, (fn, layout) in fns.items():
             args = (hidden, weight if layout == "dv" else weight_vd)

@@ -58,19 +58,22 @@ def _weight_chunk(weight, start, width: int, layout: str):
 
 
 def _chunk_grads(hidden2, weight, labels, lse, coefs, start, lo, plan: _Plan):
-    """(dh contribution float32 (N, d), dW of the columns [start, start + width) float32) of one vocabulary chunk."""
+    """(dh contribution float32 (N, d), dW of the columns [start, start + width) in weight's dtype) of one vocabulary
+    chunk."""
     cfg, width = plan.cfg, plan.width
     span = jnp.stack([jnp.asarray(start, jnp.int32), jnp.asarray(lo, jnp.int32)])
     du = _kernel.logits_grad_pallas(hidden2, weight, labels, lse, *coefs, span, width=width, layout=cfg.layout,
                                     cap=cfg.logit_soft_cap, interpret=plan.interpret, config=plan.bwd)
     w = _weight_chunk(weight, start, width, cfg.layout)
-    f32 = jnp.float32
+    # dh sums over every chunk: float32 out, added to a float32 total. A chunk's dW rows are complete after one
+    # GEMM (float32 accumulation inside it), so they come out in the weight's dtype, rounded once.
+    f32, wdt = jnp.float32, weight.dtype
     if cfg.layout == "vd":  # u = h W^T: dh = du W, dW = du^T h
         dh = jnp.dot(du, w, preferred_element_type=f32)
-        dw = lax.dot_general(du, hidden2, (((0,), (0,)), ((), ())), preferred_element_type=f32)
+        dw = lax.dot_general(du, hidden2, (((0,), (0,)), ((), ())), preferred_element_type=wdt)
     else:  # u = h W: dh = du W^T, dW = h^T du
         dh = lax.dot_general(du, w, (((1,), (1,)), ((), ())), preferred_element_type=f32)
-        dw = lax.dot_general(hidden2, du, (((0,), (0,)), ((), ())), preferred_element_type=f32)
+        dw = lax.dot_general(hidden2, du, (((0,), (0,)), ((), ())), preferred_element_type=wdt)
     return dh, dw
 
 
@@ -87,7 +90,7 @@ def _backward(hidden2, weight, labels, lse, coefs, plan: _Plan):
         dh, dw = carry
         start = i * width
         dh_c, dw_c = _chunk_grads(hidden2, weight, labels, lse, coefs, start, start, plan)
-        return dh + dh_c, lax.dynamic_update_slice_in_dim(dw, dw_c.astype(dw.dtype), start, axis=axis)
+        return dh + dh_c, lax.dynamic_update_slice_in_dim(dw, dw_c, start, axis=axis)
 
     carry = (jnp.zeros(hidden2.shape, jnp.float32), jnp.zeros(weight.shape, weight.dtype))
     dh, dw = lax.fori_loop(0, full, body, carry)
@@ -97,7 +100,7 @@ def _backward(hidden2, weight, labels, lse, coefs, plan: _Plan):
         dh_c, dw_c = _chunk_grads(hidden2, weight, labels, lse, coefs, start, lo, plan)
         dh = dh + dh_c
         tail = lax.slice_in_dim(dw_c, lo - start, width, axis=axis)
-        dw = lax.dynamic_update_slice_in_dim(dw, tail.astype(dw.dtype), lo, axis=axis)
+        dw = lax.dynamic_update_slice_in_dim(dw, tail, lo, axis=axis)
     return dh.astype(hidden2.dtype), dw
 
 

@@ -83,12 +83,14 @@ def choose_config(tokens: int, vocab: int, features: int, backward: bool) -> Lau
 
 
 def chunk_width(tokens: int, vocab: int, itemsize: int, block_vocab: int) -> int:
-    """The backward's vocabulary chunk: a multiple of the vocabulary block whose (tokens, width) dz block stays under
-    the configured bytes (at least one block), or the whole vocabulary where that is smaller."""
+    """The backward's vocabulary chunk: the fewest chunks whose (tokens, width) dz block stays under the configured
+    bytes, of equal width (a multiple of the vocabulary block, so the last chunk recomputes few columns twice), or
+    the whole vocabulary where one chunk fits."""
     budget = _backend.tuned("loss", HEURISTIC)["chunk_bytes"]
-    blocks = max(1, budget // max(1, tokens * itemsize * block_vocab))
-    width = blocks * block_vocab
-    return vocab if width >= vocab else width
+    most = max(1, budget // max(1, tokens * itemsize * block_vocab)) * block_vocab
+    if most >= vocab:
+        return vocab
+    return min(vocab, cdiv(cdiv(vocab, cdiv(vocab, most)), block_vocab) * block_vocab)
 
 
 def _logits_block(h_ref, w_ref, rows, row_ok, cols, col_ok, *, features, bk, layout):
