@@ -6,16 +6,20 @@ or (d, V) ("dv", a Dense kernel), read in place (never transposed or copied). A 
 GEMM of its own: a (bt, bv) float32 accumulator over the d axis in steps of bk, operands in the caller's dtype
 (bf16 on the tensor cores, float32 accumulation).
 
-Forward ("pallas_fused_loss_fwd"), grid (token blocks, vocabulary splits). A program walks its split of the
+Forward ("pallas_fused_loss_fwd"), grid (vocabulary splits, token blocks). A program walks its split of the
 vocabulary block by block and keeps, per token, the running max m and sum s of exp(z - m) (the online
 logsumexp), the label's logit and (with label smoothing) the sum of the logits. It writes those four float32
-numbers per token and split; the api combines the splits (a few numbers per token). Splitting the vocabulary
-gives the GPU enough programs when there are few token blocks.
+numbers per token and split; the api combines the splits (a few numbers per token). The splits vary fastest, so
+the programs running at once share a few token blocks of hidden (held in L2 for their whole walk) and read the
+same few weight blocks at each step; hidden's tiles are re-read once per vocabulary block, which an L2 holding
+all of hidden (64 MB at 8192 tokens, d 4096) could not serve.
 
-Backward ("pallas_fused_loss_dlogits"), grid (token blocks, vocabulary blocks of one chunk): the logits of the
-chunk's columns [start, start + width) are recomputed and turned into d(loss)/d(logits) in the epilogue
-(`reference.logits_grad`), written as a (N, width) block in the caller's dtype. The api multiplies that block
-into dh and dW (two GEMMs) and moves on to the next chunk, so no more than one (N, width) block exists at once.
+Backward ("pallas_fused_loss_dlogits"), a 1-D grid over the (token block, vocabulary block) tiles of one chunk,
+walked `group` token blocks at a time (a GEMM's grouped order: the tiles running at once share their hidden and
+weight tiles in L2): the logits of the chunk's columns [start, start + width) are recomputed and turned into
+d(loss)/d(logits) in the epilogue (`reference.logits_grad`), written as a (N, width) block in the caller's dtype.
+The api multiplies that block into dh and dW (two GEMMs) and moves on to the next chunk, so no more than one
+(N, width) block exists at once.
 Columns below `lo` (already counted by the chunk before, where the last chunk is shifted back to fit) and past
 V are written as zeros.
 
@@ -47,7 +51,7 @@ from pallas_fused.loss.reference import cap_logits, logits_grad
 # 128 x 128 float32 accumulators at 8 warps (64 registers a thread), K steps of 64 bf16 (a 16 KB operand tile
 # each), 3 stages of loads in flight. Programs: at least `programs_per_sm` per SM in the forward.
 HEURISTIC = {"fwd": dict(block_tokens=128, block_vocab=128, block_k=64, num_warps=8, num_stages=3),
-             "bwd": dict(block_tokens=128, block_vocab=128, block_k=64, num_warps=8, num_stages=3),
+             "bwd": dict(block_tokens=128, block_vocab=128, block_k=64, num_warps=8, num_stages=3, group=16),
              "programs_per_sm": 4,
              # The backward's dz block (N, width) in the caller's dtype stays under this many bytes.
              "chunk_bytes": 128 << 20}
@@ -61,6 +65,7 @@ class LaunchConfig:
     num_warps: int = 8
     num_stages: int | None = None
     splits: int = 1  # forward only: the vocabulary blocks are shared out among this many programs per token block
+    group: int = 1  # backward only: token blocks walked together (grouped order)
 
 
 def _shrink(block: int, dim: int) -> int:
@@ -79,7 +84,7 @@ def choose_config(tokens: int, vocab: int, features: int, backward: bool) -> Lau
         blocks = cdiv(vocab, bv)
         splits = cdiv(blocks, cdiv(blocks, max(1, min(want, blocks))))
     warps = side["num_warps"] if bt * bv >= 128 * 64 else 4
-    return LaunchConfig(bt, bv, bk, warps, side["num_stages"], splits)
+    return LaunchConfig(bt, bv, bk, warps, side["num_stages"], splits, side.get("group", 1) if backward else 1)
 
 
 def chunk_width(tokens: int, vocab: int, itemsize: int, block_vocab: int) -> int:
@@ -122,7 +127,7 @@ def _finite_or_zero(m):
 
 def _stats_kernel(h_ref, w_ref, y_ref, m_ref, s_ref, zy_ref, zsum_ref, *, tokens, vocab, features, bt, bv, bk,
                   per_split, layout, cap, smoothing):
-    tb, split = pl.program_id(0), pl.program_id(1)
+    split, tb = pl.program_id(0), pl.program_id(1)
     rows = tb * bt + jnp.arange(bt)
     row_ok = rows < tokens
     labels = _backend.load(y_ref.at[rows], mask=row_ok, other=-1)
@@ -168,7 +173,7 @@ def logit_stats_pallas(hidden2, weight, labels, *, layout: str, cap: float | Non
                                per_split=per_split, layout=layout, cap=cap, smoothing=smoothing)
     part = jax.ShapeDtypeStruct((splits, tokens), jnp.float32)
     m, s, z_label, z_sum = _backend.triton_call(
-        kernel, out_shape=(part,) * 4, grid=(cdiv(tokens, bt), splits), name="pallas_fused_loss_fwd",
+        kernel, out_shape=(part,) * 4, grid=(splits, cdiv(tokens, bt)), name="pallas_fused_loss_fwd",
         interpret=interpret, num_warps=config.num_warps, num_stages=config.num_stages)(hidden2, weight, labels)
     # The splits' online logsumexps combined (the same shift rule as within a program).
     top = _finite_or_zero(jnp.max(m, axis=0))
@@ -177,8 +182,8 @@ def logit_stats_pallas(hidden2, weight, labels, *, layout: str, cap: float | Non
 
 
 def _dlogits_kernel(h_ref, w_ref, y_ref, lse_ref, a_ref, b_ref, c_ref, span_ref, out_ref, *, tokens, vocab,
-                    features, width, bt, bv, bk, layout, cap):
-    tb, vb = pl.program_id(0), pl.program_id(1)
+                    features, width, bt, bv, bk, group, layout, cap):
+    tb, vb = _backend.grouped_pid(pl.program_id(0), cdiv(tokens, bt), cdiv(width, bv), group)
     rows = tb * bt + jnp.arange(bt)
     row_ok = rows < tokens
     labels = _backend.load(y_ref.at[rows], mask=row_ok, other=-1)
@@ -207,8 +212,8 @@ def logits_grad_pallas(hidden2, weight, labels, lse, a, b, c, span, *, width: in
     config = config or choose_config(tokens, vocab, features, backward=True)
     bt, bv, bk = config.block_tokens, config.block_vocab, config.block_k
     kernel = functools.partial(_dlogits_kernel, tokens=tokens, vocab=vocab, features=features, width=width, bt=bt,
-                               bv=bv, bk=bk, layout=layout, cap=cap)
+                               bv=bv, bk=bk, group=config.group, layout=layout, cap=cap)
     return _backend.triton_call(
         kernel, out_shape=jax.ShapeDtypeStruct((tokens, width), hidden2.dtype),
-        grid=(cdiv(tokens, bt), cdiv(width, bv)), name="pallas_fused_loss_dlogits", interpret=interpret,
+        grid=(cdiv(tokens, bt) * cdiv(width, bv),), name="pallas_fused_loss_dlogits", interpret=interpret,
         num_warps=config.num_warps, num_stages=config.num_stages)(hidden2, weight, labels, lse, a, b, c, span)

@@ -20,7 +20,7 @@ IGNORE = -100
 # Small blocks so that the tiny shapes below still cross several token, vocabulary and d blocks, vocabulary splits
 # (forward) and chunks (backward), each with a masked remainder: V 100 = 3 x 32 + 4, d 40 = 2 x 16 + 8, N 37.
 FWD = loss_kernel.LaunchConfig(16, 32, 16, num_warps=4, splits=2)
-BWD = loss_kernel.LaunchConfig(16, 32, 16, num_warps=4)
+BWD = loss_kernel.LaunchConfig(16, 32, 16, num_warps=4, group=2)
 N, D, V = 37, 40, 100
 
 OPTIONS = {
