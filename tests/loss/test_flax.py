@@ -90,10 +90,9 @@ def test_hf_flax_llama_recipe(kernel_impl):
         return lm_loss(module.apply({"params": params}, *inputs).logits, targets)
 
     want, want_grads = jax.value_and_grad(theirs)(params)
-    for impl in ("xla", kernel_impl):
-        got, grads = jax.value_and_grad(ours)(params, impl)
-        np.testing.assert_allclose(float(got), float(want), rtol=1e-5)
-        for path, g in jax.tree_util.tree_leaves_with_path(grads):
-            w = dict(jax.tree_util.tree_leaves_with_path(want_grads))[path]
-            np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=2e-3, atol=2e-6,
-                                       err_msg=jax.tree_util.keystr(path))
+    got, grads = jax.value_and_grad(ours)(params, kernel_impl)
+    np.testing.assert_allclose(float(got), float(want), rtol=1e-5)
+    want_grads = dict(jax.tree_util.tree_leaves_with_path(want_grads))
+    for path, g in jax.tree_util.tree_leaves_with_path(grads):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(want_grads[path]), rtol=2e-3, atol=2e-6,
+                                   err_msg=jax.tree_util.keystr(path))
