@@ -70,7 +70,7 @@ def _swept(labels, tokens, d, vocab, launch, chunk):
         cfgs = {}
         if launch is not None:
             bt, bv, bk, warps, stages = launch
-            splits = _backend.cdiv(4 * _backend.num_sms(), _backend.cdiv(tokens, bt))  # as choose_config's
+            splits = max(8, _backend.cdiv(4 * _backend.num_sms(), _backend.cdiv(tokens, bt)))  # as choose_config's
             cfgs = dict(fwd_config=LaunchConfig(bt, bv, bk, warps, stages, splits=splits),
                         bwd_config=LaunchConfig(bt, bv, bk, warps, stages, group=16))
         return linear_cross_entropy_with_config(h, w, labels, implementation="pallas", chunk=chunk, **cfgs)

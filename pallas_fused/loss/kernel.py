@@ -49,8 +49,11 @@ from pallas_fused.loss.reference import cap_logits, logits_grad
 
 # Launch of a GPU without a tuning table ("loss" section of pallas_fused/tuning/<device>.json overrides it):
 # 128 x 128 float32 accumulators at 8 warps (64 registers a thread), K steps of 64 bf16 (a 16 KB operand tile
-# each), 3 stages of loads in flight. Programs: at least `programs_per_sm` per SM in the forward.
-HEURISTIC = {"fwd": dict(block_tokens=128, block_vocab=128, block_k=64, num_warps=8, num_stages=3),
+# each), 3 stages of loads in flight. Forward: at least `programs_per_sm` programs per SM, and at least
+# `min_splits` vocabulary splits, so that the ~2 programs per SM running at once span about 2 x SMs / splits token
+# blocks: at 8 splits, 33 blocks of 128 tokens x d 4096 in bf16 (33 MB of hidden) plus 8 weight blocks stay
+# within an H100's 50 MB L2, and each weight block is read from HBM once per 33 token blocks.
+HEURISTIC = {"fwd": dict(block_tokens=128, block_vocab=128, block_k=64, num_warps=8, num_stages=3, min_splits=8),
              "bwd": dict(block_tokens=128, block_vocab=128, block_k=64, num_warps=8, num_stages=3, group=16),
              "programs_per_sm": 4,
              # The backward's dz block (N, width) in the caller's dtype stays under this many bytes.
@@ -80,7 +83,7 @@ def choose_config(tokens: int, vocab: int, features: int, backward: bool) -> Lau
     bk = _shrink(side["block_k"], features)
     splits = 1
     if not backward:
-        want = cdiv(launch["programs_per_sm"] * _backend.num_sms(), cdiv(tokens, bt))
+        want = max(side.get("min_splits", 1), cdiv(launch["programs_per_sm"] * _backend.num_sms(), cdiv(tokens, bt)))
         blocks = cdiv(vocab, bv)
         splits = cdiv(blocks, cdiv(blocks, max(1, min(want, blocks))))
     warps = side["num_warps"] if bt * bv >= 128 * 64 else 4
