@@ -8,6 +8,9 @@ impls, timed in turn per case:
   "xla:chunked"                   implementation="xla": plain jnp over token chunks (never the full logits)
   "xla"                           what a JAX user writes: logits = hidden @ W in bf16, then
                                   optax.softmax_cross_entropy_with_integer_labels on them in float32, mean; jax.grad
+  "probe:xla_eager"               Liger's design in jnp (`_eager_loss`): the gradients made in the forward pass over
+                                  token chunks, no recomputed logits, a float32 (d, V) accumulator; not in the
+                                  package, timed to show what the recompute costs on the GPU
   "peer:liger"                    Liger-Kernel's LigerFusedLinearCrossEntropyLoss in torch, same process, same values
                                   (weight (V, d), as torch's nn.Linear holds it); skipped where liger_kernel or a
                                   CUDA torch is missing
@@ -61,6 +64,41 @@ def _xla_loss(hidden, weight, labels):
     return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), labels))
 
 
+def _eager_loss(chunk: int):
+    """Liger's design in jnp, a probe rather than an implementation: the gradients made in the forward pass, token
+    chunk by token chunk (logits, softmax - onehot, dh, dW += h^T dz, float32 dW carried), the backward only scaling
+    them: 6 N d V FLOPs, no recomputed logits, at the price of a float32 (d, V) accumulator. Mean over all tokens
+    (the benchmark ignores none); tokens a multiple of `chunk`."""
+
+    @jax.custom_vjp
+    def loss(hidden, weight, labels):
+        return fwd(hidden, weight, labels)[0]
+
+    def fwd(hidden, weight, labels):
+        tokens, d = hidden.shape
+        vocab = weight.shape[1]
+
+        def step(dw, xs):
+            h, y = xs
+            z = jnp.dot(h, weight, preferred_element_type=jnp.float32)
+            lse = jax.nn.logsumexp(z, axis=-1)
+            total = jnp.sum(lse - jnp.take_along_axis(z, y[:, None], axis=-1)[:, 0])
+            dz = ((jnp.exp(z - lse[:, None]) - jax.nn.one_hot(y, vocab)) / tokens).astype(h.dtype)
+            dh = jnp.dot(dz, weight.T, preferred_element_type=jnp.float32).astype(h.dtype)
+            return dw + jnp.dot(h.T, dz, preferred_element_type=jnp.float32), (total, dh)
+
+        dw, (totals, dhs) = jax.lax.scan(step, jnp.zeros((d, vocab), jnp.float32),
+                                         (hidden.reshape(-1, chunk, d), labels.reshape(-1, chunk)))
+        return jnp.sum(totals) / tokens, (dhs.reshape(tokens, d), dw.astype(weight.dtype))
+
+    def bwd(res, g):
+        dh, dw = res
+        return (dh * g).astype(dh.dtype), (dw * g).astype(dw.dtype), None
+
+    loss.defvjp(fwd, bwd)
+    return loss
+
+
 def _fwdbwd(loss):
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
 
@@ -84,6 +122,7 @@ def _jax_fns(labels, tokens, d, vocab, sweep: bool):
         "user:linear_cross_entropy vd": (_fwdbwd(lambda h, w: linear_cross_entropy(h, w, labels)), "vd"),
         "xla:chunked": (_fwdbwd(lambda h, w: linear_cross_entropy(h, w, labels, implementation="xla")), "dv"),
         "xla": (_fwdbwd(lambda h, w: _xla_loss(h, w, labels)), "dv"),
+        "probe:xla_eager": (_fwdbwd(lambda h, w: _eager_loss(min(tokens, 1024))(h, w, labels)), "dv"),
     }
     if sweep:
         fns.update({name: (_swept(labels, tokens, d, vocab, *spec), "dv") for name, spec in SWEEP.items()})
