@@ -156,7 +156,12 @@ def _liger(hidden, weight_vd, labels):
         return None
 
     def to_torch(x):
-        return torch.from_dlpack(x).clone()
+        try:  # on the device, no host copy
+            return torch.from_dlpack(x).clone()
+        except Exception:  # noqa: BLE001 - a jax/torch pair without a shared dlpack path: through the host
+            dtype = {jnp.dtype(jnp.bfloat16): torch.bfloat16}.get(jnp.dtype(x.dtype))
+            host = np.asarray(x.astype(jnp.float32) if dtype is not None else x)
+            return torch.from_numpy(host).to("cuda", dtype or torch.from_numpy(host).dtype)
 
     x = to_torch(hidden).requires_grad_(True)
     w = to_torch(weight_vd).requires_grad_(True)
