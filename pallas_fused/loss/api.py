@@ -189,10 +189,12 @@ def linear_cross_entropy(hidden, head_weight, labels, *, weight_layout: str | No
     Returns:
       float32 loss: a scalar, or labels' shape for reduction="none".
 
-    Differentiable in hidden and head_weight (labels get no gradient); works under jit. Non-finite inputs stay
-    visible: a NaN in a counted token's hidden row, or anywhere in the weight, makes the loss NaN (an ignored
-    token's row is not part of the loss). An infinite logit gives what jax.nn.logsumexp gives (lse = inf, so a
-    loss of inf or NaN); with a soft cap the logits are bounded.
+    Differentiable in hidden and head_weight (labels get no gradient); works under jit, vmap and remat.
+    Non-finite inputs stay visible: a NaN in a counted token's hidden row, or anywhere in the weight, makes the loss
+    NaN (an ignored token's row is not part of the loss, though a NaN there still reaches d_weight through
+    dz^T hidden, as with jax.grad of the materialized loss). An infinite logit gives what jax.nn.logsumexp gives
+    (lse = inf, so a loss of inf or NaN); with a soft cap the logits are bounded. Sharded inputs are gathered for
+    the Pallas kernels (no sharding rule yet); "xla" shards as XLA shards its dots.
 
     "xla" is plain jnp, chunked over tokens (`reference.chunked_token_loss`): one chunk's float32 logits at a time,
     recomputed in the backward, the weight's gradient accumulated in float32. "pallas" / "interpret" run the

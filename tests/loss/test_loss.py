@@ -309,3 +309,15 @@ def test_default_launch_at_a_larger_shape(kernel_impl, layout):
     base = _value_and_grads(lambda h, w: optax_loss(h, w, labels, layout=layout, **opts), hidden, weight)
     for name, o, e, b in zip(("loss", "d_hidden", "d_weight"), ours, exact, base):
         assert_close(o, to64(e), baseline=b, floor=1.5e-2, what=name)
+
+
+def test_vmap_jit_remat(impl):
+    """vmap over a batch of sequences (the weight shared), jit and remat give what the unbatched calls give."""
+    hidden, weight, labels = _inputs(jnp.float32, "dv", shape=(3, 20), vocab=70)
+    fn = _ours(impl, "dv")
+    one_by_one = jax.value_and_grad(lambda h, w: sum(fn(h[i], w, labels[i]) for i in range(3)), (0, 1))(hidden,
+                                                                                                     weight)
+    batched = jax.jit(jax.value_and_grad(lambda h, w: jnp.sum(jax.vmap(jax.checkpoint(fn), (0, None, 0))(
+        h, w, labels)), (0, 1)))(hidden, weight)
+    for a, b in zip(jax.tree.leaves(batched), jax.tree.leaves(one_by_one)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-7)
