@@ -38,6 +38,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
@@ -134,6 +135,18 @@ def _warn_xla_miscompiles() -> None:
 def cdiv(a: int, b: int) -> int:
     """ceil(a / b) for launch grids."""
     return -(-a // b)
+
+
+def grouped_pid(pid, num_m: int, num_n: int, group_m: int):
+    """Map a 1-D program id to (pid_m, pid_n), walking group_m rows of tiles at a time: the programs that run at
+    once share a few row tiles and a few column tiles (L2 reuse of both operands of a GEMM)."""
+    width = group_m * num_n
+    group = pid // width
+    first_m = group * group_m
+    size = jnp.minimum(num_m - first_m, group_m)
+    pid_m = first_m + (pid % width) % size
+    pid_n = (pid % width) // size
+    return pid_m, pid_n
 
 
 def next_pow2(n: int) -> int:

@@ -81,6 +81,24 @@ def test_swiglu(cc):
         assert fwd.count(TRITON) == 1 and both.count(TRITON) == 2, (shape, fwd, both)
 
 
+@pytest.mark.parametrize("layout", ["vd", "dv"])
+def test_linear_cross_entropy(cc, layout):
+    from pallas_fused.loss import linear_cross_entropy
+
+    d, vocab = 96, 1000
+    labels = jnp.arange(300, dtype=jnp.int32).reshape(3, 100) * 7 % vocab
+
+    def fn(h, w):
+        return linear_cross_entropy(h, w, labels, z_loss=1e-4, label_smoothing=0.1, logit_soft_cap=30.0)
+
+    for dtype in (jnp.bfloat16, jnp.float32):
+        hidden = rnd(0, (3, 100, d), dtype)
+        weight = rnd(1, (vocab, d) if layout == "vd" else (d, vocab), dtype)
+        fwd = kernels(fn, hidden, weight)
+        both = kernels(jax.value_and_grad(fn, (0, 1)), hidden, weight)
+        assert fwd.count(TRITON) == 1 and both.count(TRITON) == 2, (fwd, both)
+
+
 @pytest.mark.parametrize("state_bits", [None, 8])
 def test_adamw(cc, state_bits):
     from pallas_fused.optim import adamw, adamw_step

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_fused import _backend
+from pallas_fused._backend import grouped_pid  # noqa: F401 - the DoRA kernels take it from here
 from pallas_fused.dora.quant import NF4_CODEBOOK
 
 NF4_TILE = 64  # = quant.NF4_BLOCK: one absmax row per tile
@@ -102,12 +103,3 @@ def nf4_rows(packed_ref, absmax_ref, k0, n0, bn: int, cmask, kloop: int):
     return nf4_values(p >> 4) * am_hi, nf4_values(p & 15) * am_lo
 
 
-def grouped_pid(pid, num_m: int, num_n: int, group_m: int):
-    """Map a 1-D program id to (pid_m, pid_n), walking group_m rows of tiles at a time (L2 reuse of W)."""
-    width = group_m * num_n
-    group = pid // width
-    first_m = group * group_m
-    size = jnp.minimum(num_m - first_m, group_m)
-    pid_m = first_m + (pid % width) % size
-    pid_n = (pid % width) // size
-    return pid_m, pid_n
