@@ -7,6 +7,7 @@ kept on the adapted class, where `from_pretrained`, `merge` and `unused_rules` r
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -16,70 +17,55 @@ import jax.numpy as jnp
 from flax.core import meta
 
 from pallas_fused.adapt import _core
-from pallas_fused.adapt.rules import DoraRule, Rule, first_match, weight_path
+from pallas_fused.adapt.report import no_match
+from pallas_fused.adapt.rules import Rule
 
 
 class _Linen(_core.Frontend):
+    """linen's answers: a module's path is its scope's, its params its "params" collection; the sites, and the
+    contractions met, are kept on the adapted class."""
+
+    hint = "use the variables of lmodel.init, or adapt.from_pretrained(lmodel, variables, pretrained)"
+
     def __init__(self, cls):
-        self.cls = cls
+        super().__init__()
+        self.rules, self.dry = cls._pf_rules, cls._pf_dry
+        self.sites, self.seen, self.matched = cls._pf_sites, cls._pf_seen, cls._pf_matched
 
-    def intercept(self, module, lhs, rhs, dimension_numbers, out_dtype):
-        if not isinstance(module, nn.Module):
-            return None
-        path = "/".join(module.scope.path)
-        params = {k: v for k, v in module.variables.get("params", {}).items() if not isinstance(v, Mapping)}
-        found = _core.find_weight(params, lhs, rhs)
-        if found is None:
-            return None
-        name, side = found
-        if _core.raise_if_ambiguous(name, self.cls._pf_rules, path):
-            return None
-        rule = first_match(self.cls._pf_rules, path, name)
-        if rule is None:
-            return None
-        where = weight_path(path, name)
-        site = self.cls._pf_sites.get(where)
-        if site is None:
-            site = self.cls._pf_sites[where] = _core.new_site(rule, path, name, lhs, rhs, dimension_numbers, side)
-        stored = _stored_weight(module, site, where)
-        adapters = _adapters(module, site, stored, where)
-        return _core.adapted_product(site, where, lhs, rhs, dimension_numbers, side, stored, adapters, out_dtype)
+    def path(self, module):
+        return "/".join(module.scope.path) if isinstance(module, nn.Module) else None
 
+    def params(self, module):
+        return {k: v if isinstance(v, _core.QuantizedWeight) else meta.unbox(v)
+                for k, v in module.variables.get("params", {}).items() if not isinstance(v, Mapping)}
 
-def _stored_weight(module, site, where):
-    """The weight as stored (boxed as a QuantizedWeight for QDoRA; quantized on first sight at init)."""
-    w = module.get_variable("params", site.name)
-    fmt = getattr(site.rule, "quantize", None)
-    if fmt is not None and not isinstance(w, _core.QuantizedWeight):
-        if not module.is_mutable_collection("params"):
-            raise ValueError(f"adapt: {where} has a rule with quantize={fmt!r} but its stored weight is not "
-                             f"quantized: load params with adapt.from_pretrained (or lmodel.init)")
-        w = _core.QuantizedWeight.quantize(meta.unbox(w), site.layout, fmt)
-        module.put_variable("params", site.name, w)
-    return w if isinstance(w, _core.QuantizedWeight) else meta.unbox(w)
+    def site(self, module, where, name):
+        return self.sites.get(where)
+
+    def add_site(self, module, where, site):
+        self.sites[where] = site
+
+    def get(self, module, name):
+        w = module.get_variable("params", name)
+        return w if isinstance(w, _core.QuantizedWeight) else meta.unbox(w)
+
+    def put(self, module, name, value, adapter):
+        module.put_variable("params", name, value)
+
+    def has(self, module, name):
+        return module.has_variable("params", name)
+
+    def can_create(self, module):
+        return module.is_mutable_collection("params")
+
+    def rng(self, module):
+        return module.make_rng("params")
 
 
-def _adapters(module, site, stored, where):
-    shapes = _core.adapter_shapes(site)
-    missing = [k for k in shapes if not module.has_variable("params", k)]
-    if missing:
-        if not module.is_mutable_collection("params"):
-            raise ValueError(f"adapt: {where} matches {site.rule!r} but the params have no {missing}: use the "
-                             f"variables of lmodel.init, or adapt.from_pretrained(lmodel, variables, pretrained)")
-        fresh = _core.new_adapters(site, stored, module.make_rng("params"))
-        for k in missing:
-            module.put_variable("params", k, fresh[k])
-    out = {k: meta.unbox(module.get_variable("params", k)) for k in shapes}
-    for k, shape in shapes.items():
-        if tuple(jnp.shape(out[k])) != shape:
-            raise ValueError(f"adapt: {where}: params[{k!r}] has shape {tuple(jnp.shape(out[k]))}, {site.rule!r} "
-                             f"needs {shape}")
-    return out
-
-
-def apply(model: nn.Module, rules: tuple[Rule, ...], methods) -> nn.Module:
+def apply(model: nn.Module, rules: tuple[Rule, ...], methods, dry: bool = False) -> nn.Module:
     base = getattr(type(model), "_pf_base", type(model))
-    fields: dict[str, Any] = {"_pf_base": base, "_pf_rules": rules, "_pf_sites": {}}
+    fields: dict[str, Any] = {"_pf_base": base, "_pf_rules": rules, "_pf_sites": {}, "_pf_seen": {},
+                              "_pf_matched": {}, "_pf_dry": dry}
     for name in methods:
         method = getattr(base, name, None)
         if method is None:
@@ -99,12 +85,15 @@ def apply(model: nn.Module, rules: tuple[Rule, ...], methods) -> nn.Module:
 
 
 def _sites(lmodel) -> dict[str, _core.Site]:
-    sites = getattr(type(lmodel), "_pf_sites", None)
+    cls = type(lmodel)
+    sites = getattr(cls, "_pf_sites", None)
     if sites is None:
         raise ValueError(f"expected a model from adapt.apply, got {type(lmodel).__name__}")
-    if not sites:
+    if not sites and not cls._pf_seen:
         raise ValueError("adapt: the model has not been traced yet, so no weight is known to be adapted: call "
                          "lmodel.init(key, *inputs) first")
+    if not sites:
+        raise ValueError(no_match(cls._pf_rules, tuple(cls._pf_seen.values())))
     return sites
 
 
@@ -149,20 +138,15 @@ def from_pretrained(lmodel, variables, pretrained):
                              f"the adapted model's has {tuple(have.shape)}")
         node, name = _module(out, path)
         site = sites.get(path)
-        if isinstance(have, _core.QuantizedWeight):
-            node[name] = _core.QuantizedWeight.quantize(jnp.asarray(value), have.layout, site.rule.quantize)
-        else:
-            node[name] = value
+        node[name] = value if site is None else site.rule.store(jnp.asarray(value), site.layout, path)
     adapters = _adapter_paths(out)
     missing = [p for p in flat_out if p not in flat_pre and p not in adapters]
     if missing:
         raise ValueError(f"adapt.from_pretrained: the pretrained params have no {missing[:5]}"
                          f"{' ...' if len(missing) > 5 else ''} (the adapted model's params other than adapters)")
     for where, site in sites.items():
-        if isinstance(site.rule, DoraRule):
-            node, name = _module(out, where)
-            node[f"{name}_magnitude"] = _core.magnitude(site, node[name], node[f"{name}_lora_a"],
-                                                       node[f"{name}_lora_b"])
+        node, name = _module(out, where)
+        node.update(site.refreshed(node[name], {k: node[k] for k in site.adapter_shapes()}))
     return rebuild(out)
 
 
@@ -208,11 +192,22 @@ def merge(lmodel, variables):
     out = _copy(params)
     for where, site in sites.items():
         node, name = _module(out, where)
-        adapters = {k: node.pop(k) for k in _core.adapter_shapes(site)}
-        node[name] = _core.merged_weight(site, node[name], adapters)
+        adapters = {k: node.pop(k) for k in site.adapter_shapes()}
+        node[name] = site.merged(node[name], adapters)
     return rebuild(out)
 
 
 def unused_rules(lmodel) -> list[Rule]:
+    cls = type(lmodel)
+    if getattr(cls, "_pf_sites", None) is not None and not cls._pf_sites and cls._pf_seen:
+        warnings.warn(no_match(cls._pf_rules, tuple(cls._pf_seen.values())), stacklevel=3)
+        return list(cls._pf_rules)
     used = {site.rule for site in _sites(lmodel).values()}
-    return [r for r in type(lmodel)._pf_rules if r not in used]
+    return [r for r in cls._pf_rules if r not in used]
+
+
+def report(lmodel) -> tuple:
+    """The contractions met while tracing, then the matched weights no contraction reached."""
+    cls = type(lmodel)
+    adapted = {c.weight_path for c in cls._pf_seen.values() if c.action == "adapted"}
+    return tuple(cls._pf_seen.values()) + tuple(c for w, c in cls._pf_matched.items() if w not in adapted)

@@ -8,60 +8,61 @@ model's graph, so `nnx.split` / `nnx.merge`, `nnx.jit` and `nnx.Optimizer` carry
 
 from __future__ import annotations
 
-from typing import Any
+import warnings
 
+import jax
 from flax import nnx
 
 from pallas_fused.adapt import _core
-from pallas_fused.adapt.rules import Rule, first_match, weight_path
-
-
-def _params(module) -> dict[str, Any]:
-    return {k: v.get_value() for k, v in vars(module).items() if isinstance(v, nnx.Param)}
+from pallas_fused.adapt.report import no_match
+from pallas_fused.adapt.rules import Rule
 
 
 class _Nnx(_core.Frontend):
-    """At call time: the sites each module recorded. While `apply` traces (`paths` given): new sites too."""
+    """NNX's answers. At call time: the sites each module recorded (`_pf_sites`). While `apply` or `inspect` runs
+    (`paths` given): new sites too, with their adapters created on the module (not with `dry`)."""
 
-    def __init__(self, rules=None, paths=None, rngs=None):
-        self.rules, self.paths, self.rngs = rules, paths, rngs
+    hint = "adapters are created by adapt.apply(model, rules, *inputs, rngs=...)"
 
-    def intercept(self, module, lhs, rhs, dimension_numbers, out_dtype):
+    def __init__(self, rules=None, paths=None, rngs=None, dry=False):
+        super().__init__()
+        self.rules, self.paths, self.rngs, self.dry = rules, paths, rngs, dry
+
+    def path(self, module):
         if not isinstance(module, nnx.Module):
             return None
-        sites = {s.name: s for s in getattr(module, "_pf_sites", ())}
-        if not sites and self.paths is None:
-            return None
-        params = _params(module)
-        found = _core.find_weight(params, lhs, rhs)
-        if found is None:
-            return None
-        name, side = found
-        path = self.paths.get(id(module), "?") if self.paths is not None else "?"
-        if _core.raise_if_ambiguous(name, self.rules, path):
-            return None
-        site = sites.get(name)
-        if site is None:
-            rule = first_match(self.rules, path, name) if self.paths is not None else None
-            if rule is None:
-                return None
-            site = _core.new_site(rule, path, name, lhs, rhs, dimension_numbers, side)
-            self._add(module, site)
-        stored = getattr(module, name).get_value()
-        adapters = {k: getattr(module, k)[...] for k in _core.adapter_shapes(site)}
-        return _core.adapted_product(site, weight_path(path, name), lhs, rhs, dimension_numbers, side, stored,
-                                     adapters, out_dtype)
+        if self.paths is None:  # at call time only the modules with sites take part
+            return "?" if getattr(module, "_pf_sites", ()) else None
+        return self.paths.get(id(module), "?")
 
-    def _add(self, module, site) -> None:
-        """A new site's adapters on `module` (from the weight there; quantized first for QDoRA)."""
-        w = getattr(module, site.name).get_value()
-        fmt = getattr(site.rule, "quantize", None)
-        if fmt is not None:
-            w = _core.QuantizedWeight.quantize(w, site.layout, fmt)
-            setattr(module, site.name, nnx.Param(w))
-        for k, v in _core.new_adapters(site, w, self.rngs.params()).items():
-            setattr(module, k, nnx.LoRAParam(v))
-        module._pf_sites = getattr(module, "_pf_sites", ()) + (site,)
+    def params(self, module):
+        return {k: v.get_value() for k, v in vars(module).items() if isinstance(v, nnx.Param)}
+
+    def site(self, module, where, name):
+        return next((s for s in getattr(module, "_pf_sites", ()) if s.name == name), None)
+
+    def add_site(self, module, where, site):
+        if not self.dry:
+            module._pf_sites = getattr(module, "_pf_sites", ()) + (site,)
+
+    def get(self, module, name):
+        return getattr(module, name).get_value()
+
+    def put(self, module, name, value, adapter):
+        setattr(module, name, nnx.LoRAParam(value) if adapter else nnx.Param(value))
+
+    def has(self, module, name):
+        return name in vars(module)
+
+    def can_create(self, module):
+        return self.paths is not None and not self.dry
+
+    def rng(self, module):
+        return self.rngs.params()
+
+
+def _paths(model) -> dict[int, str]:
+    return {id(m): "/".join(str(p) for p in path) for path, m in nnx.iter_modules(model)}
 
 
 def apply(model, rules: tuple[Rule, ...], method: str, rngs, args, kwargs):
@@ -72,14 +73,15 @@ def apply(model, rules: tuple[Rule, ...], method: str, rngs, args, kwargs):
     if getattr(base, method, None) is None:
         raise ValueError(f"adapt.apply: {base.__name__} has no method {method!r}")
     adapted = nnx.clone(model)
-    paths = {id(m): "/".join(str(p) for p in path) for path, m in nnx.iter_modules(adapted)}
     for _, m in nnx.iter_modules(adapted):
         _core.bind_default_ops(m)
-    cls = type(base.__name__, (base,), {"_pf_base": base, "_pf_rules": rules,
+    frontend = _Nnx(rules, _paths(adapted), rngs)
+    with _core.active(frontend):
+        getattr(base, method)(adapted, *args, **kwargs)
+    cls = type(base.__name__, (base,), {"_pf_base": base, "_pf_rules": rules, "_pf_seen": frontend.seen,
+                                         "_pf_matched": frontend.matched,
                                          method: _core.adapted_method(getattr(base, method), lambda self: _Nnx())})
     cls.__qualname__ = base.__qualname__
-    with _core.active(_Nnx(rules, paths, rngs)):
-        getattr(base, method)(adapted, *args, **kwargs)
     for _, m in nnx.iter_modules(adapted):
         if not getattr(m, "_pf_sites", ()):
             _core.restore_default_ops(m)
@@ -95,12 +97,14 @@ def merge(nmodel):
     base = getattr(type(nmodel), "_pf_base", None)
     if base is None:
         raise ValueError(f"expected a model from adapt.apply, got {type(nmodel).__name__}")
+    if not _adapted_modules(nmodel) and type(nmodel)._pf_seen:
+        raise ValueError(no_match(type(nmodel)._pf_rules, tuple(type(nmodel)._pf_seen.values())))
     merged = nnx.clone(nmodel)
     for _, m in _adapted_modules(merged):
         for site in m._pf_sites:
-            adapters = {k: getattr(m, k)[...] for k in _core.adapter_shapes(site)}
+            adapters = {k: getattr(m, k).get_value() for k in site.adapter_shapes()}
             w = getattr(m, site.name).get_value()
-            setattr(m, site.name, nnx.Param(_core.merged_weight(site, w, adapters)))
+            setattr(m, site.name, nnx.Param(site.merged(w, adapters)))
             for k in adapters:
                 delattr(m, k)
         del m._pf_sites
@@ -114,6 +118,8 @@ def unused_rules(nmodel) -> list[Rule]:
     if rules is None:
         raise ValueError(f"expected a model from adapt.apply, got {type(nmodel).__name__}")
     used = {site.rule for _, m in _adapted_modules(nmodel) for site in m._pf_sites}
+    if not used:
+        warnings.warn(no_match(rules, tuple(type(nmodel)._pf_seen.values())), stacklevel=3)
     return [r for r in rules if r not in used]
 
 
@@ -121,8 +127,25 @@ def reset_magnitudes(nmodel) -> None:
     """DoRA magnitudes = ||W + s A B|| again, e.g. after loading other base weights with nnx.update."""
     for _, m in _adapted_modules(nmodel):
         for site in m._pf_sites:
-            if f"{site.name}_magnitude" in vars(m):
-                a, b = getattr(m, f"{site.name}_lora_a")[...], getattr(m, f"{site.name}_lora_b")[...]
-                w = getattr(m, site.name).get_value()
-                setattr(m, f"{site.name}_magnitude", nnx.LoRAParam(_core.magnitude(site, w, a, b)))
+            adapters = {k: getattr(m, k).get_value() for k in site.adapter_shapes()}
+            for k, v in site.refreshed(getattr(m, site.name).get_value(), adapters).items():
+                setattr(m, k, nnx.LoRAParam(v))
+
+
+def inspect(model, rules, method: str, args, kwargs) -> tuple:
+    """The contractions of `model`'s method, run abstractly on a copy (no adapters created; `model` untouched)."""
+    graphdef, state = nnx.split(model)
+    frontend = _Nnx(rules, None, None, dry=True)
+
+    def run(state, args, kwargs):
+        m = nnx.merge(graphdef, state)
+        frontend.paths = _paths(m)
+        for _, sub in nnx.iter_modules(m):
+            _core.bind_default_ops(sub)
+        with _core.active(frontend):
+            getattr(type(m), method)(m, *args, **kwargs)
+
+    jax.eval_shape(run, state, args, kwargs)
+    adapted = {c.weight_path for c in frontend.seen.values() if c.action == "adapted"}
+    return tuple(frontend.seen.values()) + tuple(c for w, c in frontend.matched.items() if w not in adapted)
 
