@@ -23,7 +23,7 @@ from tests.adapt import _zoo
 from tests.helpers import rel_err
 
 # The slower architectures (seq2seq, two towers) run on the floor leg only.
-SLOW = {"bart", "t5", "clip"}
+SLOW = {"bart", "t5", "vit", "clip"}
 
 CASES = [pytest.param(a.name, "dora_lora", id=a.name, marks=[pytest.mark.slow] if a.name in SLOW else [])
          for a in _zoo.ARCHS]
@@ -197,8 +197,8 @@ def _train(name, lmodel, params, steps: int = 5, lr: float = 1e-2):
 
 @pytest.mark.parametrize("name,variant", CASES)
 def test_adapters_only_training(name, variant):
-    """Five Adam steps on the adapters alone lower the loss, move every lora_b, and leave every other param bit for
-    bit as loaded."""
+    """Five Adam steps on the adapters alone lower the loss, move every lora_b (of a weight the model gives a
+    gradient), and leave every other param bit for bit as loaded."""
     lmodel, variables = adapted(name, variant)
     trained, losses = _train(name, lmodel, variables["params"])
     assert losses[-1] < losses[0], losses
@@ -206,7 +206,7 @@ def test_adapters_only_training(name, variant):
     mask = flat(adapt.trainable(variables["params"]))
     assert any(mask.values())
     for path, leaf in before.items():
-        if path.endswith("_lora_b"):
+        if path.endswith("_lora_b") and not re.fullmatch(_arch(name).no_gradient, path.removesuffix("_lora_b")):
             assert not np.array_equal(np.asarray(after[path]), np.asarray(leaf)), f"{path} did not train"
         elif not mask[path]:
             assert jax.tree.all(jax.tree.map(lambda a, b: np.array_equal(np.asarray(a), np.asarray(b)),
@@ -222,4 +222,5 @@ def test_misspelled_rule_is_reported(name, variant):
         module, _, inputs = _zoo.build(name)
         alone = adapt.apply(module, [typo(_arch(name))])
         alone.init(jax.random.key(0), **inputs)
-        assert adapt.unused_rules(alone) == [typo(_arch(name))]
+        with pytest.warns(UserWarning, match=r"no rule matched any of the \d+ contractions(.|\n)*nearest paths"):
+            assert adapt.unused_rules(alone) == [typo(_arch(name))]
