@@ -188,6 +188,34 @@ def shim(name: str, monkeypatch) -> None:
 @functools.cache
 def build(name: str):
     """(linen module, pretrained params, inputs as keywords) of architecture `name`, built once per process."""
-    arch = next(a for a in ARCHS if a.name == name)
-    module, inputs = arch.build(flax_transformers())
+    module, inputs = arch(name).build(flax_transformers())
     return module, module.init(jax.random.key(0), **inputs)["params"], inputs
+
+
+def arch(name: str) -> Arch:
+    return next(a for a in ARCHS if a.name == name)
+
+
+def logits(arch: Arch, module, params) -> jax.Array:
+    """The output of `arch` that the checks compare, from `module` (original or adapted) run on `params` and the
+    architecture's inputs."""
+    _, _, inputs = build(arch.name)
+    return arch.logits(module.apply({"params": params}, **inputs))
+
+
+def flat(tree) -> dict[str, Any]:
+    """A params tree's leaves by their `/`-joined path (the paths `adapt.inspect` names)."""
+    return {"/".join(str(k.key) for k in path): leaf for path, leaf in jax.tree_util.tree_leaves_with_path(
+        tree, is_leaf=lambda x: isinstance(x, adapt.QuantizedWeight))}
+
+
+def unflat(leaves: dict[str, Any]) -> dict:
+    """`flat`'s inverse."""
+    out: dict = {}
+    for path, leaf in leaves.items():
+        *parents, name = path.split("/")
+        node = out
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[name] = leaf
+    return out
