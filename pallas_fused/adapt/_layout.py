@@ -115,13 +115,24 @@ class Lineage:
         steps = []
         while True:
             for name, p in params.items():
-                if p is x:
+                if _same(p, x):
                     return name, tuple(s for s in reversed(steps) if s is not None)
             entry = self._from.get(id(x))
             if entry is None or entry[0] is not x:
                 return None
             _, x, step = entry
             steps.append(step)
+
+
+def _same(param, x) -> bool:
+    """Whether `x` is `param`: the same array, or a QuantizedWeight holding the same arrays (NNX's get_value()
+    hands out a new container of the same leaves on each read)."""
+    if param is x:
+        return True
+    if not (isinstance(param, QuantizedWeight) and isinstance(x, QuantizedWeight)):
+        return False
+    a, b = jax.tree_util.tree_leaves(param), jax.tree_util.tree_leaves(x)
+    return len(a) == len(b) and all(u is v for u, v in zip(a, b))
 
 
 _local = threading.local()
