@@ -118,14 +118,16 @@ def test_merge_reproduces_the_adapted_model(arch, variant):
 @pytest.mark.parametrize("arch,variant", CASES)
 def test_merge_changes_exactly_what_inspect_lists(arch, variant):
     """`inspect` lists as adapted every weight of a module the rules name (GPT-2's transposed Conv1D kernels
-    too), the adapted model holds adapters for exactly those, and `merge` changes exactly those (an FP8 weight
-    stays as it is)."""
+    too) and refuses none, the adapted model holds adapters for exactly those, and `merge` changes exactly those
+    (an FP8 weight stays as it is)."""
     _, pretrained, _ = _zoo.build(arch.name)
     rules = _zoo.rules(arch, variant)
     found = inspection(arch, variant)
     named = {p for p, w in _zoo.flat(pretrained).items()
              if w.ndim >= 2 and any(re.fullmatch(r.module_path, p.rpartition("/")[0]) for r in rules)}
     assert set(found.adapted) == named, str(found)
+    assert not [c for c in found if c.action == "refused"], str(found)
+    assert all(p in str(found) for p in named)  # the table names them
     trained = named - {c.weight_path for c in found if isinstance(c.rule, adapt.Fp8Rule)}
     lmodel, variables = adapted(arch, variant)
     with_adapters = {p.removesuffix("_lora_a") for p in _zoo.flat(variables["params"]) if p.endswith("_lora_a")}
