@@ -3,7 +3,8 @@ each tiny, random and in float32, with DoRA on its attention and LoRA on its MLP
 and FP8 on the MLP. Each architecture is checked the same five ways: the adapted model starts out computing what
 the original does; with random adapters, `merge` then the original model reproduces it (what a wrong or transposed
 weight fails); merge changes exactly the weights `inspect` lists as adapted, and the rules' every weight is among
-them; five adapters-only Adam steps lower the loss and leave the base bit for bit; a misspelled rule is reported."""
+them; five adapters-only Adam steps lower the loss and leave the base bit for bit; a misspelled rule is reported.
+One test per architecture runs the five checks (`CHECKS`), so that each model is built once, in one worker."""
 
 from __future__ import annotations
 
@@ -93,8 +94,7 @@ def _shims(request, monkeypatch):
         _zoo.shim(arch.name, monkeypatch)
 
 
-@pytest.mark.parametrize("arch,variant", CASES)
-def test_init_matches_original(arch, variant):
+def check_init_matches_original(arch, variant):
     """Loaded with the pretrained weights (B = 0, m = ||W||), the adapted model computes what the original does."""
     lmodel, variables = adapted(arch, variant)
     got = _zoo.logits(arch, lmodel, variables["params"])
@@ -104,8 +104,7 @@ def test_init_matches_original(arch, variant):
         assert rel_err(got, _zoo.logits(arch, module, pretrained)) > 1e-4
 
 
-@pytest.mark.parametrize("arch,variant", CASES)
-def test_merge_reproduces_the_adapted_model(arch, variant):
+def check_merge_reproduces_the_adapted_model(arch, variant):
     """With random adapters, `merge` gives weights with which the original model computes what the adapted one
     does: a weight adapted in the wrong layout, or the wrong weight, cannot pass."""
     lmodel, variables = adapted(arch, variant)
@@ -115,8 +114,7 @@ def test_merge_reproduces_the_adapted_model(arch, variant):
     assert rel_err(got, _zoo.logits(arch, lmodel, params)) <= 1e-5
 
 
-@pytest.mark.parametrize("arch,variant", CASES)
-def test_merge_changes_exactly_what_inspect_lists(arch, variant):
+def check_merge_changes_exactly_what_inspect_lists(arch, variant):
     """`inspect` lists as adapted every weight of a module the rules name (GPT-2's transposed Conv1D kernels
     too) and refuses none, the adapted model holds adapters for exactly those, and `merge` changes exactly those
     (an FP8 weight stays as it is)."""
@@ -163,8 +161,7 @@ def _train(arch, lmodel, params, steps: int = 5, lr: float = 1e-2):
     return adapt.join(adapters, frozen), losses
 
 
-@pytest.mark.parametrize("arch,variant", CASES)
-def test_adapters_only_training(arch, variant):
+def check_adapters_only_training(arch, variant):
     """Five Adam steps on the adapters alone lower the loss, move every lora_b (of a weight the model gives a
     gradient), and leave every other param (QDoRA's codes and scales too) bit for bit as loaded."""
     lmodel, variables = adapted(arch, variant)
@@ -180,8 +177,7 @@ def test_adapters_only_training(arch, variant):
             assert jax.tree.all(same), f"{path} changed"
 
 
-@pytest.mark.parametrize("arch,variant", CASES)
-def test_misspelled_rule_is_reported(arch, variant):
+def check_misspelled_rule_is_reported(arch, variant):
     """A misspelled rule beside working ones, and one alone (every rule missing: a warning names the nearest
     paths), is reported by unused_rules."""
     lmodel, _ = adapted(arch, variant)
@@ -192,3 +188,20 @@ def test_misspelled_rule_is_reported(arch, variant):
         alone.init(jax.random.key(0), **inputs)
         with pytest.warns(UserWarning, match=r"no rule matched any of the \d+ contractions(.|\n)*nearest paths"):
             assert adapt.unused_rules(alone) == [typo(arch)]
+
+
+CHECKS = (check_init_matches_original, check_merge_reproduces_the_adapted_model,
+          check_merge_changes_exactly_what_inspect_lists, check_adapters_only_training,
+          check_misspelled_rule_is_reported)
+
+
+@pytest.mark.parametrize("arch,variant", CASES)
+def test_architecture(arch, variant):
+    """Every check on one architecture (built once, in one worker), each failing check reported."""
+    failures = []
+    for check in CHECKS:
+        try:
+            check(arch, variant)
+        except AssertionError as e:
+            failures.append(f"{check.__name__}: {e}")
+    assert not failures, "\n\n".join(failures)
