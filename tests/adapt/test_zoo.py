@@ -98,10 +98,12 @@ def check_init_matches_original(arch, variant):
     """Loaded with the pretrained weights (B = 0, m = ||W||), the adapted model computes what the original does."""
     lmodel, variables = adapted(arch, variant)
     got = _zoo.logits(arch, lmodel, variables["params"])
-    assert rel_err(got, _zoo.logits(arch, *reference(arch, variant))) <= 1e-6
+    err = rel_err(got, _zoo.logits(arch, *reference(arch, variant)))
+    assert err <= 1e-6, f"{err:.2e} off the original"
     if variant == "quantized":  # the FP8 products did run: not the plain original's output
         module, pretrained, _ = _zoo.build(arch.name)
-        assert rel_err(got, _zoo.logits(arch, module, pretrained)) > 1e-4
+        fp8_err = rel_err(got, _zoo.logits(arch, module, pretrained))
+        assert fp8_err > 1e-4, f"FP8 rounding {fp8_err:.2e}: the Fp8Rule did not run"
 
 
 def check_merge_reproduces_the_adapted_model(arch, variant):
@@ -111,7 +113,8 @@ def check_merge_reproduces_the_adapted_model(arch, variant):
     params = random_adapters(variables["params"])
     original, _ = reference(arch, variant)
     got = _zoo.logits(arch, original, adapt.merge(lmodel, params))
-    assert rel_err(got, _zoo.logits(arch, lmodel, params)) <= 1e-5
+    err = rel_err(got, _zoo.logits(arch, lmodel, params))
+    assert err <= 1e-5, f"the merged weights in the original model: {err:.2e} off the adapted model"
 
 
 def check_merge_changes_exactly_what_inspect_lists(arch, variant):
