@@ -1,6 +1,9 @@
 """The zoo of tests/adapt/test_zoo.py: third-party architectures (HF transformers' Flax models, code we did not write),
 each built offline from a tiny config with random weights, with the inputs its linen module takes and the rules
-that adapt it (DoRA on the attention projections, LoRA on the MLP)."""
+that adapt it (DoRA on the attention projections, LoRA on the MLP).
+
+All are linen models: no package the test venvs install ships NNX models that build offline (orbax's NNX example
+model imports grain and tensorflow_datasets, which are not installed)."""
 
 from __future__ import annotations
 
@@ -40,12 +43,16 @@ def _ids(seed: int, n: int = SEQ):
     return jax.random.randint(jax.random.key(seed), (BATCH, n), 0, VOCAB)
 
 
-def _causal(t, config: str, model: str, position_offset: int = 0, with_positions: bool = True, **cfg):
-    """A decoder-only LM: ids, mask and positions (offset where the model's position table starts later)."""
+def _positions(offset: int = 0):
+    return jnp.broadcast_to(jnp.arange(SEQ) + offset, (BATCH, SEQ))
+
+
+def _causal(t, config: str, model: str, with_positions: bool = True, **cfg):
+    """A decoder-only LM: ids, mask and positions."""
     module = getattr(t, model)(getattr(t, config)(vocab_size=VOCAB, **cfg), _do_init=False).module
     inputs = dict(input_ids=_ids(1), attention_mask=jnp.ones((BATCH, SEQ), jnp.int32))
     if with_positions:
-        inputs["position_ids"] = jnp.broadcast_to(jnp.arange(SEQ) + position_offset, (BATCH, SEQ))
+        inputs["position_ids"] = _positions()
     return module, inputs
 
 
@@ -54,8 +61,7 @@ def _seq2seq(t, config: str, model: str, positions: bool = True, **cfg):
     ones = jnp.ones((BATCH, SEQ), jnp.int32)
     inputs = dict(input_ids=_ids(1), attention_mask=ones, decoder_input_ids=_ids(2), decoder_attention_mask=ones)
     if positions:
-        pos = jnp.broadcast_to(jnp.arange(SEQ), (BATCH, SEQ))
-        inputs.update(position_ids=pos, decoder_position_ids=pos)
+        inputs.update(position_ids=_positions(), decoder_position_ids=_positions())
     return module, inputs
 
 
@@ -65,7 +71,7 @@ def _encoder(t, config: str, model: str, position_offset: int = 0, **cfg):
     module = getattr(t, model)(c, _do_init=False).module
     inputs = dict(input_ids=_ids(1), attention_mask=jnp.ones((BATCH, SEQ), jnp.int32),
                   token_type_ids=jnp.zeros((BATCH, SEQ), jnp.int32),
-                  position_ids=jnp.broadcast_to(jnp.arange(SEQ) + position_offset, (BATCH, SEQ)),
+                  position_ids=_positions(position_offset),
                   head_mask=jnp.ones((c.num_hidden_layers, c.num_attention_heads)))
     return module, inputs
 
@@ -90,7 +96,7 @@ def _clip(t):
     # the text tower pools at the end-of-text token, the largest id: put one last, as a tokenizer does
     ids = jnp.concatenate([_ids(1, SEQ - 1) % (VOCAB - 1), jnp.full((BATCH, 1), VOCAB - 1)], axis=1)
     inputs = dict(input_ids=ids, pixel_values=_pixels(), attention_mask=jnp.ones((BATCH, SEQ), jnp.int32),
-                  position_ids=jnp.broadcast_to(jnp.arange(SEQ), (BATCH, SEQ)))
+                  position_ids=_positions())
     return t.FlaxCLIPModel(cfg, _do_init=False).module, inputs
 
 
