@@ -1,0 +1,242 @@
+"""pallas_fused.adapt on layers stacked by a lifted transform, rematerialized, or bridged from NNX into linen: our
+own small decoder (tests/adapt/_scan_models.py) under linen `nn.scan` (the params' layer axis at 0 and at 1) with
+`nn.remat` inside, NNX layers built by `nnx.vmap` and run by `nnx.scan`, NNX layers under `nnx.remat`, and NNX
+layers inside linen through `nnx.bridge.ToLinen`, unscanned and scanned.
+
+Adapters of a stacked weight are stacked along the weight's own layer axis: the per-layer (K, r), (r, N) and (N,)
+with the layer count L inserted at the index the layer axis has in the weight (axis 1: (K, L, r), (r, L, N),
+(N, L)), which is where linen's nn.scan itself puts the params a scanned layer creates."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from pallas_fused import adapt
+from tests.adapt._scan_models import (
+    D,
+    FF,
+    LAYERS,
+    BridgedDecoder,
+    LinenDecoder,
+    NnxDecoder,
+    lm_loss,
+    token_batch,
+)
+from tests.helpers import rel_err
+
+ATTN, MLP = r".*/(q|k|v|o)", r".*/(up|down)"
+RULES = [adapt.DoraRule(module_path=ATTN, rank=2, alpha=4.0), adapt.LoraRule(module_path=MLP, rank=3)]
+ADAPTER_SUFFIXES = ("_lora_a", "_lora_b", "_magnitude")
+
+# (model, the params path of its layer holding q / up, the layer axis of its params: None = not stacked)
+LINEN = {
+    "scan_axis0_remat": (lambda: LinenDecoder(axis=0), ("layers",), 0),
+    "scan_axis1_remat": (lambda: LinenDecoder(axis=1), ("layers",), 1),
+    "bridge": (lambda: BridgedDecoder(axis=None), ("layers_1", "nnx"), None),
+    "bridge_scan_axis0": (lambda: BridgedDecoder(axis=0), ("layers", "nnx"), 0),
+    "bridge_scan_axis1": (lambda: BridgedDecoder(axis=1), ("layers", "nnx"), 1),
+}
+
+
+def _stacked(shape, axis):
+    """A per-layer shape with the layer count inserted at `axis` (None: as it is)."""
+    return tuple(shape) if axis is None else tuple(shape[:axis]) + (LAYERS,) + tuple(shape[axis:])
+
+
+def _randomized(params, seed: int = 7):
+    """`params` with every adapter leaf random (B = 0 would hide a wrong weight from the merge check)."""
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(params)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    out = []
+    for (path, x), key in zip(leaves, keys):
+        name = str(getattr(path[-1], "key", path[-1]))
+        if name.endswith("_magnitude"):
+            x = x * (1.0 + 0.2 * jax.random.normal(key, x.shape, x.dtype))
+        elif name.endswith(("_lora_a", "_lora_b")):
+            x = 0.3 * jax.random.normal(key, x.shape, x.dtype)
+        out.append(x)
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def _node(tree, path):
+    for p in path:
+        tree = tree[p]
+    return tree
+
+
+def _linen(case):
+    make, layer_path, axis = LINEN[case]
+    model = make()
+    ids, targets = token_batch()
+    pretrained = model.init(jax.random.key(5), ids)["params"]
+    lmodel = adapt.apply(model, RULES)
+    variables = adapt.from_pretrained(lmodel, lmodel.init(jax.random.key(0), ids), pretrained)
+    return model, pretrained, lmodel, variables, ids, targets, layer_path, axis
+
+
+@pytest.mark.parametrize("case", list(LINEN))
+def test_linen_init_equals_original_and_adapters_are_stacked(case):
+    """from_pretrained takes the original model's stacked params; the adapted model then computes what the
+    original does, and each adapter carries the layer axis where its weight does."""
+    model, pretrained, lmodel, variables, ids, _, layer_path, axis = _linen(case)
+    assert rel_err(lmodel.apply(variables, ids), model.apply({"params": pretrained}, ids)) < 1e-6
+    assert adapt.unused_rules(lmodel) == []
+    layer = _node(variables["params"], layer_path)
+    q, up = layer["q"], layer["up"]
+    assert q["kernel"].shape == _stacked((D, 4, D // 4), axis)
+    assert q["kernel_lora_a"].shape == _stacked((D, 2), axis)
+    assert q["kernel_lora_b"].shape == _stacked((2, D), axis)
+    assert q["kernel_magnitude"].shape == _stacked((D,), axis)
+    assert up["kernel_lora_a"].shape == _stacked((D, 3), axis) and up["kernel_lora_b"].shape == _stacked((3, FF), axis)
+    assert "kernel_magnitude" not in up
+    o = layer["o"]  # (heads, head_dim, d) contracted over two axes: K = d
+    assert o["kernel_lora_a"].shape == _stacked((D, 2), axis)
+    # each layer's magnitude is the column norm of that layer's own weight
+    w = np.asarray(q["kernel"]) if axis is None else np.moveaxis(np.asarray(q["kernel"]), axis, 0)
+    m = np.asarray(q["kernel_magnitude"]) if axis is None else np.moveaxis(np.asarray(q["kernel_magnitude"]), axis, 0)
+    np.testing.assert_allclose(m, np.linalg.norm(w.reshape(w.shape[:-3] + (D, D)), axis=-2), rtol=1e-5)
+    assert set(layer["ln1"]) == {"scale", "bias"}  # unmatched: untouched
+
+
+@pytest.mark.parametrize("case", list(LINEN))
+def test_linen_merge_reproduces_the_adapted_model(case):
+    """With random adapters, the merged params in the original model compute what the adapted model does: a
+    weight merged with another layer's adapters, or along the wrong axis, fails this."""
+    model, pretrained, lmodel, variables, ids, _, _, _ = _linen(case)
+    variables = {"params": _randomized(variables["params"])}
+    adapted = lmodel.apply(variables, ids)
+    assert rel_err(adapted, model.apply({"params": pretrained}, ids)) > 1e-2
+    merged = adapt.merge(lmodel, variables)
+    assert jax.tree.map(jnp.shape, merged["params"]) == jax.tree.map(jnp.shape, pretrained)
+    assert rel_err(model.apply(merged, ids), adapted) < 1e-5
+
+
+@pytest.mark.parametrize("case", ["scan_axis1_remat", "bridge_scan_axis0"])
+def test_linen_adapters_only_training_lowers_the_loss(case):
+    _, pretrained, lmodel, variables, ids, targets, _, _ = _linen(case)
+    adapters, frozen = adapt.split(variables["params"], adapt.trainable(variables["params"]))
+    tx = optax.adam(3e-2)
+
+    @jax.jit
+    def step(adapters, state):
+        loss, grads = jax.value_and_grad(
+            lambda a: lm_loss(lmodel.apply({"params": adapt.join(a, frozen)}, ids), targets))(adapters)
+        updates, state = tx.update(grads, state, adapters)
+        return optax.apply_updates(adapters, updates), state, loss
+
+    state, losses = tx.init(adapters), []
+    for _ in range(5):
+        adapters, state, loss = step(adapters, state)
+        losses.append(float(loss))
+    assert losses[-1] < losses[0], losses
+    base = adapt.join(jax.tree.map(lambda _: None, adapters), frozen)
+    kept = {k: v for k, v in jax.tree_util.tree_leaves_with_path(base)}
+    for path, v in jax.tree_util.tree_leaves_with_path(pretrained):
+        np.testing.assert_array_equal(np.asarray(kept[path]), np.asarray(v))
+
+
+@pytest.mark.parametrize("case", ["scan_axis0_remat", "bridge_scan_axis1", "bridge"])
+def test_linen_typo_is_reported(case):
+    model = LINEN[case][0]()
+    ids, _ = token_batch()
+    typo = adapt.LoraRule(module_path=r".*/q_porj", rank=2)
+    lmodel = adapt.apply(model, [*RULES, typo])
+    lmodel.init(jax.random.key(0), ids)
+    assert adapt.unused_rules(lmodel) == [typo]
+
+
+def test_linen_qdora_under_scan_is_refused_with_the_path():
+    ids, _ = token_batch()
+    lmodel = adapt.apply(LinenDecoder(axis=0), [adapt.DoraRule(module_path=ATTN, rank=2, quantize="int8")])
+    with pytest.raises(ValueError, match=r"layers/q/kernel.*QDoRA.*stacked"):
+        lmodel.init(jax.random.key(0), ids)
+
+
+# -- NNX -----------------------------------------------------------------------------------------------------------
+
+NNX = {
+    "vmap_scan": (dict(scan=True), 0),
+    "vmap_scan_remat": (dict(scan=True, remat=True), 0),
+    "remat": (dict(scan=False, remat=True), None),
+}
+
+
+def _nnx(case):
+    kwargs, axis = NNX[case]
+    model = NnxDecoder(rngs=nnx.Rngs(0), **kwargs)
+    ids, targets = token_batch()
+    return model, adapt.apply(model, RULES, ids, rngs=nnx.Rngs(1)), ids, targets, axis
+
+
+def _nnx_layer(nmodel, axis):
+    return nmodel.layers if axis is not None else nmodel.layers[1]
+
+
+@pytest.mark.parametrize("case", list(NNX))
+def test_nnx_init_equals_original_and_adapters_are_stacked(case):
+    model, nmodel, ids, _, axis = _nnx(case)
+    assert rel_err(nmodel(ids), model(ids)) < 1e-6
+    assert adapt.unused_rules(nmodel) == []
+    assert not hasattr(_nnx_layer(model, axis).q, "kernel_lora_a")  # the original is untouched
+    layer = _nnx_layer(nmodel, axis)
+    assert layer.q.kernel_lora_a[...].shape == _stacked((D, 2), axis)
+    assert layer.q.kernel_magnitude[...].shape == _stacked((D,), axis)
+    assert layer.o_lora_a[...].shape == _stacked((D, 2), axis) and layer.o_lora_b[...].shape == _stacked((2, D), axis)
+    assert layer.up.kernel_lora_b[...].shape == _stacked((3, FF), axis)
+    w = np.asarray(layer.v.kernel[...]).reshape(_stacked((D, D), axis))
+    np.testing.assert_allclose(np.asarray(layer.v.kernel_magnitude[...]), np.linalg.norm(w, axis=-2), rtol=1e-5)
+    paths = {"/".join(map(str, p)) for p, _ in nnx.to_flat_state(nnx.state(nmodel, nnx.LoRAParam))}
+    prefix = "layers" if axis is not None else "layers/1"
+    assert f"{prefix}/q/kernel_lora_a" in paths and f"{prefix}/o_magnitude" in paths
+
+
+@pytest.mark.parametrize("case", list(NNX))
+def test_nnx_merge_reproduces_the_adapted_model(case):
+    _, nmodel, ids, _, _ = _nnx(case)
+    graphdef, adapters, rest = nnx.split(nmodel, nnx.LoRAParam, ...)
+    nmodel = nnx.merge(graphdef, _randomized(adapters), rest)
+    adapted = nmodel(ids)
+    merged = adapt.merge(nmodel)
+    assert type(merged) is NnxDecoder
+    assert nnx.state(merged, nnx.LoRAParam) == nnx.State({})
+    assert rel_err(merged(ids), adapted) < 1e-5
+
+
+@pytest.mark.parametrize("case", ["vmap_scan_remat", "remat"])
+def test_nnx_adapters_only_training_lowers_the_loss(case):
+    _, nmodel, ids, targets, _ = _nnx(case)
+    frozen = jax.tree.leaves(nnx.state(nmodel, nnx.Not(nnx.LoRAParam)))
+    opt = nnx.Optimizer(nmodel, optax.adam(3e-2), wrt=nnx.LoRAParam)
+
+    @nnx.jit
+    def step(m, opt):
+        loss, grads = nnx.value_and_grad(lambda m: lm_loss(m(ids), targets),
+                                         argnums=nnx.DiffState(0, nnx.LoRAParam))(m)
+        opt.update(m, grads)
+        return loss
+
+    losses = [float(step(nmodel, opt)) for _ in range(5)]
+    assert losses[-1] < losses[0], losses
+    for a, b in zip(frozen, jax.tree.leaves(nnx.state(nmodel, nnx.Not(nnx.LoRAParam)))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("case", list(NNX))
+def test_nnx_typo_is_reported(case):
+    kwargs, _ = NNX[case]
+    ids, _ = token_batch()
+    typo = adapt.LoraRule(module_path=r".*/q_porj", rank=2)
+    nmodel = adapt.apply(NnxDecoder(rngs=nnx.Rngs(0), **kwargs), [*RULES, typo], ids, rngs=nnx.Rngs(1))
+    assert adapt.unused_rules(nmodel) == [typo]
+
+
+def test_nnx_qdora_under_vmap_is_refused_with_the_path():
+    ids, _ = token_batch()
+    with pytest.raises(ValueError, match=r"layers/q/kernel.*QDoRA.*stacked"):
+        adapt.apply(NnxDecoder(rngs=nnx.Rngs(0)), [adapt.DoraRule(module_path=ATTN, rank=2, quantize="int8")], ids,
+                    rngs=nnx.Rngs(1))
