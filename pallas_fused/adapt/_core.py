@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.core import meta
 
+from pallas_fused.adapt._stacked import refuse_quantized
 from pallas_fused.adapt.rules import DoraRule, Fp8Rule, LoraRule, Rule, weight_path
 from pallas_fused.dora.api import dora_dense
 from pallas_fused.dora.flax import _merged
@@ -85,10 +86,12 @@ class QuantizedWeight(meta.AxisMetadata):
     kernel: Any
     layout: Layout = dataclasses.field(metadata=dict(static=True))
     dtype: Any = dataclasses.field(metadata=dict(static=True))
+    where: str = dataclasses.field(default="", metadata=dict(static=True))  # its path, for error messages
+    fmt: str = dataclasses.field(default="", metadata=dict(static=True))
 
     @classmethod
-    def quantize(cls, w, layout: Layout, fmt: str) -> QuantizedWeight:
-        return cls(_QUANTIZERS[fmt](layout.to_2d(jnp.asarray(w))), layout, jnp.dtype(w.dtype))
+    def quantize(cls, w, layout: Layout, fmt: str, where: str = "") -> QuantizedWeight:
+        return cls(_QUANTIZERS[fmt](layout.to_2d(jnp.asarray(w))), layout, jnp.dtype(w.dtype), where, fmt)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -111,13 +114,12 @@ class QuantizedWeight(meta.AxisMetadata):
     def replace_boxed(self, val):
         raise ValueError("a QuantizedWeight (QDoRA's frozen weight) cannot be replaced by a transformed value")
 
+    # a lifted transform stacking (nn.scan, nn.vmap) the params of the module that holds it
     def add_axis(self, index, params):
-        raise ValueError("a QuantizedWeight (QDoRA's frozen weight) cannot be used under a lifted transform "
-                         "that adds an axis (nn.scan, nn.vmap)")
+        raise refuse_quantized(self.where, self.fmt)
 
     def remove_axis(self, index, params):
-        raise ValueError("a QuantizedWeight (QDoRA's frozen weight) cannot be used under a lifted transform "
-                         "that removes an axis (nn.scan, nn.vmap)")
+        raise refuse_quantized(self.where, self.fmt)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -415,6 +417,7 @@ def active(frontend: Frontend):
         if _patch_depth[0] == 0:
             jax.lax.dot_general = dot_general
             jnp.einsum = einsum
+            _constructor_defaults(ours=True)
         _patch_depth[0] += 1
     saved = _frontend()
     _state.frontend = frontend
@@ -427,10 +430,21 @@ def active(frontend: Frontend):
             if _patch_depth[0] == 0:
                 jax.lax.dot_general = _JAX_DOT_GENERAL
                 jnp.einsum = _JAX_EINSUM
+                _constructor_defaults(ours=False)
 
 
 # nnx.Linear and nnx.Einsum keep jax's function from their constructor's default: (attribute, jax's, ours).
 _DEFAULT_OPS = (("dot_general", _JAX_DOT_GENERAL, dot_general), ("einsum_op", _JAX_EINSUM, einsum))
+
+
+def _constructor_defaults(ours: bool) -> None:
+    """nnx.Linear / nnx.Einsum built while an adapted model runs (an NNX module inside linen through
+    nnx.bridge.ToLinen is built on every call) get ours as their default op, or jax's again."""
+    for cls in (nnx.Linear, nnx.Einsum):
+        defaults = cls.__init__.__kwdefaults__
+        for attr, original, mine in _DEFAULT_OPS:
+            if defaults.get(attr) is (original if ours else mine):
+                defaults[attr] = mine if ours else original
 
 
 def bind_default_ops(module) -> None:

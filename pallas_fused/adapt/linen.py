@@ -7,15 +7,20 @@ kept on the adapted class, where `from_pretrained`, `merge` and `unused_rules` r
 
 from __future__ import annotations
 
+import functools
+import sys
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from flax import nnx
 from flax.core import meta
 
 from pallas_fused.adapt import _core
+from pallas_fused.adapt._stacked import layer_axis, over_layers
 from pallas_fused.adapt.rules import DoraRule, Rule, first_match, weight_path
 
 
@@ -24,10 +29,16 @@ class _Linen(_core.Frontend):
         self.cls = cls
 
     def intercept(self, module, lhs, rhs, dimension_numbers, out_dtype):
-        if not isinstance(module, nn.Module):
-            return None
-        path = "/".join(module.scope.path)
-        params = {k: v for k, v in module.variables.get("params", {}).items() if not isinstance(v, Mapping)}
+        if isinstance(module, nn.Module):
+            store = _Store(module, ())
+            path = "/".join(module.scope.path)
+            params = {k: v for k, v in module.variables.get("params", {}).items() if not isinstance(v, Mapping)}
+        else:
+            store = _bridged(module)
+            if store is None:
+                return None
+            path = "/".join(store.module.scope.path + store.sub)
+            params = _nnx_params(module)
         found = _core.find_weight(params, lhs, rhs)
         if found is None:
             return None
@@ -41,35 +52,86 @@ class _Linen(_core.Frontend):
         site = self.cls._pf_sites.get(where)
         if site is None:
             site = self.cls._pf_sites[where] = _core.new_site(rule, path, name, lhs, rhs, dimension_numbers, side)
-        stored = _stored_weight(module, site, where)
-        adapters = _adapters(module, site, stored, where)
+        stored = _stored_weight(store, site, where)
+        adapters = _adapters(store, site, stored, where)
         return _core.adapted_product(site, where, lhs, rhs, dimension_numbers, side, stored, adapters, out_dtype)
 
 
-def _stored_weight(module, site, where):
+class _Store:
+    """Where a module's params live: a linen module's own, or, for an NNX module run by linen through
+    `nnx.bridge.ToLinen`, the sub-tree at `sub` (the NNX module's path) of the ToLinen module's params."""
+
+    def __init__(self, module: nn.Module, sub: tuple[str, ...]):
+        self.module, self.sub = module, sub
+
+    def _node(self):
+        node = self.module.get_variable("params", self.sub[0], {})
+        for part in self.sub[1:]:
+            node = node.get(part, {})
+        return node
+
+    def has(self, name: str) -> bool:
+        return self.module.has_variable("params", name) if not self.sub else name in self._node()
+
+    def get(self, name: str):
+        return self.module.get_variable("params", name) if not self.sub else self._node()[name]
+
+    def put(self, name: str, value) -> None:
+        if not self.sub:
+            self.module.put_variable("params", name, value)
+            return
+        top = _copy(self.module.get_variable("params", self.sub[0]))
+        node = top
+        for part in self.sub[1:]:
+            node = node[part]
+        node[name] = value
+        self.module.put_variable("params", self.sub[0], top)
+
+
+def _bridged(module) -> _Store | None:
+    """The params of NNX `module` where linen runs it through `nnx.bridge.ToLinen`: the linen module nearest on the
+    call stack holds them (ToLinen stores the NNX module's state as its own params, by the NNX paths), under the
+    path of `module` in the outermost NNX module running between the two."""
+    root, frame = module, sys._getframe(1)
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, nnx.Module):
+            root = owner
+        elif isinstance(owner, nn.Module) and owner.scope is not None:
+            sub = next((p for p, m in nnx.iter_modules(root) if m is module), None)
+            return None if sub is None else _Store(owner, tuple(str(p) for p in sub))
+        frame = frame.f_back
+    return None
+
+
+def _nnx_params(module) -> dict[str, Any]:
+    return {k: v.get_value() for k, v in vars(module).items() if isinstance(v, nnx.Param)}
+
+
+def _stored_weight(store: _Store, site, where):
     """The weight as stored (boxed as a QuantizedWeight for QDoRA; quantized on first sight at init)."""
-    w = module.get_variable("params", site.name)
+    w = store.get(site.name)
     fmt = getattr(site.rule, "quantize", None)
     if fmt is not None and not isinstance(w, _core.QuantizedWeight):
-        if not module.is_mutable_collection("params"):
+        if not store.module.is_mutable_collection("params"):
             raise ValueError(f"adapt: {where} has a rule with quantize={fmt!r} but its stored weight is not "
                              f"quantized: load params with adapt.from_pretrained (or lmodel.init)")
-        w = _core.QuantizedWeight.quantize(meta.unbox(w), site.layout, fmt)
-        module.put_variable("params", site.name, w)
+        w = _core.QuantizedWeight.quantize(meta.unbox(w), site.layout, fmt, where)
+        store.put(site.name, w)
     return w if isinstance(w, _core.QuantizedWeight) else meta.unbox(w)
 
 
-def _adapters(module, site, stored, where):
+def _adapters(store: _Store, site, stored, where):
     shapes = _core.adapter_shapes(site)
-    missing = [k for k in shapes if not module.has_variable("params", k)]
+    missing = [k for k in shapes if not store.has(k)]
     if missing:
-        if not module.is_mutable_collection("params"):
+        if not store.module.is_mutable_collection("params"):
             raise ValueError(f"adapt: {where} matches {site.rule!r} but the params have no {missing}: use the "
                              f"variables of lmodel.init, or adapt.from_pretrained(lmodel, variables, pretrained)")
-        fresh = _core.new_adapters(site, stored, module.make_rng("params"))
+        fresh = _core.new_adapters(site, stored, store.module.make_rng("params"))
         for k in missing:
-            module.put_variable("params", k, fresh[k])
-    out = {k: meta.unbox(module.get_variable("params", k)) for k in shapes}
+            store.put(k, fresh[k])
+    out = {k: meta.unbox(store.get(k)) for k in shapes}
     for k, shape in shapes.items():
         if tuple(jnp.shape(out[k])) != shape:
             raise ValueError(f"adapt: {where}: params[{k!r}] has shape {tuple(jnp.shape(out[k]))}, {site.rule!r} "
@@ -89,13 +151,29 @@ def apply(model: nn.Module, rules: tuple[Rule, ...], methods) -> nn.Module:
         # inner method keeps the interception inside that scope
         while hasattr(method, "method_handler_wrapped"):
             method, wrapped = method.__wrapped__, True
-        method = _core.adapted_method(method, lambda self: _Linen(type(self)))
+        method = _quiet_bridge(_core.adapted_method(method, lambda self: _Linen(type(self))))
         fields[name] = nn.module.wrap_method_once(method) if wrapped else method
     cls = type(base.__name__, (base,), fields)
     cls.__qualname__ = base.__qualname__
     adapted = model.clone()
     object.__setattr__(adapted, "__class__", cls)
     return adapted
+
+
+def _quiet_bridge(method):
+    """`method` without nnx.bridge.ToLinen's warning that its params hold paths its NNX module lacks, where those
+    are adapters only (they sit beside the bridged weights, and are read from the params, not the NNX module)."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=_BRIDGE_WARNING)
+            return method(self, *args, **kwargs)
+
+    return wrapper
+
+
+_BRIDGE_WARNING = r"Found unknown module paths in incoming state:(\n  - \S*(_lora_a|_lora_b|_magnitude))+\Z"
 
 
 def _sites(lmodel) -> dict[str, _core.Site]:
@@ -150,7 +228,7 @@ def from_pretrained(lmodel, variables, pretrained):
         node, name = _module(out, path)
         site = sites.get(path)
         if isinstance(have, _core.QuantizedWeight):
-            node[name] = _core.QuantizedWeight.quantize(jnp.asarray(value), have.layout, site.rule.quantize)
+            node[name] = _core.QuantizedWeight.quantize(jnp.asarray(value), have.layout, site.rule.quantize, path)
         else:
             node[name] = value
     adapters = _adapter_paths(out)
@@ -161,9 +239,16 @@ def from_pretrained(lmodel, variables, pretrained):
     for where, site in sites.items():
         if isinstance(site.rule, DoraRule):
             node, name = _module(out, where)
-            node[f"{name}_magnitude"] = _core.magnitude(site, node[name], node[f"{name}_lora_a"],
-                                                       node[f"{name}_lora_b"])
+            node[f"{name}_magnitude"] = over_layers(lambda w, a, b, site=site: _core.magnitude(site, w, a, b),
+                                                    _layer_axis(site, node, where), node[name],
+                                                    node[f"{name}_lora_a"], node[f"{name}_lora_b"])
     return rebuild(out)
+
+
+def _layer_axis(site, node, where: str):
+    """The layer axis of a site's weight and adapters in `node` (its module's params), None where not stacked."""
+    per_layer = {site.name: site.layout.shape, **_core.adapter_shapes(site)}
+    return layer_axis(per_layer, {k: tuple(node[k].shape) for k in per_layer if k in node}, where)
 
 
 def _flatten(tree, prefix="") -> dict[str, Any]:
@@ -208,8 +293,9 @@ def merge(lmodel, variables):
     out = _copy(params)
     for where, site in sites.items():
         node, name = _module(out, where)
+        axis = _layer_axis(site, node, where)
         adapters = {k: node.pop(k) for k in _core.adapter_shapes(site)}
-        node[name] = _core.merged_weight(site, node[name], adapters)
+        node[name] = over_layers(lambda w, ad, site=site: _core.merged_weight(site, w, ad), axis, node[name], adapters)
     return rebuild(out)
 
 

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
 from flax import nnx
 
 from pallas_fused.adapt import _core
+from pallas_fused.adapt._stacked import layer_axis, over_layers, refuse_quantized
 from pallas_fused.adapt.rules import Rule, first_match, weight_path
 
 
@@ -25,6 +27,7 @@ class _Nnx(_core.Frontend):
 
     def __init__(self, rules=None, paths=None, rngs=None):
         self.rules, self.paths, self.rngs = rules, paths, rngs
+        self.lifted: dict[tuple[str, str], tuple[_core.Site, dict]] = {}  # sites met inside an NNX transform
 
     def intercept(self, module, lhs, rhs, dimension_numbers, out_dtype):
         if not isinstance(module, nnx.Module):
@@ -37,7 +40,12 @@ class _Nnx(_core.Frontend):
         if found is None:
             return None
         name, side = found
-        path = self.paths.get(id(module), "?") if self.paths is not None else "?"
+        path = self.paths.get(id(module)) if self.paths is not None else "?"
+        # a module inside nnx.vmap / nnx.scan / nnx.remat is a copy of the model's (made by nnx.merge), which
+        # carries its path as a static attribute; its params are traced slices, its adapters are made afterwards
+        lifted = path is None
+        if lifted:
+            path = getattr(module, "_pf_path", "?")
         if _core.raise_if_ambiguous(name, self.rules, path):
             return None
         site = sites.get(name)
@@ -46,22 +54,52 @@ class _Nnx(_core.Frontend):
             if rule is None:
                 return None
             site = _core.new_site(rule, path, name, lhs, rhs, dimension_numbers, side)
-            self._add(module, site)
+            if lifted:
+                self.lifted[path, name] = site, {k: tuple(v.shape) for k, v in params.items()}
+                return None
+            self._add(module, site, path)
         stored = getattr(module, name).get_value()
         adapters = {k: getattr(module, k)[...] for k in _core.adapter_shapes(site)}
         return _core.adapted_product(site, weight_path(path, name), lhs, rhs, dimension_numbers, side, stored,
                                      adapters, out_dtype)
 
-    def _add(self, module, site) -> None:
-        """A new site's adapters on `module` (from the weight there; quantized first for QDoRA)."""
+    def _add(self, module, site, path: str, per_layer=None) -> None:
+        """A new site's adapters on `module` (from the weight there; quantized first for QDoRA). `per_layer`: the
+        shapes of the module's params seen inside a lifted transform, where they may be stacked slices."""
+        where = weight_path(path, site.name)
         w = getattr(module, site.name).get_value()
+        axis = None if per_layer is None else layer_axis(per_layer, _shapes(module), where)
         fmt = getattr(site.rule, "quantize", None)
         if fmt is not None:
-            w = _core.QuantizedWeight.quantize(w, site.layout, fmt)
+            if axis is not None:
+                raise refuse_quantized(where, fmt)
+            w = _core.QuantizedWeight.quantize(w, site.layout, fmt, where)
             setattr(module, site.name, nnx.Param(w))
-        for k, v in _core.new_adapters(site, w, self.rngs.params()).items():
+        key = self.rngs.params()
+        if axis is not None:
+            key = jax.random.split(key, w.shape[axis])
+        fresh = over_layers(lambda w, key: _core.new_adapters(site, w, key), axis, w, key, in_axes=(axis, 0))
+        for k, v in fresh.items():
             setattr(module, k, nnx.LoRAParam(v))
         module._pf_sites = getattr(module, "_pf_sites", ()) + (site,)
+
+    def add_lifted(self, modules: dict[str, Any]) -> None:
+        """The adapters of the sites met inside lifted transforms, on the model's modules (stacked there along the
+        layer axis of their weights)."""
+        for (path, _), (site, per_layer) in self.lifted.items():
+            module = modules[path]
+            if site not in getattr(module, "_pf_sites", ()):
+                self._add(module, site, path, per_layer)
+
+
+def _shapes(module) -> dict[str, tuple[int, ...]]:
+    return {k: tuple(v.get_value().shape) for k, v in vars(module).items() if isinstance(v, nnx.Variable)}
+
+
+def _layer_axis(module, site, path: str):
+    """The layer axis of a site's weight and adapters on `module`, None where they are not stacked."""
+    per_layer = {site.name: site.layout.shape, **_core.adapter_shapes(site)}
+    return layer_axis(per_layer, _shapes(module), weight_path(path, site.name))
 
 
 def apply(model, rules: tuple[Rule, ...], method: str, rngs, args, kwargs):
@@ -72,14 +110,22 @@ def apply(model, rules: tuple[Rule, ...], method: str, rngs, args, kwargs):
     if getattr(base, method, None) is None:
         raise ValueError(f"adapt.apply: {base.__name__} has no method {method!r}")
     adapted = nnx.clone(model)
-    paths = {id(m): "/".join(str(p) for p in path) for path, m in nnx.iter_modules(adapted)}
-    for _, m in nnx.iter_modules(adapted):
+    modules = {"/".join(str(p) for p in path): m for path, m in nnx.iter_modules(adapted)}
+    paths = {id(m): path for path, m in modules.items()}
+    for path, m in modules.items():
         _core.bind_default_ops(m)
+        m._pf_path = path
     cls = type(base.__name__, (base,), {"_pf_base": base, "_pf_rules": rules,
                                          method: _core.adapted_method(getattr(base, method), lambda self: _Nnx())})
     cls.__qualname__ = base.__qualname__
-    with _core.active(_Nnx(rules, paths, rngs)):
-        getattr(base, method)(adapted, *args, **kwargs)
+    frontend = _Nnx(rules, paths, rngs)
+    try:
+        with _core.active(frontend):
+            getattr(base, method)(adapted, *args, **kwargs)
+    finally:
+        for m in modules.values():
+            del m._pf_path
+    frontend.add_lifted(modules)
     for _, m in nnx.iter_modules(adapted):
         if not getattr(m, "_pf_sites", ()):
             _core.restore_default_ops(m)
@@ -88,7 +134,7 @@ def apply(model, rules: tuple[Rule, ...], method: str, rngs, args, kwargs):
 
 
 def _adapted_modules(nmodel):
-    return [(path, m) for path, m in nnx.iter_modules(nmodel) if getattr(m, "_pf_sites", ())]
+    return [("/".join(str(p) for p in path), m) for path, m in nnx.iter_modules(nmodel) if getattr(m, "_pf_sites", ())]
 
 
 def merge(nmodel):
@@ -96,11 +142,13 @@ def merge(nmodel):
     if base is None:
         raise ValueError(f"expected a model from adapt.apply, got {type(nmodel).__name__}")
     merged = nnx.clone(nmodel)
-    for _, m in _adapted_modules(merged):
+    for path, m in _adapted_modules(merged):
         for site in m._pf_sites:
+            axis = _layer_axis(m, site, path)
             adapters = {k: getattr(m, k)[...] for k in _core.adapter_shapes(site)}
             w = getattr(m, site.name).get_value()
-            setattr(m, site.name, nnx.Param(_core.merged_weight(site, w, adapters)))
+            w = over_layers(lambda w, ad, site=site: _core.merged_weight(site, w, ad), axis, w, adapters)
+            setattr(m, site.name, nnx.Param(w))
             for k in adapters:
                 delattr(m, k)
         del m._pf_sites
@@ -119,10 +167,12 @@ def unused_rules(nmodel) -> list[Rule]:
 
 def reset_magnitudes(nmodel) -> None:
     """DoRA magnitudes = ||W + s A B|| again, e.g. after loading other base weights with nnx.update."""
-    for _, m in _adapted_modules(nmodel):
+    for path, m in _adapted_modules(nmodel):
         for site in m._pf_sites:
             if f"{site.name}_magnitude" in vars(m):
                 a, b = getattr(m, f"{site.name}_lora_a")[...], getattr(m, f"{site.name}_lora_b")[...]
                 w = getattr(m, site.name).get_value()
-                setattr(m, f"{site.name}_magnitude", nnx.LoRAParam(_core.magnitude(site, w, a, b)))
+                magnitude = over_layers(lambda w, a, b, site=site: _core.magnitude(site, w, a, b),
+                                        _layer_axis(m, site, path), w, a, b)
+                setattr(m, f"{site.name}_magnitude", nnx.LoRAParam(magnitude))
 
