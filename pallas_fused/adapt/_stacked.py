@@ -48,6 +48,6 @@ def over_layers(fn, axis, *args, in_axes=None):
 
 
 def refuse_quantized(where: str, fmt: str) -> ValueError:
-    return ValueError(f"adapt: {where}: a rule with quantize={fmt!r} (QDoRA) matched a weight stacked by a lifted "
+    return ValueError(f"adapt: at {where}, a rule with quantize={fmt!r} (QDoRA) matched a weight stacked by a lifted "
                       f"transform (nn.scan / nn.vmap / nnx.vmap): QDoRA's quantized weight cannot be stacked. Use "
                       f"the rule without quantize for stacked layers, or unroll them")

@@ -94,8 +94,9 @@ def test_linen_init_equals_original_and_adapters_are_stacked(case):
     assert q["kernel_magnitude"].shape == _stacked((D,), axis)
     assert up["kernel_lora_a"].shape == _stacked((D, 3), axis) and up["kernel_lora_b"].shape == _stacked((3, FF), axis)
     assert "kernel_magnitude" not in up
-    o = layer["o"]  # (heads, head_dim, d) contracted over two axes: K = d
-    assert o["kernel_lora_a"].shape == _stacked((D, 2), axis)
+    # o: (heads, head_dim, d), contracted over two axes (K = d): a DenseGeneral in linen, a Param of NnxLayer's
+    o_lora_a = layer["o_lora_a"] if "o_lora_a" in layer else layer["o"]["kernel_lora_a"]
+    assert o_lora_a.shape == _stacked((D, 2), axis)
     # each layer's magnitude is the column norm of that layer's own weight
     w = np.asarray(q["kernel"]) if axis is None else np.moveaxis(np.asarray(q["kernel"]), axis, 0)
     m = np.asarray(q["kernel_magnitude"]) if axis is None else np.moveaxis(np.asarray(q["kernel_magnitude"]), axis, 0)
@@ -153,7 +154,7 @@ def test_linen_typo_is_reported(case):
 def test_linen_qdora_under_scan_is_refused_with_the_path():
     ids, _ = token_batch()
     lmodel = adapt.apply(LinenDecoder(axis=0), [adapt.DoraRule(module_path=ATTN, rank=2, quantize="int8")])
-    with pytest.raises(ValueError, match=r"layers/q/kernel.*QDoRA.*stacked"):
+    with pytest.raises(ValueError, match=r"at layers/(q|k|v|o)/kernel.*QDoRA.*cannot be stacked"):
         lmodel.init(jax.random.key(0), ids)
 
 
@@ -237,6 +238,6 @@ def test_nnx_typo_is_reported(case):
 
 def test_nnx_qdora_under_vmap_is_refused_with_the_path():
     ids, _ = token_batch()
-    with pytest.raises(ValueError, match=r"layers/q/kernel.*QDoRA.*stacked"):
+    with pytest.raises(ValueError, match=r"at layers/(q|k|v|o|up|down)/kernel.*QDoRA.*cannot be stacked"):
         adapt.apply(NnxDecoder(rngs=nnx.Rngs(0)), [adapt.DoraRule(module_path=ATTN, rank=2, quantize="int8")], ids,
                     rngs=nnx.Rngs(1))
