@@ -7,8 +7,10 @@
     lmodel = adapt.apply(model, rules)                       # linen: a new Module, `model` untouched
     variables = lmodel.init(key, *inputs)
     variables = adapt.from_pretrained(lmodel, variables, pretrained_params)
-    mask = adapt.trainable(variables)                        # True on the adapters (optax.masked)
+    print(adapt.inspect(model, rules, *inputs))              # every contraction: its weight, rule and fate
+    mask = adapt.trainable(variables)                        # True on the adapters
     adapters, frozen = adapt.split(variables["params"], mask["params"])   # train `adapters`, join(adapters, frozen)
+    tx = adapt.optimizer(optax.adam(1e-3), variables)        # or: set_to_zero on the frozen params
     base_params = adapt.merge(lmodel, variables)             # params of the original model
 
     nmodel = adapt.apply(nnx_model, rules, *example_inputs, rngs=nnx.Rngs(0))   # NNX: a new model
@@ -18,9 +20,22 @@ The matched contractions (`jax.lax.dot_general`, and `jax.numpy.einsum` of two o
 ops: `dora_dense`, `lora_dense`, `fp8_linear`. See docs/adapt.md.
 """
 
-from pallas_fused.adapt._core import QuantizedWeight
-from pallas_fused.adapt.api import apply, from_pretrained, join, merge, reset_magnitudes, split, trainable, unused_rules
+from pallas_fused.adapt._layout import QuantizedWeight
+from pallas_fused.adapt.api import (
+    apply,
+    from_pretrained,
+    inspect,
+    join,
+    merge,
+    optimizer,
+    reset_magnitudes,
+    split,
+    trainable,
+    unused_rules,
+)
+from pallas_fused.adapt.report import Contraction, Inspection
 from pallas_fused.adapt.rules import DoraRule, Fp8Rule, LoraRule, Rule
 
-__all__ = ["DoraRule", "Fp8Rule", "LoraRule", "QuantizedWeight", "Rule", "apply", "from_pretrained", "join", "merge",
-           "reset_magnitudes", "split", "trainable", "unused_rules"]
+__all__ = ["Contraction", "DoraRule", "Fp8Rule", "Inspection", "LoraRule", "QuantizedWeight", "Rule", "apply",
+           "from_pretrained", "inspect", "join", "merge", "optimizer", "reset_magnitudes", "split", "trainable",
+           "unused_rules"]

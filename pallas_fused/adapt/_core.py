@@ -1,17 +1,21 @@
-"""What linen and NNX share: intercepting a model's contractions, finding the weight among their operands, and
-running the matched ones as LoRA, DoRA / QDoRA or FP8.
+"""What linen and NNX share: intercepting a model's contractions, finding the weight among their operands by where
+it came from, and running the matched ones as their rule says.
 
 Interception: while an adapted model runs, `jax.lax.dot_general` and `jax.numpy.einsum` are the functions below
-(einsum is the library's own with its contractions routed through our dot_general). They hand the call to the
-active front-end (linen or NNX), which knows where params live; outside an adapted model, and inside our own ops,
-they are jax's. The module an operation belongs to is the innermost Flax module whose method is on the call stack:
-the one whose code issued it (flax.linen.Dense for an nn.Dense, the user's module for a plain jnp.einsum).
+(einsum is the library's own with its contractions routed through our dot_general). They hand the call to
+`intercept`, the one sequence every contraction goes through: which module issued it, which operand is a param of
+that module, which rule matches, the site (weight, rule, layout), its stored weight and adapters, the rule's op.
+The front-ends (linen, NNX) answer the framework's questions only: a module's path and params, its sites, reading
+and creating a variable. Outside an adapted model, and inside our own ops, the functions are jax's. The module an
+operation belongs to is the innermost Flax module whose method is on the call stack: the one whose code issued it
+(flax.linen.Dense for an nn.Dense, the user's module for a plain jnp.einsum).
 
-A contraction is adapted when one operand is a param of that module (the same array, or the only param of its
-shape: a param cast to the compute dtype is a new array) and a rule matches the module's path. The weight is
-viewed as a (K, N) matrix: its contracting axes, in the order they pair with the activation's, flattened into K,
-its other axes into N. Adapters are stored in that 2-D form: ``<weight>_lora_a`` (K, rank), ``<weight>_lora_b``
-(rank, N), ``<weight>_magnitude`` (N,).
+Which operand is the weight is decided by identity, never by shape: while an adapted model runs, the binds of
+`convert_element_type`, `transpose` and `reshape` (and `squeeze`) on a param, or on what came of one, are recorded
+(`_layout.Lineage`), so an operand is the weight when it is the param itself or a chain of those from it; the
+chain is the weight's layout (`_layout.Layout`). Adapters are stored in the 2-D form of the operand: the operand's
+contracting axes, in the order they pair with the activation's, flattened into K, its other axes into N:
+``<weight>_lora_a`` (K, rank), ``<weight>_lora_b`` (rank, N), ``<weight>_magnitude`` (N,).
 """
 
 from __future__ import annotations
@@ -29,97 +33,15 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from flax.core import meta
 
-from pallas_fused.adapt._stacked import refuse_quantized
-from pallas_fused.adapt.rules import DoraRule, Fp8Rule, LoraRule, Rule, weight_path
-from pallas_fused.dora.api import dora_dense
-from pallas_fused.dora.flax import _merged
-from pallas_fused.dora.lora import lora_dense
-from pallas_fused.dora.quant import dequantize, quantize_int8, quantize_nf4
-from pallas_fused.dora.reference import column_norm_reference
-from pallas_fused.fp8.api import fp8_linear
+from pallas_fused.adapt import _layout
+from pallas_fused.adapt._layout import Layout, Lineage, QuantizedWeight
+from pallas_fused.adapt.report import Contraction
+from pallas_fused.adapt.rules import Rule, first_match, weight_path
+
+__all__ = ["Frontend", "Layout", "QuantizedWeight", "Site", "active", "adapted_method", "intercept"]
 
 ADAPTER_SUFFIXES = ("_lora_a", "_lora_b", "_magnitude")
-_QUANTIZERS = {"int8": quantize_int8, "nf4": quantize_nf4}
-
-
-@dataclasses.dataclass(frozen=True)
-class Layout:
-    """A weight of `shape` seen as (K, N): axes `contract` (paired in order with the activation's) then `free`."""
-
-    shape: tuple[int, ...]
-    contract: tuple[int, ...]
-    free: tuple[int, ...]
-
-    @property
-    def k(self) -> int:
-        return math.prod(self.shape[a] for a in self.contract)
-
-    @property
-    def n(self) -> int:
-        return math.prod(self.shape[a] for a in self.free)
-
-    @property
-    def _perm(self) -> tuple[int, ...]:
-        return self.contract + self.free
-
-    def to_2d(self, w):
-        if self._perm != tuple(range(len(self.shape))):
-            w = jnp.transpose(w, self._perm)
-        return w.reshape(self.k, self.n)
-
-    def from_2d(self, w2):
-        w = w2.reshape(tuple(self.shape[a] for a in self._perm))
-        inverse = tuple(self._perm.index(a) for a in range(len(self.shape)))
-        return w if inverse == tuple(range(len(self.shape))) else jnp.transpose(w, inverse)
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class QuantizedWeight(meta.AxisMetadata):
-    """A frozen weight stored quantized (QDoRA): `kernel` is the (K, N) `Int8Kernel` / `NF4Kernel` of the weight
-    seen through `layout`. Read as a plain array (linen unboxes it, NNX indexes it with ``[...]``) it is the
-    dequantized weight in its own shape and `dtype`: the model's own code runs unchanged, and the DoRA op reads the
-    packed codes instead, so the dequantized copy is dead code under jit."""
-
-    kernel: Any
-    layout: Layout = dataclasses.field(metadata=dict(static=True))
-    dtype: Any = dataclasses.field(metadata=dict(static=True))
-    where: str = dataclasses.field(default="", metadata=dict(static=True))  # its path, for error messages
-    fmt: str = dataclasses.field(default="", metadata=dict(static=True))
-
-    @classmethod
-    def quantize(cls, w, layout: Layout, fmt: str, where: str = "") -> QuantizedWeight:
-        return cls(_QUANTIZERS[fmt](layout.to_2d(jnp.asarray(w))), layout, jnp.dtype(w.dtype), where, fmt)
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return self.layout.shape
-
-    @property
-    def ndim(self) -> int:
-        return len(self.layout.shape)
-
-    def dense(self, dtype=None) -> jax.Array:
-        return self.layout.from_2d(dequantize(self.kernel, dtype or self.dtype))
-
-    def __getitem__(self, key):
-        return self.dense()[key]
-
-    # flax.core.meta.AxisMetadata
-    def unbox(self):
-        return self.dense()
-
-    def replace_boxed(self, val):
-        raise ValueError("a QuantizedWeight (QDoRA's frozen weight) cannot be replaced by a transformed value")
-
-    # a lifted transform stacking (nn.scan, nn.vmap) the params of the module that holds it
-    def add_axis(self, index, params):
-        raise refuse_quantized(self.where, self.fmt)
-
-    def remove_axis(self, index, params):
-        raise refuse_quantized(self.where, self.fmt)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,87 +52,19 @@ class Site:
     rule: Rule
     layout: Layout
 
+    def adapter_shapes(self) -> dict[str, tuple[int, ...]]:
+        return self.rule.adapter_shapes(self.name, self.layout)
 
-def adapter_shapes(site: Site) -> dict[str, tuple[int, ...]]:
-    """The adapter params a site adds, by name."""
-    rule, k, n, name = site.rule, site.layout.k, site.layout.n, site.name
-    if isinstance(rule, Fp8Rule):
-        return {}
-    shapes = {f"{name}_lora_a": (k, rule.rank), f"{name}_lora_b": (rule.rank, n)}
-    if isinstance(rule, DoraRule):
-        shapes[f"{name}_magnitude"] = (n,)
-    return shapes
+    def merged(self, stored, adapters):
+        return self.rule.merged(self.name, self.layout, stored, adapters)
+
+    def refreshed(self, stored, adapters):
+        return self.rule.refreshed(self.name, self.layout, stored, adapters)
 
 
 def is_adapter_name(name: str, siblings) -> bool:
     """Whether param `name` is an adapter of a weight among `siblings` (the names in the same module)."""
     return any(name.endswith(s) and name[: -len(s)] in siblings for s in ADAPTER_SUFFIXES)
-
-
-def new_adapters(site: Site, w, key) -> dict[str, jax.Array]:
-    """Fresh adapters for `w` (the stored weight, or its QuantizedWeight): B = 0, so the adapted op computes what
-    the original does; the DoRA magnitude is the column norm of W, the starting point of the DoRA paper."""
-    rule = site.rule
-    if isinstance(rule, Fp8Rule):
-        return {}
-    assert isinstance(rule, LoraRule)
-    dtype = w.dtype
-    a = rule.lora_a_init(key, (site.layout.k, rule.rank), dtype)
-    out = {f"{site.name}_lora_a": a, f"{site.name}_lora_b": jnp.zeros((rule.rank, site.layout.n), dtype)}
-    if isinstance(rule, DoraRule):
-        out[f"{site.name}_magnitude"] = magnitude(site, w, a, out[f"{site.name}_lora_b"])
-    return out
-
-
-def magnitude(site: Site, w, a, b) -> jax.Array:
-    """||W + s A B|| per output feature, in the adapters' dtype."""
-    rule = site.rule
-    assert isinstance(rule, DoraRule)
-    return column_norm_reference(weight_2d(site, w), a, b, rule.scale, jnp.float32).astype(a.dtype)
-
-
-def weight_2d(site: Site, w):
-    """The stored weight as its (K, N) kernel: the packed kernel of a QuantizedWeight, else the 2-D view."""
-    return w.kernel if isinstance(w, QuantizedWeight) else site.layout.to_2d(w)
-
-
-def merged_weight(site: Site, w, adapters: Mapping[str, Any]):
-    """The plain weight, in its own shape and dtype, that computes what the adapted contraction does."""
-    rule, name = site.rule, site.name
-    dtype = w.dtype
-    if isinstance(rule, Fp8Rule):
-        return w
-    assert isinstance(rule, LoraRule)
-    a, b = adapters[f"{name}_lora_a"], adapters[f"{name}_lora_b"]
-    if isinstance(rule, DoraRule):
-        w2 = _merged(weight_2d(site, w), a, b, adapters[f"{name}_magnitude"], None, rule.scale)["kernel"]
-    else:
-        w2 = dequantize(weight_2d(site, w), jnp.float32) + rule.scale * (a.astype(jnp.float32) @ b.astype(jnp.float32))
-    return site.layout.from_2d(w2).astype(dtype)
-
-
-def check_site(site: Site, where: str) -> None:
-    rule = site.rule
-    if isinstance(rule, LoraRule) and rule.rank > min(site.layout.k, site.layout.n):
-        raise ValueError(f"{rule!r} at {where}: rank {rule.rank} is larger than the layer, whose weight is "
-                         f"{site.layout.k} x {site.layout.n} (K x N); the rank must be at most "
-                         f"{min(site.layout.k, site.layout.n)}")
-
-
-def run_site(site: Site, x2, w2, stored, adapters: Mapping[str, Any]):
-    """The adapted (M, K) x (K, N) product: `w2` is the operand in the compute dtype, `stored` the stored weight
-    (a QuantizedWeight for QDoRA, whose packed kernel the op reads instead)."""
-    rule, name = site.rule, site.name
-    if isinstance(rule, Fp8Rule):
-        return fp8_linear(x2, w2, rule.config, implementation=rule.implementation)
-    a, b = adapters[f"{name}_lora_a"], adapters[f"{name}_lora_b"]
-    if isinstance(rule, DoraRule):
-        kernel = stored.kernel if isinstance(stored, QuantizedWeight) else w2
-        return dora_dense(x2, kernel, a, b, adapters[f"{name}_magnitude"], None, scale=rule.scale,
-                          exact_norm_grad=rule.exact_norm_grad, implementation=rule.implementation,
-                          save_merged=rule.save_merged)
-    assert isinstance(rule, LoraRule)
-    return lora_dense(x2, w2, a, b, None, scale=rule.scale, implementation=rule.implementation)
 
 
 # -- the contraction -------------------------------------------------------------------------------------------
@@ -220,21 +74,20 @@ def _axes(dims, ndim) -> tuple[int, ...]:
     return tuple(int(d) % ndim for d in dims)
 
 
-def layout_of(weight_shape, weight_contract) -> Layout:
-    free = tuple(a for a in range(len(weight_shape)) if a not in weight_contract)
-    return Layout(tuple(int(d) for d in weight_shape), tuple(weight_contract), free)
-
-
-def split_operands(lhs, rhs, dimension_numbers, weight_side: str, where: str):
-    """(activation, its contracting axes, the weight's Layout) of a dot_general whose weight is `weight_side`."""
+def split_operands(lhs, rhs, dimension_numbers, weight_side: str, where: str, stored_shape=None, steps=()):
+    """(activation, its contracting axes, the weight's Layout) of a dot_general whose weight is `weight_side`,
+    stored with `stored_shape` and turned into the operand by `steps`."""
     (lc, rc), (lb, rb) = dimension_numbers
     lc, rc = _axes(lc, lhs.ndim), _axes(rc, rhs.ndim)
     if tuple(lb) or tuple(rb):
         raise ValueError(f"{where}: the contraction has batch dimensions (lhs {tuple(lb)}, rhs {tuple(rb)}), e.g. one "
                          f"weight per expert; only contractions of an activation with one weight can be adapted")
-    if weight_side == "rhs":
-        return lhs, lc, layout_of(rhs.shape, rc)
-    return rhs, rc, layout_of(lhs.shape, lc)
+    x, x_contract, w, w_contract = (lhs, lc, rhs, rc) if weight_side == "rhs" else (rhs, rc, lhs, lc)
+    shape = tuple(int(d) for d in w.shape)
+    free = tuple(a for a in range(len(shape)) if a not in w_contract)
+    layout = Layout(shape, tuple(w_contract), free, tuple(stored_shape) if stored_shape is not None else shape,
+                    tuple(steps))
+    return x, x_contract, layout
 
 
 def contract(x, x_contract, layout: Layout, weight_side: str, product, out_dtype):
@@ -254,56 +107,21 @@ def contract(x, x_contract, layout: Layout, weight_side: str, product, out_dtype
     return y.astype(out_dtype)
 
 
-def find_weight(params: Mapping[str, Any], lhs, rhs) -> tuple[str, str] | None:
-    """(param name, "lhs" | "rhs") of the operand that is one of `params`, or None.
+def weights(params: Mapping[str, Any]) -> dict[str, Any]:
+    """The params of a module that may be adapted: not adapters, not scalars."""
+    return {k: v for k, v in params.items() if not is_adapter_name(k, params) and len(getattr(v, "shape", ())) >= 1}
 
-    The same array object first (a param used as stored), then the one param of the operand's shape (a param
-    cast to the compute dtype, or a QuantizedWeight read as an array, is a new array). Several params of that
-    shape and no identity: their names joined by commas, for `raise_if_ambiguous`."""
-    candidates = {k: v for k, v in params.items()
-                  if not is_adapter_name(k, params) and len(getattr(v, "shape", ())) >= 1}
-    for side, op in (("rhs", rhs), ("lhs", lhs)):
-        for k, v in candidates.items():
-            if v is op:
-                return k, side
-    for side, op in (("rhs", rhs), ("lhs", lhs)):
-        same = [k for k, v in candidates.items() if tuple(v.shape) == tuple(op.shape)]
-        if len(same) == 1:
-            return same[0], side
-        if len(same) > 1:
-            return ",".join(sorted(same)), side
+
+def find_weight(params: Mapping[str, Any], operands) -> tuple[str, int, tuple] | None:
+    """(param name, operand index, steps from the stored param to the operand) of the first operand (from the
+    last) that is one of `params` or came of one through casts, transposes and reshapes; None if none did."""
+    lineage = _layout.current_lineage()
+    for i in reversed(range(len(operands))):
+        found = lineage.root(operands[i], params) if lineage is not None else next(
+            ((k, ()) for k, v in params.items() if v is operands[i]), None)
+        if found is not None:
+            return found[0], i, found[1]
     return None
-
-
-def raise_if_ambiguous(name: str, rules, path: str) -> bool:
-    """Whether `find_weight` found no single weight (`name` lists several); a ValueError where a rule matches one
-    of them, since adapting the wrong one would be silently wrong."""
-    if "," not in name:
-        return False
-    if rules is not None and any(r.matches(path, n) for r in rules for n in name.split(",")):
-        raise ValueError(f"adapt: at {path}, a contraction's operand has the shape of several params ({name}) and "
-                         f"is none of them as stored: which one to adapt is ambiguous")
-    return True
-
-
-def new_site(rule: Rule, path: str, name: str, lhs, rhs, dimension_numbers, side: str) -> Site:
-    """The site of weight `name` of the module at `path`, matched by `rule`, checked against the layer."""
-    where = weight_path(path, name)
-    _, _, layout = split_operands(lhs, rhs, dimension_numbers, side, where)
-    site = Site(name, rule, layout)
-    check_site(site, where)
-    return site
-
-
-def adapted_product(site: Site, where: str, lhs, rhs, dimension_numbers, side: str, stored, adapters, out_dtype):
-    """The intercepted dot_general's result, computed by `site`'s op (the contraction's layout must be the
-    site's: one weight is adapted in one layout)."""
-    x, x_contract, layout = split_operands(lhs, rhs, dimension_numbers, side, where)
-    if layout != site.layout:
-        raise ValueError(f"adapt: {where} is contracted in two ways ({site.layout} and {layout}): one weight can "
-                         f"be adapted in one layout only")
-    w2 = layout.to_2d(rhs if side == "rhs" else lhs)
-    return contract(x, x_contract, layout, side, lambda x2: run_site(site, x2, w2, stored, adapters), out_dtype)
 
 
 # -- interception ------------------------------------------------------------------------------------------------
@@ -314,11 +132,151 @@ _state = threading.local()
 
 
 class Frontend:
-    """What linen and NNX each provide: the adapted result of a contraction inside `module`, or None to run it
-    as it is."""
+    """The framework's answers, for linen and NNX: where a module is, what it holds, how to read and create a
+    variable. `rules` (None: only known sites run) are consulted for new sites; `seen` collects the contractions
+    met (for `adapt.inspect`, `unused_rules` and the no-match message); with `dry` nothing is created or adapted
+    and a contraction that cannot be adapted is recorded as refused instead of raising."""
 
-    def intercept(self, module, lhs, rhs, dimension_numbers, out_dtype):  # pragma: no cover - interface
+    rules: tuple[Rule, ...] | None = None
+    dry = False
+    hint = ""  # how to get params with adapters, for the error when they are missing
+
+    def __init__(self):
+        self.seen: dict[tuple, Contraction] = {}
+        self.matched: dict[str, Contraction] = {}
+
+    def path(self, module) -> str | None:
+        """The module's path, or None for a module this front-end does not adapt."""
         raise NotImplementedError
+
+    def params(self, module) -> dict[str, Any]:
+        """The module's params as the model reads them (a QuantizedWeight as itself)."""
+        raise NotImplementedError
+
+    def site(self, module, where: str, name: str) -> Site | None:
+        raise NotImplementedError
+
+    def add_site(self, module, where: str, site: Site) -> None:
+        raise NotImplementedError
+
+    def get(self, module, name: str):
+        raise NotImplementedError
+
+    def put(self, module, name: str, value, adapter: bool) -> None:
+        raise NotImplementedError
+
+    def has(self, module, name: str) -> bool:
+        raise NotImplementedError
+
+    def can_create(self, module) -> bool:
+        raise NotImplementedError
+
+    def rng(self, module):
+        raise NotImplementedError
+
+    def defers(self, module) -> bool:
+        """Whether `module`'s variables are created later, outside the lifted transform it runs in (NNX's apply
+        meets copies of modules inside nnx.scan / nnx.vmap / nnx.remat): its contraction runs as it is."""
+        return False
+
+    def record(self, key, contraction: Contraction) -> None:
+        self.seen.setdefault(key, contraction)
+
+
+def _refuse(frontend, key, path, name, stored_shape, rule, reason):
+    if not frontend.dry:
+        raise ValueError(f"adapt: {weight_path(path, name)}: {reason}")
+    frontend.record(key, Contraction(path, name, stored_shape, None, None, rule, "refused", reason))
+
+
+def _note_matches(frontend, path, params, reached: str | None) -> None:
+    """The params of `path` a rule matches, for the report of those never reached by a contraction."""
+    if frontend.rules is None:
+        return
+    for name, v in weights(params).items():
+        where = weight_path(path, name)
+        rule = first_match(frontend.rules, path, name)
+        if rule is not None and where not in frontend.matched and name != reached and len(v.shape) >= 2:
+            frontend.matched[where] = Contraction(
+                path, name, tuple(v.shape), None, None, rule, "refused",
+                f"{rule.module_path!r} matches it, but no contraction of {path or 'the root module'} reads it "
+                f"(adapt follows a weight through casts, transposes and reshapes only)")
+
+
+def intercept(frontend: Frontend, module, lhs, rhs, dimension_numbers, out_dtype):
+    """A contraction of `module`: its adapted result, or None to run it as it is (the one sequence: which
+    weight, which rule, which site, its variables, the rule's op)."""
+    path = frontend.path(module)
+    if path is None:
+        return None
+    params = weights(frontend.params(module))
+    found = find_weight(params, (lhs, rhs))
+    if found is None:
+        _note_matches(frontend, path, params, None)
+        frontend.record((path, None, str(dimension_numbers), lhs.shape, rhs.shape), Contraction(
+            path, None, None, None, None, None, "untouched", "no operand is a param of the module"))
+        return None
+    name, index, steps = found
+    side = "rhs" if index == 1 else "lhs"
+    _note_matches(frontend, path, params, name)
+    where = weight_path(path, name)
+    stored_shape = tuple(params[name].shape)
+    site = frontend.site(module, where, name)
+    rule = site.rule if site is not None else (first_match(frontend.rules, path, name) if frontend.rules else None)
+    key = (path, name, str(dimension_numbers))
+    if rule is None:
+        frontend.record(key, Contraction(path, name, stored_shape, None, None, None, "untouched", "no rule matches"))
+        return None
+    try:
+        x, x_contract, layout = split_operands(lhs, rhs, dimension_numbers, side, where, stored_shape, steps)
+        rule.check(layout, where)
+        if site is not None and layout != site.layout:
+            raise ValueError(f"adapt: {where} is contracted in two ways ({site.layout} and {layout}): one weight "
+                             f"can be adapted in one layout only")
+    except ValueError as e:
+        if not frontend.dry:
+            raise
+        frontend.record(key, Contraction(path, name, stored_shape, None, None, rule, "refused", str(e)))
+        return None
+    how = layout.describe()
+    frontend.record(key, Contraction(path, name, stored_shape, layout.k, layout.n, rule, "adapted",
+                                     f"read as w{how}" if how else ""))
+    if site is None:
+        site = Site(name, rule, layout)
+        frontend.add_site(module, where, site)
+    if frontend.dry or frontend.defers(module):
+        return None
+    stored, adapters = _variables(frontend, module, site, where)
+    w2 = layout.operand_2d(rhs if side == "rhs" else lhs)
+    return contract(x, x_contract, layout, side,
+                    lambda x2: rule.product(x2, w2, stored, layout, adapters, name), out_dtype)
+
+
+def _variables(frontend: Frontend, module, site: Site, where: str):
+    """(the stored weight, the adapters) of `site`: put in their rule's form and created on first sight, when the
+    front-end may create variables (linen's init, NNX's apply)."""
+    rule = site.rule
+    w = frontend.get(module, site.name)
+    stored = rule.store(w, site.layout, where)
+    if stored is not w:
+        if not frontend.can_create(module):
+            raise ValueError(f"adapt: {where}: {rule!r} keeps its weight in another form than the params hold "
+                             f"(QDoRA: quantized): {frontend.hint}")
+        frontend.put(module, site.name, stored, adapter=False)
+    shapes = site.adapter_shapes()
+    missing = [k for k in shapes if not frontend.has(module, k)]
+    if missing:
+        if not frontend.can_create(module):
+            raise ValueError(f"adapt: {where} matches {rule!r} but the params have no {missing}: {frontend.hint}")
+        fresh = rule.init_adapters(site.name, site.layout, stored, frontend.rng(module))
+        for k in missing:
+            frontend.put(module, k, fresh[k], adapter=True)
+    adapters = {k: frontend.get(module, k) for k in shapes}
+    for k, shape in shapes.items():
+        if tuple(jnp.shape(adapters[k])) != shape:
+            raise ValueError(f"adapt: {where}: params[{k!r}] has shape {tuple(jnp.shape(adapters[k]))}, {rule!r} "
+                             f"needs {shape}")
+    return stored, adapters
 
 
 def _frontend() -> Frontend | None:
@@ -342,7 +300,7 @@ def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_t
     if module is not None:
         out_dtype = preferred_element_type or jnp.result_type(lhs, rhs)
         with _inactive():
-            y = frontend.intercept(module, lhs, rhs, dimension_numbers, out_dtype)
+            y = intercept(frontend, module, lhs, rhs, dimension_numbers, out_dtype)
         if y is not None:
             return y
     return _JAX_DOT_GENERAL(lhs, rhs, dimension_numbers, precision=precision,
@@ -350,45 +308,86 @@ def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_t
 
 
 def einsum(subscripts, *operands, **kwargs):
-    """`jax.numpy.einsum` while an adapted model runs: a two-operand einsum that is one dot_general (each index
-    once per operand, none summed away alone) runs as that dot_general through `dot_general` above, then a
-    transpose; any other einsum is jax's. (jax's own einsum is jitted with its dot_general a static argument: a
-    trace cached for one module would serve the next, so contractions are not routed through it.)"""
-    spec = _einsum_as_dot_general(subscripts, operands) if _frontend() is not None else None
-    if spec is None or set(kwargs) - {"precision", "preferred_element_type", "optimize", "out_sharding"}:
+    """`jax.numpy.einsum` while an adapted model runs: a two-operand einsum that is one plain dot_general (each
+    index once per operand, none summed away alone, batch axes of equal sizes) runs as that dot_general through
+    `dot_general` above, then a transpose; any other einsum is jax's, unchanged, unless a rule matches a param
+    among its operands (a ValueError: it cannot be adapted). (jax's own einsum is jitted with its dot_general a
+    static argument: a trace cached for one module would serve the next, so contractions are not routed through
+    it.)"""
+    frontend = _frontend()
+    if frontend is None:
+        return _JAX_EINSUM(subscripts, *operands, **kwargs)
+    spec = _einsum_as_dot_general(subscripts, operands)
+    if isinstance(spec, tuple) and set(kwargs) - {"precision", "preferred_element_type", "optimize", "out_sharding"}:
+        spec = f"einsum keywords {sorted(kwargs)}"
+    if isinstance(spec, tuple) and kwargs.get("out_sharding") is not None and spec[1] != tuple(range(len(spec[1]))):
+        spec = "an out_sharding of an output order that is not dot_general's"
+    if not isinstance(spec, tuple):
+        _einsum_not_adapted(frontend, subscripts, operands, spec)
         return _JAX_EINSUM(subscripts, *operands, **kwargs)
     dims, perm = spec
     extra = {} if kwargs.get("out_sharding") is None else {"out_sharding": kwargs["out_sharding"]}
-    if extra and perm != tuple(range(len(perm))):
-        return _JAX_EINSUM(subscripts, *operands, **kwargs)  # the sharding is of einsum's output order
     y = dot_general(operands[0], operands[1], dims, precision=kwargs.get("precision"),
                     preferred_element_type=kwargs.get("preferred_element_type"), **extra)
     return y if perm == tuple(range(y.ndim)) else jnp.transpose(y, perm)
 
 
+def _einsum_not_adapted(frontend, subscripts, operands, why: str) -> None:
+    """An einsum that runs as jax's: recorded, and refused where a rule matches a param among its operands."""
+    module = _current_module()
+    with _inactive():
+        path = frontend.path(module) if module is not None else None
+        if path is None:
+            return
+        params = weights(frontend.params(module))
+        found = find_weight(params, [o for o in operands if hasattr(o, "shape")])
+        name = None if found is None else found[0]
+        key = (path, name, str(subscripts))
+        site = frontend.site(module, weight_path(path, name), name) if name is not None else None
+        rule = site.rule if site is not None else (
+            first_match(frontend.rules, path, name) if name is not None and frontend.rules else None)
+        reason = f"einsum {subscripts!r} is not one contraction of an activation with a weight ({why})"
+        if rule is None:
+            stored = None if name is None else tuple(params[name].shape)
+            frontend.record(key, Contraction(path, name, stored, None, None, None, "untouched",
+                                             f"{reason}: jax's einsum runs it"))
+            return
+        _refuse(frontend, key, path, name, tuple(params[name].shape), rule, f"{rule!r} matches, but {reason}")
+
+
 def _einsum_as_dot_general(subscripts, operands):
-    """(dimension_numbers, output permutation) of a two-operand einsum that is one dot_general, else None."""
-    if not isinstance(subscripts, str) or len(operands) != 2 or "->" not in subscripts:
-        return None
+    """(dimension_numbers, output permutation) of a two-operand einsum that is one plain dot_general, else why
+    not (a str)."""
+    if not isinstance(subscripts, str) or "->" not in subscripts:
+        return "no explicit output"
+    if len(operands) != 2:
+        return f"{len(operands)} operands"
     inputs, out = subscripts.replace(" ", "").split("->")
     specs = inputs.split(",")
     if len(specs) != 2 or not all(hasattr(o, "ndim") for o in operands):
-        return None
+        return "not two array operands"
     spare = iter(sorted(set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ") - set(subscripts)))
     with_ellipsis = [i for i, s in enumerate(specs) if "..." in s]
     if len(with_ellipsis) > 1 or ("..." in out) != bool(with_ellipsis):
-        return None
+        return "an ellipsis that broadcasts"
     if with_ellipsis:
         i = with_ellipsis[0]
         filled = "".join(next(spare) for _ in range(operands[i].ndim - len(specs[i].replace("...", ""))))
         specs[i], out = specs[i].replace("...", filled), out.replace("...", filled)
     a, b = specs
-    if any(len(set(s)) != len(s) for s in (a, b, out)) or len(a) != operands[0].ndim or len(b) != operands[1].ndim:
-        return None
+    if any(len(set(s)) != len(s) for s in (a, b, out)):
+        return "a repeated index"
+    if len(a) != operands[0].ndim or len(b) != operands[1].ndim:
+        return "subscripts that do not match the operands' ranks"
     if any(c not in out and c not in (b if s is a else a) for s in (a, b) for c in s) or set(out) - set(a + b):
-        return None  # an index summed within one operand
-    contracted = [c for c in a if c in b and c not in out]
-    batch = [c for c in a if c in b and c in out]
+        return "an index summed within one operand"
+    shared = [c for c in a if c in b]
+    if any(operands[0].shape[a.index(c)] != operands[1].shape[b.index(c)] for c in shared):
+        return "axes that broadcast (sizes " + ", ".join(
+            f"{c}: {operands[0].shape[a.index(c)]} vs {operands[1].shape[b.index(c)]}" for c in shared
+            if operands[0].shape[a.index(c)] != operands[1].shape[b.index(c)]) + ")"
+    contracted = [c for c in shared if c not in out]
+    batch = [c for c in shared if c in out]
     dims = ((tuple(a.index(c) for c in contracted), tuple(b.index(c) for c in contracted)),
             (tuple(a.index(c) for c in batch), tuple(b.index(c) for c in batch)))
     result = batch + [c for c in a if c not in b] + [c for c in b if c not in a]
@@ -405,6 +404,44 @@ def _inactive():
         _state.frontend = saved
 
 
+# The primitives a weight may pass through on its way to a contraction, and the step each is.
+_FOLLOWED = {
+    jax.lax.convert_element_type_p: lambda params, x, out: None,
+    jax.lax.transpose_p: lambda params, x, out: ("transpose", tuple(int(a) for a in params["permutation"])),
+    jax.lax.reshape_p: lambda params, x, out: ("reshape", tuple(int(d) for d in out.shape))
+    if params.get("dimensions") is None else False,
+    jax.lax.squeeze_p: lambda params, x, out: ("reshape", tuple(int(d) for d in out.shape)),
+}
+
+
+def _followed_bind(primitive, step_of):
+    original = primitive.bind
+
+    @functools.wraps(original)
+    def bind(*args, **params):
+        out = original(*args, **params)
+        frontend, lineage = _frontend(), _layout.current_lineage()
+        if frontend is not None and lineage is not None and args and (lineage.known(args[0])
+                                                                    or _is_param(frontend, args[0])):
+            step = step_of(params, args[0], out)
+            if step is not False:
+                lineage.note(out, args[0], step)
+        return out
+
+    return bind
+
+
+def _is_param(frontend: Frontend, x) -> bool:
+    """Whether `x` is a param of the module running (asked at trace time, or eagerly)."""
+    module = _current_module()
+    if module is None:
+        return False
+    with _inactive():
+        if frontend.path(module) is None:
+            return False
+        return any(v is x for v in frontend.params(module).values())
+
+
 _patch_lock = threading.Lock()
 _patch_depth = [0]
 
@@ -412,24 +449,34 @@ _patch_depth = [0]
 @contextlib.contextmanager
 def active(frontend: Frontend):
     """Run with `frontend` receiving this thread's contractions (jax.lax.dot_general and jax.numpy.einsum
-    patched; other threads see jax's, through the same functions, since the frontend is thread-local)."""
+    patched, and the binds a weight passes through followed; other threads see jax's, through the same functions,
+    since the frontend is thread-local). The lineage lives as long as this thread's outermost adapted call."""
     with _patch_lock:
         if _patch_depth[0] == 0:
             jax.lax.dot_general = dot_general
             jnp.einsum = einsum
+            for primitive, step_of in _FOLLOWED.items():
+                primitive.bind = _followed_bind(primitive, step_of)
             _constructor_defaults(ours=True)
         _patch_depth[0] += 1
     saved = _frontend()
+    owns_lineage = _layout.current_lineage() is None
+    if owns_lineage:
+        _layout.set_lineage(Lineage())
     _state.frontend = frontend
     try:
         yield
     finally:
         _state.frontend = saved
+        if owns_lineage:
+            _layout.set_lineage(None)
         with _patch_lock:
             _patch_depth[0] -= 1
             if _patch_depth[0] == 0:
                 jax.lax.dot_general = _JAX_DOT_GENERAL
                 jnp.einsum = _JAX_EINSUM
+                for primitive in _FOLLOWED:
+                    del primitive.bind
                 _constructor_defaults(ours=False)
 
 

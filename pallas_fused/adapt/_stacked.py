@@ -47,7 +47,32 @@ def over_layers(fn, axis, *args, in_axes=None):
     return jax.vmap(fn, in_axes=axis if in_axes is None else in_axes, out_axes=axis)(*args)
 
 
-def refuse_quantized(where: str, fmt: str) -> ValueError:
-    return ValueError(f"adapt: at {where}, a rule with quantize={fmt!r} (QDoRA) matched a weight stacked by a lifted "
-                      f"transform (nn.scan / nn.vmap / nnx.vmap): QDoRA's quantized weight cannot be stacked. Use "
-                      f"the rule without quantize for stacked layers, or unroll them")
+def site_axis(site, shapes: Mapping[str, tuple[int, ...]], where: str):
+    """The layer axis of a site's weight and adapters, whose stored shapes are `shapes` (by name)."""
+    return layer_axis({site.name: site.layout.stored, **site.adapter_shapes()}, shapes, where)
+
+
+def merged(site, stored, adapters, axis):
+    """`site.merged`, layer by layer."""
+    return over_layers(site.merged, axis, stored, adapters)
+
+
+def refreshed(site, stored, adapters, axis):
+    """`site.refreshed` (DoRA's magnitudes), layer by layer."""
+    return over_layers(site.refreshed, axis, stored, adapters)
+
+
+def new_adapters(site, stored, key, axis):
+    """The rule's initial adapters: for a stacked weight, each layer's from its own slice and its own key."""
+    def init(w, key):
+        return site.rule.init_adapters(site.name, site.layout, w, key)
+
+    if axis is None:
+        return init(stored, key)
+    return over_layers(init, axis, stored, jax.random.split(key, stored.shape[axis]), in_axes=(axis, 0))
+
+
+def refuse_quantized(where: str) -> ValueError:
+    return ValueError(f"adapt: at {where or 'a QDoRA weight'}, a rule with quantize= (QDoRA) matched a weight stacked "
+                      f"by a lifted transform (nn.scan / nn.vmap / nnx.vmap): QDoRA's quantized weight cannot be "
+                      f"stacked. Use the rule without quantize for stacked layers, or unroll them")

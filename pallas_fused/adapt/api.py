@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import flax.linen as nn
 import jax
+import optax
 from flax import nnx
 
 from pallas_fused.adapt import linen as _linen
 from pallas_fused.adapt import nnx as _nnx
+from pallas_fused.adapt.report import Inspection
 from pallas_fused.adapt.rules import Rule, check_rules
 
 
@@ -24,12 +26,14 @@ def apply(model, rules: Rule | Sequence[Rule], *example_inputs, methods: Sequenc
     whose adapters are created from the weights already in the model (DoRA magnitudes = their column norms), with
     `rngs` for A's initial values; a single method (`methods`) can be adapted.
 
-    A contraction is matched when one operand is a param of the module that issues it and a rule's `module_path`
+    A contraction is matched when one operand is a param of the module that issues it (the array itself, or a
+    cast, transpose or reshape of it: known by where it came from, never by its shape) and a rule's `module_path`
     fullmatches the module's path (or the path + ``/<weight name>``); the first matching rule wins. Covered:
     `jax.lax.dot_general` (nn.Dense, nn.DenseGeneral, nnx.Linear, nnx.LinearGeneral) and two-operand
     `jax.numpy.einsum` (nn.Einsum, nnx.Einsum, a plain jnp.einsum with a param), the weight on either side, any
-    layout: its contracting axes flatten into K, its other axes into N. A matched contraction with batch
-    dimensions (one weight per expert) is a ValueError. Not covered: ``x @ w`` and `jnp.dot` / `jnp.matmul`.
+    layout: the operand's contracting axes flatten into K, its other axes into N. A matched contraction with batch
+    dimensions (one weight per expert), or a matched param in an einsum that is not one plain contraction, is a
+    ValueError. Not covered: ``x @ w`` and `jnp.dot` / `jnp.matmul`. `inspect` shows what matches.
     """
     rules = check_rules(rules)
     if isinstance(model, nn.Module):
@@ -57,11 +61,44 @@ def from_pretrained(lmodel: nn.Module, variables, pretrained):
     return _linen.from_pretrained(lmodel, variables, pretrained)
 
 
+def inspect(model, rules: Rule | Sequence[Rule], *inputs, method: str = "__call__", **kwargs) -> Inspection:
+    """Every contraction `model` runs on `inputs` (and keyword inputs `kwargs`), with the weight it reads, that
+    weight's stored shape and (K, N) layout, the rule that matches and what `apply` would do: "adapted",
+    "refused" (a rule matches, and why it cannot be adapted) or "untouched". Then the weights a rule matches that
+    no contraction reads. ``print(adapt.inspect(...))`` shows a table.
+
+    `model` is the original model (linen or NNX), run abstractly (`jax.eval_shape`): nothing is allocated, no
+    adapter is created, `model` is left as it was. A linen model draws its params from a fixed key."""
+    rules = check_rules(rules)
+    if isinstance(model, nn.Module):
+        lmodel = _linen.apply(model, rules, (method,), dry=True)
+        keys = {"params": jax.random.key(0), "dropout": jax.random.key(1)}
+        jax.eval_shape(lambda a, k: lmodel.init(keys, *a, method=method, **k), inputs, kwargs)
+        return Inspection(_linen.report(lmodel))
+    if isinstance(model, nnx.Module):
+        return Inspection(_nnx.inspect(model, rules, method, inputs, kwargs))
+    raise ValueError(f"adapt.inspect: model must be a flax.linen.Module or flax.nnx.Module, got "
+                     f"{type(model).__name__}")
+
+
 def trainable(variables) -> Any:
     """linen: a pytree of bools like `variables`, True on the adapter leaves (``<weight>_lora_a``,
-    ``<weight>_lora_b``, ``<weight>_magnitude``) only: the mask for ``optax.masked`` / ``multi_transform``.
-    (NNX: the adapters are ``nnx.LoRAParam``: ``nnx.state(model, nnx.LoRAParam)``.)"""
+    ``<weight>_lora_b``, ``<weight>_magnitude``) only. Use it with `split` / `join` (gradients of the adapters
+    alone), or `optimizer` (``optax.multi_transform`` with ``optax.set_to_zero()`` on the rest). Not with
+    ``optax.masked`` alone: it passes the updates of the unmasked leaves through unchanged, so
+    ``apply_updates`` adds the raw gradient to every frozen weight.
+    (NNX: the adapters are ``nnx.LoRAParam``: ``nnx.Optimizer(model, tx, wrt=nnx.LoRAParam)``.)"""
     return _linen.trainable(variables)
+
+
+def optimizer(tx: optax.GradientTransformation, variables) -> optax.GradientTransformation:
+    """linen: `tx` on the adapters of `variables` (variables, or their params), and zero updates for every other
+    leaf: ``optax.multi_transform({"adapter": tx, "frozen": optax.set_to_zero()}, labels)``. Its updates fit the
+    params tree (the one gradients are taken of), so the frozen weights stay bit for bit as they are. For QDoRA,
+    whose integer codes `jax.grad` does not take, use `split` / `join`."""
+    params = variables["params"] if isinstance(variables, Mapping) and "params" in variables else variables
+    labels = jax.tree_util.tree_map(lambda m: "adapter" if m else "frozen", _linen.trainable(params))
+    return optax.multi_transform({"adapter": tx, "frozen": optax.set_to_zero()}, labels)
 
 
 def split(params, mask) -> tuple[Any, Any]:
@@ -96,7 +133,9 @@ def merge(model, variables=None):
 
 
 def unused_rules(model) -> list[Rule]:
-    """The rules that matched no contraction (linen: after ``lmodel.init``)."""
+    """The rules that adapted no contraction (linen: after ``lmodel.init``). When no rule matched anything, all
+    of them, with a warning that lists the nearest paths to each (`from_pretrained` and `merge` raise with the
+    same message)."""
     if isinstance(model, nn.Module):
         return _linen.unused_rules(model)
     return _nnx.unused_rules(model)

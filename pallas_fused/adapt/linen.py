@@ -19,42 +19,68 @@ import jax.numpy as jnp
 from flax import nnx
 from flax.core import meta
 
-from pallas_fused.adapt import _core
-from pallas_fused.adapt._stacked import layer_axis, over_layers
-from pallas_fused.adapt.rules import DoraRule, Rule, first_match, weight_path
+from pallas_fused.adapt import _core, _stacked
+from pallas_fused.adapt.report import no_match
+from pallas_fused.adapt.rules import Rule
 
 
 class _Linen(_core.Frontend):
-    def __init__(self, cls):
-        self.cls = cls
+    """linen's answers: a module's path is its scope's, its params its "params" collection; the sites, and the
+    contractions met, are kept on the adapted class. An NNX module that linen runs through `nnx.bridge.ToLinen`
+    is answered for too: its params are a sub-tree of the ToLinen module's (`_Store`)."""
 
-    def intercept(self, module, lhs, rhs, dimension_numbers, out_dtype):
+    hint = "use the variables of lmodel.init, or adapt.from_pretrained(lmodel, variables, pretrained)"
+
+    def __init__(self, cls):
+        super().__init__()
+        self.rules, self.dry = cls._pf_rules, cls._pf_dry
+        self.sites, self.seen, self.matched = cls._pf_sites, cls._pf_seen, cls._pf_matched
+        self._bridges: dict[int, tuple[Any, _Store | None]] = {}
+
+    def _store(self, module) -> _Store | None:
         if isinstance(module, nn.Module):
-            store = _Store(module, ())
-            path = "/".join(module.scope.path)
-            params = {k: v for k, v in module.variables.get("params", {}).items() if not isinstance(v, Mapping)}
-        else:
-            store = _bridged(module)
-            if store is None:
-                return None
-            path = "/".join(store.module.scope.path + store.sub)
-            params = _nnx_params(module)
-        found = _core.find_weight(params, lhs, rhs)
-        if found is None:
+            return _Store(module, ())
+        if not isinstance(module, nnx.Module):
             return None
-        name, side = found
-        if _core.raise_if_ambiguous(name, self.cls._pf_rules, path):
-            return None
-        rule = first_match(self.cls._pf_rules, path, name)
-        if rule is None:
-            return None
-        where = weight_path(path, name)
-        site = self.cls._pf_sites.get(where)
-        if site is None:
-            site = self.cls._pf_sites[where] = _core.new_site(rule, path, name, lhs, rhs, dimension_numbers, side)
-        stored = _stored_weight(store, site, where)
-        adapters = _adapters(store, site, stored, where)
-        return _core.adapted_product(site, where, lhs, rhs, dimension_numbers, side, stored, adapters, out_dtype)
+        entry = self._bridges.get(id(module))
+        if entry is not None and entry[0] is module:
+            return entry[1]
+        store = _bridged(module)
+        if store is not None:  # not yet found while its parent's constructor runs (ToLinen builds it)
+            self._bridges[id(module)] = (module, store)
+        return store
+
+    def path(self, module):
+        store = self._store(module)
+        return None if store is None else "/".join(store.module.scope.path + store.sub)
+
+    def params(self, module):
+        if isinstance(module, nnx.Module):  # what the bridged module's code reads: its own variables
+            return {k: v.get_value() for k, v in vars(module).items() if isinstance(v, nnx.Param)}
+        return {k: v if isinstance(v, _core.QuantizedWeight) else meta.unbox(v)
+                for k, v in module.variables.get("params", {}).items() if not isinstance(v, Mapping)}
+
+    def site(self, module, where, name):
+        return self.sites.get(where)
+
+    def add_site(self, module, where, site):
+        self.sites[where] = site
+
+    def get(self, module, name):
+        w = self._store(module).get(name)
+        return w if isinstance(w, _core.QuantizedWeight) else meta.unbox(w)
+
+    def put(self, module, name, value, adapter):
+        self._store(module).put(name, value)
+
+    def has(self, module, name):
+        return self._store(module).has(name)
+
+    def can_create(self, module):
+        return self._store(module).module.is_mutable_collection("params")
+
+    def rng(self, module):
+        return self._store(module).module.make_rng("params")
 
 
 class _Store:
@@ -89,9 +115,9 @@ class _Store:
 
 
 def _bridged(module) -> _Store | None:
-    """The params of NNX `module` where linen runs it through `nnx.bridge.ToLinen`: the linen module nearest on the
-    call stack holds them (ToLinen stores the NNX module's state as its own params, by the NNX paths), under the
-    path of `module` in the outermost NNX module running between the two."""
+    """Where the params of NNX `module` are when linen runs it through `nnx.bridge.ToLinen`: the linen module
+    nearest on the call stack (ToLinen, which keeps its NNX module's state as its own params, by the NNX paths),
+    under the path of `module` in the outermost NNX module running between the two; None elsewhere."""
     root, frame = module, sys._getframe(1)
     while frame is not None:
         owner = frame.f_locals.get("self")
@@ -104,44 +130,10 @@ def _bridged(module) -> _Store | None:
     return None
 
 
-def _nnx_params(module) -> dict[str, Any]:
-    return {k: v.get_value() for k, v in vars(module).items() if isinstance(v, nnx.Param)}
-
-
-def _stored_weight(store: _Store, site, where):
-    """The weight as stored (boxed as a QuantizedWeight for QDoRA; quantized on first sight at init)."""
-    w = store.get(site.name)
-    fmt = getattr(site.rule, "quantize", None)
-    if fmt is not None and not isinstance(w, _core.QuantizedWeight):
-        if not store.module.is_mutable_collection("params"):
-            raise ValueError(f"adapt: {where} has a rule with quantize={fmt!r} but its stored weight is not "
-                             f"quantized: load params with adapt.from_pretrained (or lmodel.init)")
-        w = _core.QuantizedWeight.quantize(meta.unbox(w), site.layout, fmt, where)
-        store.put(site.name, w)
-    return w if isinstance(w, _core.QuantizedWeight) else meta.unbox(w)
-
-
-def _adapters(store: _Store, site, stored, where):
-    shapes = _core.adapter_shapes(site)
-    missing = [k for k in shapes if not store.has(k)]
-    if missing:
-        if not store.module.is_mutable_collection("params"):
-            raise ValueError(f"adapt: {where} matches {site.rule!r} but the params have no {missing}: use the "
-                             f"variables of lmodel.init, or adapt.from_pretrained(lmodel, variables, pretrained)")
-        fresh = _core.new_adapters(site, stored, store.module.make_rng("params"))
-        for k in missing:
-            store.put(k, fresh[k])
-    out = {k: meta.unbox(store.get(k)) for k in shapes}
-    for k, shape in shapes.items():
-        if tuple(jnp.shape(out[k])) != shape:
-            raise ValueError(f"adapt: {where}: params[{k!r}] has shape {tuple(jnp.shape(out[k]))}, {site.rule!r} "
-                             f"needs {shape}")
-    return out
-
-
-def apply(model: nn.Module, rules: tuple[Rule, ...], methods) -> nn.Module:
+def apply(model: nn.Module, rules: tuple[Rule, ...], methods, dry: bool = False) -> nn.Module:
     base = getattr(type(model), "_pf_base", type(model))
-    fields: dict[str, Any] = {"_pf_base": base, "_pf_rules": rules, "_pf_sites": {}}
+    fields: dict[str, Any] = {"_pf_base": base, "_pf_rules": rules, "_pf_sites": {}, "_pf_seen": {},
+                              "_pf_matched": {}, "_pf_dry": dry}
     for name in methods:
         method = getattr(base, name, None)
         if method is None:
@@ -177,12 +169,15 @@ _BRIDGE_WARNING = r"Found unknown module paths in incoming state:(\n  - \S*(_lor
 
 
 def _sites(lmodel) -> dict[str, _core.Site]:
-    sites = getattr(type(lmodel), "_pf_sites", None)
+    cls = type(lmodel)
+    sites = getattr(cls, "_pf_sites", None)
     if sites is None:
         raise ValueError(f"expected a model from adapt.apply, got {type(lmodel).__name__}")
-    if not sites:
+    if not sites and not cls._pf_seen:
         raise ValueError("adapt: the model has not been traced yet, so no weight is known to be adapted: call "
                          "lmodel.init(key, *inputs) first")
+    if not sites:
+        raise ValueError(no_match(cls._pf_rules, tuple(cls._pf_seen.values())))
     return sites
 
 
@@ -227,28 +222,23 @@ def from_pretrained(lmodel, variables, pretrained):
                              f"the adapted model's has {tuple(have.shape)}")
         node, name = _module(out, path)
         site = sites.get(path)
-        if isinstance(have, _core.QuantizedWeight):
-            node[name] = _core.QuantizedWeight.quantize(jnp.asarray(value), have.layout, site.rule.quantize, path)
-        else:
-            node[name] = value
+        node[name] = value if site is None else site.rule.store(jnp.asarray(value), site.layout, path)
     adapters = _adapter_paths(out)
     missing = [p for p in flat_out if p not in flat_pre and p not in adapters]
     if missing:
         raise ValueError(f"adapt.from_pretrained: the pretrained params have no {missing[:5]}"
                          f"{' ...' if len(missing) > 5 else ''} (the adapted model's params other than adapters)")
     for where, site in sites.items():
-        if isinstance(site.rule, DoraRule):
-            node, name = _module(out, where)
-            node[f"{name}_magnitude"] = over_layers(lambda w, a, b, site=site: _core.magnitude(site, w, a, b),
-                                                    _layer_axis(site, node, where), node[name],
-                                                    node[f"{name}_lora_a"], node[f"{name}_lora_b"])
+        node, name = _module(out, where)
+        node.update(_stacked.refreshed(site, node[name], {k: node[k] for k in site.adapter_shapes()},
+                                       _layer_axis(site, node, where)))
     return rebuild(out)
 
 
 def _layer_axis(site, node, where: str):
-    """The layer axis of a site's weight and adapters in `node` (its module's params), None where not stacked."""
-    per_layer = {site.name: site.layout.shape, **_core.adapter_shapes(site)}
-    return layer_axis(per_layer, {k: tuple(node[k].shape) for k in per_layer if k in node}, where)
+    """The layer axis (a lifted transform's, nn.scan's) of a site's weight and adapters in `node`, its module's
+    params; None where they are not stacked."""
+    return _stacked.site_axis(site, {k: tuple(v.shape) for k, v in node.items() if not isinstance(v, Mapping)}, where)
 
 
 def _flatten(tree, prefix="") -> dict[str, Any]:
@@ -294,11 +284,22 @@ def merge(lmodel, variables):
     for where, site in sites.items():
         node, name = _module(out, where)
         axis = _layer_axis(site, node, where)
-        adapters = {k: node.pop(k) for k in _core.adapter_shapes(site)}
-        node[name] = over_layers(lambda w, ad, site=site: _core.merged_weight(site, w, ad), axis, node[name], adapters)
+        adapters = {k: node.pop(k) for k in site.adapter_shapes()}
+        node[name] = _stacked.merged(site, node[name], adapters, axis)
     return rebuild(out)
 
 
 def unused_rules(lmodel) -> list[Rule]:
+    cls = type(lmodel)
+    if getattr(cls, "_pf_sites", None) is not None and not cls._pf_sites and cls._pf_seen:
+        warnings.warn(no_match(cls._pf_rules, tuple(cls._pf_seen.values())), stacklevel=3)
+        return list(cls._pf_rules)
     used = {site.rule for site in _sites(lmodel).values()}
-    return [r for r in type(lmodel)._pf_rules if r not in used]
+    return [r for r in cls._pf_rules if r not in used]
+
+
+def report(lmodel) -> tuple:
+    """The contractions met while tracing, then the matched weights no contraction reached."""
+    cls = type(lmodel)
+    adapted = {c.weight_path for c in cls._pf_seen.values() if c.action == "adapted"}
+    return tuple(cls._pf_seen.values()) + tuple(c for w, c in cls._pf_matched.items() if w not in adapted)

@@ -8,98 +8,111 @@ model's graph, so `nnx.split` / `nnx.merge`, `nnx.jit` and `nnx.Optimizer` carry
 
 from __future__ import annotations
 
-from typing import Any
+import warnings
 
 import jax
 from flax import nnx
 
-from pallas_fused.adapt import _core
-from pallas_fused.adapt._stacked import layer_axis, over_layers, refuse_quantized
-from pallas_fused.adapt.rules import Rule, first_match, weight_path
-
-
-def _params(module) -> dict[str, Any]:
-    return {k: v.get_value() for k, v in vars(module).items() if isinstance(v, nnx.Param)}
+from pallas_fused.adapt import _core, _stacked
+from pallas_fused.adapt.report import no_match
+from pallas_fused.adapt.rules import Rule, weight_path
 
 
 class _Nnx(_core.Frontend):
-    """At call time: the sites each module recorded. While `apply` traces (`paths` given): new sites too."""
+    """NNX's answers. At call time: the sites each module recorded (`_pf_sites`). While `apply` or `inspect` runs
+    (`paths` given): new sites too, with their adapters created on the module (not with `dry`)."""
 
-    def __init__(self, rules=None, paths=None, rngs=None):
-        self.rules, self.paths, self.rngs = rules, paths, rngs
-        self.lifted: dict[tuple[str, str], tuple[_core.Site, dict]] = {}  # sites met inside an NNX transform
+    hint = "adapters are created by adapt.apply(model, rules, *inputs, rngs=...)"
 
-    def intercept(self, module, lhs, rhs, dimension_numbers, out_dtype):
+    def __init__(self, rules=None, paths=None, rngs=None, dry=False):
+        super().__init__()
+        self.rules, self.paths, self.rngs, self.dry = rules, paths, rngs, dry
+        self.lifted: dict[str, tuple[str, _core.Site, dict]] = {}  # sites met inside lifted transforms
+
+    def _lifted(self, module) -> bool:
+        """Whether `module` is a copy made inside an NNX transform (nnx.scan, nnx.vmap, nnx.remat split the model
+        and merge copies inside): its params are traced slices, its path a static attribute set by `apply`."""
+        return self.paths is not None and id(module) not in self.paths
+
+    def path(self, module):
         if not isinstance(module, nnx.Module):
             return None
-        sites = {s.name: s for s in getattr(module, "_pf_sites", ())}
-        if not sites and self.paths is None:
-            return None
-        params = _params(module)
-        found = _core.find_weight(params, lhs, rhs)
-        if found is None:
-            return None
-        name, side = found
-        path = self.paths.get(id(module)) if self.paths is not None else "?"
-        # a module inside nnx.vmap / nnx.scan / nnx.remat is a copy of the model's (made by nnx.merge), which
-        # carries its path as a static attribute; its params are traced slices, its adapters are made afterwards
-        lifted = path is None
-        if lifted:
-            path = getattr(module, "_pf_path", "?")
-        if _core.raise_if_ambiguous(name, self.rules, path):
-            return None
-        site = sites.get(name)
-        if site is None:
-            rule = first_match(self.rules, path, name) if self.paths is not None else None
-            if rule is None:
-                return None
-            site = _core.new_site(rule, path, name, lhs, rhs, dimension_numbers, side)
-            if lifted:
-                self.lifted[path, name] = site, {k: tuple(v.shape) for k, v in params.items()}
-                return None
-            self._add(module, site, path)
-        stored = getattr(module, name).get_value()
-        adapters = {k: getattr(module, k)[...] for k in _core.adapter_shapes(site)}
-        return _core.adapted_product(site, weight_path(path, name), lhs, rhs, dimension_numbers, side, stored,
-                                     adapters, out_dtype)
+        if self.paths is None:  # at call time only the modules with sites take part
+            return "?" if getattr(module, "_pf_sites", ()) else None
+        return self.paths.get(id(module)) or getattr(module, "_pf_path", "?")
 
-    def _add(self, module, site, path: str, per_layer=None) -> None:
-        """A new site's adapters on `module` (from the weight there; quantized first for QDoRA). `per_layer`: the
-        shapes of the module's params seen inside a lifted transform, where they may be stacked slices."""
-        where = weight_path(path, site.name)
-        w = getattr(module, site.name).get_value()
-        axis = None if per_layer is None else layer_axis(per_layer, _shapes(module), where)
-        fmt = getattr(site.rule, "quantize", None)
-        if fmt is not None:
-            if axis is not None:
-                raise refuse_quantized(where, fmt)
-            w = _core.QuantizedWeight.quantize(w, site.layout, fmt, where)
-            setattr(module, site.name, nnx.Param(w))
-        key = self.rngs.params()
-        if axis is not None:
-            key = jax.random.split(key, w.shape[axis])
-        fresh = over_layers(lambda w, key: _core.new_adapters(site, w, key), axis, w, key, in_axes=(axis, 0))
-        for k, v in fresh.items():
-            setattr(module, k, nnx.LoRAParam(v))
+    def params(self, module):
+        return {k: v.get_value() for k, v in vars(module).items() if isinstance(v, nnx.Param)}
+
+    def site(self, module, where, name):
+        return next((s for s in getattr(module, "_pf_sites", ()) if s.name == name), None)
+
+    def add_site(self, module, where, site):
+        if self.dry:
+            return
+        if self._lifted(module):
+            self.lifted.setdefault(where, (self.path(module), site, _shapes(module)))
+            return
         module._pf_sites = getattr(module, "_pf_sites", ()) + (site,)
 
-    def add_lifted(self, modules: dict[str, Any]) -> None:
-        """The adapters of the sites met inside lifted transforms, on the model's modules (stacked there along the
-        layer axis of their weights)."""
-        for (path, _), (site, per_layer) in self.lifted.items():
+    def get(self, module, name):
+        return getattr(module, name).get_value()
+
+    def put(self, module, name, value, adapter):
+        setattr(module, name, nnx.LoRAParam(value) if adapter else nnx.Param(value))
+
+    def has(self, module, name):
+        return name in vars(module)
+
+    def can_create(self, module):
+        return self.paths is not None and not self.dry
+
+    def rng(self, module):
+        return self.rngs.params()
+
+    def defers(self, module):
+        return self._lifted(module)
+
+    def add_lifted(self, modules: dict[str, nnx.Module]) -> None:
+        """The variables of the sites met inside lifted transforms, made on the model's own modules: stacked along
+        the layer axis of their weight where it is stacked (built by nnx.vmap), each layer's from its slice."""
+        for where, (path, site, per_layer) in self.lifted.items():
             module = modules[path]
-            if site not in getattr(module, "_pf_sites", ()):
-                self._add(module, site, path, per_layer)
+            if any(s.name == site.name for s in getattr(module, "_pf_sites", ())):
+                continue
+            axis = _stacked.layer_axis(per_layer, _shapes(module), where)
+            w = getattr(module, site.name).get_value()
+            stored = site.rule.store(w, site.layout, where)
+            if stored is not w:
+                if axis is not None:
+                    raise _stacked.refuse_quantized(where)
+                setattr(module, site.name, nnx.Param(stored))
+            for k, v in _stacked.new_adapters(site, stored, self.rngs.params(), axis).items():
+                setattr(module, k, nnx.LoRAParam(v))
+            module._pf_sites = getattr(module, "_pf_sites", ()) + (site,)
 
 
 def _shapes(module) -> dict[str, tuple[int, ...]]:
     return {k: tuple(v.get_value().shape) for k, v in vars(module).items() if isinstance(v, nnx.Variable)}
 
 
-def _layer_axis(module, site, path: str):
-    """The layer axis of a site's weight and adapters on `module`, None where they are not stacked."""
-    per_layer = {site.name: site.layout.shape, **_core.adapter_shapes(site)}
-    return layer_axis(per_layer, _shapes(module), weight_path(path, site.name))
+def _tag_paths(model) -> dict[str, nnx.Module]:
+    """The model's modules by path, each holding its path as a static attribute (`_pf_path`), which the copies
+    NNX transforms make inside carry."""
+    modules = {"/".join(str(p) for p in path): m for path, m in nnx.iter_modules(model)}
+    for path, m in modules.items():
+        m._pf_path = path
+    return modules
+
+
+def _untag(modules) -> None:
+    for m in modules.values():
+        if "_pf_path" in vars(m):
+            del m._pf_path
+
+
+def _paths(model) -> dict[int, str]:
+    return {id(m): "/".join(str(p) for p in path) for path, m in nnx.iter_modules(model)}
 
 
 def apply(model, rules: tuple[Rule, ...], method: str, rngs, args, kwargs):
@@ -110,22 +123,20 @@ def apply(model, rules: tuple[Rule, ...], method: str, rngs, args, kwargs):
     if getattr(base, method, None) is None:
         raise ValueError(f"adapt.apply: {base.__name__} has no method {method!r}")
     adapted = nnx.clone(model)
-    modules = {"/".join(str(p) for p in path): m for path, m in nnx.iter_modules(adapted)}
-    paths = {id(m): path for path, m in modules.items()}
-    for path, m in modules.items():
+    for _, m in nnx.iter_modules(adapted):
         _core.bind_default_ops(m)
-        m._pf_path = path
-    cls = type(base.__name__, (base,), {"_pf_base": base, "_pf_rules": rules,
-                                         method: _core.adapted_method(getattr(base, method), lambda self: _Nnx())})
-    cls.__qualname__ = base.__qualname__
-    frontend = _Nnx(rules, paths, rngs)
+    frontend = _Nnx(rules, _paths(adapted), rngs)
+    modules = _tag_paths(adapted)
     try:
         with _core.active(frontend):
             getattr(base, method)(adapted, *args, **kwargs)
     finally:
-        for m in modules.values():
-            del m._pf_path
+        _untag(modules)
     frontend.add_lifted(modules)
+    cls = type(base.__name__, (base,), {"_pf_base": base, "_pf_rules": rules, "_pf_seen": frontend.seen,
+                                         "_pf_matched": frontend.matched,
+                                         method: _core.adapted_method(getattr(base, method), lambda self: _Nnx())})
+    cls.__qualname__ = base.__qualname__
     for _, m in nnx.iter_modules(adapted):
         if not getattr(m, "_pf_sites", ()):
             _core.restore_default_ops(m)
@@ -137,18 +148,24 @@ def _adapted_modules(nmodel):
     return [("/".join(str(p) for p in path), m) for path, m in nnx.iter_modules(nmodel) if getattr(m, "_pf_sites", ())]
 
 
+def _layer_axis(module, path: str, site):
+    """The layer axis of a site's weight and adapters on `module` (built by nnx.vmap), None where not stacked."""
+    return _stacked.site_axis(site, _shapes(module), weight_path(path, site.name))
+
+
 def merge(nmodel):
     base = getattr(type(nmodel), "_pf_base", None)
     if base is None:
         raise ValueError(f"expected a model from adapt.apply, got {type(nmodel).__name__}")
+    if not _adapted_modules(nmodel) and type(nmodel)._pf_seen:
+        raise ValueError(no_match(type(nmodel)._pf_rules, tuple(type(nmodel)._pf_seen.values())))
     merged = nnx.clone(nmodel)
     for path, m in _adapted_modules(merged):
         for site in m._pf_sites:
-            axis = _layer_axis(m, site, path)
-            adapters = {k: getattr(m, k)[...] for k in _core.adapter_shapes(site)}
+            axis = _layer_axis(m, path, site)
+            adapters = {k: getattr(m, k).get_value() for k in site.adapter_shapes()}
             w = getattr(m, site.name).get_value()
-            w = over_layers(lambda w, ad, site=site: _core.merged_weight(site, w, ad), axis, w, adapters)
-            setattr(m, site.name, nnx.Param(w))
+            setattr(m, site.name, nnx.Param(_stacked.merged(site, w, adapters, axis)))
             for k in adapters:
                 delattr(m, k)
         del m._pf_sites
@@ -162,6 +179,8 @@ def unused_rules(nmodel) -> list[Rule]:
     if rules is None:
         raise ValueError(f"expected a model from adapt.apply, got {type(nmodel).__name__}")
     used = {site.rule for _, m in _adapted_modules(nmodel) for site in m._pf_sites}
+    if not used:
+        warnings.warn(no_match(rules, tuple(type(nmodel)._pf_seen.values())), stacklevel=3)
     return [r for r in rules if r not in used]
 
 
@@ -169,10 +188,27 @@ def reset_magnitudes(nmodel) -> None:
     """DoRA magnitudes = ||W + s A B|| again, e.g. after loading other base weights with nnx.update."""
     for path, m in _adapted_modules(nmodel):
         for site in m._pf_sites:
-            if f"{site.name}_magnitude" in vars(m):
-                a, b = getattr(m, f"{site.name}_lora_a")[...], getattr(m, f"{site.name}_lora_b")[...]
-                w = getattr(m, site.name).get_value()
-                magnitude = over_layers(lambda w, a, b, site=site: _core.magnitude(site, w, a, b),
-                                        _layer_axis(m, site, path), w, a, b)
-                setattr(m, f"{site.name}_magnitude", nnx.LoRAParam(magnitude))
+            adapters = {k: getattr(m, k).get_value() for k in site.adapter_shapes()}
+            w = getattr(m, site.name).get_value()
+            for k, v in _stacked.refreshed(site, w, adapters, _layer_axis(m, path, site)).items():
+                setattr(m, k, nnx.LoRAParam(v))
+
+
+def inspect(model, rules, method: str, args, kwargs) -> tuple:
+    """The contractions of `model`'s method, run abstractly on a copy (no adapters created; `model` untouched)."""
+    graphdef, state = nnx.split(model)
+    frontend = _Nnx(rules, None, None, dry=True)
+
+    def run(state, args, kwargs):
+        m = nnx.merge(graphdef, state)
+        frontend.paths = _paths(m)
+        _tag_paths(m)
+        for _, sub in nnx.iter_modules(m):
+            _core.bind_default_ops(sub)
+        with _core.active(frontend):
+            getattr(type(m), method)(m, *args, **kwargs)
+
+    jax.eval_shape(run, state, args, kwargs)
+    adapted = {c.weight_path for c in frontend.seen.values() if c.action == "adapted"}
+    return tuple(frontend.seen.values()) + tuple(c for w, c in frontend.matched.items() if w not in adapted)
 

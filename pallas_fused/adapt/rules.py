@@ -1,5 +1,10 @@
 """The rules `adapt.apply` takes: which contractions of a model become LoRA, DoRA / QDoRA or FP8, and how.
 
+Each rule type is also the provider of its behaviour (the interception in `_core` asks, never checks the type):
+the adapter params it adds (`adapter_shapes`, `init_adapters`), the form its weight is stored in (`store`: QDoRA
+quantizes), the op it runs (`product`), the plain weight that computes the same (`merged`), and what must be
+recomputed when the base weight changes (`refreshed`: DoRA's magnitude). A new rule type is one class here.
+
 A rule's `module_path` is a regular expression matched with `re.fullmatch` against a module's path, the
 `/`-joined names of its params in the params tree (``model/layers/0/self_attn/q_proj`` in HF's Flax Llama), or
 against that path followed by ``/<weight name>`` (to pick one weight of a module that holds several). Rules are
@@ -11,11 +16,19 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
+from collections.abc import Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
-from pallas_fused.dora.flax import lora_scale
+from pallas_fused.adapt._layout import Layout, QuantizedWeight, weight_2d
+from pallas_fused.dora.api import dora_dense
+from pallas_fused.dora.flax import _merged, lora_scale
+from pallas_fused.dora.lora import lora_dense
+from pallas_fused.dora.quant import dequantize
+from pallas_fused.dora.reference import column_norm_reference
+from pallas_fused.fp8.api import fp8_linear
 from pallas_fused.fp8.config import Float8Config, as_config
 
 QUANTIZE = (None, "int8", "nf4")
@@ -45,6 +58,36 @@ class Rule:
         pattern = _compiled(self.module_path)
         return pattern.fullmatch(path) is not None or pattern.fullmatch(weight_path(path, weight)) is not None
 
+    # -- the provider: what the interception asks of a rule ------------------------------------------------------
+
+    def check(self, layout: Layout, where: str) -> None:
+        """A ValueError if the rule cannot adapt a weight contracted as `layout`."""
+
+    def adapter_shapes(self, name: str, layout: Layout) -> dict[str, tuple[int, ...]]:
+        """The adapter params the rule adds beside weight `name`, by name."""
+        return {}
+
+    def store(self, w, layout: Layout, where: str):
+        """The weight in the form the rule keeps it (`w` itself, or already in that form, is returned as is)."""
+        return w
+
+    def init_adapters(self, name: str, layout: Layout, stored, key) -> dict[str, jax.Array]:
+        """Fresh adapters for the stored weight, with which the adapted op computes what the original does."""
+        return {}
+
+    def product(self, x2, w2, stored, layout: Layout, adapters: Mapping[str, Any], name: str):
+        """The adapted (M, K) x (K, N) product: `w2` is the operand as (K, N) in the compute dtype, `stored` the
+        weight as stored."""
+        raise NotImplementedError
+
+    def merged(self, name: str, layout: Layout, stored, adapters: Mapping[str, Any]):
+        """The plain weight, in its stored shape and dtype, that computes what the adapted contraction does."""
+        return stored
+
+    def refreshed(self, name: str, layout: Layout, stored, adapters: Mapping[str, Any]) -> dict[str, jax.Array]:
+        """The adapters that derive from the base weight, recomputed after it changed (new pretrained weights)."""
+        return {}
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LoraRule(Rule):
@@ -67,6 +110,29 @@ class LoraRule(Rule):
     def scale(self) -> float:
         return lora_scale(self.rank, self.alpha, self.use_rslora)
 
+    def check(self, layout, where):
+        if self.rank > min(layout.k, layout.n):
+            raise ValueError(f"{self!r} at {where}: rank {self.rank} is larger than the layer, whose weight is "
+                             f"{layout.k} x {layout.n} (K x N); the rank must be at most {min(layout.k, layout.n)}")
+
+    def adapter_shapes(self, name, layout):
+        return {f"{name}_lora_a": (layout.k, self.rank), f"{name}_lora_b": (self.rank, layout.n)}
+
+    def init_adapters(self, name, layout, stored, key):
+        """A from `lora_a_init`, B = 0."""
+        a = self.lora_a_init(key, (layout.k, self.rank), stored.dtype)
+        return {f"{name}_lora_a": a, f"{name}_lora_b": jnp.zeros((self.rank, layout.n), stored.dtype)}
+
+    def product(self, x2, w2, stored, layout, adapters, name):
+        return lora_dense(x2, w2, adapters[f"{name}_lora_a"], adapters[f"{name}_lora_b"], None, scale=self.scale,
+                          implementation=self.implementation)
+
+    def merged(self, name, layout, stored, adapters):
+        a, b = adapters[f"{name}_lora_a"], adapters[f"{name}_lora_b"]
+        w2 = dequantize(weight_2d(layout, stored), jnp.float32) + self.scale * (
+            a.astype(jnp.float32) @ b.astype(jnp.float32))
+        return layout.from_2d(w2).astype(stored.dtype)
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DoraRule(LoraRule):
@@ -82,6 +148,36 @@ class DoraRule(LoraRule):
         super().__post_init__()
         if self.quantize not in QUANTIZE:
             raise ValueError(f"{self!r}: quantize must be None, 'int8' or 'nf4', got {self.quantize!r}")
+
+    def adapter_shapes(self, name, layout):
+        return {**super().adapter_shapes(name, layout), f"{name}_magnitude": (layout.n,)}
+
+    def store(self, w, layout, where):
+        if self.quantize is None or isinstance(w, QuantizedWeight):
+            return w
+        return QuantizedWeight.quantize(w, layout, self.quantize, where)
+
+    def init_adapters(self, name, layout, stored, key):
+        """A, B = 0 as LoRA's, the magnitude the column norm of W (the DoRA paper's starting point)."""
+        out = super().init_adapters(name, layout, stored, key)
+        return {**out, **self.refreshed(name, layout, stored, out)}
+
+    def product(self, x2, w2, stored, layout, adapters, name):
+        kernel = stored.kernel if isinstance(stored, QuantizedWeight) else w2  # QDoRA: the packed codes
+        return dora_dense(x2, kernel, adapters[f"{name}_lora_a"], adapters[f"{name}_lora_b"],
+                          adapters[f"{name}_magnitude"], None, scale=self.scale, exact_norm_grad=self.exact_norm_grad,
+                          implementation=self.implementation, save_merged=self.save_merged)
+
+    def merged(self, name, layout, stored, adapters):
+        w2 = _merged(weight_2d(layout, stored), adapters[f"{name}_lora_a"], adapters[f"{name}_lora_b"],
+                     adapters[f"{name}_magnitude"], None, self.scale)["kernel"]
+        return layout.from_2d(w2).astype(stored.dtype)
+
+    def refreshed(self, name, layout, stored, adapters):
+        """m = ||W + s A B|| per output feature, in the adapters' dtype."""
+        a, b = adapters[f"{name}_lora_a"], adapters[f"{name}_lora_b"]
+        m = column_norm_reference(weight_2d(layout, stored), a, b, self.scale, jnp.float32).astype(a.dtype)
+        return {f"{name}_magnitude": m}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -103,6 +199,9 @@ class Fp8Rule(Rule):
     @property
     def config(self) -> Float8Config:
         return as_config(self.recipe)
+
+    def product(self, x2, w2, stored, layout, adapters, name):
+        return fp8_linear(x2, w2, self.config, implementation=self.implementation)
 
 
 def weight_path(module_path: str, weight: str) -> str:
