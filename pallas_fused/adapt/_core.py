@@ -225,7 +225,12 @@ def intercept(frontend: Frontend, module, lhs, rhs, dimension_numbers, out_dtype
     rule = site.rule if site is not None else (first_match(frontend.rules, path, name) if frontend.rules else None)
     key = (path, name, str(dimension_numbers))
     if rule is None:
-        frontend.record(key, Contraction(path, name, stored_shape, None, None, None, "untouched", "no rule matches"))
+        try:
+            layout = split_operands(lhs, rhs, dimension_numbers, side, where, stored_shape, steps)[2]
+            k, n = layout.k, layout.n
+        except ValueError:  # batch dimensions: no (K, N) view
+            k = n = None
+        frontend.record(key, Contraction(path, name, stored_shape, k, n, None, "untouched", "no rule matches"))
         return None
     try:
         x, x_contract, layout = split_operands(lhs, rhs, dimension_numbers, side, where, stored_shape, steps)

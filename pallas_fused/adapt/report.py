@@ -45,13 +45,13 @@ class Inspection(tuple):
     def __str__(self) -> str:
         rows = [("path", "stored", "K x N", "rule", "action", "reason")]
         for c in self:
-            rows.append((c.weight_path, "" if c.stored_shape is None else str(tuple(c.stored_shape)),
+            rows.append((c.weight_path or "(root)", "" if c.stored_shape is None else str(tuple(c.stored_shape)),
                          "" if c.k is None else f"{c.k} x {c.n}",
                          "" if c.rule is None else f"{type(c.rule).__name__}({c.rule.module_path!r})",
                          c.action, c.reason))
         widths = [max(len(r[i]) for r in rows) for i in range(5)]
-        return "\n".join("  ".join(v.ljust(w) for v, w in zip(r[:5], widths)) + ("  " + r[5] if r[5] else "")
-                         for r in rows).rstrip()
+        return "\n".join(("  ".join(v.ljust(w) for v, w in zip(r[:5], widths)) + "  " + r[5]).rstrip()
+                         for r in rows)
 
     def __repr__(self) -> str:
         return f"Inspection({len(self)} contractions, {len(self.adapted)} adapted)"
