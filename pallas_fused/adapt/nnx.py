@@ -82,10 +82,12 @@ class _Nnx(_core.Frontend):
                 continue
             axis = _stacked.layer_axis(per_layer, _shapes(module), where)
             w = getattr(module, site.name).get_value()
+            if axis is not None:
+                one = jax.numpy.take(w, 0, axis=axis)
+                if site.rule.store(one, site.layout, where) is not one:  # kept in another form: quantized
+                    raise _stacked.refuse_quantized(where)
             stored = site.rule.store(w, site.layout, where)
             if stored is not w:
-                if axis is not None:
-                    raise _stacked.refuse_quantized(where)
                 setattr(module, site.name, nnx.Param(stored))
             for k, v in _stacked.new_adapters(site, stored, self.rngs.params(), axis).items():
                 setattr(module, k, nnx.LoRAParam(v))

@@ -47,10 +47,10 @@ def _randomized(params, seed: int = 7):
     keys = jax.random.split(jax.random.key(seed), len(leaves))
     out = []
     for (path, x), key in zip(leaves, keys):
-        name = str(getattr(path[-1], "key", path[-1]))
-        if name.endswith("_magnitude"):
+        name = jax.tree_util.keystr(path)  # an NNX state's leaf path ends in the variable's value
+        if "_magnitude" in name:
             x = x * (1.0 + 0.2 * jax.random.normal(key, x.shape, x.dtype))
-        elif name.endswith(("_lora_a", "_lora_b")):
+        elif "_lora_a" in name or "_lora_b" in name:
             x = 0.3 * jax.random.normal(key, x.shape, x.dtype)
         out.append(x)
     return jax.tree_util.tree_unflatten(treedef, out)
@@ -224,3 +224,24 @@ def test_layer_axis_is_the_one_that_fits_every_param():
         layer_axis({"w": (4, 8)}, {"w": (4, 4, 8)}, "m/w")
     with pytest.raises(ValueError, match="m/w: the stored params are not one layer's"):
         layer_axis(per_layer, {"w": (3, 4, 8, 16), "w_lora_a": (16, 2, 3), "b": (3, 16)}, "m/w")
+
+
+def test_qdora_on_layers_that_are_not_stacked():
+    """QDoRA where the layer is not stacked: an NNX layer under nnx.remat, and an NNX layer bridged into linen
+    (its quantized weight kept in the linen params, which ToLinen reads as the dequantized array)."""
+    ids, _ = token_batch()
+    rules = [adapt.DoraRule(module_path=ATTN, rank=2, quantize="int8")]
+    model = NnxDecoder(scan=False, remat=True, rngs=nnx.Rngs(0))
+    nmodel = adapt.apply(model, rules, ids, rngs=nnx.Rngs(1))
+    assert isinstance(nmodel.layers[0].q.kernel.get_value(), adapt.QuantizedWeight)
+    assert rel_err(nmodel(ids), model(ids)) < 3e-2  # int8's rounding of W
+    assert rel_err(adapt.merge(nmodel)(ids), nmodel(ids)) < 1e-5
+
+    bridged = BridgedDecoder(axis=None)
+    pretrained = bridged.init(jax.random.key(5), ids)["params"]
+    lmodel = adapt.apply(bridged, rules)
+    variables = adapt.from_pretrained(lmodel, lmodel.init(jax.random.key(0), ids), pretrained)
+    assert isinstance(variables["params"]["layers_0"]["nnx"]["q"]["kernel"], adapt.QuantizedWeight)
+    assert rel_err(lmodel.apply(variables, ids), bridged.apply({"params": pretrained}, ids)) < 3e-2
+    variables = {"params": _randomized(variables["params"])}
+    assert rel_err(bridged.apply(adapt.merge(lmodel, variables), ids), lmodel.apply(variables, ids)) < 1e-5
