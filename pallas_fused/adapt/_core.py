@@ -26,6 +26,7 @@ import functools
 import math
 import sys
 import threading
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -144,6 +145,7 @@ class Frontend:
     def __init__(self):
         self.seen: dict[tuple, Contraction] = {}
         self.matched: dict[str, Contraction] = {}
+        self.warned: set[str] = set()
 
     def path(self, module) -> str | None:
         """The module's path, or None for a module this front-end does not adapt."""
@@ -181,6 +183,24 @@ class Frontend:
 
     def record(self, key, contraction: Contraction) -> None:
         self.seen.setdefault(key, contraction)
+
+    def unreached(self) -> list[Contraction]:
+        """The weights a rule matches, in modules that ran contractions, that no contraction read as they are."""
+        adapted = {c.weight_path for c in self.seen.values() if c.action == "adapted"}
+        return [c for w, c in self.matched.items() if w not in adapted]
+
+    def warn_unreached(self) -> None:
+        """A warning, once per weight, for each matched weight no contraction read: it is not adapted."""
+        if self.dry:
+            return
+        new = [c for c in self.unreached() if c.weight_path not in self.warned]
+        if new:
+            self.warned.update(c.weight_path for c in new)
+            warnings.warn("adapt: weights a rule matches are read by no contraction as they are, and are not adapted:"
+                          "\n" + "\n".join(f"  {c.weight_path} ({type(c.rule).__name__}({c.rule.module_path!r}))"
+                                            for c in new)
+                          + "\n(a weight is followed through casts, transposes and reshapes only; adapt.inspect "
+                          "shows every contraction)", stacklevel=4)
 
 
 def _refuse(frontend, key, path, name, stored_shape, rule, reason):
@@ -518,7 +538,10 @@ def adapted_method(method, make_frontend):
 
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
-        with active(make_frontend(self)):
-            return method(self, *args, **kwargs)
+        frontend = make_frontend(self)
+        with active(frontend):
+            out = method(self, *args, **kwargs)
+        frontend.warn_unreached()
+        return out
 
     return wrapper

@@ -34,7 +34,7 @@ class _Linen(_core.Frontend):
     def __init__(self, cls):
         super().__init__()
         self.rules, self.dry = cls._pf_rules, cls._pf_dry
-        self.sites, self.seen, self.matched = cls._pf_sites, cls._pf_seen, cls._pf_matched
+        self.sites, self.seen, self.matched, self.warned = cls._pf_sites, cls._pf_seen, cls._pf_matched, cls._pf_warned
         self._bridges: dict[int, tuple[Any, _Store | None]] = {}
 
     def _store(self, module) -> _Store | None:
@@ -133,7 +133,7 @@ def _bridged(module) -> _Store | None:
 def apply(model: nn.Module, rules: tuple[Rule, ...], methods, dry: bool = False) -> nn.Module:
     base = getattr(type(model), "_pf_base", type(model))
     fields: dict[str, Any] = {"_pf_base": base, "_pf_rules": rules, "_pf_sites": {}, "_pf_seen": {},
-                              "_pf_matched": {}, "_pf_dry": dry}
+                              "_pf_matched": {}, "_pf_warned": set(), "_pf_dry": dry}
     for name in methods:
         method = getattr(base, name, None)
         if method is None:
@@ -300,6 +300,5 @@ def unused_rules(lmodel) -> list[Rule]:
 
 def report(lmodel) -> tuple:
     """The contractions met while tracing, then the matched weights no contraction reached."""
-    cls = type(lmodel)
-    adapted = {c.weight_path for c in cls._pf_seen.values() if c.action == "adapted"}
-    return tuple(cls._pf_seen.values()) + tuple(c for w, c in cls._pf_matched.items() if w not in adapted)
+    frontend = _Linen(type(lmodel))
+    return tuple(frontend.seen.values()) + tuple(frontend.unreached())

@@ -135,6 +135,7 @@ def apply(model, rules: tuple[Rule, ...], method: str, rngs, args, kwargs):
     finally:
         _untag(modules)
     frontend.add_lifted(modules)
+    frontend.warn_unreached()
     cls = type(base.__name__, (base,), {"_pf_base": base, "_pf_rules": rules, "_pf_seen": frontend.seen,
                                          "_pf_matched": frontend.matched,
                                          method: _core.adapted_method(getattr(base, method), lambda self: _Nnx())})
@@ -211,6 +212,5 @@ def inspect(model, rules, method: str, args, kwargs) -> tuple:
             getattr(type(m), method)(m, *args, **kwargs)
 
     jax.eval_shape(run, state, args, kwargs)
-    adapted = {c.weight_path for c in frontend.seen.values() if c.action == "adapted"}
-    return tuple(frontend.seen.values()) + tuple(c for w, c in frontend.matched.items() if w not in adapted)
+    return tuple(frontend.seen.values()) + tuple(frontend.unreached())
 
