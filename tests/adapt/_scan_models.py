@@ -76,15 +76,15 @@ class NnxLayer(nnx.Module):
 
 
 class NnxDecoder(nnx.Module):
-    """NNX decoder: `layers` one NnxLayer with every param stacked on axis 0 (built by `nnx.vmap`), run by
+    """NNX decoder: `layers` one NnxLayer with every param stacked on `axis` (built by `nnx.vmap`), run by
     `nnx.scan` where `scan`; else a list of layers, each under `nnx.remat` where `remat`."""
 
-    def __init__(self, *, scan: bool = True, remat: bool = False, rngs: nnx.Rngs):
-        self.scan, self.remat = scan, remat
+    def __init__(self, *, scan: bool = True, remat: bool = False, axis: int = 0, rngs: nnx.Rngs):
+        self.scan, self.remat, self.axis = scan, remat, axis
         self.embed = nnx.Embed(VOCAB, D, rngs=rngs)
         if scan:
             @nnx.split_rngs(splits=LAYERS)
-            @nnx.vmap(in_axes=(0,), out_axes=0)
+            @nnx.vmap(in_axes=(0,), out_axes=axis)
             def make(rngs):
                 return NnxLayer(rngs)
 
@@ -100,7 +100,7 @@ class NnxDecoder(nnx.Module):
             def body(x, layer):
                 return (nnx.remat(lambda l, x: l(x))(layer, x) if self.remat else layer(x)), None
 
-            x, _ = nnx.scan(body, in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0))(x, self.layers)
+            x, _ = nnx.scan(body, in_axes=(nnx.Carry, self.axis), out_axes=(nnx.Carry, 0))(x, self.layers)
         else:
             for layer in self.layers:
                 x = nnx.remat(lambda l, x: l(x))(layer, x) if self.remat else layer(x)

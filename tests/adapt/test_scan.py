@@ -1,6 +1,7 @@
 """pallas_fused.adapt on layers stacked by a lifted transform, rematerialized, or bridged from NNX into linen: our
 own small decoder (tests/adapt/_scan_models.py) under linen `nn.scan` (the params' layer axis at 0 and at 1) with
-`nn.remat` inside, NNX layers built by `nnx.vmap` and run by `nnx.scan`, NNX layers under `nnx.remat`, and NNX
+`nn.remat` inside, NNX layers built by `nnx.vmap` and run by `nnx.scan` (layer axis 0 and 1), NNX layers under
+`nnx.remat`, and NNX
 layers inside linen through `nnx.bridge.ToLinen`, unscanned and scanned.
 
 Adapters of a stacked weight are stacked along the weight's own layer axis: the per-layer (K, r), (r, N) and (N,)
@@ -143,6 +144,7 @@ def test_linen_qdora_under_scan_is_refused_with_the_path():
 NNX = {
     "vmap_scan": (dict(scan=True), 0),
     "vmap_scan_remat": (dict(scan=True, remat=True), 0),
+    "vmap_scan_axis1": (dict(scan=True, axis=1), 1),
     "remat": (dict(scan=False, remat=True), None),
 }
 
@@ -169,11 +171,11 @@ def test_nnx_stacked_layers_adapt_and_merge(case):
     assert layer.q.kernel_magnitude[...].shape == _stacked((D,), axis)
     assert layer.o_lora_a[...].shape == _stacked((D, 2), axis) and layer.o_lora_b[...].shape == _stacked((2, D), axis)
     assert layer.up.kernel_lora_b[...].shape == _stacked((3, FF), axis)
-    w = np.asarray(layer.v.kernel[...]).reshape(_stacked((D, D), axis))
-    np.testing.assert_allclose(np.asarray(layer.v.kernel_magnitude[...]), np.linalg.norm(w, axis=-2), rtol=1e-5)
-    if axis is not None:  # each layer's A drawn on its own
-        a = np.asarray(layer.q.kernel_lora_a[...])
-        assert not np.allclose(a[0], a[1])
+    w, m, a = (np.asarray(v[...]) for v in (layer.v.kernel, layer.v.kernel_magnitude, layer.q.kernel_lora_a))
+    if axis is not None:  # layers first
+        w, m, a = np.moveaxis(w, axis, 0), np.moveaxis(m, axis, 0), np.moveaxis(a, axis, 0)
+        assert not np.allclose(a[0], a[1])  # each layer's A drawn on its own
+    np.testing.assert_allclose(m, np.linalg.norm(w.reshape(w.shape[:-3] + (D, D)), axis=-2), rtol=1e-5)
     paths = {"/".join(map(str, p)) for p, _ in nnx.to_flat_state(nnx.state(nmodel, nnx.LoRAParam))}
     prefix = "layers" if axis is not None else "layers/1"
     assert f"{prefix}/q/kernel_lora_a" in paths and f"{prefix}/o_magnitude" in paths
