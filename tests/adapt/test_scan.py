@@ -1,8 +1,7 @@
 """pallas_fused.adapt on layers stacked by a lifted transform, rematerialized, or bridged from NNX into linen: our
 own small decoder (tests/adapt/_scan_models.py) under linen `nn.scan` (the params' layer axis at 0 and at 1) with
 `nn.remat` inside, NNX layers built by `nnx.vmap` and run by `nnx.scan` (layer axis 0 and 1), NNX layers under
-`nnx.remat`, and NNX
-layers inside linen through `nnx.bridge.ToLinen`, unscanned and scanned.
+`nnx.remat`, and NNX layers inside linen through `nnx.bridge.ToLinen`, unscanned and scanned.
 
 Adapters of a stacked weight are stacked along the weight's own layer axis: the per-layer (K, r), (r, N) and (N,)
 with the layer count L inserted at the index the layer axis has in the weight (axis 1: (K, L, r), (r, L, N),
