@@ -185,9 +185,10 @@ class Frontend:
         self.seen.setdefault(key, contraction)
 
     def unreached(self) -> list[Contraction]:
-        """The weights a rule matches, in modules that ran contractions, that no contraction read as they are."""
-        adapted = {c.weight_path for c in self.seen.values() if c.action == "adapted"}
-        return [c for w, c in self.matched.items() if w not in adapted]
+        """The weights a rule matches, in modules that ran contractions but had none adapted, that no contraction
+        read as they are (a module with an adapted weight beside, say, a bias is as the rule meant)."""
+        adapted = {c.path for c in self.seen.values() if c.action == "adapted"}
+        return [c for c in self.matched.values() if c.path not in adapted]
 
     def warn_unreached(self) -> None:
         """A warning, once per weight, for each matched weight no contraction read: it is not adapted."""
