@@ -48,8 +48,10 @@ def over_layers(fn, axis, *args, in_axes=None):
 
 
 def site_axis(site, shapes: Mapping[str, tuple[int, ...]], where: str):
-    """The layer axis of a site's weight and adapters, whose stored shapes are `shapes` (by name)."""
-    return layer_axis({site.name: site.layout.stored, **site.adapter_shapes()}, shapes, where)
+    """The layer axis of a site's weight and adapters, whose stored shapes are `shapes` (by name); None for a rule
+    without adapters (FP8), which keeps its weight as it is."""
+    adapters = site.adapter_shapes()
+    return layer_axis({site.name: site.layout.stored, **adapters}, shapes, where) if adapters else None
 
 
 def merged(site, stored, adapters, axis):

@@ -235,3 +235,22 @@ def test_qdora_on_layers_that_are_not_stacked():
     assert rel_err(lmodel.apply(variables, ids), bridged.apply({"params": pretrained}, ids)) < 3e-2
     variables = {"params": _randomized(variables["params"])}
     assert rel_err(bridged.apply(adapt.merge(lmodel, variables), ids), lmodel.apply(variables, ids)) < 1e-5
+
+
+def test_fp8_on_stacked_layers():
+    """An Fp8Rule on stacked layers: FP8's rounding only, no params added, merge leaves the weights as they are."""
+    ids, _ = token_batch()
+    rules = [adapt.Fp8Rule(module_path=MLP, recipe="rowwise")]
+    model = LinenDecoder(axis=1)
+    pretrained = model.init(jax.random.key(5), ids)["params"]
+    lmodel = adapt.apply(model, rules)
+    variables = adapt.from_pretrained(lmodel, lmodel.init(jax.random.key(0), ids), pretrained)
+    assert jax.tree.map(jnp.shape, variables["params"]) == jax.tree.map(jnp.shape, pretrained)
+    assert 0 < rel_err(lmodel.apply(variables, ids), model.apply({"params": pretrained}, ids)) < 0.1
+    assert jax.tree.map(jnp.shape, adapt.merge(lmodel, variables)["params"]) == jax.tree.map(jnp.shape, pretrained)
+
+    nnx_model = NnxDecoder(rngs=nnx.Rngs(0))
+    nmodel = adapt.apply(nnx_model, rules, ids, rngs=nnx.Rngs(1))
+    assert adapt.unused_rules(nmodel) == []
+    assert 0 < rel_err(nmodel(ids), nnx_model(ids)) < 0.1
+    assert rel_err(adapt.merge(nmodel)(ids), nnx_model(ids)) < 1e-6
