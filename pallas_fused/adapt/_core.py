@@ -33,6 +33,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from pallas_fused.adapt import _layout
@@ -532,6 +533,19 @@ def restore_default_ops(module) -> None:
     for attr, original, ours in _DEFAULT_OPS:
         if getattr(module, attr, None) is ours:
             setattr(module, attr, original)
+
+
+def eval_abstract(fn, *trees) -> None:
+    """`fn(*trees)` under `jax.eval_shape` with the arrays of `trees` abstract and their other leaves (a flag such
+    as ``deterministic=True``) as they are: nothing is computed or allocated."""
+    leaves, treedef = jax.tree_util.tree_flatten(trees)
+    is_array = [isinstance(x, (jax.Array, np.ndarray)) for x in leaves]
+
+    def run(arrays):
+        it = iter(arrays)
+        fn(*jax.tree_util.tree_unflatten(treedef, [next(it) if a else x for x, a in zip(leaves, is_array)]))
+
+    jax.eval_shape(run, [x for x, a in zip(leaves, is_array) if a])
 
 
 def adapted_method(method, make_frontend):

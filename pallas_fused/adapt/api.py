@@ -10,6 +10,7 @@ import jax
 import optax
 from flax import nnx
 
+from pallas_fused.adapt import _core
 from pallas_fused.adapt import linen as _linen
 from pallas_fused.adapt import nnx as _nnx
 from pallas_fused.adapt.report import Inspection
@@ -73,7 +74,7 @@ def inspect(model, rules: Rule | Sequence[Rule], *inputs, method: str = "__call_
     if isinstance(model, nn.Module):
         lmodel = _linen.apply(model, rules, (method,), dry=True)
         keys = {"params": jax.random.key(0), "dropout": jax.random.key(1)}
-        jax.eval_shape(lambda a, k: lmodel.init(keys, *a, method=method, **k), inputs, kwargs)
+        _core.eval_abstract(lambda a, k: lmodel.init(keys, *a, method=method, **k), inputs, kwargs)
         return Inspection(_linen.report(lmodel))
     if isinstance(model, nnx.Module):
         return Inspection(_nnx.inspect(model, rules, method, inputs, kwargs))

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import warnings
 
-import jax
 from flax import nnx
 
 from pallas_fused.adapt import _core, _stacked
@@ -211,6 +210,6 @@ def inspect(model, rules, method: str, args, kwargs) -> tuple:
         with _core.active(frontend):
             getattr(type(m), method)(m, *args, **kwargs)
 
-    jax.eval_shape(run, state, args, kwargs)
+    _core.eval_abstract(run, state, args, kwargs)
     return tuple(frontend.seen.values()) + tuple(frontend.unreached())
 

@@ -37,9 +37,9 @@ class Conv1D(nn.Module):
 
 class Gpt2Block(nn.Module):
     @nn.compact
-    def __call__(self, x):
+    def __call__(self, x, deterministic: bool = True):
         q, k, v = jnp.split(Conv1D(3 * D, name="c_attn")(x), 3, axis=-1)      # non-square
-        att = jax.nn.softmax(jnp.einsum("btd,bsd->bts", q, k) / 4.0)
+        att = nn.Dropout(0.1, deterministic=deterministic)(jax.nn.softmax(jnp.einsum("btd,bsd->bts", q, k) / 4.0))
         x = x + Conv1D(D, name="c_proj")(jnp.einsum("bts,bsd->btd", att, v))   # square
         return x + Conv1D(D, name="mlp_proj")(jax.nn.gelu(Conv1D(4 * D, name="c_fc")(x)))
 
@@ -263,7 +263,7 @@ def test_inspect_leaves_models_untouched_and_prints_a_table():
     model = Gpt2Block()
     rules = [adapt.DoraRule(module_path="c_attn", rank=4), adapt.Fp8Rule(module_path="c_fc"),
              adapt.LoraRule(module_path="c_proj", rank=64)]
-    report = adapt.inspect(model, rules, x)
+    report = adapt.inspect(model, rules, x, deterministic=True)  # a flag stays a Python value
     assert isinstance(report, adapt.Inspection) and all(isinstance(c, adapt.Contraction) for c in report)
     by_path = {c.weight_path: c for c in report}
     assert by_path["c_attn/kernel"] == adapt.Contraction("c_attn", "kernel", (3 * D, D), D, 3 * D, rules[0],
