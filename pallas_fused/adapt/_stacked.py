@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import jax
+import jax.numpy as jnp
 
 
 def layer_axis(per_layer: Mapping[str, tuple[int, ...]], stored: Mapping[str, tuple[int, ...]], where: str):
@@ -72,6 +73,15 @@ def new_adapters(site, stored, key, axis):
     if axis is None:
         return init(stored, key)
     return over_layers(init, axis, stored, jax.random.split(key, stored.shape[axis]), in_axes=(axis, 0))
+
+
+def check_storable(site, stored, axis, where: str) -> None:
+    """A ValueError where the rule keeps a stacked weight in another form than the array (QDoRA: quantized)."""
+    if axis is None:
+        return
+    one = jnp.take(stored, 0, axis=axis)
+    if site.rule.store(one, site.layout, where) is not one:
+        raise refuse_quantized(where)
 
 
 def refuse_quantized(where: str) -> ValueError:

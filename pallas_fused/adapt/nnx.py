@@ -81,10 +81,7 @@ class _Nnx(_core.Frontend):
                 continue
             axis = _stacked.layer_axis(per_layer, _shapes(module), where)
             w = getattr(module, site.name).get_value()
-            if axis is not None:
-                one = jax.numpy.take(w, 0, axis=axis)
-                if site.rule.store(one, site.layout, where) is not one:  # kept in another form: quantized
-                    raise _stacked.refuse_quantized(where)
+            _stacked.check_storable(site, w, axis, where)
             stored = site.rule.store(w, site.layout, where)
             if stored is not w:
                 setattr(module, site.name, nnx.Param(stored))
