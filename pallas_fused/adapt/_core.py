@@ -177,6 +177,11 @@ class Frontend:
     def rng(self, module):
         raise NotImplementedError
 
+    def defers(self, module) -> bool:
+        """Whether `module`'s variables are created later, outside the lifted transform it runs in (NNX's apply
+        meets copies of modules inside nnx.scan / nnx.vmap / nnx.remat): its contraction runs as it is."""
+        return False
+
     def record(self, key, contraction: Contraction) -> None:
         self.seen.setdefault(key, contraction)
 
@@ -266,7 +271,7 @@ def intercept(frontend: Frontend, module, lhs, rhs, dimension_numbers, out_dtype
     if site is None:
         site = Site(name, rule, layout)
         frontend.add_site(module, where, site)
-    if frontend.dry:
+    if frontend.dry or frontend.defers(module):
         return None
     stored, adapters = _variables(frontend, module, site, where)
     w2 = layout.operand_2d(rhs if side == "rhs" else lhs)
@@ -479,6 +484,7 @@ def active(frontend: Frontend):
             jnp.einsum = einsum
             for primitive, step_of in _FOLLOWED.items():
                 primitive.bind = _followed_bind(primitive, step_of)
+            _constructor_defaults(ours=True)
         _patch_depth[0] += 1
     saved = _frontend()
     owns_lineage = _layout.current_lineage() is None
@@ -498,10 +504,21 @@ def active(frontend: Frontend):
                 jnp.einsum = _JAX_EINSUM
                 for primitive in _FOLLOWED:
                     del primitive.bind
+                _constructor_defaults(ours=False)
 
 
 # nnx.Linear and nnx.Einsum keep jax's function from their constructor's default: (attribute, jax's, ours).
 _DEFAULT_OPS = (("dot_general", _JAX_DOT_GENERAL, dot_general), ("einsum_op", _JAX_EINSUM, einsum))
+
+
+def _constructor_defaults(ours: bool) -> None:
+    """nnx.Linear / nnx.Einsum built while an adapted model runs (an NNX module inside linen through
+    nnx.bridge.ToLinen is built on every call) get ours as their default op, or jax's again."""
+    for cls in (nnx.Linear, nnx.Einsum):
+        defaults = cls.__init__.__kwdefaults__
+        for attr, original, mine in _DEFAULT_OPS:
+            if defaults.get(attr) is (original if ours else mine):
+                defaults[attr] = mine if ours else original
 
 
 def bind_default_ops(module) -> None:

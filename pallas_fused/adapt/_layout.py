@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 from flax.core import meta
 
+from pallas_fused.adapt._stacked import refuse_quantized
 from pallas_fused.dora.quant import dequantize, quantize_int8, quantize_nf4
 
 _QUANTIZERS = {"int8": quantize_int8, "nf4": quantize_nf4}
@@ -224,13 +225,12 @@ class QuantizedWeight(meta.AxisMetadata):
     def replace_boxed(self, val):
         raise ValueError("a QuantizedWeight (QDoRA's frozen weight) cannot be replaced by a transformed value")
 
+    # a lifted transform stacking the params of the module that holds it (nn.scan, nn.vmap)
     def add_axis(self, index, params):
-        raise ValueError("a QuantizedWeight (QDoRA's frozen weight) cannot be used under a lifted transform "
-                         "that adds an axis (nn.scan, nn.vmap)")
+        raise refuse_quantized(self.where)
 
     def remove_axis(self, index, params):
-        raise ValueError("a QuantizedWeight (QDoRA's frozen weight) cannot be used under a lifted transform "
-                         "that removes an axis (nn.scan, nn.vmap)")
+        raise refuse_quantized(self.where)
 
 
 def weight_2d(layout: Layout, w):

@@ -7,6 +7,8 @@ kept on the adapted class, where `from_pretrained`, `merge` and `unused_rules` r
 
 from __future__ import annotations
 
+import functools
+import sys
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -14,16 +16,18 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from flax import nnx
 from flax.core import meta
 
-from pallas_fused.adapt import _core
+from pallas_fused.adapt import _core, _stacked
 from pallas_fused.adapt.report import no_match
 from pallas_fused.adapt.rules import Rule
 
 
 class _Linen(_core.Frontend):
     """linen's answers: a module's path is its scope's, its params its "params" collection; the sites, and the
-    contractions met, are kept on the adapted class."""
+    contractions met, are kept on the adapted class. An NNX module that linen runs through `nnx.bridge.ToLinen`
+    is answered for too: its params are a sub-tree of the ToLinen module's (`_Store`)."""
 
     hint = "use the variables of lmodel.init, or adapt.from_pretrained(lmodel, variables, pretrained)"
 
@@ -31,11 +35,28 @@ class _Linen(_core.Frontend):
         super().__init__()
         self.rules, self.dry = cls._pf_rules, cls._pf_dry
         self.sites, self.seen, self.matched, self.warned = cls._pf_sites, cls._pf_seen, cls._pf_matched, cls._pf_warned
+        self._bridges: dict[int, tuple[Any, _Store | None]] = {}
+
+    def _store(self, module) -> _Store | None:
+        if isinstance(module, nn.Module):
+            return _Store(module, ())
+        if not isinstance(module, nnx.Module):
+            return None
+        entry = self._bridges.get(id(module))
+        if entry is not None and entry[0] is module:
+            return entry[1]
+        store = _bridged(module)
+        if store is not None:  # not yet found while its parent's constructor runs (ToLinen builds it)
+            self._bridges[id(module)] = (module, store)
+        return store
 
     def path(self, module):
-        return "/".join(module.scope.path) if isinstance(module, nn.Module) else None
+        store = self._store(module)
+        return None if store is None else "/".join(store.module.scope.path + store.sub)
 
     def params(self, module):
+        if isinstance(module, nnx.Module):  # what the bridged module's code reads: its own variables
+            return {k: v.get_value() for k, v in vars(module).items() if isinstance(v, nnx.Param)}
         return {k: v if isinstance(v, _core.QuantizedWeight) else meta.unbox(v)
                 for k, v in module.variables.get("params", {}).items() if not isinstance(v, Mapping)}
 
@@ -46,20 +67,67 @@ class _Linen(_core.Frontend):
         self.sites[where] = site
 
     def get(self, module, name):
-        w = module.get_variable("params", name)
+        w = self._store(module).get(name)
         return w if isinstance(w, _core.QuantizedWeight) else meta.unbox(w)
 
     def put(self, module, name, value, adapter):
-        module.put_variable("params", name, value)
+        self._store(module).put(name, value)
 
     def has(self, module, name):
-        return module.has_variable("params", name)
+        return self._store(module).has(name)
 
     def can_create(self, module):
-        return module.is_mutable_collection("params")
+        return self._store(module).module.is_mutable_collection("params")
 
     def rng(self, module):
-        return module.make_rng("params")
+        return self._store(module).module.make_rng("params")
+
+
+class _Store:
+    """Where a module's params live: a linen module's own, or, for an NNX module run by linen through
+    `nnx.bridge.ToLinen`, the sub-tree at `sub` (the NNX module's path) of the ToLinen module's params."""
+
+    def __init__(self, module: nn.Module, sub: tuple[str, ...]):
+        self.module, self.sub = module, sub
+
+    def _node(self):
+        node = self.module.get_variable("params", self.sub[0], {})
+        for part in self.sub[1:]:
+            node = node.get(part, {})
+        return node
+
+    def has(self, name: str) -> bool:
+        return self.module.has_variable("params", name) if not self.sub else name in self._node()
+
+    def get(self, name: str):
+        return self.module.get_variable("params", name) if not self.sub else self._node()[name]
+
+    def put(self, name: str, value) -> None:
+        if not self.sub:
+            self.module.put_variable("params", name, value)
+            return
+        top = _copy(self.module.get_variable("params", self.sub[0]))
+        node = top
+        for part in self.sub[1:]:
+            node = node[part]
+        node[name] = value
+        self.module.put_variable("params", self.sub[0], top)
+
+
+def _bridged(module) -> _Store | None:
+    """Where the params of NNX `module` are when linen runs it through `nnx.bridge.ToLinen`: the linen module
+    nearest on the call stack (ToLinen, which keeps its NNX module's state as its own params, by the NNX paths),
+    under the path of `module` in the outermost NNX module running between the two; None elsewhere."""
+    root, frame = module, sys._getframe(1)
+    while frame is not None:
+        owner = frame.f_locals.get("self")
+        if isinstance(owner, nnx.Module):
+            root = owner
+        elif isinstance(owner, nn.Module) and owner.scope is not None:
+            sub = next((p for p, m in nnx.iter_modules(root) if m is module), None)
+            return None if sub is None else _Store(owner, tuple(str(p) for p in sub))
+        frame = frame.f_back
+    return None
 
 
 def apply(model: nn.Module, rules: tuple[Rule, ...], methods, dry: bool = False) -> nn.Module:
@@ -75,13 +143,29 @@ def apply(model: nn.Module, rules: tuple[Rule, ...], methods, dry: bool = False)
         # inner method keeps the interception inside that scope
         while hasattr(method, "method_handler_wrapped"):
             method, wrapped = method.__wrapped__, True
-        method = _core.adapted_method(method, lambda self: _Linen(type(self)))
+        method = _quiet_bridge(_core.adapted_method(method, lambda self: _Linen(type(self))))
         fields[name] = nn.module.wrap_method_once(method) if wrapped else method
     cls = type(base.__name__, (base,), fields)
     cls.__qualname__ = base.__qualname__
     adapted = model.clone()
     object.__setattr__(adapted, "__class__", cls)
     return adapted
+
+
+def _quiet_bridge(method):
+    """`method` without nnx.bridge.ToLinen's warning that its params hold paths its NNX module lacks, where those
+    are adapters only (they sit beside the bridged weights, and are read from the params, not the NNX module)."""
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=_BRIDGE_WARNING)
+            return method(self, *args, **kwargs)
+
+    return wrapper
+
+
+_BRIDGE_WARNING = r"Found unknown module paths in incoming state:(\n  - \S*(_lora_a|_lora_b|_magnitude))+\Z"
 
 
 def _sites(lmodel) -> dict[str, _core.Site]:
@@ -146,8 +230,15 @@ def from_pretrained(lmodel, variables, pretrained):
                          f"{' ...' if len(missing) > 5 else ''} (the adapted model's params other than adapters)")
     for where, site in sites.items():
         node, name = _module(out, where)
-        node.update(site.refreshed(node[name], {k: node[k] for k in site.adapter_shapes()}))
+        node.update(_stacked.refreshed(site, node[name], {k: node[k] for k in site.adapter_shapes()},
+                                       _layer_axis(site, node, where)))
     return rebuild(out)
+
+
+def _layer_axis(site, node, where: str):
+    """The layer axis (a lifted transform's, nn.scan's) of a site's weight and adapters in `node`, its module's
+    params; None where they are not stacked."""
+    return _stacked.site_axis(site, {k: tuple(v.shape) for k, v in node.items() if not isinstance(v, Mapping)}, where)
 
 
 def _flatten(tree, prefix="") -> dict[str, Any]:
@@ -192,8 +283,9 @@ def merge(lmodel, variables):
     out = _copy(params)
     for where, site in sites.items():
         node, name = _module(out, where)
+        axis = _layer_axis(site, node, where)
         adapters = {k: node.pop(k) for k in site.adapter_shapes()}
-        node[name] = site.merged(node[name], adapters)
+        node[name] = _stacked.merged(site, node[name], adapters, axis)
     return rebuild(out)
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+import optax
 import pytest
 from flax import nnx
 
@@ -128,3 +130,21 @@ class EinsumNet(nnx.Module):
         for block in self.blocks:
             x = block(x)
         return x
+
+
+def nnx_adapter_steps(nmodel, loss_fn, steps: int, lr: float) -> list[float]:
+    """The losses of `steps` jitted Adam steps on an adapted NNX model's adapters (nnx.LoRAParam) alone, checking
+    that the rest of its state is unchanged bit for bit."""
+    frozen = jax.tree.leaves(nnx.state(nmodel, nnx.Not(nnx.LoRAParam)))
+    opt = nnx.Optimizer(nmodel, optax.adam(lr), wrt=nnx.LoRAParam)
+
+    @nnx.jit
+    def step(m, opt):
+        loss, grads = nnx.value_and_grad(loss_fn, argnums=nnx.DiffState(0, nnx.LoRAParam))(m)
+        opt.update(m, grads)
+        return loss
+
+    losses = [float(step(nmodel, opt)) for _ in range(steps)]
+    for a, b in zip(frozen, jax.tree.leaves(nnx.state(nmodel, nnx.Not(nnx.LoRAParam)))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    return losses
