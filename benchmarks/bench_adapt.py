@@ -1,6 +1,7 @@
 """Adoption without a rewrite, timed as a user trains: HF transformers' Flax Llama, or with ADAPT_ARCH=gemma_mqa a
-Gemma-shaped model with one key-value head (linen, random weights from a config, bf16) with adapters on every block projection, one jitted training step of the adapters alone (Adam,
-donated state), each candidate in turn in one process:
+Gemma-shaped model with one key-value head (linen, random weights from a config, bf16) with adapters on every block
+projection, one jitted training step of the adapters alone (Adam, donated state), each candidate in turn in one
+process:
 
     adapt:dora / adapt:lora / adapt:qdora_nf4   pallas_fused.adapt.apply(model, [DoraRule(...)]) etc.
     dropin:dora / dropin:lora                   the same model with DoRADense / LoRADense written in place of its
@@ -65,8 +66,9 @@ def hf_module(cfg):
 def dropin(cfg, kind: str):
     """HF's Llama with `kind`'s drop-in written in place of each block projection's nn.Dense (the module-level
     `nn` its source names, swapped for one whose Dense is the drop-in; the LM head, vocab wide, stays nn.Dense)."""
-    import flax.linen as nn
     import importlib
+
+    import flax.linen as nn
 
     src = importlib.import_module(f"transformers.models.{cfg.model_type}.modeling_flax_{cfg.model_type}")
 
