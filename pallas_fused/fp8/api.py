@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -245,11 +246,11 @@ def _sm90_tile(m, n, k, num_sms: int | None = None, pingpong: bool = True):
         small_fits = [c for c in (small, alone(small)) if fits(c)]
         if small_fits:
             return small_fits[0]
-    pingpong = table.get("tall_pingpong") if pingpong else None  # the tuner times the cooperative tile too
-    if m >= n and pingpong and (k <= pingpong["max_k"] or m >= pingpong.get("long_k_min_m", math.inf)):
+    tall = table.get("tall_pingpong") if pingpong else None  # the tuner times the cooperative tile too
+    if m >= n and tall and (k <= tall["max_k"] or m >= tall.get("long_k_min_m", math.inf)):
         # Short K leaves the cooperative tile's epilogue a large share of each tile's time; the ping-pong
         # schedule hides it behind the other warpgroup's main loop. It walks the grid as the large tile would.
-        config = kernel_sm90.TileConfig(**pingpong["tile"], grid_minor_dim=chosen.grid_minor_dim,
+        config = kernel_sm90.TileConfig(**tall["tile"], grid_minor_dim=chosen.grid_minor_dim,
                                   grid_tile_width=chosen.grid_tile_width)
         if fits(config):
             return config
@@ -403,8 +404,10 @@ def gemm_candidates(key: str) -> dict[str, dict]:
     else `sm90_config`'s tile), then the other of the two, the cooperative tile where the rule's is a ping-pong one,
     and the ping-pong tiles; each once."""
     m, k, n, _, out_dtype, _ = _parse_gemm_key(key)
-    sm90 = {"impl": "pallas:sm90", "tile": dataclasses.asdict(sm90_config(m, n, k, out_dtype=out_dtype))}
-    found = {"xla": {"impl": "xla"}, "sm90": sm90} if cublas_wins(m, n, k) else {"sm90": sm90, "xla": {"impl": "xla"}}
+    tile = dataclasses.asdict(sm90_config(m, n, k, out_dtype=out_dtype))
+    sm90: dict[str, Any] = {"impl": "pallas:sm90", "tile": tile}
+    xla = {"impl": "xla"}
+    found: dict[str, dict] = {"xla": xla, "sm90": sm90} if cublas_wins(m, n, k) else {"sm90": sm90, "xla": xla}
     others = {"sm90_cooperative": _sm90_tile(m, n, k, pingpong=False), **pingpong_tiles(m, n, k)}
     for name, tile in others.items():
         config = {"impl": "pallas:sm90", "tile": dataclasses.asdict(_fit_stages(tile, out_dtype))}

@@ -62,7 +62,8 @@ def _chunk_grads(hidden2, weight, labels, lse, coefs, start, lo, plan: _Plan):
     chunk."""
     cfg, width = plan.cfg, plan.width
     span = jnp.stack([jnp.asarray(start, jnp.int32), jnp.asarray(lo, jnp.int32)])
-    du = _kernel.logits_grad_pallas(hidden2, weight, labels, lse, *coefs, span, width=width, layout=cfg.layout,
+    a, b, c = coefs
+    du = _kernel.logits_grad_pallas(hidden2, weight, labels, lse, a, b, c, span, width=width, layout=cfg.layout,
                                     cap=cfg.logit_soft_cap, interpret=plan.interpret, config=plan.bwd)
     w = _weight_chunk(weight, start, width, cfg.layout)
     # dh sums over every chunk: float32 out, added to a float32 total. A chunk's dW rows are complete after one
@@ -131,7 +132,7 @@ def _is_array(x) -> bool:
 
 
 def _real(name: str, value, lo: float = 0.0, below: float | None = None):
-    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value) and value >= lo
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value) and float(value) >= lo
     if not ok or (below is not None and value >= below):
         rng = f"in [{lo}, {below})" if below is not None else f">= {lo}"
         raise ValueError(f"{name}: expected a finite Python number {rng}, got {value!r}")

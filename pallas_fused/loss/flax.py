@@ -77,10 +77,13 @@ class NNXLinearCrossEntropy(nnx.Module):
                  param_dtype: Any = jnp.float32, kernel_init: Any = nnx_default_kernel_init, ignore_index: int = -100,
                  z_loss: float = 0.0, label_smoothing: float = 0.0, reduction: str = "mean",
                  logit_soft_cap: float | None = None, implementation: str | None = None, rngs: nnx.Rngs | None = None):
-        if not tied and rngs is None:
-            raise ValueError("rngs: NNXLinearCrossEntropy needs rngs to initialise its kernel (or tied=True)")
         self.tied = tied
-        self.kernel = None if tied else nnx.Param(kernel_init(rngs.params(), (in_features, vocab_size), param_dtype))
+        if tied:
+            self.kernel = None
+        elif rngs is None:
+            raise ValueError("rngs: NNXLinearCrossEntropy needs rngs to initialise its kernel (or tied=True)")
+        else:
+            self.kernel = nnx.Param(kernel_init(rngs.params(), (in_features, vocab_size), param_dtype))
         self.dtype, self.ignore_index, self.z_loss = dtype, ignore_index, z_loss
         self.label_smoothing, self.reduction, self.logit_soft_cap = label_smoothing, reduction, logit_soft_cap
         self.implementation = implementation
