@@ -11,8 +11,8 @@ from pallas_fused.dora.config import (
     NormConfig,
     NormTiles,
 )
-from pallas_fused.dora.fp8_base import dora_fp8_dense, lora_fp8_dense
 from pallas_fused.dora.flax import DoRADense, DoRALinear, LoRADense, dense_to_dora_params, lora_scale, merge
+from pallas_fused.dora.fp8_base import dora_fp8_dense, lora_fp8_dense
 from pallas_fused.dora.lora import lora_dense, lora_dense_reference
 from pallas_fused.dora.quant import (
     Fp8Kernel,
