@@ -4,6 +4,8 @@ projection, one jitted training step of the adapters alone (Adam, donated state)
 process:
 
     adapt:dora / adapt:lora / adapt:qdora_nf4   pallas_fused.adapt.apply(model, [DoraRule(...)]) etc.
+    adapt:dora_fp8 / adapt:lora_fp8             the same over an FP8 base (base_fp8="rowwise"; "_tensorwise": that
+                                                recipe): the frozen weights stored as e4m3 codes, their GEMMs in FP8
     dropin:dora / dropin:lora                   the same model with DoRADense / LoRADense written in place of its
                                                 projections' nn.Dense (the hand-rewritten model)
     peer:qwix_lora / peer:qwix_qlora_nf4        qwix.apply_lora_to_model(model, LoraProvider(...)) (QLoRA: NF4,
@@ -29,6 +31,7 @@ import optax
 from benchmarks.common import Recorder, error_text
 from benchmarks.trace import trace_kernels
 from pallas_fused import adapt
+from pallas_fused.dora import Fp8Kernel
 
 RANK, ALPHA = 16, 32.0
 PROJ = r".*/(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
@@ -94,8 +97,17 @@ def dropin(cfg, kind: str):
 
 
 def _bf16(tree):
-    return jax.tree_util.tree_map(lambda x: x.astype(jnp.bfloat16) if jnp.issubdtype(x.dtype, jnp.floating) else x,
-                                  tree)
+    """The floating-point params in bf16; an FP8 base as it was quantized (e4m3 codes, float32 scales)."""
+    def cast(x):
+        if _fp8_base(x) or not jnp.issubdtype(x.dtype, jnp.floating):
+            return x
+        return x.astype(jnp.bfloat16)
+
+    return jax.tree_util.tree_map(cast, tree, is_leaf=_fp8_base)
+
+
+def _fp8_base(x) -> bool:
+    return isinstance(x, adapt.QuantizedWeight) and isinstance(x.kernel, Fp8Kernel)
 
 
 def _names_mask(params, suffixes):
@@ -218,6 +230,11 @@ def candidates(cfg, names, batch: int, seq: int, dims: tuple[int, int]):
         "peer:qwix_lora": qwix_lora,
         "adapt:qdora_nf4": lambda: adapted([adapt.DoraRule(module_path=PROJ, rank=RANK, alpha=ALPHA, quantize="nf4")]),
         "peer:qwix_qlora_nf4": lambda: qwix_lora(weight_qtype="nf4", tile_size=64),
+        **{f"adapt:{kind}_fp8{'' if recipe == 'rowwise' else '_' + recipe}":
+           functools.partial(lambda rule, recipe: adapted([rule(module_path=PROJ, rank=RANK, alpha=ALPHA,
+                                                                 base_fp8=recipe)]), rule, recipe)
+           for kind, rule in (("lora", adapt.LoraRule), ("dora", adapt.DoraRule))
+           for recipe in ("rowwise", "tensorwise")},
         "full": lambda: (lambda p: hf(base, p, everything(p)))(base.init(key, *batch_in)["params"]),
         "adapt:fp8_mlp_tensorwise": lambda: adapted([adapt.Fp8Rule(module_path=MLP, recipe="tensorwise")], everything),
         "adapt:fp8_mlp_rowwise": lambda: adapted([adapt.Fp8Rule(module_path=MLP, recipe="rowwise")], everything),
@@ -229,6 +246,11 @@ def candidates(cfg, names, batch: int, seq: int, dims: tuple[int, int]):
                                              suffixes=("lora_a", "lora_b")),
         "blocks:peer:qwix_lora": lambda: qwix_lora(DenseBlocks(dims), x0, lambda m: blocks_loss(m, tokens)),
         "blocks:full": lambda: blocks(),
+        **{f"blocks:adapt:{kind}_fp8{'' if recipe == 'rowwise' else '_' + recipe}":
+           functools.partial(lambda rule, recipe: blocks(rules=[rule(module_path=".*", rank=RANK, alpha=ALPHA,
+                                                                     base_fp8=recipe)]), rule, recipe)
+           for kind, rule in (("lora", adapt.LoraRule), ("dora", adapt.DoraRule))
+           for recipe in ("rowwise", "tensorwise")},
         "blocks:adapt:fp8_tensorwise": lambda: blocks(rules=[adapt.Fp8Rule(module_path=".*", recipe="tensorwise")],
                                                       trained=everything),
         "blocks:adapt:fp8_rowwise": lambda: blocks(rules=[adapt.Fp8Rule(module_path=".*", recipe="rowwise")],
@@ -238,12 +260,13 @@ def candidates(cfg, names, batch: int, seq: int, dims: tuple[int, int]):
         yield name, build[name]
 
 
+FP8_BASE = ["adapt:lora_fp8", "adapt:dora_fp8", "adapt:lora_fp8_tensorwise", "adapt:dora_fp8_tensorwise"]
 GROUPS = {
-    "adapters": ["adapt:dora", "dropin:dora", "adapt:lora", "dropin:lora", "peer:qwix_lora"],
+    "adapters": ["adapt:dora", "dropin:dora", "adapt:lora", "dropin:lora", "peer:qwix_lora", *FP8_BASE],
     "quantized": ["adapt:qdora_nf4", "peer:qwix_qlora_nf4"],
     "fp8": ["full", "adapt:fp8_mlp_tensorwise", "adapt:fp8_mlp_rowwise"],
     "blocks": ["blocks:adapt:dora", "blocks:dropin:dora", "blocks:adapt:lora", "blocks:dropin:lora",
-               "blocks:peer:qwix_lora", "blocks:full"],
+               "blocks:peer:qwix_lora", "blocks:full", *(f"blocks:{k}" for k in FP8_BASE)],
     "blocks_fp8": ["blocks:full", "blocks:adapt:fp8_tensorwise", "blocks:adapt:fp8_rowwise"],
 }
 

@@ -2,7 +2,7 @@
 
     from pallas_fused import adapt
 
-    rules = [adapt.DoraRule(module_path=r".*/(q_proj|v_proj)", rank=16, alpha=32.0),
+    rules = [adapt.DoraRule(module_path=r".*/(q_proj|v_proj)", rank=16, alpha=32.0),   # base_fp8="rowwise": FP8 base
              adapt.Fp8Rule(module_path=r".*/(up_proj|down_proj)", recipe="rowwise")]
     lmodel = adapt.apply(model, rules)                       # linen: a new Module, `model` untouched
     variables = lmodel.init(key, *inputs)
@@ -17,7 +17,8 @@
     merged = adapt.merge(nmodel)                             # a model of the original class
 
 The matched contractions (`jax.lax.dot_general`, and `jax.numpy.einsum` of two operands) run the library's own
-ops: `dora_dense`, `lora_dense`, `fp8_linear`. See docs/adapt.md.
+ops: `dora_dense`, `lora_dense`, `fp8_linear`, and over an FP8 base (``base_fp8=``) `dora_fp8_dense`,
+`lora_fp8_dense`. See docs/adapt.md.
 """
 
 from pallas_fused.adapt._layout import QuantizedWeight

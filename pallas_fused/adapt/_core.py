@@ -288,7 +288,7 @@ def _variables(frontend: Frontend, module, site: Site, where: str):
     if stored is not w:
         if not frontend.can_create(module):
             raise ValueError(f"adapt: {where}: {rule!r} keeps its weight in another form than the params hold "
-                             f"(QDoRA: quantized): {frontend.hint}")
+                             f"(QDoRA, an FP8 base: quantized): {frontend.hint}")
         frontend.put(module, site.name, stored, adapter=False)
     shapes = site.adapter_shapes()
     missing = [k for k in shapes if not frontend.has(module, k)]

@@ -1,7 +1,8 @@
 """How a weight is seen by its contraction, and where an operand comes from.
 
 `Layout`: the stored weight, the transposes and reshapes the model applies to it before the contraction, and that
-operand seen as a (K, N) matrix. `QuantizedWeight`: QDoRA's frozen weight, readable as the dequantized array.
+operand seen as a (K, N) matrix. `QuantizedWeight`: a frozen weight stored quantized (QDoRA's, or an FP8 base's),
+readable as the dequantized array.
 `Lineage`: while an adapted model runs, the casts, transposes and reshapes applied to params (and to their
 results), so that an operand is known to be a param by identity, never by its shape.
 """
@@ -18,9 +19,11 @@ import jax.numpy as jnp
 from flax.core import meta
 
 from pallas_fused.adapt._stacked import refuse_quantized
-from pallas_fused.dora.quant import dequantize, quantize_int8, quantize_nf4
+from pallas_fused.dora.quant import FP8_RECIPES, Fp8Kernel, dequantize, quantize_fp8, quantize_int8, quantize_nf4
 
-_QUANTIZERS = {"int8": quantize_int8, "nf4": quantize_nf4}
+# The formats a frozen weight is stored in: QDoRA's, and an FP8 base's ("fp8_<recipe>").
+_QUANTIZERS = {"int8": quantize_int8, "nf4": quantize_nf4,
+               **{f"fp8_{r}": lambda w, r=r: quantize_fp8(w, r) for r in FP8_RECIPES}}
 
 # A step from a stored weight towards an operand: ("transpose", permutation) or ("reshape", new shape). Casts are
 # not steps: the weight is the same values in another dtype.
@@ -157,11 +160,12 @@ _ARRAY_READS = frozenset({"mT", "sum", "mean", "max", "min", "prod", "std", "var
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class QuantizedWeight(meta.AxisMetadata):
-    """A frozen weight stored quantized (QDoRA): `kernel` is the (K, N) `Int8Kernel` / `NF4Kernel` of the weight
-    seen through `layout`. Read the way a model reads a weight (linen unboxes it; NNX's ``w[...]``, ``w.value``,
-    ``w.get_value()``, then ``.T``, ``.astype``, ``.reshape``, ``jnp.asarray``) it is the dequantized weight in its
-    stored shape and `dtype`: the model's own code runs unchanged, and the DoRA op reads the packed codes instead,
-    so the dequantized copy is dead code under jit. Any other read is a ValueError naming the weight (`where`)."""
+    """A frozen weight stored quantized (QDoRA, or an FP8 base): `kernel` is the (K, N) `Int8Kernel` /
+    `NF4Kernel` / `Fp8Kernel` of the weight seen through `layout`. Read the way a model reads a weight (linen
+    unboxes it; NNX's ``w[...]``, ``w.value``, ``w.get_value()``, then ``.T``, ``.astype``, ``.reshape``,
+    ``jnp.asarray``) it is the dequantized weight in its stored shape and `dtype`: the model's own code runs
+    unchanged, and the rule's op reads the codes instead, so the dequantized copy is dead code under jit. Any other
+    read is a ValueError naming the weight (`where`)."""
 
     kernel: Any
     layout: Layout = dataclasses.field(metadata=dict(static=True))
@@ -214,7 +218,8 @@ class QuantizedWeight(meta.AxisMetadata):
     def __getattr__(self, name):
         if name not in _ARRAY_READS:  # probes (hasattr) by jax and flax must see an AttributeError
             raise AttributeError(name)
-        raise ValueError(f"adapt: the QDoRA weight {self.where or '(quantized)'} was read as `.{name}`: a quantized "
+        kind = "FP8 base" if isinstance(self.kernel, Fp8Kernel) else "QDoRA weight"
+        raise ValueError(f"adapt: the {kind} {self.where or '(quantized)'} was read as `.{name}`: a quantized "
                          f"weight reads as an array through [...], .value / get_value(), .T, .transpose, .astype, "
                          f".reshape, jnp.asarray or .shape / .ndim / .dtype only")
 
@@ -223,7 +228,8 @@ class QuantizedWeight(meta.AxisMetadata):
         return self.dense()
 
     def replace_boxed(self, val):
-        raise ValueError("a QuantizedWeight (QDoRA's frozen weight) cannot be replaced by a transformed value")
+        raise ValueError("a QuantizedWeight (a frozen weight stored quantized) cannot be replaced by a transformed "
+                         "value")
 
     # a lifted transform stacking the params of the module that holds it (nn.scan, nn.vmap)
     def add_axis(self, index, params):

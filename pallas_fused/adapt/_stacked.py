@@ -76,7 +76,8 @@ def new_adapters(site, stored, key, axis):
 
 
 def check_storable(site, stored, axis, where: str) -> None:
-    """A ValueError where the rule keeps a stacked weight in another form than the array (QDoRA: quantized)."""
+    """A ValueError where the rule keeps a stacked weight in another form than the array (QDoRA, an FP8 base:
+    quantized)."""
     if axis is None:
         return
     one = jnp.take(stored, 0, axis=axis)
@@ -85,6 +86,7 @@ def check_storable(site, stored, axis, where: str) -> None:
 
 
 def refuse_quantized(where: str) -> ValueError:
-    return ValueError(f"adapt: at {where or 'a QDoRA weight'}, a rule with quantize= (QDoRA) matched a weight stacked "
-                      f"by a lifted transform (nn.scan / nn.vmap / nnx.vmap): QDoRA's quantized weight cannot be "
-                      f"stacked. Use the rule without quantize for stacked layers, or unroll them")
+    return ValueError(f"adapt: at {where or 'a quantized weight'}, a rule with quantize= (QDoRA) or base_fp8= matched "
+                      f"a weight stacked by a lifted transform (nn.scan / nn.vmap / nnx.vmap): a QDoRA or FP8 base's "
+                      f"quantized weight cannot be stacked. Use the rule without quantize / base_fp8 for stacked "
+                      f"layers, or unroll them")

@@ -47,7 +47,7 @@ class Inspection(tuple):
         for c in self:
             rows.append((c.weight_path or "(root)", "" if c.stored_shape is None else str(tuple(c.stored_shape)),
                          "" if c.k is None else f"{c.k} x {c.n}",
-                         "" if c.rule is None else f"{type(c.rule).__name__}({c.rule.module_path!r})",
+                         "" if c.rule is None else _rule(c.rule),
                          c.action, c.reason))
         widths = [max(len(r[i]) for r in rows) for i in range(5)]
         return "\n".join(("  ".join(v.ljust(w) for v, w in zip(r[:5], widths)) + "  " + r[5]).rstrip()
@@ -55,6 +55,13 @@ class Inspection(tuple):
 
     def __repr__(self) -> str:
         return f"Inspection({len(self)} contractions, {len(self.adapted)} adapted)"
+
+
+def _rule(rule: Rule) -> str:
+    """A rule as the table shows it: its type, its path and what it makes of a weight ("DoRA r16 over an FP8
+    rowwise base")."""
+    what = rule.describe()
+    return f"{type(rule).__name__}({rule.module_path!r})" + (f": {what}" if what else "")
 
 
 def no_match(rules, seen) -> str:

@@ -13,7 +13,7 @@ from pallas_fused import _backend, _sharding
 from pallas_fused.dora import kernel_columns, kernel_gemm, kernel_merge, kernel_norm, reference
 from pallas_fused.dora.config import DEFAULT, Config
 from pallas_fused.dora.kernel_util import pow2
-from pallas_fused.dora.quant import Int8Kernel, NF4Kernel, dequantize, is_quantized
+from pallas_fused.dora.quant import Fp8Kernel, Int8Kernel, NF4Kernel, dequantize, is_quantized
 
 # implementation="pallas:<variant>": which big GEMMs the Pallas path uses (the column norm and the backward column
 # reductions are Pallas in every variant). Plain "pallas" (and "interpret") takes `choose_variant`'s pick.
@@ -63,13 +63,19 @@ def choose_variant(kind: str, tokens: int, fin: int, fout: int, dtype, interpret
     return "epilogue" if merged_bytes > epilogue_bytes else "merged"
 
 
-def _check(x, kernel, lora_a, lora_b, magnitude, bias, scale, op="dora_dense"):
-    """Validate shapes/dtypes; returns (in_features, out_features, rank). magnitude=None: LoRA (none to check)."""
+def _check(x, kernel, lora_a, lora_b, magnitude, bias, scale, op="dora_dense", fp8_base=False):
+    """Validate shapes/dtypes; returns (in_features, out_features, rank). magnitude=None: LoRA (none to check).
+    `fp8_base`: the kernel must be an Fp8Kernel (and is refused otherwise)."""
     x_dtype = getattr(x, "dtype", None)
     if x_dtype is None or not jnp.issubdtype(x_dtype, jnp.floating):
         raise ValueError(f"{op}: x must be a floating-point array, got dtype {x_dtype}")
     if len(x.shape) < 1:
         raise ValueError(f"{op}: x must have at least one dimension (..., in_features)")
+    if isinstance(kernel, Fp8Kernel) != fp8_base:
+        raise ValueError(f"{op}: kernel must be an Fp8Kernel (pallas_fused.dora.quantize_fp8), got "
+                         f"{type(kernel).__name__}" if fp8_base else
+                         f"{op}: kernel is an Fp8Kernel (an FP8 base): use pallas_fused.dora."
+                         f"{'lora' if magnitude is None else 'dora'}_fp8_dense, whose base GEMMs run in FP8")
     if is_quantized(kernel):
         fin, fout = kernel.shape
     else:

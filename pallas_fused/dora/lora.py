@@ -18,6 +18,7 @@ from pallas_fused import _backend
 from pallas_fused.dora import kernel_sm90
 from pallas_fused.dora.api import _check, _pad_rank, _sm90_ok, _sm90_tuned
 from pallas_fused.dora.kernel_util import pow2
+from pallas_fused.dora.quant import is_quantized
 
 
 def lora_dense_reference(x, kernel, lora_a, lora_b, bias=None, *, scale):
@@ -97,8 +98,10 @@ def lora_dense(x, kernel, lora_a, lora_b, bias=None, *, scale, implementation: s
         otherwise: at 4096 -> 11008 r64 XLA's measured faster), "interpret"
         (the sm90 kernels in Mosaic GPU's interpret mode where jax has it (>= 0.12) and the shapes fit, else XLA).
     """
-    if jnp.ndim(kernel) != 2 or not jnp.issubdtype(getattr(kernel, "dtype", jnp.int32), jnp.floating):
-        raise ValueError(f"lora_dense: kernel must be a 2-D float (in, out) array, got shape {jnp.shape(kernel)} "
+    if is_quantized(kernel) or jnp.ndim(kernel) != 2 or not jnp.issubdtype(getattr(kernel, "dtype", jnp.int32),
+                                                                             jnp.floating):
+        raise ValueError(f"lora_dense: kernel must be a 2-D float (in, out) array (an FP8 base, an Fp8Kernel, takes "
+                         f"lora_fp8_dense), got {type(kernel).__name__} of shape {getattr(kernel, 'shape', None)} "
                          f"dtype {getattr(kernel, 'dtype', None)}")
     fin, fout, rank = _check(x, kernel, lora_a, lora_b, None, bias, scale, op="lora_dense")
     impl = _backend.resolve_implementation(implementation, op="lora_dense")

@@ -1,7 +1,10 @@
-"""QDoRA base-weight formats: int8 (per-output-channel scales) and NF4 (bitsandbytes codebook, blocks of 64).
+"""Frozen base-weight formats: int8 (per-output-channel scales) and NF4 (bitsandbytes codebook, blocks of 64) for
+QDoRA, and FP8 (e4m3 codes with one scale, or one per output feature) for a base whose GEMMs run in FP8.
 
-Both are pytrees that `dora_dense` accepts in place of the dense `kernel` (in, out). The kernels
-dequantise tiles of them in registers; `dequantize` here is the plain-jnp ground truth.
+Int8 and NF4 are pytrees that `dora_dense` accepts in place of the dense `kernel` (in, out). The kernels
+dequantise tiles of them in registers; `dequantize` here is the plain-jnp ground truth. `Fp8Kernel` is what
+`pallas_fused.fp8.frozen_fp8_matmul` multiplies by (LoRA / DoRA over an FP8 base: `dora.lora_fp8_dense`,
+`dora.dora_fp8_dense`).
 
 NF4 layout (ours, chosen so a GEMM tile never has to interleave nibbles): the input axis is padded to a
 multiple of 128 (`in_padded`), split in two halves, and byte `packed[i, j]` holds the code of row
@@ -72,6 +75,30 @@ class NF4Kernel:
         return (values * scale)[: self.in_features].astype(dtype)
 
 
+FP8_RECIPES = ("tensorwise", "rowwise")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Fp8Kernel:
+    """W ~= codes * scale: codes float8_e4m3fn (in, out); scale float32, one for the whole weight (shape ()) with
+    `recipe` "tensorwise", one per output feature (out,) with "rowwise" (torchao's recipe names: the weight's
+    operand in the forward GEMM, W^T, is scaled per row). One byte per weight element."""
+
+    codes: jax.Array
+    scale: jax.Array
+    recipe: str = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.codes.shape)
+
+    def dequantize(self, dtype=jnp.float32) -> jax.Array:
+        from pallas_fused.fp8 import reference as fp8_reference  # here: pallas_fused.fp8 imports this module
+
+        return fp8_reference.dequantize(self.codes, self.scale if self.scale.ndim == 0 else self.scale[None, :], dtype)
+
+
 def quantize_int8(kernel: jax.Array) -> Int8Kernel:
     """Symmetric int8 with one scale per output feature (column of the (in, out) kernel)."""
     w = jnp.asarray(kernel, jnp.float32)
@@ -102,8 +129,28 @@ def quantize_nf4(kernel: jax.Array) -> NF4Kernel:
     return NF4Kernel(packed=packed.astype(jnp.uint8), absmax=absmax, in_features=fin)
 
 
+def quantize_fp8(kernel: jax.Array, recipe: str = "rowwise") -> Fp8Kernel:
+    """e4m3 codes with one scale (`recipe` "tensorwise") or one per output feature ("rowwise", power-of-2 scales, as
+    torchao's rowwise recipe rounds them); the scales as `pallas_fused.fp8.quantize` takes them (amax over the finite
+    values, saturating cast)."""
+    if recipe not in FP8_RECIPES:
+        raise ValueError(f"quantize_fp8: recipe must be one of {FP8_RECIPES}, got {recipe!r}")
+    w = jnp.asarray(kernel)
+    if w.ndim != 2 or not jnp.issubdtype(w.dtype, jnp.floating):
+        raise ValueError(f"quantize_fp8: kernel must be a 2-D float (in, out) array, got shape {w.shape} "
+                         f"dtype {w.dtype}")
+    from pallas_fused.fp8 import reference as fp8_reference  # here: pallas_fused.fp8 imports this module
+
+    rowwise = recipe == "rowwise"
+    codes, scale = fp8_reference.quantize_reference(w, jnp.float8_e4m3fn, 0 if rowwise else None, rowwise)
+    # -0 codes become +0: a zero update (optax.set_to_zero on a frozen weight) then leaves every code's bits as
+    # they are (-0 + 0 is +0).
+    codes = jnp.where(codes == 0, jnp.zeros_like(codes), codes)
+    return Fp8Kernel(codes=codes, scale=scale.reshape(-1) if rowwise else scale, recipe=recipe)
+
+
 def is_quantized(kernel) -> bool:
-    return isinstance(kernel, (Int8Kernel, NF4Kernel))
+    return isinstance(kernel, (Int8Kernel, NF4Kernel, Fp8Kernel))
 
 
 def dequantize(kernel, dtype=jnp.float32) -> jax.Array:

@@ -4,6 +4,7 @@
 from pallas_fused.fp8.api import fp8_linear, quantize, scaled_matmul, scaled_matmul_nt
 from pallas_fused.fp8.config import RECIPES, CastConfig, Float8Config, GemmConfig
 from pallas_fused.fp8.flax import Float8Dense, Float8DotGeneral
+from pallas_fused.fp8.frozen import frozen_fp8_matmul
 
 __all__ = [
     "RECIPES",
@@ -13,6 +14,7 @@ __all__ = [
     "Float8DotGeneral",
     "GemmConfig",
     "fp8_linear",
+    "frozen_fp8_matmul",
     "quantize",
     "scaled_matmul",
     "scaled_matmul_nt",
