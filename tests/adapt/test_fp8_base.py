@@ -42,6 +42,7 @@ def _codes(params):
             if getattr(v, "dtype", None) == E4M3}
 
 
+@pytest.mark.slow  # an HF model: the floor leg only
 def test_linen_hf_llama_inits_trains_merges_and_reloads():
     module, pretrained, inputs, targets = hf_llama()
     lmodel = adapt.apply(module, LLAMA_RULES)

@@ -318,6 +318,7 @@ def test_optimizer_keeps_frozen_weights_bit_identical():
     assert "norm/scale" in _changed_leaves(masked, params)  # the pitfall the docs warn about
 
 
+@pytest.mark.slow  # an HF model: the floor leg only
 def test_hf_flax_gpt2():
     """HF transformers' Flax GPT-2 (c_attn, c_proj, c_fc stored (out, in), transposed before the dot)."""
     transformers = flax_transformers()

@@ -77,6 +77,7 @@ def test_nnx_tied_head_takes_an_embed_param():
         NNXLinearCrossEntropy(D, V)
 
 
+@pytest.mark.slow  # an HF model: the floor leg only
 def test_hf_flax_llama_recipe(kernel_impl):
     """HF's FlaxLlamaForCausalLM: the loss of its last hidden state against the `lm_head` kernel equals its own
     logits' loss, and the gradients of every param agree."""
