@@ -10,7 +10,8 @@
 What it does:
   1. pretraining: a Llama decoder (RMSNorm, rotary attention with grouped-query heads, SwiGLU) on the
      stdlib's library modules, with `galore_adamw` (GaLore on the block projections, fused AdamW on the
-     rest), rotary from `pallas_fused.rotary`, optionally FP8 block projections (`--fp8 <recipe>`);
+     rest), rotary from `pallas_fused.rotary`, optionally FP8 block projections (`--fp8 <recipe>`), and the
+     loss from `pallas_fused.loss` (the output head's logits never written; the report says what that saves);
   2. an orbax checkpoint of the pretrained params, restored (and checked bit-identical) for
   3. a DoRA fine-tune (`--dora-rank`) on a different slice of the corpus (the stdlib's test suites):
      the base weights frozen, only lora_a / lora_b / magnitude trained, with the fused AdamW; with
@@ -29,8 +30,9 @@ from every process, and process 0 alone prints and writes the report.
 
 `--compare` repeats the same run (same seed, same initial params, same batches in the same order) with the
 plain jnp / flax / optax baseline: implementation="xla" for every op, optax.contrib.galore and optax.adamw,
-nn.Dense without FP8. It prints both losses and the speed ratio, and plots both curves together. With
-`--quantize`, the baseline's fine-tune quantizes its base the same way, so the two differ in implementation only.
+nn.Dense without FP8, optax's cross-entropy on the materialized logits. It prints both losses and the speed
+ratio, and plots both curves together. With `--quantize`, the baseline's fine-tune quantizes its base the same
+way, so the two differ in implementation only.
 
 Attention is jax.nn.dot_product_attention, the same for both runs: `--attention xla|cudnn`, or by default cuDNN
 on a GPU where a probe (forward and backward on one sequence of the model's shapes and dtype) works, else XLA;
@@ -65,7 +67,7 @@ from llama import data, report  # noqa: E402
 from llama import distributed as dist  # noqa: E402
 from llama import mesh as mesh_lib  # noqa: E402
 from llama.model import Llama, ModelConfig, block_kernel_mask, count_params  # noqa: E402
-from llama.train import RunResult, train  # noqa: E402
+from llama.train import RunResult, loss_memory, train  # noqa: E402
 
 from pallas_fused import adapt  # noqa: E402
 
@@ -227,19 +229,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def model_config(s: dict, *, implementation, fp8=None, attention=None) -> ModelConfig:
+def model_config(s: dict, *, implementation, fp8=None, attention=None, fused_loss=False) -> ModelConfig:
     return ModelConfig(
         d_model=s["d_model"], n_layers=s["n_layers"], n_heads=s["n_heads"], n_kv_heads=s["n_kv_heads"],
         d_ff=s["d_ff"], dtype=jnp.dtype(s["dtype"]), implementation=implementation, fp8=fp8, attention=attention,
+        fused_loss=fused_loss,
     )
 
 
-def finetune_model(s: dict, *, implementation, quantize=None, attention=None):
+def finetune_model(s: dict, *, implementation, quantize=None, attention=None, fused_loss=False):
     """The pretrained model with DoRA on its block projections, applied by rule as to a model someone else wrote
     (`pallas_fused.adapt`); with `quantize` ("int8" / "nf4") their frozen kernels are stored quantized (QDoRA)."""
     rule = adapt.DoraRule(module_path=FINETUNE_PATHS, rank=s["dora_rank"], alpha=s["dora_alpha"], quantize=quantize,
                           implementation=implementation)
-    return adapt.apply(Llama(model_config(s, implementation=implementation, attention=attention)), [rule])
+    cfg = model_config(s, implementation=implementation, attention=attention, fused_loss=fused_loss)
+    return adapt.apply(Llama(cfg), [rule])
 
 
 def schedule(lr: float, warmup: int, steps: int):
@@ -387,7 +391,7 @@ def run_variant(name: str, args, s: dict, init_params, batches: dict) -> tuple[l
     # The same initial params for both variants, a fresh device copy for each: the train step donates them.
     params = jax.tree.map(jnp.copy, init_params)
     if s["steps"] > 0:
-        cfg = model_config(s, implementation=implementation, fp8=fp8, attention=args.attention)
+        cfg = model_config(s, implementation=implementation, fp8=fp8, attention=args.attention, fused_loss=not baseline)
         model = Llama(cfg)
         tx = pretrain_optimizer(s, params, baseline=baseline, implementation=implementation, projector=args.projector,
                                 inplace=not args.optax_path, optimizer=args.optimizer, state_bits=state_bits)
@@ -414,7 +418,8 @@ def run_variant(name: str, args, s: dict, init_params, batches: dict) -> tuple[l
         del params
 
     if s["finetune_steps"] > 0 and s["dora_rank"]:
-        ft_model = finetune_model(s, implementation=implementation, quantize=args.quantize, attention=args.attention)
+        ft_model = finetune_model(s, implementation=implementation, quantize=args.quantize, attention=args.attention,
+                                  fused_loss=not baseline)
         convert = jax.jit(lambda p, key: dora_params(ft_model, p, key))
         ft_params = convert(restored, jax.random.PRNGKey(args.seed + 1))
         del restored  # the full-precision params: with --quantize only the quantized base stays on the device
@@ -503,9 +508,10 @@ def main(argv=None) -> dict:
                         f"projector, refresh named by the loop), fused AdamW, DoRA by rule (adapt.DoraRule)"
                         f"{quantized}" + (
                             f", FP8 {args.fp8} block projections" if args.fp8
-                            else ", bf16/fp32 nn.Dense block projections"),
+                            else ", bf16/fp32 nn.Dense block projections") + ", fused linear cross-entropy loss",
         "baseline": "plain jnp/flax/optax: implementation='xla' for rotary, SwiGLU and DoRA" + quantized
-                    + ", nn.Embed, nn.RMSNorm, optax.contrib.galore (SVD projector), optax.adamw, nn.Dense",
+                    + ", nn.Embed, nn.RMSNorm, optax.contrib.galore (SVD projector), optax.adamw, nn.Dense, "
+                    "optax cross-entropy on the logits",
     }
     settings = {**s, "preset": args.preset, "variants": variants, "seed": args.seed,
                 "implementation": args.implementation, "fp8": args.fp8, "optax_path": args.optax_path,
@@ -516,13 +522,16 @@ def main(argv=None) -> dict:
                 "corpus_bytes": batches["bytes"], "num_params": count_params(init_params), "checks": checks}
     if not dist.is_main():
         return {"results": results, "checks": checks, "paths": None, "settings": settings}
+    # What the fused loss saves, measured at this run's shapes (one device's share of the batch).
+    settings["loss_memory"] = loss_memory(max(1, s["batch_size"] // jax.device_count()) * s["seq_len"],
+                                          s["d_model"], cfg.vocab_size, jnp.dtype(s["dtype"]), args.implementation)
     report_settings = {**settings, "checks": {name: {k: v for k, v in c.items() if k != "checkpoint_fingerprint"}
                                               for name, c in checks.items()}}
     paths = report.write(args.out, results, command=command, settings=report_settings, environment=env)
     print()
     print(report.table(results, settings, env.get("device")))
-    for line in report.comparison_lines(results):
-        print(line)
+    for line in report.comparison_lines(results) + report.loss_memory_lines(settings["loss_memory"]):
+        print(line.removeprefix("- "))
     for name, c in checks.items():
         print(f"{name}: checkpoint restored identical: {c.get('checkpoint_restored_identical')}; "
               f"fine-tune changed only adapters: {c.get('finetune_only_adapters_changed')}; "

@@ -1,7 +1,9 @@
 """A Llama-style decoder in Flax linen, built from pallas_fused's drop-ins.
 
 RMSNorm -> attention (rotary from `pallas_fused.rotary`, grouped-query heads) -> RMSNorm -> SwiGLU MLP,
-with residuals, then a final RMSNorm and an untied output head over the 256 byte values.
+with residuals, then a final RMSNorm and an untied output head over the 256 byte values. Given the labels, the
+model returns the mean loss; with `fused_loss` the head is `pallas_fused.loss.LinearCrossEntropy`, which never
+writes the logits (the same `head/kernel` param as the nn.Dense head, so params and checkpoints are shared).
 
 Every projection inside the blocks comes from one factory, `ModelConfig.dense(features, name)`, so a
 flag decides what a linear layer is without touching the model:
@@ -29,6 +31,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import optax
 from flax import traverse_util
 
 
@@ -45,6 +48,7 @@ class ModelConfig:
     implementation: str | None = None  # for every pallas_fused op
     fp8: str | None = None  # an FP8 recipe name for the block projections
     attention: str | None = None  # jax.nn.dot_product_attention's implementation (None: XLA)
+    fused_loss: bool = False  # the loss from pallas_fused.loss (False: logits, then optax's cross-entropy)
 
     def __post_init__(self):
         if self.d_model % self.n_heads:
@@ -118,12 +122,13 @@ class Block(nn.Module):
 
 
 class Llama(nn.Module):
-    """Byte-level decoder: int tokens (B, S) -> float32 logits (B, S, vocab)."""
+    """Byte-level decoder: int tokens (B, S) -> float32 logits (B, S, vocab); given `labels` (B, S), the mean
+    next-token cross-entropy instead."""
 
     config: ModelConfig
 
     @nn.compact
-    def __call__(self, tokens):
+    def __call__(self, tokens, labels=None):
         from pallas_fused.embed import Embed
 
         cfg = self.config
@@ -132,8 +137,15 @@ class Llama(nn.Module):
         for i in range(cfg.n_layers):
             x = Block(cfg, name=f"block_{i}")(x)
         x = cfg.norm("final_norm")(x)
-        logits = nn.Dense(cfg.vocab_size, use_bias=False, dtype=cfg.dtype, name="head")(x)
-        return logits.astype(jnp.float32)
+        if labels is not None and cfg.fused_loss:
+            from pallas_fused.loss import LinearCrossEntropy
+
+            return LinearCrossEntropy(cfg.vocab_size, dtype=cfg.dtype, implementation=cfg.implementation,
+                                      name="head")(x, labels)
+        logits = nn.Dense(cfg.vocab_size, use_bias=False, dtype=cfg.dtype, name="head")(x).astype(jnp.float32)
+        if labels is None:
+            return logits
+        return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 
 
 def count_params(params) -> int:

@@ -53,8 +53,29 @@ def merge_params(trainable, frozen):
 
 def loss_fn(model, params, batch):
     """Mean next-byte cross-entropy (nats per byte) of a (B, S + 1) token batch."""
-    logits = model.apply({"params": params}, batch[:, :-1])
-    return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+    return model.apply({"params": params}, batch[:, :-1], batch[:, 1:])
+
+
+def loss_memory(tokens: int, d_model: int, vocab: int, dtype, implementation=None) -> dict[str, int | None]:
+    """Bytes of temporaries XLA plans for the head and its loss, forward and backward, at `tokens` x `d_model`:
+    "fused" (pallas_fused.loss.linear_cross_entropy, which never writes the logits) and "materialized" (logits, then
+    optax's cross-entropy, as the baseline computes it); None where the backend gives no memory analysis."""
+    from pallas_fused.loss import linear_cross_entropy
+
+    def materialized(hidden, kernel, labels):
+        logits = (hidden @ kernel.astype(hidden.dtype)).astype(jnp.float32)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+    def fused(hidden, kernel, labels):
+        return linear_cross_entropy(hidden, kernel, labels, implementation=implementation)
+
+    args = (jax.ShapeDtypeStruct((tokens, d_model), dtype), jax.ShapeDtypeStruct((d_model, vocab), jnp.float32),
+            jax.ShapeDtypeStruct((tokens,), jnp.int32))
+    out = {}
+    for name, fn in (("fused", fused), ("materialized", materialized)):
+        analysis = jax.jit(jax.value_and_grad(fn, argnums=(0, 1))).lower(*args).compile().memory_analysis()
+        out[name] = None if analysis is None else int(analysis.temp_size_in_bytes)
+    return out
 
 
 def make_train_step(model, tx, state_sharding=None, batch_sharding=None):

@@ -252,3 +252,36 @@ def test_fp8_blockwise_flag(train_llama, tmp_path):
     for a, b in zip(jax.tree.leaves(g_fp8), jax.tree.leaves(g_ref)):  # e4m3's 3 mantissa bits, through the layer
         a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
         assert np.linalg.norm(a - b) <= 0.3 * np.linalg.norm(b) + 1e-6
+
+
+def test_fused_loss_head(train_llama):
+    """`fused_loss` (pallas_fused.loss as the head, the example's default for pallas_fused; the baseline keeps
+    nn.Dense and optax): the same param tree, and the loss and every gradient close to the logits path's. The
+    report's memory line compares the two at the run's shapes: the fused one plans fewer bytes."""
+    import jax
+    import jax.numpy as jnp
+    from llama.model import Llama
+    from llama.train import loss_fn, loss_memory
+
+    s = dict(train_llama.PRESETS["cpu"], d_model=32, n_layers=1, d_ff=64)
+    batch = jax.random.randint(jax.random.key(0), (2, 18), 0, 256)
+    models = {(impl, fused): Llama(train_llama.model_config(s, implementation=impl, fused_loss=fused))
+              for impl, fused in (("xla", False), ("xla", True), ("interpret", True))}
+    params = models["xla", False].init(jax.random.key(1), batch[:, :-1])["params"]
+    shapes = jax.eval_shape(models["interpret", True].init, jax.random.key(1), batch[:, :-1], batch[:, 1:])
+    assert jax.tree.structure(shapes["params"]) == jax.tree.structure(params)
+    logits = models["xla", False].apply({"params": params}, batch[:, :-1])  # no labels: the logits, as before
+    assert logits.shape == (2, 17, 256) and logits.dtype == jnp.float32
+
+    ref, g_ref = jax.value_and_grad(lambda p: loss_fn(models["xla", False], p, batch))(params)
+    assert 5.0 < float(ref) < 8.0  # about ln(256) = 5.5 at init, more with random logits
+    for key in (("xla", True), ("interpret", True)):
+        val, grads = jax.value_and_grad(lambda p, m=models[key]: loss_fn(m, p, batch))(params)
+        np.testing.assert_allclose(float(val), float(ref), rtol=1e-5)
+        for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(g_ref)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-3, atol=1e-6)
+
+    memory = loss_memory(4096, 64, 256, jnp.float32, "xla")
+    assert set(memory) == {"fused", "materialized"}
+    if memory["materialized"] is not None:  # a backend that plans its memory
+        assert memory["fused"] < memory["materialized"], memory
