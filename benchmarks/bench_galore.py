@@ -15,6 +15,7 @@ Cases (ANCHORS.md): fp32 W and G, TF32 allowed, non-refresh step, proj_type "std
                   side: smaller moments, a larger projector), i.e. the same work as the peer's row;
                   pallas:tx_host_refresh / pallas:inplace_host_refresh: the refresh schedule on the host
                   (`refresh=False` static between refreshes): no conditional, so no predicate read-back per step
+                  (section user_path_tree) the same on a whole 1B Llama's tree, 147 leaves, in one step
   xla             our plain-jnp reference step (donated), default precision (TF32)
   xla:g_copied    the same with G not donated (peers_jax.py's method: XLA returns G as a 2 x M N x 4 byte copy,
                   which ANCHORS.md's XLA and optax.contrib.galore figures include)
@@ -349,6 +350,18 @@ LLAMA7B_LAYER = {"q": (4096, 4096), "k": (4096, 4096), "v": (4096, 4096), "o": (
                  "gate": (4096, 11008), "up": (4096, 11008), "down": (11008, 4096)}
 
 
+def llama1b_tree() -> dict[str, tuple[int, ...]]:
+    """A Llama-3.2-1B-shaped params tree, flattened (16 layers of d 2048, 32 heads, 8 key-value heads of 64, SwiGLU
+    8192, vocab 128256, untied head): 147 leaves, the whole model a user hands to the optimizer, norms included."""
+    d, kv, ff, vocab = 2048, 512, 8192, 128256
+    tree: dict[str, tuple[int, ...]] = {"embed": (vocab, d), "final_norm": (d,), "lm_head": (d, vocab)}
+    for i in range(16):
+        tree.update({f"layers_{i}/{k}": s for k, s in {
+            "q": (d, d), "k": (d, kv), "v": (d, kv), "o": (d, d), "gate": (d, ff), "up": (d, ff), "down": (ff, d),
+            "attn_norm": (d,), "mlp_norm": (d,)}.items()})
+    return tree
+
+
 def _user_path_txs(r):
     """(row name, make the optimizer) for the user-path rows at rank r."""
     return [("pallas:tx", lambda: api.galore_adamw(LR, rank=r, update_proj_gap=10**9, scale=SCALE, eps=EPS)),
@@ -410,12 +423,14 @@ def probe_step(name, r, shape, dtype, *, impl, patch=None):
         return user_path_step(impl, txs[impl], {"w": shape}, dtype)
 
 
-def _user_path_rows(rec, case, shapes, r, dtype, quick, kw):
+def _user_path_rows(rec, case, shapes, r, dtype, quick, kw, only=None):
     """Each optimizer's donated `update -> apply_updates` step (or the in-place step) on params {name: shape}, the
     candidates timed in turn (`bench_carry_interleaved`: every step waits on the refresh predicate's read-back, so
     host latency is part of each time and must drift alike for all)."""
     steps = {}
     for impl, make in _user_path_txs(r):
+        if only is not None and impl not in only:
+            continue
         try:
             steps[impl] = (*user_path_step(impl, make, shapes, dtype), {})
         except Exception as e:  # noqa: BLE001
@@ -425,8 +440,14 @@ def _user_path_rows(rec, case, shapes, r, dtype, quick, kw):
 
 def _user_path_bytes(shapes, r, item):
     """The optax path's fewest bytes: read G, write the update, apply_updates reads it and p and writes p, plus the
-    low-rank state (fp32 moments in and out, the projector)."""
-    return sum(4 * m * n * item + (4 * min(m, n) * r + r * max(m, n)) * 4 for m, n in shapes.values())
+    low-rank state (fp32 moments in and out, the projector); a vector (a norm's scale) takes full-size Adam moments."""
+    def leaf(shape):
+        if len(shape) == 1:
+            return 4 * shape[0] * item + 4 * shape[0] * 4
+        m, n = shape
+        return 4 * m * n * item + (4 * min(m, n) * r + r * max(m, n)) * 4
+
+    return sum(leaf(s) for s in shapes.values())
 
 
 def user_path(rec, quick):
@@ -451,6 +472,20 @@ def user_path(rec, quick):
         shapes, r = {k: _d(*s) for k, s in LLAMA7B_LAYER.items()}, _r(128)
         _user_path_rows(rec, f"user path llama7b layer r{r} {jnp.dtype(dtype).name}", shapes, r, dtype, quick,
                         dict(nbytes=_user_path_bytes(shapes, r, jnp.dtype(dtype).itemsize)))
+
+
+TREE_TXS = ("pallas:tx", "pallas:tx_host_refresh", "pallas:inplace_api", "peer:optax_contrib_galore")
+
+
+def user_path_tree(rec, quick):
+    """The case users run: a whole 1B model's tree (`llama1b_tree`, 147 leaves) through one jitted step of each
+    optimizer in TREE_TXS, where a cost per leaf adds up 147 times. Its own section: each candidate compiles a
+    147-leaf program."""
+    for dtype in (jnp.float32, jnp.bfloat16):
+        shapes, r = {k: _d(*s) for k, s in llama1b_tree().items()}, _r(128)
+        _user_path_rows(rec, f"user path llama1b tree r{r} {jnp.dtype(dtype).name}", shapes, r, dtype, quick,
+                        dict(nbytes=_user_path_bytes(shapes, r, jnp.dtype(dtype).itemsize), leaves=len(shapes)),
+                        only=TREE_TXS)
 
 
 def refresh_cases(rec, quick):
@@ -559,7 +594,7 @@ def state_memory(rec, quick):
     print(f"  state: galore r128 {nbytes(galore) / 2**20:.1f} MiB vs adamw {nbytes(adamw) / 2**20:.1f} MiB")
 
 
-SECTIONS = ("user_path", "state_memory", "step_cases", "refresh_cases", "llama_layer", "tuning")
+SECTIONS = ("user_path", "user_path_tree", "state_memory", "step_cases", "refresh_cases", "llama_layer", "tuning")
 
 
 def run(rec, quick: bool):
