@@ -168,3 +168,20 @@ def test_version_parse():
     assert _jax_compat._parse_version("0.11.2") == (0, 11, 2)
     assert _jax_compat._parse_version("0.10.2.dev20260101") == (0, 10, 2)
     assert isinstance(_backend.JAX_011, bool)
+
+
+def test_backend_owns_nothing():
+    """`_backend` only re-exports (its docstring names each owner): a name defined there would be one the owning
+    module's own functions never see, and every name it imports is exported."""
+    import ast
+    from pathlib import Path
+
+    tree = ast.parse(Path(_backend.__file__).read_text())
+    imported = set()
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom):
+            imported.update(alias.asname or alias.name for alias in node.names)
+        else:
+            assert isinstance(node, ast.Expr | ast.Assign), ast.dump(node)[:80]  # the docstring, __all__
+            assert isinstance(node, ast.Expr) or [t.id for t in node.targets] == ["__all__"]
+    assert sorted(_backend.__all__) == sorted(imported)
