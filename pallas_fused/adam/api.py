@@ -459,7 +459,8 @@ def scale_by_adam(b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, mu_dtype=None, state
     writes the direction, m, v). Same numbers and hyperparameters as optax; state `FusedAdamState`.
 
     state_bits: None or 32 (moments in mu_dtype / the params' dtype) or 8 (blockwise 8-bit moments).
-    implementation: None (Pallas on a GPU, XLA elsewhere), "pallas", "xla" or "interpret".
+    implementation: None (Pallas on a GPU, XLA elsewhere), "pallas", "pallas:sm90" (its Mosaic GPU port, Hopper),
+        "xla" or "interpret".
     """
     return _fused(None, b1, b2, eps, eps_root, None, None, mu_dtype, state_bits, implementation)
 
