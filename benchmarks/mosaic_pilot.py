@@ -1,4 +1,4 @@
-"""The Mosaic GPU pilot: the in-place fp32 AdamW step on the Mosaic GPU backend ("pallas:mosaic") against the
+"""The Mosaic GPU pilot: the in-place fp32 AdamW step on the Mosaic GPU backend ("pallas:sm90") against the
 Triton kernel ("pallas"), XLA's fused step and a device-to-device copy, in one process.
 
 Bytes: the in-place step moves 28 bytes per parameter (reads p, g, m, v; writes p, m, v; fp32); the copy
@@ -94,8 +94,8 @@ def measure(quick: bool = False) -> list[dict]:
     case = f"{count / 1e6:.0f}M fp32 params, 4x{shapes[0]}"
     nbytes = FP32_BYTES * count
     jobs = [("pallas", "pallas", None, dataclasses.asdict(K.default_launch("fp32"))), ("xla", "xla", None, {}),
-            ("pallas:mosaic", "pallas:mosaic", None, dataclasses.asdict(KM.default_launch()))]
-    jobs += [(f"pallas:mosaic_b{b}s{s}c{c}", "pallas:mosaic", KM.MosaicLaunch(b, s, c),
+            ("pallas:sm90", "pallas:sm90", None, dataclasses.asdict(KM.default_launch()))]
+    jobs += [(f"pallas:sm90_b{b}s{s}c{c}", "pallas:sm90", KM.MosaicLaunch(b, s, c),
               dict(block=b, steps=s, concurrent=c)) for b, s, c in (MOSAIC_SWEEP[:2] if quick else MOSAIC_SWEEP)]
     best = {}
     for name, impl, launch, extra in jobs:

@@ -40,6 +40,8 @@ from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from pallas_fused import _devices
+
 SCHEMA = 1
 TUNING_DIR = Path(__file__).parent / "tuning"
 CACHE_ENV = "PALLAS_FUSED_TUNING_CACHE"
@@ -92,9 +94,7 @@ def describe(kind: str, compute_capability: tuple[int, int] | None = None, num_s
 
 def current_device() -> Device | None:
     """This process' GPU as a Device, the CPU's device kind without the rest where it has none."""
-    from pallas_fused import _backend
-
-    gpu = _backend.gpu_device()
+    gpu = _devices.gpu_device()
     if gpu is None:
         import jax
 

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_fused import _backend
+from pallas_fused import _backend, _devices, _jax_compat, _xla_workarounds
 from tests.helpers import assert_close, rand, rel_err
 
 
@@ -48,10 +48,11 @@ def test_xla_miscompile_warned_once_where_it_applies(monkeypatch, version, gpu, 
     """On a GPU with an affected jax and the pass not disabled, the first op resolved warns once per process,
     naming the flag that avoids the miscompile; the defaults stay the kernels (XLA gets the model around them
     wrong as much)."""
-    monkeypatch.setattr(_backend, "gpu_device", lambda: object() if gpu else None)
-    monkeypatch.setattr(_backend, "compute_capability", lambda: (9, 0) if gpu else None)
-    monkeypatch.setattr(_backend, "JAX_VERSION", version)
-    monkeypatch.setattr(_backend, "_warn_xla_miscompiles", functools.cache(_backend._warn_xla_miscompiles.__wrapped__))
+    monkeypatch.setattr(_devices, "gpu_device", lambda: object() if gpu else None)
+    monkeypatch.setattr(_devices, "compute_capability", lambda: (9, 0) if gpu else None)
+    monkeypatch.setattr(_jax_compat, "JAX_VERSION", version)
+    fresh = functools.cache(_xla_workarounds.warn_xla_miscompiles.__wrapped__)  # warns once per process: once here
+    monkeypatch.setattr(_xla_workarounds, "warn_xla_miscompiles", fresh)
     monkeypatch.setenv("XLA_FLAGS", flags)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
@@ -164,6 +165,23 @@ def test_helpers_reject_nan_and_wrong_values():
 
 
 def test_version_parse():
-    assert _backend._parse_version("0.11.2") == (0, 11, 2)
-    assert _backend._parse_version("0.10.2.dev20260101") == (0, 10, 2)
+    assert _jax_compat._parse_version("0.11.2") == (0, 11, 2)
+    assert _jax_compat._parse_version("0.10.2.dev20260101") == (0, 10, 2)
     assert isinstance(_backend.JAX_011, bool)
+
+
+def test_backend_owns_nothing():
+    """`_backend` only re-exports (its docstring names each owner): a name defined there would be one the owning
+    module's own functions never see, and every name it imports is exported."""
+    import ast
+    from pathlib import Path
+
+    tree = ast.parse(Path(_backend.__file__).read_text())
+    imported = set()
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom):
+            imported.update(alias.asname or alias.name for alias in node.names)
+        else:
+            assert isinstance(node, ast.Expr | ast.Assign), ast.dump(node)[:80]  # the docstring, __all__
+            assert isinstance(node, ast.Expr) or [t.id for t in node.targets] == ["__all__"]
+    assert sorted(_backend.__all__) == sorted(imported)

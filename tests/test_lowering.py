@@ -401,7 +401,7 @@ def _float_arrays(jaxpr, shape) -> list[str]:
     return found
 
 
-def test_adamw_mosaic(cc):
+def test_adamw_sm90(cc):
     from pallas_fused.optim import adamw, adamw_step
 
     if cc < (9, 0) or _backend.JAX_VERSION < (0, 11):
@@ -409,5 +409,9 @@ def test_adamw_mosaic(cc):
     params = {"w": rnd(0, (512, 1024))}
     grads = jax.tree.map(lambda p: p * 0.5, params)
     state = adamw(1e-3).init(params)
-    step = lambda p, g, s: adamw_step(p, g, s, learning_rate=1e-3, weight_decay=0.1, implementation="pallas:mosaic")
-    assert any(t in kernels(step, params, grads, state) for t in MOSAIC)
+    step = lambda p, g, s, impl="pallas:sm90": adamw_step(p, g, s, learning_rate=1e-3, weight_decay=0.1,
+                                                          implementation=impl)
+    found = kernels(step, params, grads, state)
+    assert any(t in found for t in MOSAIC)
+    with pytest.warns(DeprecationWarning, match="'pallas:sm90'"):  # its name in 0.2, for one more release
+        assert kernels(functools.partial(step, impl="pallas:mosaic"), params, grads, state) == found

@@ -20,8 +20,9 @@ Two ways to use it; both keep the same state (`FusedAdamState`) and give the sam
 Implementation: `implementation=None` on a GPU runs the Pallas kernel for 8-bit states and XLA's fused
 elementwise step for fp32/bf16 states, which ties the kernel in place and fuses with `apply_updates` on the
 composable path (see `_leaf_implementation`);
-`implementation="pallas"` forces the kernel; `"pallas:mosaic"` its Mosaic GPU port (fp32/bf16 states, jax >= 0.11,
-Hopper; see kernel_mosaic.py).
+`implementation="pallas"` forces the kernel; `"pallas:sm90"` its Mosaic GPU port (fp32/bf16 states, jax >= 0.11,
+Hopper; see kernel_mosaic.py), named as every op names its Mosaic GPU kernel. `"pallas:mosaic"`, its name in 0.2,
+still works for one release, with a DeprecationWarning.
 
 Low-bit states: `state_bits=8` stores both moments of every tensor of >= 4096 elements blockwise
 quantized (blocks of 256, a bitsandbytes-style dynamic map: signed for m, unsigned for v, per-block
@@ -155,12 +156,19 @@ def _check_hparams(learning_rate, b1, b2, eps, eps_root, weight_decay):
             raise ValueError(f"{name} must be {expected}, got {value}")
 
 
-# Variants of "pallas" that force one port of the kernel: the Mosaic GPU backend (fp32/bf16 states only).
-VARIANTS = {_backend.MOSAIC_VARIANT: _backend.MOSAIC}
+# Variants of "pallas" that force one port of the kernel: the Mosaic GPU backend (fp32/bf16 states only). Its
+# kernels use the API of jax >= 0.11: `plgpu.kernel` + `plgpu.emit_pipeline`, and refs (`jax.new_ref`) that the
+# kernel writes in place (how a `plgpu.kernel` aliases its inputs; `pl.pallas_call` no longer lowers to Mosaic GPU
+# there).
+SM90 = "pallas:sm90"
+VARIANTS = {SM90: _backend.Variant("the Mosaic GPU port of the Triton kernel", needs=(9, 0), min_jax=(0, 11),
+                                   interpretable=False)}
+# Its name in 0.2, accepted (with a DeprecationWarning) for the release that renames it, removed in the one after.
+RENAMED = {"pallas:mosaic": SM90}
 
 
 def _implementation(implementation) -> str:
-    return _backend.resolve_implementation(implementation, op="adam", variants=VARIANTS)
+    return _backend.resolve_implementation(implementation, op="adam", variants=VARIANTS, renamed=RENAMED)
 
 
 def _leaf_implementation(requested, mu) -> str:
@@ -244,7 +252,7 @@ def _leaf(grad, mu, nu, param, s, *, inplace: bool, implementation: str, u_dtype
         return (param if inplace else grad.astype(u_dtype or grad.dtype)), mu, nu
     u_dtype = None if inplace else (u_dtype or _update_dtype(grad, mu, nu, param))
     if isinstance(mu, QuantizedMoment):
-        if implementation == _backend.MOSAIC_VARIANT:
+        if implementation == SM90:
             raise ValueError(f"adam: implementation={implementation!r} steps fp32/bf16 states only (the 8-bit "
                              "kernel has no Mosaic GPU port yet); use 'pallas' for state_bits=8")
         if implementation == "xla":
@@ -260,7 +268,7 @@ def _leaf(grad, mu, nu, param, s, *, inplace: bool, implementation: str, u_dtype
     if implementation == "xla":  # elementwise on the tensor's own shape: XLA partitions it like any fusion
         return _ref.adam_leaf_reference(grad, mu, nu, s, param, inplace=inplace, u_dtype=u_dtype)
     return _fp32_sharded(grad, mu, nu, param, s, inplace=inplace, interpret=implementation == "interpret",
-                         u_dtype=u_dtype, mosaic=implementation == _backend.MOSAIC_VARIANT)
+                         u_dtype=u_dtype, mosaic=implementation == SM90)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -451,7 +459,8 @@ def scale_by_adam(b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, mu_dtype=None, state
     writes the direction, m, v). Same numbers and hyperparameters as optax; state `FusedAdamState`.
 
     state_bits: None or 32 (moments in mu_dtype / the params' dtype) or 8 (blockwise 8-bit moments).
-    implementation: None (Pallas on a GPU, XLA elsewhere), "pallas", "xla" or "interpret".
+    implementation: None (Pallas on a GPU, XLA elsewhere), "pallas", "pallas:sm90" (its Mosaic GPU port, Hopper),
+        "xla" or "interpret".
     """
     return _fused(None, b1, b2, eps, eps_root, None, None, mu_dtype, state_bits, implementation)
 

@@ -1,4 +1,4 @@
-"""The fused fp32/bf16-state Adam(W) step on Pallas' Mosaic GPU backend (`implementation="pallas:mosaic"`).
+"""The fused fp32/bf16-state Adam(W) step on Pallas' Mosaic GPU backend (`implementation="pallas:sm90"`).
 
 The pilot of moving the memory-bound kernels off the deprecated Triton backend (docs/triton_to_mosaic_gpu.md).
 Same operands, math (`reference.adam_math`) and results as `kernel.adam_fp32`; only the launch differs:
@@ -15,8 +15,8 @@ Same operands, math (`reference.adam_math`) and results as `kernel.adam_fp32`; o
   results afterwards: XLA (0.11.2, GPU) rejects a dynamic-update-slice into the output of this custom call
   ("DynamicSliceFusion: DUS target must be a fusion parameter").
 
-Needs jax >= 0.11 (`_backend.MOSAIC`, the variant's entry): `plgpu.kernel` taking refs (`jax.new_ref`) that it writes in
-place. Checked on an H200 with jax 0.11.2 against the reference (see tests/adam/test_mosaic.py).
+Needs jax >= 0.11 (the "pallas:sm90" entry of `api.VARIANTS`): `plgpu.kernel` taking refs (`jax.new_ref`) that it
+writes in place. Checked on an H200 with jax 0.11.2 against the reference (see tests/adam/test_mosaic.py).
 """
 
 from __future__ import annotations

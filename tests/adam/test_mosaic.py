@@ -1,7 +1,8 @@
-"""implementation="pallas:mosaic": the Adam step's Mosaic GPU port against the reference (GPU), and its clear
+"""implementation="pallas:sm90": the Adam step's Mosaic GPU port against the reference (GPU), and its clear
 refusal where it cannot run (CPU)."""
 
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -19,14 +20,39 @@ from tests.helpers import assert_all_written, rand, rel_err
 
 @pytest.mark.skipif(_backend.gpu_device() is not None, reason="checks the refusal without a GPU")
 def test_mosaic_refused_without_a_gpu():
-    with pytest.raises(_backend.ImplementationError, match="pallas:mosaic"):
-        A.adamw(1e-3, implementation="pallas:mosaic")
+    with pytest.raises(_backend.ImplementationError, match="pallas:sm90"):
+        A.adamw(1e-3, implementation="pallas:sm90")
     p = rand(0, (8, 16))
-    with pytest.raises(_backend.ImplementationError, match="pallas:mosaic"):
+    with pytest.raises(_backend.ImplementationError, match="pallas:sm90"):
         A.adam_leaf_update(p, p, *A.init_adam_leaf_state(p), jnp.int32(1), learning_rate=1e-3,
-                           implementation="pallas:mosaic")
-    with pytest.raises(ValueError, match="'pallas', 'xla', 'interpret', 'pallas:mosaic', got 'interpret:mosaic'"):
-        A.adamw(1e-3, implementation="interpret:mosaic")  # a Mosaic GPU kernel has no interpret form
+                           implementation="pallas:sm90")
+    with pytest.raises(ValueError, match="'pallas', 'xla', 'interpret', 'pallas:sm90', got 'interpret:sm90'"):
+        A.adamw(1e-3, implementation="interpret:sm90")  # a Mosaic GPU kernel has no interpret form
+
+
+def _outcome(implementation):
+    """What choosing `implementation` for adamw gives as for a Hopper GPU: the resolved name, or the refusal (jax
+    before 0.11 has no Mosaic GPU port)."""
+    with _backend.gpu_target((9, 0)):
+        try:
+            A.adamw(1e-3, implementation=implementation)
+            return A.api._implementation(implementation)
+        except _backend.ImplementationError as e:
+            return str(e)
+
+
+def test_mosaic_spelling_is_a_deprecated_alias():
+    """"pallas:mosaic", the variant's name in 0.2, still chooses the Mosaic GPU port, "pallas:sm90" as every op
+    names it, with a DeprecationWarning naming the new spelling at the caller's line; the new name warns nothing."""
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        new = _outcome("pallas:sm90")
+    assert not [w for w in seen if issubclass(w.category, DeprecationWarning)]
+    with pytest.warns(DeprecationWarning, match="adam: implementation='pallas:mosaic' is deprecated .* use "
+                                                "'pallas:sm90'") as seen:
+        old = _outcome("pallas:mosaic")
+    assert old == new and "pallas:sm90" in new
+    assert {w.filename for w in seen if issubclass(w.category, DeprecationWarning)} == {__file__}
 
 
 def _scalars(count=3, wd=0.05):
@@ -90,14 +116,14 @@ def test_mosaic_optax_and_inplace_match_optax():
     of 32k elements run the kernel, the small ones the reference) against optax.adamw."""
     params = api.mlp_params(hidden=4096)
     want, _, _ = api.train(optax.adamw(**api.HP), params, 100)
-    got, _, _ = api.train(A.adamw(**api.HP, implementation="pallas:mosaic"), params, 100)
+    got, _, _ = api.train(A.adamw(**api.HP, implementation="pallas:sm90"), params, 100)
     assert api.tree_rel_err(got, want) < 1e-4
     state = A.adamw(**api.HP).init(params)
 
     @functools.partial(jax.jit, donate_argnums=(0, 1))
     def step(params, state):
         grads = jax.grad(api.loss_fn)(params)
-        return A.adamw_step(params, grads, state, **api.HP, implementation="pallas:mosaic")
+        return A.adamw_step(params, grads, state, **api.HP, implementation="pallas:sm90")
 
     p2 = jax.tree.map(jnp.copy, params)
     for _ in range(100):
@@ -111,7 +137,7 @@ def test_mosaic_refuses_8bit_states():
     p = rand(0, (64, 128))
     with pytest.raises(ValueError, match="8-bit"):
         A.adam_leaf_update(p, p, *A.init_adam_leaf_state(p, state_bits=8), jnp.int32(1), learning_rate=1e-3,
-                           implementation="pallas:mosaic")
+                           implementation="pallas:sm90")
 
 
 def test_launch_shape_tiles_exactly():

@@ -143,10 +143,12 @@ HOST_STATE = {"time", "timeit", "random", "socket", "platform", "datetime", "get
 
 
 # The readers of the environment allowed: XLA_FLAGS, for whether to warn of an XLA miscompile the user has not
-# disabled (`_backend.XLA_GPU_MISCOMPILES`), which decides a warning, never what a program computes or how; and where
-# the tuning cache lives (`_tuning.cache_dir`), whose file every host of a job must hold alike (the tuner writes
-# process 0's results on every host), so the choice stays a function of shapes, dtypes, the device and that file.
-ENVIRONMENT_READERS = {("pallas_fused/_backend.py", "xla_disabled_passes"), ("pallas_fused/_tuning.py", "cache_dir")}
+# disabled (`_xla_workarounds.XLA_GPU_MISCOMPILES`), which decides a warning, never what a program computes or how;
+# and where the tuning cache lives (`_tuning.cache_dir`), whose file every host of a job must hold alike (the tuner
+# writes process 0's results on every host), so the choice stays a function of shapes, dtypes, the device and that
+# file.
+ENVIRONMENT_READERS = {("pallas_fused/_xla_workarounds.py", "xla_disabled_passes"),
+                       ("pallas_fused/_tuning.py", "cache_dir")}
 # The one place that measures: the tuner, which the user runs on purpose; what it measured reaches a program only
 # through the cache file above.
 MEASURES = "pallas_fused/tune/"

@@ -1,0 +1,71 @@
+"""Wrong results XLA's GPU compiler is known to give, and the warning that names the flag avoiding each.
+
+They hit the model around the kernels as much as the kernels, so no choice of implementation avoids them: the
+first op resolved on an affected GPU warns once per process (`_resolve.resolve_implementation`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import warnings
+
+import jax
+
+from pallas_fused import _devices, _jax_compat
+
+
+@dataclasses.dataclass(frozen=True)
+class XlaMiscompile:
+    """A wrong result XLA's GPU compiler gives from a jax version on (no upper bound until a fixed one is measured),
+    and the XLA pass whose disabling avoids it."""
+
+    since: tuple[int, ...]  # the first jax version measured wrong
+    disable_pass: str  # XLA_FLAGS=--xla_disable_hlo_passes=<this> avoids it
+    what: str  # one sentence: what comes out wrong, where it was measured
+
+    def describe(self) -> str:
+        return f"jax {jax.__version__}'s XLA on the GPU gets {self.what}"
+
+
+# On an H200 with jax 0.12.0.1, XLA's default options get the backward pass of grouped-query attention wrong (key
+# and value heads repeated over the query heads, as HF's Flax Llama does): a plain HF Llama's weight gradients came
+# out up to 111% away from the same model's on the CPU, in float32 at full precision as in bf16, with no
+# pallas_fused in it, and so do a LoRA model's adapter gradients, whichever implementation runs the adapters. With
+# the reduce-decomposer pass disabled they agree with the CPU as on jax 0.11.2 (to 0.0% in float32; 1.3% in bf16).
+# The reproducer is tests/adapt/_gqa_cotangent.py, the account docs/gpu_tests.md.
+XLA_GPU_MISCOMPILES = (
+    XlaMiscompile(since=(0, 12), disable_pass="reduce-decomposer",
+                  what="gradients through grouped-query attention (key-value heads repeated over the query heads) "
+                       "up to 150% off, in float32 too, with or without pallas_fused (docs/gpu_tests.md)"),
+)
+
+
+def xla_disabled_passes(xla_flags: str | None = None) -> frozenset[str]:
+    """The passes that `--xla_disable_hlo_passes=a,b` flags in XLA_FLAGS (or `xla_flags`) disable."""
+    flags = os.environ.get("XLA_FLAGS", "") if xla_flags is None else xla_flags
+    names = set()
+    for flag in flags.split():
+        key, _, value = flag.partition("=")
+        if key.lstrip("-") == "xla_disable_hlo_passes":
+            names.update(name for name in value.strip("'\"").split(",") if name)
+    return frozenset(names)
+
+
+def xla_gpu_miscompiles() -> tuple[XlaMiscompile, ...]:
+    """The entries of XLA_GPU_MISCOMPILES that apply to this process: a GPU present, the jax version affected,
+    the pass not disabled through XLA_FLAGS."""
+    if _devices.gpu_device() is None:
+        return ()
+    disabled, version = xla_disabled_passes(), _jax_compat.JAX_VERSION
+    return tuple(m for m in XLA_GPU_MISCOMPILES if version >= m.since and m.disable_pass not in disabled)
+
+
+@functools.cache
+def warn_xla_miscompiles() -> None:
+    """Warns of each XLA miscompile that applies here, naming the flag that avoids it, once per process (XLA reads
+    XLA_FLAGS once, when jax first uses a device)."""
+    for m in xla_gpu_miscompiles():
+        warnings.warn(f"{m.describe()}. Set XLA_FLAGS=--xla_disable_hlo_passes={m.disable_pass} before jax starts "
+                      f"to avoid it.", RuntimeWarning, stacklevel=4)
