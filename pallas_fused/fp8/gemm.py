@@ -17,7 +17,11 @@ tuner has something to time:
 Plain "pallas" picks among `CHOICES`, the implementations that `supported` admits: the tuned choice at this shape
 (`_tuning.choice`, looked up only where there is a choice to make), else `default_choice`. The Triton kernel is no
 choice of "pallas": where the sm90 kernel does not run, XLA's fp8 dot is the faster of the two; it is forced with
-implementation="pallas:triton".
+implementation="pallas:triton". A forced implementation runs with its default config unless `refuses` names a
+reason (its GPU was checked when the name was resolved, `_backend.resolve_implementation`).
+
+`candidates` gives names as well as configs: the tuning tables keep the winner by name ("sm90_pingpong_s6"), and
+the benchmarks time the same names.
 """
 
 from __future__ import annotations
@@ -136,14 +140,17 @@ class Sm90(Implementation):
     def supported(self, args, device):
         if device.compute_capability is None or device.compute_capability[0] != 9:
             return f"needs a Hopper GPU (compute capability 9.0), this device has {device.compute_capability}"
-        if self.refuses(args):
-            return self.refuses(args)
+        why = self.refuses(args)
+        if why is not None:
+            return why
         if not args.fast_accum:
             return "accumulates on the tensor cores only (fast_accum=True); fast_accum=False asks for fp32"
         return None
 
     def refuses(self, args):
-        if args.a.dtype != args.bt.dtype:  # wgmma takes one element type for both operands
+        """Mixed fp8 dtypes: wgmma takes one element type for both operands. (fast_accum=False is no reason here: a
+        forced sm90 kernel accumulates as the tensor cores do; plain "pallas" takes XLA's dot for it.)"""
+        if args.a.dtype != args.bt.dtype:
             return f"needs one fp8 dtype for both operands, got {args.a.dtype} and {args.bt.dtype}"
         return None
 
@@ -306,7 +313,8 @@ def gemm_build(key: str, config: dict):
     args, sets = args_of_key(key), gemm_operands(key)
     impl = IMPLEMENTATIONS[config["impl"]]
     tile = impl.from_json(config)
-    many = jax.jit(lambda sets: [impl(args.with_operands(*s, args.out_dtype), tile) for s in sets])
+    many = jax.jit(lambda sets: [impl(args.with_operands(a, bt, sa, sb, args.out_dtype), tile)
+                                 for a, bt, sa, sb in sets])
     return (lambda: many(sets)), len(sets)
 
 
