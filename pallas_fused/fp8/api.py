@@ -187,8 +187,7 @@ def _mm_nt(a, bt, sa, sb, out_dtype, fast_accum, impl):
     def launch(a, bt, sa, sb, out_dtype):
         # A tuned config is of the whole GEMM; a shard of it takes the implementation's default for its own shape.
         shard = args.with_operands(a, bt, sa, sb, out_dtype)
-        mine = config is not None and (shard.m, shard.k, shard.n, jnp.dtype(out_dtype)) == (
-            args.m, args.k, args.n, jnp.dtype(args.out_dtype))
+        mine = config is not None and shard.key == args.key
         return chosen(shard, config if mine else chosen.default_config(shard, device))
 
     # Sharded: M data parallel, N tensor parallel; a sharded contraction K (tokens, in the weight-gradient

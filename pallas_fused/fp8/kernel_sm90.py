@@ -16,6 +16,10 @@ for fast_accum=False are routed elsewhere by the api.
 promotion: each 128-wide K block's product is scaled by that block's row and column scales and summed in fp32.
 Shapes must be multiples of the CTA tile and tile_k; the api pads otherwise.
 
+The tile rules over the tuning table live here too, beside the kernel they configure: `config_for` (the tile a
+GEMM runs without a tuned one), `cublas_wins` (where plain "pallas" takes XLA's fp8 dot instead) and
+`pingpong_tiles` (what the tuner times besides); gemm.py's sm90 implementation asks them.
+
 Measured on an H200 (jax 0.11.2), e4m3 -> bf16, 8192^3: 1431 TFLOP/s rowwise, 1383 tensorwise
 (XLA fp8 dot + rescale 867; torch._scaled_mm 1556 / 1518 in the same run); 16384x4096x11008 rowwise
 1359. Tile sweep at 8192^3 (rowwise): 128x128x128 per warpgroup, split along N, 4 stages: 1390;
