@@ -124,17 +124,17 @@ def dequantize_dot(a8, bt8, sa, sb):
 
 
 def pingpong_configs(m, n, k):
-    """The ping-pong rows' configurations at an (M, K) x (N, K) GEMM (`fp8.api.pingpong_tiles`, what the tuner times
-    too): 128 x 128 x 128 tiles walked as the tuned tile walks that shape, 4 and 6 ring stages, and 6 on a 2-CTA
-    cluster along the longer side; each only where the shape is a multiple of its (cluster) tile."""
-    from pallas_fused.fp8 import api
+    """The ping-pong rows' configurations at an (M, K) x (N, K) GEMM (`fp8.kernel_sm90.pingpong_tiles`, what the
+    tuner times too): 128 x 128 x 128 tiles walked as the tuned tile walks that shape, 4 and 6 ring stages, and 6 on
+    a 2-CTA cluster along the longer side; each only where the shape is a multiple of its (cluster) tile."""
+    from pallas_fused.fp8 import kernel_sm90
 
-    return {f"pallas:{name}": config for name, config in api.pingpong_tiles(m, n, k).items()}
+    return {f"pallas:{name}": config for name, config in kernel_sm90.pingpong_tiles(m, n, k).items()}
 
 
 def _matmul(rec, quick):
     from pallas_fused import _tuning
-    from pallas_fused.fp8 import api, kernel, kernel_sm90, scaled_matmul_nt
+    from pallas_fused.fp8 import api, gemm, kernel, kernel_sm90, scaled_matmul_nt
 
     shapes = SHAPES if quick else SHAPES + [(16384, 4096, 4096)]
     only = os.environ.get("FP8_SHAPES")  # e.g. "2048x16384x512,8192x8192x8192" (M x K x N): a subset
@@ -156,9 +156,9 @@ def _matmul(rec, quick):
             xla = functools.partial(api._mm_nt, out_dtype=jnp.bfloat16, fast_accum=True, impl="xla")
             # each timed call runs the k operand sets (one jit for ours, k calls for torch); the candidates in turn
             # what plain "pallas" runs there: the tuning tables' choice (pallas_fused.tune), else the rule
-            tuned = _tuning.choice(api.GEMM_OP, api.gemm_key(m, k, n, E4, jnp.bfloat16, axis == -1, axis == -1))
+            tuned = _tuning.choice(gemm.GEMM_OP, gemm.gemm_key(m, k, n, E4, jnp.bfloat16, axis == -1, axis == -1))
             cands = {"user:scaled_matmul_nt": (amortized(scaled_matmul_nt), (user_sets,),
-                                               dict(tile=str(api.sm90_config(m, n, k)),
+                                               dict(tile=str(kernel_sm90.config_for(m, n, k)),
                                                     choice=tuned["choice"] if tuned else "rule")),
                      "pallas:sm90": (amortized(sm90), (vec_sets,), dict(layout="a (M,K), bt (N,K)")),
                      "xla": (amortized(xla), (vec_sets,), {})}

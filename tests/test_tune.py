@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import pytest
 
 from pallas_fused import _backend, _tuning
-from pallas_fused.fp8 import api, kernel_sm90
+from pallas_fused.fp8 import gemm, kernel_sm90
 from pallas_fused.tune import pick, tune
 
 H200 = _tuning.describe("NVIDIA H200")
@@ -156,23 +156,25 @@ def test_cache_is_read_before_the_shipped_table(cache, monkeypatch):
     as_h200(monkeypatch)
     shipped = _tuning.tuning_table("NVIDIA H200")["fp8_sm90"]
     assert _backend.tuned("fp8_sm90", kernel_sm90.HEURISTIC)["xla_min_k"] == shipped["xla_min_k"] == 8192
-    key = api.gemm_key(16384, 2048, 5504, jnp.float8_e4m3fn, jnp.bfloat16, True, True)
+    key = gemm.gemm_key(16384, 2048, 5504, jnp.float8_e4m3fn, jnp.bfloat16, True, True)
     a, bt, sa, sb = S((16384, 2048), jnp.float8_e4m3fn), S((5504, 2048), jnp.float8_e4m3fn), S((16384,), jnp.float32), \
         S((5504,), jnp.float32)
-    assert api._tuned_gemm(a, bt, sa, sb, jnp.bfloat16) == ("pallas:sm90", None)  # the rule
+    args = gemm.GemmArgs(a, bt, sa, sb, jnp.bfloat16)
+    assert gemm.choose(args, H200) == (gemm.SM90, None)  # the rule
     write(cache / "nvidia_h200.json", {
         "schema": _tuning.SCHEMA, "device_kind": "NVIDIA H200", "fp8_sm90": {"xla_min_k": 4096},
         "shapes": {"fp8_gemm": {key: {"choice": "xla", "config": {"impl": "xla"}, "ms": {"sm90": 2.0, "xla": 1.0}}}}})
     _tuning.reload()
     table = _backend.tuned("fp8_sm90", kernel_sm90.HEURISTIC)
     assert table["xla_min_k"] == 4096 and table["tall_pingpong"] == shipped["tall_pingpong"]
-    assert api._tuned_gemm(a, bt, sa, sb, jnp.bfloat16) == ("xla", None)
-    tile = api.gemm_candidates(key)["sm90_pingpong"]  # the rule's tile here is the table's 6-stage ping-pong
+    assert gemm.choose(args, H200) == (gemm.XLA, None)
+    with _backend.gpu_target((9, 0)):
+        tile = gemm.gemm_candidates(key)["sm90_pingpong"]  # the rule's tile here is the table's 6-stage ping-pong
     write(cache / "nvidia_h200.json", {"schema": _tuning.SCHEMA, "device_kind": "NVIDIA H200", "shapes": {
         "fp8_gemm": {key: {"choice": "sm90_pingpong", "config": tile, "ms": {"sm90_pingpong": 1.0}}}}})
     _tuning.reload()
-    impl, config = api._tuned_gemm(a, bt, sa, sb, jnp.bfloat16)
-    assert (impl, config.schedule, config.max_concurrent_steps) == ("pallas:sm90", "pingpong", 4)
+    impl, config = gemm.choose(args, H200)
+    assert (impl, config.schedule, config.max_concurrent_steps) == (gemm.SM90, "pingpong", 4)
 
 
 @pytest.mark.parametrize("text,why", [
@@ -285,18 +287,21 @@ def test_gemm_candidates_and_keys():
     config once, every tile fitting shared memory for the output dtype."""
     from pallas_fused import _sm90
 
-    key = api.gemm_key(16384, 2048, 5504, jnp.float8_e4m3fn, jnp.float32, True, False)
+    key = gemm.gemm_key(16384, 2048, 5504, jnp.float8_e4m3fn, jnp.float32, True, False)
     assert key == "16384x2048x5504 float8_e4m3fn float32 rowwise,tensorwise"
-    assert api._parse_gemm_key(key) == (16384, 2048, 5504, jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float32),
-                                        (True, False))
-    found = api.gemm_candidates(key)
+    args = gemm.args_of_key(key)
+    assert (args.m, args.k, args.n, args.a.dtype, args.bt.dtype, args.out_dtype, args.sa.shape, args.sb.shape) == (
+        16384, 2048, 5504, jnp.float8_e4m3fn, jnp.float8_e4m3fn, jnp.float32, (16384,), ())
+    assert args.key == key and args.fast_accum
+    with _backend.gpu_target((9, 0)):  # 132 SMs
+        found = gemm.gemm_candidates(key)
     assert list(found)[:2] == ["sm90", "xla"] and "sm90_pingpong_s6" in found
     assert len({json.dumps(c, sort_keys=True) for c in found.values()}) == len(found)
     for config in found.values():
         if config["impl"] == "pallas:sm90":
             assert _sm90.smem_bytes(_sm90.TileConfig(**config["tile"]), 1, 1, 4) <= _sm90.SMEM_LIMIT
     with _backend.gpu_target((9, 0)):  # 132 SMs
-        wide = api.gemm_candidates(api.gemm_key(2048, 16384, 512, jnp.float8_e4m3fn, jnp.bfloat16, True, True))
+        wide = gemm.gemm_candidates(gemm.gemm_key(2048, 16384, 512, jnp.float8_e4m3fn, jnp.bfloat16, True, True))
     assert list(wide)[0] == "xla"  # cublas_wins there
 
 
@@ -312,7 +317,7 @@ def test_fp8_lookups_are_recorded_under_a_hopper_target():
     operands = [(S((m, k), e4), S((n, k), e4), S((m, 1), jnp.float32), S((), jnp.float32)) for m, k, n in shapes]
     with _backend.gpu_target((9, 0)), _tuning.recording() as seen:
         jax.eval_shape(lambda ops: [fp8.scaled_matmul_nt(*o) for o in ops], operands)
-    assert seen == [("fp8_gemm", api.gemm_key(m, k, n, e4, jnp.bfloat16, True, False)) for m, k, n in shapes]
+    assert seen == [("fp8_gemm", gemm.gemm_key(m, k, n, e4, jnp.bfloat16, True, False)) for m, k, n in shapes]
 
 
 @pytest.mark.parametrize("choice", ["rule", "xla", "sm90_pingpong"])
@@ -327,10 +332,10 @@ def test_tuned_gemm_lowers(cache, monkeypatch, choice):
 
     as_h200(monkeypatch)
     m, k, n = 512, 256, 384
-    key = api.gemm_key(m, k, n, jnp.float8_e4m3fn, jnp.bfloat16, True, True)
+    key = gemm.gemm_key(m, k, n, jnp.float8_e4m3fn, jnp.bfloat16, True, True)
     if choice != "rule":
         with _backend.gpu_target((9, 0)):
-            config = api.gemm_candidates(key)[choice]
+            config = gemm.gemm_candidates(key)[choice]
         write(cache / "nvidia_h200.json", {"schema": _tuning.SCHEMA, "device_kind": "NVIDIA H200", "shapes": {
             "fp8_gemm": {key: {"choice": choice, "config": config, "ms": {choice: 1.0}}}}})
         _tuning.reload()
@@ -348,7 +353,8 @@ def test_tuned_gemm_lowers(cache, monkeypatch, choice):
 def test_cooperative_candidate_beside_the_tables_pingpong(cache, monkeypatch):
     """Where the H200's table gives a tall GEMM the ping-pong tile, the tuner times the cooperative tile too."""
     as_h200(monkeypatch)
-    found = api.gemm_candidates(api.gemm_key(16384, 2048, 5504, jnp.float8_e4m3fn, jnp.bfloat16, True, True))
+    with _backend.gpu_target((9, 0)):
+        found = gemm.gemm_candidates(gemm.gemm_key(16384, 2048, 5504, jnp.float8_e4m3fn, jnp.bfloat16, True, True))
     assert found["sm90"]["tile"]["schedule"] == "pingpong"
     assert found["sm90_cooperative"]["tile"]["schedule"] == "cooperative"
 
@@ -357,11 +363,11 @@ def test_default_timer_times_a_candidate():
     """The default timer compiles and times the op's own call (XLA's candidate runs on the CPU)."""
     from pallas_fused.tune import time_candidate
 
-    key = api.gemm_key(128, 256, 128, jnp.float8_e4m3fn, jnp.bfloat16, True, False)
+    key = gemm.gemm_key(128, 256, 128, jnp.float8_e4m3fn, jnp.bfloat16, True, False)
     ms = time_candidate("fp8_gemm", key, "xla", {"impl": "xla"})
     assert 0 < ms < 1000
     call, ops = _tuning.TUNABLES["fp8_gemm"].build(key, {"impl": "xla"})
-    a, bt, sa, sb = api._gemm_operands(key)[0]
+    a, bt, sa, sb = gemm.gemm_operands(key)[0]
     expect = (a.astype(jnp.float32) * sa[:, None]) @ (bt.astype(jnp.float32) * sb).T
     assert ops == 8 and jnp.allclose(call()[0].astype(jnp.float32), expect, rtol=1e-2, atol=1e-2)
 

@@ -7,7 +7,7 @@ The sm90 FP8 GEMM's 2-CTA cluster against torch._scaled_mm (development probe).
 At each shape (M x K x N: a (M, K), bt (N, K); default: the shapes where the kernel trails cuBLAS, 8192^3 and
 16384x4096x4096, with their granularity) it times, in one process: torch._scaled_mm (bf16 out, use_fast_accum=True;
 scalar scales tensorwise, per-row scales rowwise), the user's call (`fp8.scaled_matmul_nt` fed by `quantize`),
-then `kernel_sm90.scaled_matmul_nt` at the tuned tile (`api.sm90_config`) and its variants: first the tuned tile
+then `kernel_sm90.scaled_matmul_nt` at the tuned tile (`kernel_sm90.config_for`) and its variants: first the tuned tile
 without a cluster and with one along M / N (TileConfig.cluster); then, around the two fastest of those,
 grid_tile_width 4 / 8 / 16 and grid_minor_dim m / n and the other warpgroup split (full mode). Each timed call is one
 jit over several distinct operand sets that pass the L2 together (as common.bench_amortized times), so host dispatch
@@ -127,7 +127,7 @@ def probe_shape(record, m, k, n, gran, quick, start, budget, share, ctas=False):
                rel_err=err, k=count, **extra)
         return ms
 
-    tuned = api.sm90_config(m, n, k)
+    tuned = kernel_sm90.config_for(m, n, k)
     timed("user:scaled_matmul_nt", scaled_matmul_nt, user_sets, config=str(tuned))
 
     def kernel(config):

@@ -6,7 +6,7 @@ inside one profiler window, for Nsight Compute to read side by side.
 
 A CASE is `MxKxN:recipe`, recipe one of rowwise, tensorwise, blockwise (our kernel on pre-quantized operands against
 torch._scaled_mm on the same bytes, as bench_fp8 times them: rowwise and tensorwise through the default path, the
-sm90 kernel or, where `api.cublas_wins`, XLA's fp8 dot), `TOKENSxINxOUT:dora` (dora_dense's forward
+sm90 kernel or, where `kernel_sm90.cublas_wins`, XLA's fp8 dot), `TOKENSxINxOUT:dora` (dora_dense's forward
 at rank 16 in bf16 against the base GEMM x @ W through XLA) or `TOKENSxINxOUT:dora_fwdbwd` (its forward and
 backward, W frozen, against the base layer's: x @ W and dy @ W^T). Every function is compiled and run twice before the
 window opens (cudaProfilerStart / Stop through torch), so the profile holds the timed kernels only, in the order

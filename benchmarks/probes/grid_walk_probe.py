@@ -6,7 +6,7 @@ The sm90 FP8 GEMM's tile walk (TileConfig.grid_minor_dim) against torch._scaled_
 
 At each shape (default: benchmarks/bench_fp8.py's SHAPES) and granularity, three candidates are timed in turn
 (common.bench_interleaved: every candidate in every place of the order, so all see the same drift of clocks):
-torch._scaled_mm, `kernel_sm90.scaled_matmul_nt` at the tuned tile (`api.sm90_config`), and the same tile walking
+torch._scaled_mm, `kernel_sm90.scaled_matmul_nt` at the tuned tile (`kernel_sm90.config_for`), and the same tile walking
 the grid with the other minor dimension. Each timed call runs bench_fp8's distinct operand sets in one jit (host
 dispatch is not timed, the sets pass the L2). Every output is checked against XLA's fp8 dot first. Rows go to
 OUT_DIR/grid_walk_probe.json as they come; shapes that start after BUDGET_S seconds (default 400) are skipped.
@@ -36,7 +36,7 @@ def probe_shape(record, m, k, n, gran):
     axis = None if gran == "tensorwise" else -1
     user_sets, vec_sets = quantized_sets(operand_pairs(m, k, n, count), axis)
     want = np.asarray(api._mm_nt(*vec_sets[0], jnp.bfloat16, True, "xla"), np.float32)
-    tuned = api.sm90_config(m, n, k)
+    tuned = kernel_sm90.config_for(m, n, k)
     other = dataclasses.replace(tuned, grid_minor_dim="m" if tuned.grid_minor_dim == "n" else "n")
     cands, syncs = {}, {"torch": torch_sync}
     for name, config in ((f"tuned minor={tuned.grid_minor_dim}", tuned), (f"minor={other.grid_minor_dim}", other)):

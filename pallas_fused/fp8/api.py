@@ -15,28 +15,27 @@ for same-dtype fp8 operands with fast accumulation, else XLA's fp8 dot (cuBLAS),
 mixed e4m3 x e5m2 operands and fast_accum=False; "pallas:sm90" and "pallas:triton" force a kernel
 (the `VARIANTS` table, validated by `_backend.resolve_implementation`); "xla" is the reference (XLA fp8
 dot + fp32 rescale); "interpret" (= "interpret:triton") runs the Triton kernels in the Pallas
-interpreter (CPU tests). A config with blockwise scaling quantizes with its own kernel and takes no variant; its
-GEMMs run on the Mosaic GPU blockwise kernel (per-K-block scale promotion) with "pallas" on Hopper, else on XLA
-(see `fp8_linear`).
+interpreter (CPU tests). The GEMM's implementations are the objects of gemm.py, which also holds plain "pallas"'s
+per-shape choice and what the tuner times. A config with blockwise scaling quantizes with its own kernel and takes
+no variant; its GEMMs run on the Mosaic GPU blockwise kernel (per-K-block scale promotion) with "pallas" on Hopper,
+else on XLA (see `fp8_linear`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from pallas_fused import _backend, _sharding, _tuning
-from pallas_fused.fp8 import reference
+from pallas_fused import _backend, _sharding
+from pallas_fused.fp8 import gemm, reference
 from pallas_fused.fp8.config import FP8_DTYPES, CastConfig, Float8Config, as_config
 
-# FP8 arithmetic (Triton's casts to and from float8 included) needs compute capability 8.9 (Ada) or newer: on an
-# older GPU the default implementation is XLA's, and "pallas" is refused.
-FP8_COMPUTE_CAPABILITY = (8, 9)
+# FP8 arithmetic needs compute capability 8.9 (Ada) or newer: on an older GPU the default implementation is XLA's,
+# and "pallas" is refused.
+FP8_COMPUTE_CAPABILITY = gemm.FP8_COMPUTE_CAPABILITY
 VARIANTS = {
     "pallas:sm90": _backend.Variant("the Mosaic GPU scaled matmul (one fp8 dtype for both operands, fast "
                                     "accumulation)", needs=(9, 0), interpretable=False),
@@ -168,284 +167,34 @@ def quantize(x, dtype=jnp.float8_e4m3fn, axis: int | None = None, power_of_2: bo
 # scaled matmul
 
 
-def _pad_to(x, rows, cols):
-    pr, pc = -x.shape[0] % rows, -x.shape[1] % cols
-    return x if pr == pc == 0 else jnp.pad(x, ((0, pr), (0, pc)))
-
-
-def _pad_vec(v, multiple):
-    """v padded with ones to a multiple of `multiple`; a scalar as a (1,) vector."""
-    if v.ndim == 0:
-        return v.reshape(1)
-    p = -v.shape[0] % multiple
-    return v if p == 0 else jnp.pad(v, (0, p), constant_values=1.0)
-
-
-def sm90_config(m, n, k, num_sms: int | None = None, out_dtype=jnp.bfloat16):
-    """The sm90 tile for an (M, K) x (N, K) GEMM with an `out_dtype` result (`_sm90_tile`), its ring as deep as
-    fits in shared memory beside the epilogue's staging: a float32 result stages twice the bytes of a bf16 one,
-    so the tuned 128 x 256 tile's 4 stages become 3 there (and the ping-pong tile's 6, 5)."""
-    return _fit_stages(_sm90_tile(m, n, k, num_sms), out_dtype)
-
-
-def _fit_stages(config, out_dtype):
-    """`config` with its ring (at least 2 stages) cut to what fits in shared memory beside an `out_dtype` result's
-    staging."""
-    from pallas_fused import _sm90
-
-    out_itemsize = jnp.dtype(out_dtype).itemsize
-    steps = config.max_concurrent_steps
-    while steps > 2 and _sm90.smem_bytes(dataclasses.replace(config, max_concurrent_steps=steps), 1, 1,
-                                         out_itemsize) > _sm90.SMEM_LIMIT:
-        steps -= 1
-    return dataclasses.replace(config, max_concurrent_steps=steps)
-
-
-def _sm90_tile(m, n, k, num_sms: int | None = None, pingpong: bool = True):
-    """The sm90 tile for an (M, K) x (N, K) GEMM: the two compute warpgroups split the CTA tile along N
-    (128 x 256) unless only the split along M (256 x 128) fits the shape without padding, as for the
-    N = 5504 projections of a 2048-wide Llama. Padding costs a copy of each padded operand and of the
-    output (the slice back), ~30% of the GEMM's time at 16384x2048x5504.
-
-    A GEMM with at most half as many such tiles as the GPU's SMs (`num_sms`, default this process' GPU; the
-    fraction is tuning data) leaves most SMs idle: the weight gradients of narrow projections (2048x16384x512: 32
-    tiles for 132 SMs). The small tile, 128 x 128 per CTA, doubles the tiles in flight there: rowwise 374 -> 726
-    TFLOP/s at 2048x16384x512 and 420 -> 600 at 512x16384x2048 on an H100 (benchmarks/results/user_path_dev/); with
-    128 tiles or more the larger tile wins. The tiles are `kernel_sm90.tiles()` (this device kind's tuning table).
-
-    A tile may name a 2-CTA cluster (TileConfig.cluster): it is kept where the shape is a multiple of the cluster
-    tile (a cluster is never worth padding for) and, for the large tile, where the GEMM has at least
-    "cluster_min_tiles_per_sm" large CTA tiles per SM (tuning data); elsewhere the same tile runs without it.
-
-    Where the output is at least as tall as it is wide (M >= N), the large tile walks the grid with the minor
-    dimension "tall_grid_minor_dim" (tuning data), if the table names one: on an H200, walking along M is up to 14%
-    faster at the tall GEMMs of a Llama layer and at most 1% slower at any tall or square shape measured.
-
-    Where the table names a "tall_pingpong" tile, a tall GEMM (M >= N) with more tiles than the small tile's
-    threshold, and K at most its "max_k" or M at least its "long_k_min_m", runs on the ping-pong schedule (`_sm90`'s
-    TileConfig.schedule), each compute warpgroup owning whole tiles so that one's epilogue overlaps the other's main
-    loop: on an H200, 3-9% faster than the cooperative tile at the Llama GEMMs 16384x2048x5504, 16384x2048x2048 and
-    16384x4096x11008, 3-7% at 16384x11008x4096 and 16384^3, and 2-6% slower at 8192^3."""
-    from pallas_fused.fp8 import kernel_sm90
-
-    config, small, small_max_tiles_per_sm = kernel_sm90.tiles()
-    table = _backend.tuned("fp8_sm90", kernel_sm90.HEURISTIC)
-    fp8 = jnp.float8_e4m3fn
-    fits = lambda c: kernel_sm90.supported(m, n, k, fp8, fp8, c)  # noqa: E731
-    alone = lambda c: dataclasses.replace(c, cluster=None)  # noqa: E731
-    splits = (config, dataclasses.replace(config, wg_split="m"))
-    # The first that fits: with the cluster, then without it; none fits: pad as little as possible (the first on a
-    # tie), without the cluster.
-    fitting = [c for c in (*splits, *map(alone, splits)) if fits(c)]
-    padded = lambda c: (m + -m % c.cta_tile[0]) * (n + -n % c.cta_tile[1])  # noqa: E731
-    chosen = fitting[0] if fitting else min(map(alone, splits), key=padded)
-    chosen = kernel_sm90.walk_tall(chosen, m, n, table)
-    tiles = -(-m // chosen.cta_tile[0]) * -(-n // chosen.cta_tile[1])
-    num_sms = _backend.num_sms() if num_sms is None else num_sms
-    if tiles <= small_max_tiles_per_sm * num_sms:
-        small_fits = [c for c in (small, alone(small)) if fits(c)]
-        if small_fits:
-            return small_fits[0]
-    tall = table.get("tall_pingpong") if pingpong else None  # the tuner times the cooperative tile too
-    if m >= n and tall and (k <= tall["max_k"] or m >= tall.get("long_k_min_m", math.inf)):
-        # Short K leaves the cooperative tile's epilogue a large share of each tile's time; the ping-pong
-        # schedule hides it behind the other warpgroup's main loop. It walks the grid as the large tile would.
-        config = kernel_sm90.TileConfig(**tall["tile"], grid_minor_dim=chosen.grid_minor_dim,
-                                  grid_tile_width=chosen.grid_tile_width)
-        if fits(config):
-            return config
-    if tiles < table["cluster_min_tiles_per_sm"] * num_sms:
-        return alone(chosen)
-    return chosen
-
-
-def cublas_wins(m, n, k, num_sms: int | None = None) -> bool:
-    """Whether plain "pallas" runs an (M, K) x (N, K) GEMM as XLA's fp8 dot (cuBLAS) instead of the sm90 kernel
-    (tuning data "fp8_sm90"; the figures are an H200's), where K is long and the sm90 kernel's tiles leave SMs idle:
-
-    - even `sm90_config`'s small tile leaves most SMs idle (at most "xla_max_tiles_per_sm" tiles per SM, K at least
-      "xla_min_k"): cuBLAS splits K across the idle SMs, which the sm90 kernel does not. The weight gradient of a
-      narrow projection, 2048x16384x512, runs at 1108 TFLOP/s through XLA against 718 in the sm90 kernel.
-    - the last wave of `sm90_config`'s tiles leaves SMs idle for a long K loop (K at least "xla_tail_min_k", the
-      tiles filling at most "xla_tail_max_wave_use" of the waves they take): cuBLAS's tiles divide the output into
-      fuller waves (168 x 128: 528 tiles, four nearly full waves). 2048x16384x5504 and 5504x16384x2048 (344 tiles on
-      132 SMs: 2.6 waves, 87% used) run 6% and 0-2% faster through XLA."""
-    from pallas_fused.fp8 import kernel_sm90
-
-    table = _backend.tuned("fp8_sm90", kernel_sm90.HEURISTIC)
-    num_sms = _backend.num_sms() if num_sms is None else num_sms
-    if k >= table["xla_min_k"]:
-        _, small, _ = kernel_sm90.tiles()
-        if -(-m // small.cta_tile[0]) * -(-n // small.cta_tile[1]) <= table["xla_max_tiles_per_sm"] * num_sms:
-            return True
-    if k < table["xla_tail_min_k"]:
-        return False
-    config = sm90_config(m, n, k, num_sms)
-    tile_m, tile_n = config.cluster_tile
-    units = -(-m // tile_m) * -(-n // tile_n)
-    slots = max(1, num_sms // (2 if config.cluster else 1))  # a cluster's two CTAs take one unit on two SMs
-    return units / (-(-units // slots) * slots) <= table["xla_tail_max_wave_use"]
-
-
 def _mm_nt(a, bt, sa, sb, out_dtype, fast_accum, impl):
     """(a * sa[:, None]) @ (bt * sb[:, None])^T; a (M, K), bt (N, K) fp8; sa (M,), sb (N,) fp32, either a 0-d
-    scalar instead (one scale for every row)."""
+    scalar instead (one scale for every row). `impl`: "pallas" (the choice of `gemm.choose`) or the name of one
+    of `gemm.IMPLEMENTATIONS`, which runs with its default config."""
     if 0 in (*a.shape, bt.shape[0]):  # no tokens (or an empty contraction): nothing for a kernel to do
         return jnp.zeros((a.shape[0], bt.shape[0]), out_dtype)
-    same = a.dtype == bt.dtype
-    tile, shape = None, (a.shape[0], a.shape[1], bt.shape[0], jnp.dtype(out_dtype))
+    args, device = gemm.GemmArgs(a, bt, sa, sb, out_dtype, fast_accum), gemm.current_device()
     if impl == "pallas":
-        sm90 = _backend.is_hopper() and same and fast_accum
-        impl, tile = _tuned_gemm(a, bt, sa, sb, out_dtype) if sm90 else ("xla", None)
-    if impl == "xla":
-        return _xla_mm_nt(a, bt, sa, sb, out_dtype, fast_accum)
-    if impl == "pallas:sm90":
-        if not same:
-            raise ValueError(f"scaled_matmul: implementation='pallas:sm90' needs one fp8 dtype for both operands, "
-                             f"got {a.dtype} and {bt.dtype}")
-
-        def launch(a, bt, sa, sb, out_dtype):
-            # The tuned tile is of the whole GEMM; a shard of it takes the rule's tile for its own shape.
-            mine = tile is not None and (a.shape[0], a.shape[1], bt.shape[0], jnp.dtype(out_dtype)) == shape
-            config = tile if mine else sm90_config(a.shape[0], bt.shape[0], a.shape[1], out_dtype=out_dtype)
-            return _sm90_mm_nt(a, bt, sa, sb, out_dtype, config)
+        chosen, config = gemm.choose(args, device)
     else:
-        from pallas_fused.fp8 import kernel
+        chosen, config = gemm.IMPLEMENTATIONS[impl], None
+        why = chosen.refuses(args)
+        if why is not None:
+            raise ValueError(f"scaled_matmul: implementation={impl!r} {why}")
+    if not chosen.partitioned:
+        return chosen(args, config if config is not None else chosen.default_config(args, device))
 
-        def launch(a, bt, sa, sb, out_dtype):
-            sa, sb = jnp.broadcast_to(sa, a.shape[:1]), jnp.broadcast_to(sb, bt.shape[:1])
-            return kernel.scaled_matmul_nt(a, bt, sa, sb, out_dtype=jnp.dtype(out_dtype),
-                                           interpret=impl == "interpret")
+    def launch(a, bt, sa, sb, out_dtype):
+        # A tuned config is of the whole GEMM; a shard of it takes the implementation's default for its own shape.
+        shard = args.with_operands(a, bt, sa, sb, out_dtype)
+        mine = config is not None and shard.key == args.key
+        return chosen(shard, config if mine else chosen.default_config(shard, device))
 
     # Sharded: M data parallel, N tensor parallel; a sharded contraction K (tokens, in the weight-gradient
     # GEMM of data-parallel training) gives float32 partial products, all-reduced and then rounded once.
     rule = f"m k, n k, {'m' if sa.ndim else ''}, {'n' if sb.ndim else ''} -> m n"
     return _sharding.partitioned(lambda *args: launch(*args, out_dtype), rule, summed=("k",),
                                  partial_fn=lambda *args: launch(*args, jnp.float32))(a, bt, sa, sb)
-
-
-def _xla_mm_nt(a, bt, sa, sb, out_dtype, fast_accum=True):
-    """The reference: XLA's fp8 dot (cuBLAS on a GPU) to fp32, then the fp32 rescale."""
-    precision = None if fast_accum else jax.lax.Precision.HIGHEST
-    acc = jax.lax.dot_general(a, bt, (((1,), (1,)), ((), ())), precision=precision,
-                              preferred_element_type=jnp.float32)
-    return (acc * _per_row(sa) * _per_col(sb)).astype(out_dtype)
-
-
-def _sm90_mm_nt(a, bt, sa, sb, out_dtype, config):
-    """The Hopper kernel with tile `config`, the operands padded to its cluster tile and tile_k and the result
-    sliced back."""
-    from pallas_fused.fp8 import kernel_sm90
-
-    m, n = a.shape[0], bt.shape[0]
-    cm, cn = config.cluster_tile
-    out = kernel_sm90.scaled_matmul_nt(
-        _pad_to(a, cm, config.tile_k), _pad_to(bt, cn, config.tile_k), _pad_vec(sa, cm), _pad_vec(sb, cn),
-        out_dtype=jnp.dtype(out_dtype), config=config)  # a scalar scale as a (1,) vector, read once
-    return out[:m, :n]
-
-
-# ----------------------------------------------------------------------------------------------
-# the GEMM's per-shape choice: tuning data that `pallas_fused.tune` measures (pallas_fused/_tuning.py)
-
-GEMM_OP = "fp8_gemm"
-_SCALES = {(True, True): "rowwise", (False, False): "tensorwise", (True, False): "rowwise,tensorwise",
-           (False, True): "tensorwise,rowwise"}
-
-
-def gemm_key(m, k, n, dtype, out_dtype, a_rowwise: bool, b_rowwise: bool) -> str:
-    """The shape key of an (M, K) x (N, K) GEMM of `dtype` operands to `out_dtype`, with a scale per row of a (of bt)
-    or one for all: "16384x2048x5504 float8_e4m3fn bfloat16 rowwise" (M x K x N, as the benchmarks name cases)."""
-    return f"{m}x{k}x{n} {jnp.dtype(dtype).name} {jnp.dtype(out_dtype).name} {_SCALES[a_rowwise, b_rowwise]}"
-
-
-def _parse_gemm_key(key: str):
-    dims, dtype, out_dtype, scales = key.split(" ")
-    m, k, n = (int(d) for d in dims.split("x"))
-    rowwise = {v: k for k, v in _SCALES.items()}[scales]
-    return m, k, n, jnp.dtype(dtype), jnp.dtype(out_dtype), rowwise
-
-
-def _tuned_gemm(a, bt, sa, sb, out_dtype):
-    """("xla", None) or ("pallas:sm90", tile) for plain "pallas" on Hopper: the tuned choice at this shape, else the
-    rule (`cublas_wins`, `sm90_config`; tile None)."""
-    m, k = a.shape
-    n = bt.shape[0]
-    entry = _tuning.choice(GEMM_OP, gemm_key(m, k, n, a.dtype, out_dtype, sa.ndim > 0, sb.ndim > 0))
-    if entry is not None:
-        config = entry["config"]
-        if config.get("impl") == "xla":
-            return "xla", None
-        if config.get("impl") == "pallas:sm90":
-            from pallas_fused import _sm90
-
-            return "pallas:sm90", _sm90.TileConfig(**config["tile"])
-    return ("xla", None) if cublas_wins(m, n, k) else ("pallas:sm90", None)
-
-
-def pingpong_tiles(m, n, k):
-    """The ping-pong schedule's tiles worth timing at an (M, K) x (N, K) GEMM: 128 x 128 x 128 walked as
-    `sm90_config`'s tile walks that shape, with 4 and 6 ring stages, and 6 on a 2-CTA cluster along the longer side;
-    each only where the shape is a multiple of its (cluster) tile."""
-    from pallas_fused import _sm90
-
-    rule = sm90_config(m, n, k)
-    base = _sm90.TileConfig(tile_m=128, tile_n=128, tile_k=128, max_concurrent_steps=4, schedule="pingpong",
-                            grid_minor_dim=rule.grid_minor_dim, grid_tile_width=rule.grid_tile_width)
-    tiles = {"sm90_pingpong": base,
-             "sm90_pingpong_s6": dataclasses.replace(base, max_concurrent_steps=6),
-             "sm90_pingpong_cluster": dataclasses.replace(base, max_concurrent_steps=6,
-                                                          cluster="m" if m >= n else "n")}
-    return {name: c for name, c in tiles.items() if _sm90.supported(m, n, k, c)}
-
-
-def gemm_candidates(key: str) -> dict[str, dict]:
-    """The configurations the tuner times at shape `key`: the rule's choice first (XLA's fp8 dot where `cublas_wins`,
-    else `sm90_config`'s tile), then the other of the two, the cooperative tile where the rule's is a ping-pong one,
-    and the ping-pong tiles; each once."""
-    m, k, n, _, out_dtype, _ = _parse_gemm_key(key)
-    tile = dataclasses.asdict(sm90_config(m, n, k, out_dtype=out_dtype))
-    sm90: dict[str, Any] = {"impl": "pallas:sm90", "tile": tile}
-    xla = {"impl": "xla"}
-    found: dict[str, dict] = {"xla": xla, "sm90": sm90} if cublas_wins(m, n, k) else {"sm90": sm90, "xla": xla}
-    others = {"sm90_cooperative": _sm90_tile(m, n, k, pingpong=False), **pingpong_tiles(m, n, k)}
-    for name, tile in others.items():
-        config = {"impl": "pallas:sm90", "tile": dataclasses.asdict(_fit_stages(tile, out_dtype))}
-        if config not in found.values():
-            found[name] = config
-    return found
-
-
-@functools.lru_cache(maxsize=1)  # the candidates of one shape are timed one after another, on the same operands
-def _gemm_operands(key: str):
-    """Distinct random operand sets of the GEMM at shape `key` that pass the 50 MB L2 together (at most 8), so that
-    a call over them reads HBM as a training step's GEMMs do: normal fp8 codes (never zeros), scales in [0.5, 2)."""
-    m, k, n, dtype, _, (row_a, row_b) = _parse_gemm_key(key)
-
-    def operands(seed):
-        ka, kb, ksa, ksb = jax.random.split(jax.random.key(seed), 4)
-        return (jax.random.normal(ka, (m, k)).astype(dtype), jax.random.normal(kb, (n, k)).astype(dtype),
-                jax.random.uniform(ksa, (m,) if row_a else (), jnp.float32, 0.5, 2.0),
-                jax.random.uniform(ksb, (n,) if row_b else (), jnp.float32, 0.5, 2.0))
-
-    return [operands(seed) for seed in range(min(8, max(1, math.ceil(100e6 / (m * k + n * k + 2 * m * n)))))]
-
-
-def _gemm_build(key: str, config: dict):
-    """A call running the GEMM at shape `key` with `config` once on each of `_gemm_operands(key)`, in one jit (the
-    host's dispatch amortized), and the number of GEMMs it runs."""
-    from pallas_fused import _sm90
-
-    out_dtype, sets = _parse_gemm_key(key)[4], _gemm_operands(key)
-    if config["impl"] == "xla":
-        one = functools.partial(_xla_mm_nt, out_dtype=out_dtype)
-    else:
-        one = functools.partial(_sm90_mm_nt, out_dtype=out_dtype, config=_sm90.TileConfig(**config["tile"]))
-    many = jax.jit(lambda sets: [one(*s) for s in sets])
-    return (lambda: many(sets)), len(sets)
-
-
-_tuning.register(GEMM_OP, _tuning.Tunable(candidates=gemm_candidates, build=_gemm_build))
 
 
 def _mm_nt_blockwise(a, bt, sa_t, sb_t, out_dtype, scale_rows=(1, 1)):
@@ -464,9 +213,9 @@ def _mm_nt_blockwise(a, bt, sa_t, sb_t, out_dtype, scale_rows=(1, 1)):
         # not told that a scale covers whole tiles.
         rows = tuple(r if size % r == 0 else 1 for r, size in zip(scale_rows, (m, n)))
         bk = kernel_sm90.BLOCK_K  # zero columns past K: the last block's padding adds nothing
-        out = kernel_sm90.blockwise_matmul_nt(_pad_to(a, cm, bk), _pad_to(bt, cn, bk), _pad_to(sa_t, 1, cm),
-                                              _pad_to(sb_t, 1, cn), out_dtype=jnp.dtype(out_dtype), config=config,
-                                              scale_rows=rows)
+        out = kernel_sm90.blockwise_matmul_nt(gemm.pad_to(a, cm, bk), gemm.pad_to(bt, cn, bk),
+                                              gemm.pad_to(sa_t, 1, cm), gemm.pad_to(sb_t, 1, cn),
+                                              out_dtype=jnp.dtype(out_dtype), config=config, scale_rows=rows)
         return out[:m, :n]
 
     # Sharded: M and N split; K (and its blocks with it) gathered: a split K would have to split the scale rows

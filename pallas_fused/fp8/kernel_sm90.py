@@ -16,6 +16,10 @@ for fast_accum=False are routed elsewhere by the api.
 promotion: each 128-wide K block's product is scaled by that block's row and column scales and summed in fp32.
 Shapes must be multiples of the CTA tile and tile_k; the api pads otherwise.
 
+The tile rules over the tuning table live here too, beside the kernel they configure: `config_for` (the tile a
+GEMM runs without a tuned one), `cublas_wins` (where plain "pallas" takes XLA's fp8 dot instead) and
+`pingpong_tiles` (what the tuner times besides); gemm.py's sm90 implementation asks them.
+
 Measured on an H200 (jax 0.11.2), e4m3 -> bf16, 8192^3: 1431 TFLOP/s rowwise, 1383 tensorwise
 (XLA fp8 dot + rescale 867; torch._scaled_mm 1556 / 1518 in the same run); 16384x4096x11008 rowwise
 1359. Tile sweep at 8192^3 (rowwise): 128x128x128 per warpgroup, split along N, 4 stages: 1390;
@@ -28,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -39,11 +44,11 @@ TileConfig = _sm90.TileConfig
 
 # The tiles of a GPU without a tuning table: the H200's (the sweeps: docs/performance.md, "Tuning tables").
 # "large": 128 x 128 per warpgroup, tile_k 128 (bytes), 4 stages = 192 KiB of shared memory; "small": half as wide,
-# for a GEMM whose large tiles number at most "small_max_tiles_per_sm" per SM (`api.sm90_config`); "xla_*": where
-# plain "pallas" calls XLA's fp8 dot instead (`api.cublas_wins`). A tile may carry any TileConfig field: the large
+# for a GEMM whose large tiles number at most "small_max_tiles_per_sm" per SM (`tile_for`); "xla_*": where
+# plain "pallas" calls XLA's fp8 dot instead (`cublas_wins`). A tile may carry any TileConfig field: the large
 # one a 2-CTA cluster along M (its two CTAs share b's tiles by multicast); "cluster_min_tiles_per_sm": the fewest
 # large CTA tiles per SM at which the large tile keeps its cluster; "tall_grid_minor_dim": the large tile's grid walk
-# where M >= N (`api.sm90_config`).
+# where M >= N (`tile_for`).
 HEURISTIC = {"large": dict(tile_m=128, tile_n=128, tile_k=128, max_concurrent_steps=4, cluster="m"),
              "small": dict(tile_m=128, tile_n=64, tile_k=128, max_concurrent_steps=4),
              "small_max_tiles_per_sm": 0.5, "xla_max_tiles_per_sm": 0.5, "xla_min_k": 8192,
@@ -86,6 +91,124 @@ def scaled_matmul_nt(a, bt, a_scale, b_scale, *, out_dtype, config: TileConfig):
     return _sm90.matmul(a, bt, b_layout="nk", row_vecs=(a_scale.astype(jnp.float32),),
                         col_vecs=(b_scale.astype(jnp.float32),), epilogue=_row_col_scales, out_dtype=out_dtype,
                         config=config, name="pallas_fused_fp8_scaled_matmul_sm90")
+
+
+# ----------------------------------------------------------------------------------------------
+# the tile: a rule over the tuning table (what plain "pallas" and the tuner start from)
+
+
+def config_for(m, n, k, num_sms: int | None = None, out_dtype=jnp.bfloat16):
+    """The sm90 tile for an (M, K) x (N, K) GEMM with an `out_dtype` result (`tile_for`), its ring as deep as
+    fits in shared memory beside the epilogue's staging: a float32 result stages twice the bytes of a bf16 one,
+    so the tuned 128 x 256 tile's 4 stages become 3 there (and the ping-pong tile's 6, 5)."""
+    return fit_stages(tile_for(m, n, k, num_sms), out_dtype)
+
+
+def fit_stages(config, out_dtype):
+    """`config` with its ring (at least 2 stages) cut to what fits in shared memory beside an `out_dtype` result's
+    staging."""
+    out_itemsize = jnp.dtype(out_dtype).itemsize
+    steps = config.max_concurrent_steps
+    while steps > 2 and _sm90.smem_bytes(dataclasses.replace(config, max_concurrent_steps=steps), 1, 1,
+                                         out_itemsize) > _sm90.SMEM_LIMIT:
+        steps -= 1
+    return dataclasses.replace(config, max_concurrent_steps=steps)
+
+
+def tile_for(m, n, k, num_sms: int | None = None, pingpong: bool = True):
+    """The sm90 tile for an (M, K) x (N, K) GEMM: the two compute warpgroups split the CTA tile along N
+    (128 x 256) unless only the split along M (256 x 128) fits the shape without padding, as for the
+    N = 5504 projections of a 2048-wide Llama. Padding costs a copy of each padded operand and of the
+    output (the slice back), ~30% of the GEMM's time at 16384x2048x5504.
+
+    A GEMM with at most half as many such tiles as the GPU's SMs (`num_sms`, default this process' GPU; the
+    fraction is tuning data) leaves most SMs idle: the weight gradients of narrow projections (2048x16384x512: 32
+    tiles for 132 SMs). The small tile, 128 x 128 per CTA, doubles the tiles in flight there: rowwise 374 -> 726
+    TFLOP/s at 2048x16384x512 and 420 -> 600 at 512x16384x2048 on an H100 (benchmarks/results/user_path_dev/); with
+    128 tiles or more the larger tile wins. The tiles are `tiles()` (this device kind's tuning table).
+
+    A tile may name a 2-CTA cluster (TileConfig.cluster): it is kept where the shape is a multiple of the cluster
+    tile (a cluster is never worth padding for) and, for the large tile, where the GEMM has at least
+    "cluster_min_tiles_per_sm" large CTA tiles per SM (tuning data); elsewhere the same tile runs without it.
+
+    Where the output is at least as tall as it is wide (M >= N), the large tile walks the grid with the minor
+    dimension "tall_grid_minor_dim" (tuning data), if the table names one: on an H200, walking along M is up to 14%
+    faster at the tall GEMMs of a Llama layer and at most 1% slower at any tall or square shape measured.
+
+    Where the table names a "tall_pingpong" tile, a tall GEMM (M >= N) with more tiles than the small tile's
+    threshold, and K at most its "max_k" or M at least its "long_k_min_m", runs on the ping-pong schedule (`_sm90`'s
+    TileConfig.schedule), each compute warpgroup owning whole tiles so that one's epilogue overlaps the other's main
+    loop: on an H200, 3-9% faster than the cooperative tile at the Llama GEMMs 16384x2048x5504, 16384x2048x2048 and
+    16384x4096x11008, 3-7% at 16384x11008x4096 and 16384^3, and 2-6% slower at 8192^3."""
+    config, small, small_max_tiles_per_sm = tiles()
+    table = _backend.tuned("fp8_sm90", HEURISTIC)
+    fp8 = jnp.float8_e4m3fn
+    fits = lambda c: supported(m, n, k, fp8, fp8, c)  # noqa: E731
+    alone = lambda c: dataclasses.replace(c, cluster=None)  # noqa: E731
+    splits = (config, dataclasses.replace(config, wg_split="m"))
+    # The first that fits: with the cluster, then without it; none fits: pad as little as possible (the first on a
+    # tie), without the cluster.
+    fitting = [c for c in (*splits, *map(alone, splits)) if fits(c)]
+    padded = lambda c: (m + -m % c.cta_tile[0]) * (n + -n % c.cta_tile[1])  # noqa: E731
+    chosen = fitting[0] if fitting else min(map(alone, splits), key=padded)
+    chosen = walk_tall(chosen, m, n, table)
+    count = -(-m // chosen.cta_tile[0]) * -(-n // chosen.cta_tile[1])
+    num_sms = _backend.num_sms() if num_sms is None else num_sms
+    if count <= small_max_tiles_per_sm * num_sms:
+        small_fits = [c for c in (small, alone(small)) if fits(c)]
+        if small_fits:
+            return small_fits[0]
+    tall = table.get("tall_pingpong") if pingpong else None  # the tuner times the cooperative tile too
+    if m >= n and tall and (k <= tall["max_k"] or m >= tall.get("long_k_min_m", math.inf)):
+        # Short K leaves the cooperative tile's epilogue a large share of each tile's time; the ping-pong
+        # schedule hides it behind the other warpgroup's main loop. It walks the grid as the large tile would.
+        config = TileConfig(**tall["tile"], grid_minor_dim=chosen.grid_minor_dim,
+                            grid_tile_width=chosen.grid_tile_width)
+        if fits(config):
+            return config
+    if count < table["cluster_min_tiles_per_sm"] * num_sms:
+        return alone(chosen)
+    return chosen
+
+
+def cublas_wins(m, n, k, num_sms: int | None = None) -> bool:
+    """Whether plain "pallas" runs an (M, K) x (N, K) GEMM as XLA's fp8 dot (cuBLAS) instead of the sm90 kernel
+    (tuning data "fp8_sm90"; the figures are an H200's), where K is long and the sm90 kernel's tiles leave SMs idle:
+
+    - even `config_for`'s small tile leaves most SMs idle (at most "xla_max_tiles_per_sm" tiles per SM, K at least
+      "xla_min_k"): cuBLAS splits K across the idle SMs, which the sm90 kernel does not. The weight gradient of a
+      narrow projection, 2048x16384x512, runs at 1108 TFLOP/s through XLA against 718 in the sm90 kernel.
+    - the last wave of `config_for`'s tiles leaves SMs idle for a long K loop (K at least "xla_tail_min_k", the
+      tiles filling at most "xla_tail_max_wave_use" of the waves they take): cuBLAS's tiles divide the output into
+      fuller waves (168 x 128: 528 tiles, four nearly full waves). 2048x16384x5504 and 5504x16384x2048 (344 tiles on
+      132 SMs: 2.6 waves, 87% used) run 6% and 0-2% faster through XLA."""
+    table = _backend.tuned("fp8_sm90", HEURISTIC)
+    num_sms = _backend.num_sms() if num_sms is None else num_sms
+    if k >= table["xla_min_k"]:
+        _, small, _ = tiles()
+        if -(-m // small.cta_tile[0]) * -(-n // small.cta_tile[1]) <= table["xla_max_tiles_per_sm"] * num_sms:
+            return True
+    if k < table["xla_tail_min_k"]:
+        return False
+    config = config_for(m, n, k, num_sms)
+    tile_m, tile_n = config.cluster_tile
+    units = -(-m // tile_m) * -(-n // tile_n)
+    slots = max(1, num_sms // (2 if config.cluster else 1))  # a cluster's two CTAs take one unit on two SMs
+    return units / (-(-units // slots) * slots) <= table["xla_tail_max_wave_use"]
+
+
+def pingpong_tiles(m, n, k, num_sms: int | None = None):
+    """The ping-pong schedule's tiles worth timing at an (M, K) x (N, K) GEMM: 128 x 128 x 128 walked as
+    `config_for`'s tile walks that shape, with 4 and 6 ring stages, and 6 on a 2-CTA cluster along the longer side;
+    each only where the shape is a multiple of its (cluster) tile."""
+    rule = config_for(m, n, k, num_sms)
+    base = TileConfig(tile_m=128, tile_n=128, tile_k=128, max_concurrent_steps=4, schedule="pingpong",
+                      grid_minor_dim=rule.grid_minor_dim, grid_tile_width=rule.grid_tile_width)
+    found = {"sm90_pingpong": base,
+             "sm90_pingpong_s6": dataclasses.replace(base, max_concurrent_steps=6),
+             "sm90_pingpong_cluster": dataclasses.replace(base, max_concurrent_steps=6,
+                                                          cluster="m" if m >= n else "n")}
+    return {name: c for name, c in found.items() if _sm90.supported(m, n, k, c)}
 
 
 # ----------------------------------------------------------------------------------------------

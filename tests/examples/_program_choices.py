@@ -20,7 +20,6 @@ def program_choices() -> dict:
     from pallas_fused.embed import api as embed_api
     from pallas_fused.embed import kernel as embed_kernel
     from pallas_fused.fp8 import Float8Config
-    from pallas_fused.fp8 import api as fp8_api
     from pallas_fused.galore import kernel as galore_kernel
     from pallas_fused.norm import kernel as norm_kernel
     from pallas_fused.swiglu import kernel as swiglu_kernel
@@ -36,6 +35,7 @@ def program_choices() -> dict:
     from pallas_fused.adam import kernel as adam_kernel
     from pallas_fused.dora import kernel_sm90
     from pallas_fused.fp8 import kernel as fp8_kernel
+    from pallas_fused.fp8 import kernel_sm90 as fp8_sm90
 
     record["dora_sm90_tiles"] = {f"{t}x{fin}x{fout}": repr(kernel_sm90.config_for(t, fout, fin))
                                  for t in TOKENS for fin, fout in SHAPES}
@@ -43,7 +43,7 @@ def program_choices() -> dict:
     record["fp8_cast"] = {str(axis): fp8_kernel.cast_config(axis) for axis in (None, 0, 1)}
     record["fp8_recipes"] = {name: repr(Float8Config.from_recipe(name))
                              for name in ("tensorwise", "rowwise", "rowwise_with_gw_hp")}
-    record["fp8_sm90_config"] = {f"{m}x{n}x{k}": repr(fp8_api.sm90_config(m, n, k))
+    record["fp8_sm90_config"] = {f"{m}x{n}x{k}": repr(fp8_sm90.config_for(m, n, k))
                                  for m, n in SHAPES for k in (64, 2048)}
     record["embed"] = {f"{t}x{v}x{d}/{dt}": (embed_api.use_onehot(v, jnp.dtype(dt)),
                                              repr(embed_kernel.choose_config(t, v, d)))

@@ -311,10 +311,10 @@ def _blockwise_operands(seed, m, n, k, b_block, ints=False):
 
 
 def _kernel_configs(m, n, k):
-    from pallas_fused.fp8 import api, kernel_sm90
+    from pallas_fused.fp8 import kernel_sm90
 
     large, small, _ = kernel_sm90.tiles()
-    configs = [api.sm90_config(m, n, k), large, dataclasses.replace(large, wg_split="m"), small]
+    configs = [kernel_sm90.config_for(m, n, k), large, dataclasses.replace(large, wg_split="m"), small]
     return [c for c in dict.fromkeys(configs) if kernel_sm90.supported(m, n, k, E4, E4, c)]
 
 

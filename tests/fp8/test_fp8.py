@@ -303,9 +303,9 @@ def test_linear_gemms_follow_config(recipe):
 def test_sm90_tile_avoids_padding(m, n, k):
     """The Hopper GEMM's tile fits the shape whenever one of its two splits does (N = 5504 = 43 x 128 needs the
     split along M: 256 x 128); otherwise the one that pads less."""
-    from pallas_fused.fp8 import api, kernel_sm90
+    from pallas_fused.fp8 import kernel_sm90
 
-    config = api.sm90_config(m, n, k, num_sms=1)  # the padding rule alone (no few-tiles rule)
+    config = kernel_sm90.config_for(m, n, k, num_sms=1)  # the padding rule alone (no few-tiles rule)
     splits = [dataclasses.replace(kernel_sm90.tiles()[0], wg_split=w) for w in ("n", "m")]
     fits = [c for c in splits if kernel_sm90.supported(m, n, k, E4, E4, c)]
     if fits:  # the grid walk aside (test_sm90_tile_grid_walk)
@@ -490,13 +490,13 @@ def test_gpu_scaled_matmul_matches_reference(impl_name, m, k, n, granularity):
 def test_sm90_tile_few_output_tiles(m, n, k, small):
     """With fewer 128 x 256 tiles than half the SMs (132 on an H100 / H200) the 128 x 128 CTA tile is taken, where
     it fits unpadded; 128 tiles or more keep the larger one."""
-    from pallas_fused.fp8 import api, kernel_sm90
+    from pallas_fused.fp8 import kernel_sm90
 
-    config = api.sm90_config(m, n, k, num_sms=132)
+    config = kernel_sm90.config_for(m, n, k, num_sms=132)
     assert (config.cta_tile == (128, 128)) is small
     assert kernel_sm90.supported(m, n, k, E4, E4, config) or not small
-    assert api.sm90_config(m, n, k, num_sms=1) == api.sm90_config(m, n, k, num_sms=1)  # a pure function
-    assert api.sm90_config(m, n, k, num_sms=1).cta_tile != (128, 128)
+    assert kernel_sm90.config_for(m, n, k, num_sms=1) == kernel_sm90.config_for(m, n, k, num_sms=1)  # a pure function
+    assert kernel_sm90.config_for(m, n, k, num_sms=1).cta_tile != (128, 128)
 
 
 @pytest.mark.parametrize("m,n,k,xla", [(2048, 512, 16384, True), (512, 2048, 16384, True), (2048, 512, 4096, False),
@@ -504,10 +504,10 @@ def test_sm90_tile_few_output_tiles(m, n, k, small):
 def test_cublas_wins_few_tiles_long_k(m, n, k, xla):
     """Plain "pallas" hands a GEMM to XLA's fp8 dot only where the small tiles still leave most of 132 SMs idle
     and K is long (cuBLAS splits K; the sm90 kernel does not)."""
-    from pallas_fused.fp8 import api
+    from pallas_fused.fp8 import kernel_sm90
 
-    assert api.cublas_wins(m, n, k, num_sms=132) is xla
-    assert not api.cublas_wins(m, n, k, num_sms=1)
+    assert kernel_sm90.cublas_wins(m, n, k, num_sms=132) is xla
+    assert not kernel_sm90.cublas_wins(m, n, k, num_sms=1)
 
 
 @pytest.mark.parametrize("m,n,k,xla", [(2048, 5504, 16384, True), (5504, 2048, 16384, True),
@@ -517,11 +517,11 @@ def test_cublas_wins_partial_last_wave_long_k(m, n, k, xla):
     """Plain "pallas" hands a long-K GEMM to XLA's fp8 dot where the sm90 tiles' last wave leaves SMs idle
     (344 tiles on 132 SMs: 87% of 3 waves), not where the waves are nearly full (128 tiles; thousands) or K is
     shorter; on one SM every wave is full."""
-    from pallas_fused.fp8 import api
+    from pallas_fused.fp8 import kernel_sm90
 
-    assert api.cublas_wins(m, n, k, num_sms=132) is xla
-    assert not api.cublas_wins(m, n, k, num_sms=1)
-    assert not api.cublas_wins(m, n, k, num_sms=2)  # one cluster, where the tile has one
+    assert kernel_sm90.cublas_wins(m, n, k, num_sms=132) is xla
+    assert not kernel_sm90.cublas_wins(m, n, k, num_sms=1)
+    assert not kernel_sm90.cublas_wins(m, n, k, num_sms=2)  # one cluster, where the tile has one
 
 
 @pytest.mark.gpu
@@ -533,11 +533,11 @@ def test_cublas_wins_partial_last_wave_long_k(m, n, k, xla):
 ])
 def test_gpu_scaled_matmul_nt_tiles(granularity, m, k, n, cta_tile, schedule):
     """The user's call (quantize outputs into scaled_matmul_nt) on each kind of tile the H200's tuning table picks."""
-    from pallas_fused.fp8 import api
+    from pallas_fused.fp8 import kernel_sm90
 
     if not _backend.is_hopper():
         pytest.skip("needs Hopper")
-    config = api.sm90_config(m, n, k)
+    config = kernel_sm90.config_for(m, n, k)
     assert (config.cta_tile, config.schedule) == (cta_tile, schedule)
     axis = None if granularity == "tensorwise" else -1
     a8, sa = quantize(rand(35, (m, k), jnp.bfloat16), E4, axis)
@@ -574,9 +574,9 @@ def cluster_table(monkeypatch):
 def test_sm90_tile_cluster_rule(cluster_table, m, n, num_sms, cluster, cta_tile):
     """A tuned tile keeps its cluster where the shape is a multiple of the cluster tile and (the large tile) the
     GEMM has at least cluster_min_tiles_per_sm CTA tiles per SM; elsewhere the same tile runs without it."""
-    from pallas_fused.fp8 import api, kernel_sm90
+    from pallas_fused.fp8 import kernel_sm90
 
-    config = api.sm90_config(m, n, 4096, num_sms=num_sms)
+    config = kernel_sm90.config_for(m, n, 4096, num_sms=num_sms)
     assert (config.cluster, config.cta_tile) == (cluster, cta_tile)
     assert kernel_sm90.supported(m, n, 4096, E4, E4, config)
     assert config.grid_tile_width == (8 if cta_tile == (128, 128) else 16)
@@ -592,16 +592,16 @@ def test_sm90_tile_cluster_rule(cluster_table, m, n, num_sms, cluster, cta_tile)
 def test_sm90_tile_grid_walk(monkeypatch, m, n, num_sms, minor):
     """The large tile walks the grid along "tall_grid_minor_dim" where M >= N; a table without it keeps the tile's
     own walk everywhere."""
-    from pallas_fused.fp8 import api, kernel_sm90
+    from pallas_fused.fp8 import kernel_sm90
 
-    config = api.sm90_config(m, n, 4096, num_sms=num_sms)
+    config = kernel_sm90.config_for(m, n, 4096, num_sms=num_sms)
     assert config.grid_minor_dim == minor
     assert kernel_sm90.supported(m, n, 4096, E4, E4, config)
     tuned = _backend.tuned
     without = {k: v for k, v in kernel_sm90.HEURISTIC.items() if k != "tall_grid_minor_dim"}
     monkeypatch.setattr(_backend, "tuned", lambda section, heuristic: without if section == "fp8_sm90"
                         else tuned(section, heuristic))
-    assert api.sm90_config(m, n, 4096, num_sms=num_sms) == dataclasses.replace(config, grid_minor_dim="n")
+    assert kernel_sm90.config_for(m, n, 4096, num_sms=num_sms) == dataclasses.replace(config, grid_minor_dim="n")
 
 
 @pytest.fixture
@@ -626,9 +626,9 @@ def test_sm90_tall_pingpong_rule(h200_table, monkeypatch, m, k, n, schedule, ste
     """The H200 table's "tall_pingpong" tile runs tall GEMMs (M >= N) with K at most its max_k, or M at least its
     long_k_min_m, on the ping-pong schedule, walking the grid as the large tile would; the others, and every GEMM of
     a table without the entry, keep the cooperative tiles."""
-    from pallas_fused.fp8 import api, kernel_sm90
+    from pallas_fused.fp8 import kernel_sm90
 
-    config = api.sm90_config(m, n, k, num_sms=132)
+    config = kernel_sm90.config_for(m, n, k, num_sms=132)
     assert (config.schedule, config.max_concurrent_steps) == (schedule, steps)
     assert kernel_sm90.supported(m, n, k, E4, E4, config)
     if schedule == "pingpong":
@@ -637,7 +637,7 @@ def test_sm90_tall_pingpong_rule(h200_table, monkeypatch, m, k, n, schedule, ste
     table = _backend.tuned("fp8_sm90", kernel_sm90.HEURISTIC)
     without = {key: v for key, v in table.items() if key != "tall_pingpong"}
     monkeypatch.setattr(_backend, "tuned", lambda section, heuristic: without)
-    assert api.sm90_config(m, n, k, num_sms=132).schedule == "cooperative"
+    assert kernel_sm90.config_for(m, n, k, num_sms=132).schedule == "cooperative"
 
 
 @pytest.mark.parametrize("table", ["heuristic", "h200"])
@@ -645,18 +645,18 @@ def test_sm90_tall_pingpong_rule(h200_table, monkeypatch, m, k, n, schedule, ste
 @pytest.mark.parametrize("m,k,n", [(16384, 2048, 5504), (16384, 4096, 11008), (8192, 8192, 8192), (4096, 512, 4096),
                                    (2048, 16384, 512)])
 def test_sm90_config_fits_shared_memory(request, table, out_dtype, m, k, n):
-    """Every tile `sm90_config` gives fits one CTA's shared memory with its result's epilogue staging, so
+    """Every tile `kernel_sm90.config_for` gives fits one CTA's shared memory with its result's epilogue staging, so
     "pallas:sm90" takes every out_dtype it accepts (a float32 result, as the sharded weight gradient's partial sums
     are, stages twice a bf16 one's bytes: a shallower ring); a 16-bit result keeps the tuned depth."""
     from pallas_fused import _sm90
-    from pallas_fused.fp8 import api, kernel_sm90
+    from pallas_fused.fp8 import kernel_sm90
 
     if table == "h200":
         request.getfixturevalue("h200_table")
-    config = api.sm90_config(m, n, k, num_sms=132, out_dtype=out_dtype)
+    config = kernel_sm90.config_for(m, n, k, num_sms=132, out_dtype=out_dtype)
     assert _sm90.smem_bytes(config, 1, 1, jnp.dtype(out_dtype).itemsize) <= _sm90.SMEM_LIMIT
     if jnp.dtype(out_dtype).itemsize == 2:
-        assert config == api.sm90_config(m, n, k, num_sms=132)
+        assert config == kernel_sm90.config_for(m, n, k, num_sms=132)
     cm, cn = config.cluster_tile
     a = jax.ShapeDtypeStruct((-(-m // cm) * cm, k), E4)
     bt = jax.ShapeDtypeStruct((-(-n // cn) * cn, k), E4)
@@ -715,12 +715,12 @@ def test_gpu_scaled_matmul_nt_pingpong(granularity, stages, out_dtype, cluster):
 @pytest.mark.gpu
 def test_gpu_scaled_matmul_nt_cluster_user_path(cluster_table):
     """The user's call picks the tuned cluster tile (CLUSTER_TABLE) and matches XLA."""
-    from pallas_fused.fp8 import api
+    from pallas_fused.fp8 import kernel_sm90
 
     if not _backend.is_hopper():
         pytest.skip("needs Hopper")
     m, k, n = 4096, 768, 8192  # wide: a tall GEMM would take the tuned ping-pong tile, which has no cluster
-    assert api.sm90_config(m, n, k).cluster == "m"
+    assert kernel_sm90.config_for(m, n, k).cluster == "m"
     a8, sa = quantize(rand(39, (m, k), jnp.bfloat16), E4, -1)
     bt8, sb = quantize(rand(40, (n, k), jnp.bfloat16), E4, -1)
     out = jax.jit(scaled_matmul_nt)(a8, bt8, sa, sb)
