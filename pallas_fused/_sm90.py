@@ -324,45 +324,11 @@ def _kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: in
                 else:
                     store(eval_pipeline(jnp.zeros((tile_m, tile_n), jnp.float32)))
 
-            def step_scales(step_smems):
-                """The K step's row and column scales of the warpgroup's tile, fp32 in WGMMA layouts."""
-                rows = [v[0, wg_row] if uniform_steps[0] else
-                        _backend.mosaic_load(v.at[0, wg_m], layout=plgpu.Layout.WGMMA.reduce(1))
-                        for v in step_smems[:n_step_rows]]
-                cols = [v[0, wg_col] if uniform_steps[1] else
-                        _backend.mosaic_load(v.at[0, wg_n], layout=plgpu.Layout.WGMMA.reduce(0))
-                        for v in step_smems[n_step_rows:]]
-                return [r.astype(jnp.float32) for r in rows], [c.astype(jnp.float32) for c in cols]
-
             def mma_body(_, a_smem, b_smem, *rest):
-                """One K step of the warpgroup: its wgmma on the stage's tiles, into the accumulator (or, with
-                `promote`, into a fresh step accumulator, promoted into the running fp32 sum)."""
                 step_smems, consumed, carry = rest[:len(step_gmems)], rest[len(step_gmems):-1], rest[-1]
-                b_wg = b_smem.at[wg_n] if b_layout == "nk" else b_smem.at[:, wg_n]
-                b_tile = b_wg.transpose((1, 0)) if b_layout == "nk" else b_wg
-                a_tile = a_smem.at[wg_m]
-                if a_dequant is not None:
-                    # a's stored tile loaded (in the layout Mosaic GPU infers for wgmma's register A operand),
-                    # converted in registers and fed to wgmma from there: no shared-memory round trip.
-                    a_tile = a_dequant(a_tile[...]).astype(b_gmem.dtype)
-                if promote is None:
-                    plgpu.wgmma(carry, a_tile, b_tile)
-                    plgpu.wgmma_wait(0)
-                    return carry
-
-                def release():  # the stage's tiles are no longer read: its scales are in registers
-                    for barrier in consumed:
-                        plgpu.barrier_arrive(barrier)
-
-                # The step accumulator is a fresh zeroed allocation (what wgmma accumulates onto).
-                def step(step_ref):
-                    plgpu.wgmma(step_ref, a_tile, b_tile)
-                    scales = step_scales(step_smems)  # loaded while the wgmma runs
-                    product = step_ref[...]  # waits for it
-                    release()
-                    return carry + promote(product, *scales)
-
-                return pl.run_scoped(step, plgpu.ACC((tile_m, tile_n), jnp.float32))
+                return _mma_step(carry, a_smem, b_smem, step_smems, consumed, wg_row, wg_col, config=config,
+                                 b_layout=b_layout, b_dtype=b_gmem.dtype, n_step_rows=n_step_rows, promote=promote,
+                                 uniform_steps=uniform_steps, a_dequant=a_dequant)
 
             b_view = b_gmem.at[cta_n_slice, :] if b_layout == "nk" else b_gmem.at[:, cta_n_slice]
             step_views = [v.at[:, cta_m_slice if i < n_step_rows else cta_n_slice] for i, v in enumerate(step_gmems)]
@@ -370,6 +336,53 @@ def _kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: in
                                                     allocations=pipeline_allocs)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _mma_step(carry, a_smem, b_smem, step_smems, consumed, wg_row, wg_col, *, config: TileConfig, b_layout: str,
+              b_dtype, n_step_rows: int, promote: Promote | None, uniform_steps: tuple[bool, bool],
+              a_dequant: Dequant | None):
+    """One K step of a compute warpgroup in the cooperative schedule: its wgmma on its half of the stage's tiles (a's
+    rows from wg_row, b's columns from wg_col), into the accumulator ref `carry`; or, with `promote`, into a fresh
+    step accumulator whose product is promoted with the step's scales into the running fp32 sum `carry` (returned).
+    The stage is released (`consumed`, with early_release) once its scales are in registers."""
+    plgpu = _backend.mosaic_gpu()
+    tile_m, tile_n = config.tile_m, config.tile_n
+    wg_m, wg_n = pl.ds(wg_row, tile_m), pl.ds(wg_col, tile_n)
+    b_wg = b_smem.at[wg_n] if b_layout == "nk" else b_smem.at[:, wg_n]
+    b_tile = b_wg.transpose((1, 0)) if b_layout == "nk" else b_wg
+    a_tile = a_smem.at[wg_m]
+    if a_dequant is not None:
+        # a's stored tile loaded (in the layout Mosaic GPU infers for wgmma's register A operand), converted in
+        # registers and fed to wgmma from there: no shared-memory round trip.
+        a_tile = a_dequant(a_tile[...]).astype(b_dtype)
+    if promote is None:
+        plgpu.wgmma(carry, a_tile, b_tile)
+        plgpu.wgmma_wait(0)
+        return carry
+
+    def step_scales():
+        """The K step's row and column scales of the warpgroup's tile, fp32 in WGMMA layouts."""
+        rows = [v[0, wg_row] if uniform_steps[0] else
+                _backend.mosaic_load(v.at[0, wg_m], layout=plgpu.Layout.WGMMA.reduce(1))
+                for v in step_smems[:n_step_rows]]
+        cols = [v[0, wg_col] if uniform_steps[1] else
+                _backend.mosaic_load(v.at[0, wg_n], layout=plgpu.Layout.WGMMA.reduce(0))
+                for v in step_smems[n_step_rows:]]
+        return [r.astype(jnp.float32) for r in rows], [c.astype(jnp.float32) for c in cols]
+
+    def release():  # the stage's tiles are no longer read: its scales are in registers
+        for barrier in consumed:
+            plgpu.barrier_arrive(barrier)
+
+    # The step accumulator is a fresh zeroed allocation (what wgmma accumulates onto).
+    def step(step_ref):
+        plgpu.wgmma(step_ref, a_tile, b_tile)
+        scales = step_scales()  # loaded while the wgmma runs
+        product = step_ref[...]  # waits for it
+        release()
+        return carry + promote(product, *scales)
+
+    return pl.run_scoped(step, plgpu.ACC((tile_m, tile_n), jnp.float32))
 
 
 def _fetch_lowrank(la_gmem, lb_gmem, lr_smem, vec_barrier, shared_free, wg, row0, col0, *, first: int,
