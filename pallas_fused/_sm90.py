@@ -133,9 +133,98 @@ def _smem_transforms(plgpu, minor: int, dtype):
 COMPUTE_WGS = 2  # compute warpgroups per CTA; the pipeline adds one memory warpgroup after them
 
 
+def _pipeline_specs(plgpu, a_gmem, b_gmem, step_gmems, *, config: TileConfig, b_layout: str, n_step_rows: int):
+    """The SMEM blocks the cooperative pipeline's memory warpgroup TMA-loads each K step: a's (cta_m, tile_k) tile,
+    b's tile in its layout, and one (1, cta) row of each step vector. The operand both CTAs of a cluster read is one
+    collective (multicast) load. The step vectors ride the pipeline beside a and b (in the same SMEM ring stage and
+    under the same barrier), so a step's scales are in SMEM exactly when its tiles are; a separate per-step TMA
+    would need its own barrier ring."""
+    tile_n, tile_k = config.tile_n, config.tile_k
+    cta_m, cta_n = config.cta_tile
+    transforms = _smem_transforms(plgpu, tile_k, a_gmem.dtype)
+    # b's minor dimension is K ("nk") or N ("kn"), of which a warpgroup reads its tile_n columns.
+    b_transforms = _smem_transforms(plgpu, tile_k if b_layout == "nk" else tile_n, b_gmem.dtype)
+    smem_spec = functools.partial(plgpu.BlockSpec, memory_space=plgpu.SMEM)
+    a_shared = dict(collective_axes=("cluster",)) if config.cluster == "n" else {}
+    b_shared = dict(collective_axes=("cluster",)) if config.cluster == "m" else {}
+    if b_layout == "nk":
+        b_spec = smem_spec((cta_n, tile_k), lambda kk: (0, kk), transforms=b_transforms, **b_shared)
+    else:
+        b_spec = smem_spec((tile_k, cta_n), lambda kk: (kk, 0), transforms=b_transforms, **b_shared)
+    step_specs = [smem_spec((1, cta_m if i < n_step_rows else cta_n), lambda kk: (kk, 0))
+                  for i in range(len(step_gmems))]
+    return [smem_spec((cta_m, tile_k), lambda kk: (0, kk), transforms=transforms, **a_shared), b_spec, *step_specs]
+
+
+def _lowrank_smem(plgpu, la_gmem, *, config: TileConfig, b_layout: str):
+    """SMEM for the low-rank slices: wgmma takes one swizzle for both operands and K steps of swizzle / itemsize, so
+    both are swizzled by the rank's row width (R = 16 at 16 bits: 32 bytes, one K step of the instruction). The
+    slice both warpgroups read (lb's columns when they split M, la's rows when they split N) is held once, loaded by
+    warpgroup 0; each warpgroup holds its own slice of the other factor."""
+    tile_m, tile_n = config.tile_m, config.tile_n
+    rank, lr_dtype = la_gmem.shape[1], la_gmem.dtype
+    lr_transforms = _smem_transforms(plgpu, rank, lr_dtype)
+    la_slots, lb_slots = (2, 1) if config.wg_split == "m" else (1, 2)
+    lb_shape = (lb_slots, tile_n, rank) if b_layout == "nk" else (lb_slots, rank, tile_n)
+    return (plgpu.SMEM((la_slots, tile_m, rank), lr_dtype, transforms=lr_transforms),
+            plgpu.SMEM(lb_shape, lr_dtype, transforms=lr_transforms))
+
+
+def _tile_index(plgpu, lin, m_iters: int, n_iters: int, config: TileConfig):
+    """(m, n) index of the CTA's output tile at position `lin` of the persistent walk: a planar snake over the
+    (cluster) tiles, so that consecutive CTAs share operand tiles in L2; with a cluster each CTA takes its half."""
+    minor = 1 if config.grid_minor_dim == "n" else 0  # planar_snake's minor_dim: 0 = M, 1 = N
+    m_idx, n_idx = plgpu.planar_snake(lin, (m_iters, n_iters), minor, config.grid_tile_width)
+    if config.cluster == "m":
+        m_idx = 2 * m_idx + lax.axis_index("cluster")
+    elif config.cluster == "n":
+        n_idx = 2 * n_idx + lax.axis_index("cluster")
+    return m_idx, n_idx
+
+
+def _fetch_vec_slices(vec_gmems, sliced, n_rows: int, row0, col0, tile_m: int, tile_n: int, vec_smem, vec_barrier,
+                      wg):
+    """TMA-copy the warpgroup's slices of the sliced row / column vectors into SMEM, each under its own barrier
+    (vec_barrier[COMPUTE_WGS * j + wg]), when its tile starts: issued before the main loop, so the copies overlap it
+    and the epilogue (`_epilogue_vecs`) waits for them only at the end."""
+    plgpu = _backend.mosaic_gpu()
+    for j, i in enumerate(sliced):
+        window = pl.ds(row0, tile_m) if i < n_rows else pl.ds(col0, tile_n)
+        plgpu.copy_gmem_to_smem(vec_gmems[i].at[window], vec_smem[j].at[wg], vec_barrier.at[COMPUTE_WGS * j + wg])
+
+
+def _store_through_smem(out, out_smem, wg, epi: int, tile_m: int, tile_n: int, dst, transpose_out: bool = False):
+    """Store the warpgroup's epilogue tile `out` (already in the result dtype) through its two (epi, epi) SMEM slots:
+    each piece written into SMEM, then TMA-stored to dst(rows, cols) (the piece's global window), alternating slots
+    so that a piece's store overlaps the next piece's write. The first wait: the warpgroup's previous tile's stores
+    have left out_smem. With `transpose_out` each piece goes into SMEM transposed (stmatrix.trans) and dst takes
+    (cols, rows)."""
+    plgpu = _backend.mosaic_gpu()
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    slot = 0
+    for ei in range(tile_m // epi):
+        for ej in range(tile_n // epi):
+            plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+            piece = out[ei * epi:(ei + 1) * epi, ej * epi:(ej + 1) * epi]
+            rows, cols = pl.ds(ei * epi, epi), pl.ds(ej * epi, epi)
+            if transpose_out:
+                piece = plgpu.layout_cast(piece, plgpu.Layout.WGMMA_TRANSPOSED)
+                out_smem.at[wg, slot].transpose((1, 0))[...] = piece
+                target = dst(cols, rows)
+            else:
+                out_smem[wg, slot] = piece
+                target = dst(rows, cols)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], target)
+            slot = 1 - slot
+
+
 def _kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: int, n_vecs: int, n_step_rows: int,
             epilogue: Epilogue, promote: Promote | None, uniform_steps: tuple[bool, bool], a_dequant: Dequant | None,
             lowrank: bool, transpose_out: bool):
+    """The cooperative schedule (module docstring): the pipeline's memory warpgroup streams the CTA tile's K steps
+    (`_pipeline_specs`), both compute warpgroups run every K step's wgmma on their half (`mma_body`), then each runs
+    the epilogue on its fp32 tile and stores it (`store`)."""
     plgpu = _backend.mosaic_gpu()
     *vec_gmems, out_gmem = refs
     la_gmem = lb_gmem = None
@@ -153,34 +242,18 @@ def _kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: in
     clu_m, clu_n = config.cluster_tile
     m_iters, n_iters, k_iters = m // clu_m, n // clu_n, k // tile_k
     epi = config.epi_tile
-    transforms = _smem_transforms(plgpu, tile_k, a_gmem.dtype)
-    # b's minor dimension is K ("nk") or N ("kn"), of which a warpgroup reads its tile_n columns.
-    b_transforms = _smem_transforms(plgpu, tile_k if b_layout == "nk" else tile_n, b_gmem.dtype)
     out_transforms = _smem_transforms(plgpu, epi, out_dtype)
     split_m = config.wg_split == "m"
-    minor = 1 if config.grid_minor_dim == "n" else 0  # planar_snake's minor_dim: 0 = M, 1 = N
     early = config.early_release and promote is not None
-    smem_spec = functools.partial(plgpu.BlockSpec, memory_space=plgpu.SMEM)
-    # The operand both CTAs of a cluster read is one collective (multicast) load.
-    a_shared = dict(collective_axes=("cluster",)) if config.cluster == "n" else {}
-    b_shared = dict(collective_axes=("cluster",)) if config.cluster == "m" else {}
-    if b_layout == "nk":
-        b_spec = smem_spec((cta_n, tile_k), lambda kk: (0, kk), transforms=b_transforms, **b_shared)
-    else:
-        b_spec = smem_spec((tile_k, cta_n), lambda kk: (kk, 0), transforms=b_transforms, **b_shared)
-    # The step vectors ride the pipeline beside a and b (one (1, cta) row of each per K step, in the same SMEM
-    # ring stage and under the same barrier), so a step's scales are in SMEM exactly when its tiles are; a
-    # separate per-step TMA would need its own barrier ring.
-    step_specs = [smem_spec((1, cta_m if i < n_step_rows else cta_n), lambda kk: (kk, 0))
-                  for i in range(len(step_gmems))]
+    in_specs = _pipeline_specs(plgpu, a_gmem, b_gmem, step_gmems, config=config, b_layout=b_layout,
+                               n_step_rows=n_step_rows)
 
     def get_pipeline(body, compute_context):
         return plgpu.emit_pipeline_warp_specialized(
             body,
             grid=(k_iters,),
             memory_registers=40,
-            in_specs=[smem_spec((cta_m, tile_k), lambda kk: (0, kk), transforms=transforms, **a_shared), b_spec,
-                      *step_specs],
+            in_specs=in_specs,
             wg_axis="wg",
             num_compute_wgs=COMPUTE_WGS,
             max_concurrent_steps=config.max_concurrent_steps,
@@ -190,19 +263,7 @@ def _kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: in
 
     ignore = lambda *_, **__: None  # noqa: E731 - the bodies do not change the allocations
     vec_smem = tuple(plgpu.SMEM((2, tile_m if i < n_rows else tile_n), vec_gmems[i].dtype) for i in sliced)
-    lr_smem = None
     n_barriers = 2 * len(sliced) + (3 if lowrank else 0)
-    if lowrank:
-        # wgmma takes one swizzle for both operands and K steps of swizzle / itemsize: both slices are swizzled
-        # by the rank's row width (R = 16 at 16 bits: 32 bytes, one K step of the instruction). The slice both
-        # warpgroups read (lb's columns when they split M, la's rows when they split N) is held once, loaded by
-        # warpgroup 0; each warpgroup holds its own slice of the other factor.
-        rank, lr_dtype = la_gmem.shape[1], la_gmem.dtype
-        lr_transforms = _smem_transforms(plgpu, rank, lr_dtype)
-        la_slots, lb_slots = (2, 1) if split_m else (1, 2)
-        lb_shape = (lb_slots, tile_n, rank) if b_layout == "nk" else (lb_slots, rank, tile_n)
-        lr_smem = (plgpu.SMEM((la_slots, tile_m, rank), lr_dtype, transforms=lr_transforms),
-                   plgpu.SMEM(lb_shape, lr_dtype, transforms=lr_transforms))
 
     @functools.partial(
         pl.run_scoped,
@@ -212,7 +273,7 @@ def _kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: in
         # One per warpgroup and sliced vector, then (with the low-rank step) one per warpgroup for its own low-rank
         # slice and one for the shared slice.
         vec_barrier=plgpu.Barrier(num_barriers=n_barriers) if n_barriers else None,
-        lr_smem=lr_smem,
+        lr_smem=_lowrank_smem(plgpu, la_gmem, config=config, b_layout=b_layout) if lowrank else None,
         # Both warpgroups arrive once they have read the shared low-rank slice, so warpgroup 0 overwrites it with
         # the next tile's only then.
         shared_free=plgpu.Barrier(num_arrivals=2) if lowrank else None,
@@ -229,11 +290,7 @@ def _kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: in
         @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
         def _tiles(loop_info):
             (lin,) = getattr(loop_info, "index", loop_info)
-            m_idx, n_idx = plgpu.planar_snake(lin, (m_iters, n_iters), minor, config.grid_tile_width)
-            if config.cluster == "m":  # the snake walks cluster tiles; each CTA takes its half
-                m_idx = 2 * m_idx + lax.axis_index("cluster")
-            elif config.cluster == "n":
-                n_idx = 2 * n_idx + lax.axis_index("cluster")
+            m_idx, n_idx = _tile_index(plgpu, lin, m_iters, n_iters, config)
             cta_m_slice = pl.ds(m_idx * cta_m, cta_m)
             cta_n_slice = pl.ds(n_idx * cta_n, cta_n)
             wg_row = wg * tile_m if split_m else 0  # the warpgroup's first row and column in the CTA tile
@@ -245,102 +302,33 @@ def _kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: in
                 """epilogue() of the warpgroup's fp32 tile, stored through SMEM."""
                 vecs = _epilogue_vecs(len(vec_gmems), n_rows, scalars, sliced, vec_smem, vec_barrier, wg)
                 out = epilogue(acc, vecs[:n_rows], vecs[n_rows:]).astype(out_dtype)
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                slot = 0
-                for ei in range(tile_m // epi):
-                    for ej in range(tile_n // epi):
-                        plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-                        piece = out[ei * epi:(ei + 1) * epi, ej * epi:(ej + 1) * epi]
-                        rows, cols = pl.ds(ei * epi, epi), pl.ds(ej * epi, epi)
-                        if transpose_out:  # stored transposed into SMEM (stmatrix.trans), then as any tile
-                            piece = plgpu.layout_cast(piece, plgpu.Layout.WGMMA_TRANSPOSED)
-                            out_smem.at[wg, slot].transpose((1, 0))[...] = piece
-                            dst = out_gmem.at[cta_n_slice, cta_m_slice].at[wg_n, wg_m].at[cols, rows]
-                        else:
-                            out_smem[wg, slot] = piece
-                            dst = out_gmem.at[cta_m_slice, cta_n_slice].at[wg_m, wg_n].at[rows, cols]
-                        plgpu.commit_smem()
-                        plgpu.copy_smem_to_gmem(out_smem.at[wg, slot], dst)
-                        slot = 1 - slot
+                if transpose_out:
+                    dst = lambda cols, rows: out_gmem.at[cta_n_slice, cta_m_slice].at[wg_n, wg_m].at[cols, rows]  # noqa: E731
+                else:
+                    dst = lambda rows, cols: out_gmem.at[cta_m_slice, cta_n_slice].at[wg_m, wg_n].at[rows, cols]  # noqa: E731
+                _store_through_smem(out, out_smem, wg, epi, tile_m, tile_n, dst, transpose_out)
 
             def compute_context(eval_pipeline):
-                # Fetch this warpgroup's vector slices while the main loop runs.
-                for j, i in enumerate(sliced):
-                    window = pl.ds(row0, tile_m) if i < n_rows else pl.ds(col0, tile_n)
-                    plgpu.copy_gmem_to_smem(vec_gmems[i].at[window], vec_smem[j].at[wg], vec_barrier.at[2 * j + wg])
-                if lowrank:  # the low-rank slices, also while the main loop runs
-                    la_smem, lb_smem = lr_smem
-                    first = 2 * len(sliced)
-                    own_bar, shared_bar = vec_barrier.at[first + wg], vec_barrier.at[first + 2]  # both wait on it
-                    la_bar, lb_bar = (own_bar, shared_bar) if split_m else (shared_bar, own_bar)
-                    la_slot, lb_slot = la_smem.at[wg if split_m else 0], lb_smem.at[0 if split_m else wg]
-                    la_src = la_gmem.at[pl.ds(row0, tile_m), :]
-                    lb_src = (lb_gmem.at[pl.ds(col0, tile_n), :] if b_layout == "nk"
-                              else lb_gmem.at[:, pl.ds(col0, tile_n)])
-                    la, lb = (la_src, la_slot, la_bar), (lb_src, lb_slot, lb_bar)
-                    own, shared = (la, lb) if split_m else (lb, la)
-                    plgpu.copy_gmem_to_smem(*own)
-
-                    @pl.when(wg == 0)
-                    def _():
-                        plgpu.barrier_wait(shared_free)  # both warpgroups are done with the last tile's
-                        plgpu.copy_gmem_to_smem(*shared)
-
+                # Fetch this warpgroup's vector slices (and low-rank slices) while the main loop runs.
+                _fetch_vec_slices(vec_gmems, sliced, n_rows, row0, col0, tile_m, tile_n, vec_smem, vec_barrier, wg)
+                if lowrank:
+                    lr = _fetch_lowrank(la_gmem, lb_gmem, lr_smem, vec_barrier, shared_free, wg, row0, col0,
+                                        first=2 * len(sliced), config=config, b_layout=b_layout)
                 if promote is None:
                     @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tile_m, tile_n), jnp.float32))
                     def _acc_scope(acc_ref):
                         eval_pipeline(acc_ref)
                         if lowrank:
-                            # One more wgmma into the accumulator. The next tile's copy into this warpgroup's own
-                            # slice is issued by it after the wait, into the shared one by warpgroup 0 once both
-                            # have arrived below, so neither races the read.
-                            plgpu.barrier_wait(la_bar)
-                            plgpu.barrier_wait(lb_bar)
-                            lb_tile = lb_slot.transpose((1, 0)) if b_layout == "nk" else lb_slot
-                            plgpu.wgmma(acc_ref, la_slot, lb_tile)
-                            plgpu.wgmma_wait(0)
-                            plgpu.barrier_arrive(shared_free)
+                            _lowrank_mma(acc_ref, *lr, shared_free, b_layout=b_layout)
                         store(acc_ref[...])
                 else:
                     store(eval_pipeline(jnp.zeros((tile_m, tile_n), jnp.float32)))
 
-            def step_scales(step_smems):
-                """The K step's row and column scales of the warpgroup's tile, fp32 in WGMMA layouts."""
-                rows = [v[0, wg_row] if uniform_steps[0] else
-                        _backend.mosaic_load(v.at[0, wg_m], layout=plgpu.Layout.WGMMA.reduce(1))
-                        for v in step_smems[:n_step_rows]]
-                cols = [v[0, wg_col] if uniform_steps[1] else
-                        _backend.mosaic_load(v.at[0, wg_n], layout=plgpu.Layout.WGMMA.reduce(0))
-                        for v in step_smems[n_step_rows:]]
-                return [r.astype(jnp.float32) for r in rows], [c.astype(jnp.float32) for c in cols]
-
             def mma_body(_, a_smem, b_smem, *rest):
                 step_smems, consumed, carry = rest[:len(step_gmems)], rest[len(step_gmems):-1], rest[-1]
-                b_wg = b_smem.at[wg_n] if b_layout == "nk" else b_smem.at[:, wg_n]
-                b_tile = b_wg.transpose((1, 0)) if b_layout == "nk" else b_wg
-                a_tile = a_smem.at[wg_m]
-                if a_dequant is not None:
-                    # a's stored tile loaded (in the layout Mosaic GPU infers for wgmma's register A operand),
-                    # converted in registers and fed to wgmma from there: no shared-memory round trip.
-                    a_tile = a_dequant(a_tile[...]).astype(b_gmem.dtype)
-                if promote is None:
-                    plgpu.wgmma(carry, a_tile, b_tile)
-                    plgpu.wgmma_wait(0)
-                    return carry
-
-                def release():  # the stage's tiles are no longer read: its scales are in registers
-                    for barrier in consumed:
-                        plgpu.barrier_arrive(barrier)
-
-                # The step accumulator is a fresh zeroed allocation (what wgmma accumulates onto).
-                def step(step_ref):
-                    plgpu.wgmma(step_ref, a_tile, b_tile)
-                    scales = step_scales(step_smems)  # loaded while the wgmma runs
-                    product = step_ref[...]  # waits for it
-                    release()
-                    return carry + promote(product, *scales)
-
-                return pl.run_scoped(step, plgpu.ACC((tile_m, tile_n), jnp.float32))
+                return _mma_step(carry, a_smem, b_smem, step_smems, consumed, wg_row, wg_col, config=config,
+                                 b_layout=b_layout, b_dtype=b_gmem.dtype, n_step_rows=n_step_rows, promote=promote,
+                                 uniform_steps=uniform_steps, a_dequant=a_dequant)
 
             b_view = b_gmem.at[cta_n_slice, :] if b_layout == "nk" else b_gmem.at[:, cta_n_slice]
             step_views = [v.at[:, cta_m_slice if i < n_step_rows else cta_n_slice] for i, v in enumerate(step_gmems)]
@@ -348,6 +336,94 @@ def _kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: in
                                                     allocations=pipeline_allocs)
 
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _mma_step(carry, a_smem, b_smem, step_smems, consumed, wg_row, wg_col, *, config: TileConfig, b_layout: str,
+              b_dtype, n_step_rows: int, promote: Promote | None, uniform_steps: tuple[bool, bool],
+              a_dequant: Dequant | None):
+    """One K step of a compute warpgroup in the cooperative schedule: its wgmma on its half of the stage's tiles (a's
+    rows from wg_row, b's columns from wg_col), into the accumulator ref `carry`; or, with `promote`, into a fresh
+    step accumulator whose product is promoted with the step's scales into the running fp32 sum `carry` (returned).
+    The stage is released (`consumed`, with early_release) once its scales are in registers."""
+    plgpu = _backend.mosaic_gpu()
+    tile_m, tile_n = config.tile_m, config.tile_n
+    wg_m, wg_n = pl.ds(wg_row, tile_m), pl.ds(wg_col, tile_n)
+    b_wg = b_smem.at[wg_n] if b_layout == "nk" else b_smem.at[:, wg_n]
+    b_tile = b_wg.transpose((1, 0)) if b_layout == "nk" else b_wg
+    a_tile = a_smem.at[wg_m]
+    if a_dequant is not None:
+        # a's stored tile loaded (in the layout Mosaic GPU infers for wgmma's register A operand), converted in
+        # registers and fed to wgmma from there: no shared-memory round trip.
+        a_tile = a_dequant(a_tile[...]).astype(b_dtype)
+    if promote is None:
+        plgpu.wgmma(carry, a_tile, b_tile)
+        plgpu.wgmma_wait(0)
+        return carry
+
+    def step_scales():
+        """The K step's row and column scales of the warpgroup's tile, fp32 in WGMMA layouts."""
+        rows = [v[0, wg_row] if uniform_steps[0] else
+                _backend.mosaic_load(v.at[0, wg_m], layout=plgpu.Layout.WGMMA.reduce(1))
+                for v in step_smems[:n_step_rows]]
+        cols = [v[0, wg_col] if uniform_steps[1] else
+                _backend.mosaic_load(v.at[0, wg_n], layout=plgpu.Layout.WGMMA.reduce(0))
+                for v in step_smems[n_step_rows:]]
+        return [r.astype(jnp.float32) for r in rows], [c.astype(jnp.float32) for c in cols]
+
+    def release():  # the stage's tiles are no longer read: its scales are in registers
+        for barrier in consumed:
+            plgpu.barrier_arrive(barrier)
+
+    # The step accumulator is a fresh zeroed allocation (what wgmma accumulates onto).
+    def step(step_ref):
+        plgpu.wgmma(step_ref, a_tile, b_tile)
+        scales = step_scales()  # loaded while the wgmma runs
+        product = step_ref[...]  # waits for it
+        release()
+        return carry + promote(product, *scales)
+
+    return pl.run_scoped(step, plgpu.ACC((tile_m, tile_n), jnp.float32))
+
+
+def _fetch_lowrank(la_gmem, lb_gmem, lr_smem, vec_barrier, shared_free, wg, row0, col0, *, first: int,
+                   config: TileConfig, b_layout: str):
+    """TMA-copy the warpgroup's low-rank slices into SMEM while the main loop runs: its own slice of one factor under
+    its own barrier (vec_barrier[first + wg]), and (by warpgroup 0, once both warpgroups are done with the last
+    tile's) the slice both read under vec_barrier[first + 2]. Returns (la_slot, lb_slot, la_bar, lb_bar) for
+    `_lowrank_mma`."""
+    plgpu = _backend.mosaic_gpu()
+    tile_m, tile_n = config.tile_m, config.tile_n
+    split_m = config.wg_split == "m"
+    la_smem, lb_smem = lr_smem
+    own_bar, shared_bar = vec_barrier.at[first + wg], vec_barrier.at[first + 2]  # both wait on it
+    la_bar, lb_bar = (own_bar, shared_bar) if split_m else (shared_bar, own_bar)
+    la_slot, lb_slot = la_smem.at[wg if split_m else 0], lb_smem.at[0 if split_m else wg]
+    la_src = la_gmem.at[pl.ds(row0, tile_m), :]
+    lb_src = (lb_gmem.at[pl.ds(col0, tile_n), :] if b_layout == "nk"
+              else lb_gmem.at[:, pl.ds(col0, tile_n)])
+    la, lb = (la_src, la_slot, la_bar), (lb_src, lb_slot, lb_bar)
+    own, shared = (la, lb) if split_m else (lb, la)
+    plgpu.copy_gmem_to_smem(*own)
+
+    @pl.when(wg == 0)
+    def _():
+        plgpu.barrier_wait(shared_free)  # both warpgroups are done with the last tile's
+        plgpu.copy_gmem_to_smem(*shared)
+
+    return la_slot, lb_slot, la_bar, lb_bar
+
+
+def _lowrank_mma(acc_ref, la_slot, lb_slot, la_bar, lb_bar, shared_free, *, b_layout: str):
+    """The low-rank step: one more wgmma, la's slice @ lb's, into the accumulator after the main loop. The next
+    tile's copy into this warpgroup's own slice is issued by it after the wait, into the shared one by warpgroup 0
+    once both have arrived on `shared_free` here, so neither races the read."""
+    plgpu = _backend.mosaic_gpu()
+    plgpu.barrier_wait(la_bar)
+    plgpu.barrier_wait(lb_bar)
+    lb_tile = lb_slot.transpose((1, 0)) if b_layout == "nk" else lb_slot
+    plgpu.wgmma(acc_ref, la_slot, lb_tile)
+    plgpu.wgmma_wait(0)
+    plgpu.barrier_arrive(shared_free)
 
 
 def _epilogue_vecs(n_vecs: int, n_rows: int, scalars, sliced, vec_smem, vec_barrier, wg):
@@ -370,9 +446,10 @@ def _epilogue_vecs(n_vecs: int, n_rows: int, scalars, sliced, vec_smem, vec_barr
 def _pingpong_kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n_rows: int, epilogue: Epilogue,
                      num_ctas: int):
     """The ping-pong schedule (module docstring): warpgroup w computes and stores every other tile of the CTA's
-    walk, the memory warpgroup (the last) loads the K steps of all of them in walk order. With a cluster the walk
-    is over cluster tiles, each CTA taking its half, and both CTAs' j-th tiles belong to the same warpgroup, so the
-    operand they share is one multicast load into both rings each K step."""
+    walk (`_pingpong_consumer`), the memory warpgroup (the last) loads the K steps of all of them in walk order
+    (`_pingpong_producer`). With a cluster the walk is over cluster tiles, each CTA taking its half, and both CTAs'
+    j-th tiles belong to the same warpgroup, so the operand they share is one multicast load into both rings each K
+    step."""
     plgpu = _backend.mosaic_gpu()
     *vec_gmems, out_gmem = refs
     sliced = [i for i, v in enumerate(vec_gmems) if v.shape != (1,)]
@@ -383,10 +460,7 @@ def _pingpong_kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n
     stages = config.max_concurrent_steps
     clu_m, clu_n = config.cluster_tile
     m_iters, n_iters, k_iters = m // clu_m, n // clu_n, k // tile_k
-    minor = 1 if config.grid_minor_dim == "n" else 0
     nk = b_layout == "nk"
-    a_shared = dict(collective_axes="cluster") if config.cluster == "n" else {}
-    b_shared = dict(collective_axes="cluster") if config.cluster == "m" else {}
     # A stage is refilled once its owner has read it in every CTA it is loaded into: with a cluster, the shared
     # operand's multicast writes the peer's ring too, so both CTAs' owners arrive on both CTAs' barriers.
     consumed = (plgpu.ClusterBarrier(collective_axes=("cluster",), num_barriers=stages) if config.cluster
@@ -417,45 +491,13 @@ def _pingpong_kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n
 
         def origin(j):
             """The first row and column of the CTA's j-th tile."""
-            m_idx, n_idx = plgpu.planar_snake(cta + j * num_ctas, (m_iters, n_iters), minor, config.grid_tile_width)
-            if config.cluster == "m":  # the walk is over cluster tiles; each CTA takes its half
-                m_idx = 2 * m_idx + lax.axis_index("cluster")
-            elif config.cluster == "n":
-                n_idx = 2 * n_idx + lax.axis_index("cluster")
+            m_idx, n_idx = _tile_index(plgpu, cta + j * num_ctas, m_iters, n_iters, config)
             return m_idx * tile_m, n_idx * tile_n
 
         @pl.when(wg == COMPUTE_WGS)
         def _memory():
-            plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
-
-            def tile(j, step):
-                row0, col0 = origin(j)
-                owner = lax.rem(j, COMPUTE_WGS)
-
-                def k_step(kk, step):
-                    slot = lax.rem(step, stages)
-
-                    @pl.when(step >= stages)  # the stage's previous K step has been read
-                    def _():
-                        plgpu.barrier_wait(consumed.at[slot])
-
-                    ks = pl.ds(kk * tile_k, tile_k)
-                    barrier = full.at[owner * stages + slot]
-                    plgpu.copy_gmem_to_smem(a_gmem.at[pl.ds(row0, tile_m), ks], a_ring.at[slot], barrier, **a_shared)
-                    b_src = b_gmem.at[pl.ds(col0, tile_n), ks] if nk else b_gmem.at[ks, pl.ds(col0, tile_n)]
-                    plgpu.copy_gmem_to_smem(b_src, b_ring.at[slot], barrier, **b_shared)
-                    return step + 1
-
-                return lax.fori_loop(0, k_iters, k_step, step)
-
-            steps = lax.fori_loop(0, local_tiles, tile, jnp.int32(0))
-
-            # The last releases awaited too: no arrival is still on its way to a barrier when the CTA exits.
-            def drain(step, carry):
-                plgpu.barrier_wait(consumed.at[lax.rem(step, stages)])
-                return carry
-
-            lax.fori_loop(lax.max(steps - stages, 0), steps, drain, None)
+            _pingpong_producer(a_gmem, b_gmem, a_ring, b_ring, full, consumed, origin, local_tiles, config=config,
+                               nk=nk)
 
         @pl.when(wg < COMPUTE_WGS)
         def _compute():
@@ -465,10 +507,7 @@ def _pingpong_kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n
             def tile(i, carry):
                 j = COMPUTE_WGS * i + wg  # the CTA's j-th tile is this warpgroup's i-th
                 row0, col0 = origin(j)
-                for jv, iv in enumerate(sliced):  # fetched while the main loop runs
-                    window = pl.ds(row0, tile_m) if iv < n_rows else pl.ds(col0, tile_n)
-                    plgpu.copy_gmem_to_smem(vec_gmems[iv].at[window], vec_smem[jv].at[wg],
-                                            vec_barrier.at[COMPUTE_WGS * jv + wg])
+                _fetch_vec_slices(vec_gmems, sliced, n_rows, row0, col0, tile_m, tile_n, vec_smem, vec_barrier, wg)
 
                 @pl.when(j > 0)  # the previous tile's (the other warpgroup's) main loop has been issued
                 def _():
@@ -477,46 +516,94 @@ def _pingpong_kernel(a_gmem, b_gmem, *refs, config: TileConfig, b_layout: str, n
                 first = j * k_iters  # the ring's count of K steps before this tile's
 
                 def main_loop(acc_ref):
-                    def k_step(kk, carry):
-                        slot = lax.rem(first + kk, stages)
-                        plgpu.barrier_wait(full.at[wg * stages + slot])
-                        b_tile = b_ring.at[slot].transpose((1, 0)) if nk else b_ring.at[slot]
-                        plgpu.wgmma(acc_ref, a_ring.at[slot], b_tile)
-                        plgpu.wgmma_wait(1)  # the previous step's wgmma is done: its stage is free
-
-                        @pl.when(kk > 0)
-                        def _():
-                            plgpu.barrier_arrive(consumed.at[lax.rem(first + kk + stages - 1, stages)])
-
-                        return carry
-
-                    lax.fori_loop(0, k_iters, k_step, None)
-                    plgpu.barrier_arrive(turn.at[1 - wg])  # the other warpgroup's wgmmas queue behind the last one
-                    plgpu.wgmma_wait(0)
-                    plgpu.barrier_arrive(consumed.at[lax.rem(first + k_iters - 1, stages)])
+                    _pingpong_mma_loop(acc_ref, a_ring, b_ring, full, consumed, turn, wg, first=first,
+                                       k_iters=k_iters, stages=stages, nk=nk)
                     store(acc_ref[...], row0, col0)
 
                 pl.run_scoped(main_loop, plgpu.ACC((tile_m, tile_n), jnp.float32))
                 return carry
 
             def store(acc, row0, col0):
+                """epilogue() of the warpgroup's fp32 tile, stored through SMEM."""
                 vecs = _epilogue_vecs(len(vec_gmems), n_rows, scalars, sliced, vec_smem, vec_barrier, wg)
                 out = epilogue(acc, vecs[:n_rows], vecs[n_rows:]).astype(out_dtype)
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last tile's stores have left out_smem
                 dst_tile = out_gmem.at[pl.ds(row0, tile_m), pl.ds(col0, tile_n)]
-                slot = 0
-                for ei in range(tile_m // epi):
-                    for ej in range(tile_n // epi):
-                        plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-                        out_smem[wg, slot] = out[ei * epi:(ei + 1) * epi, ej * epi:(ej + 1) * epi]
-                        plgpu.commit_smem()
-                        plgpu.copy_smem_to_gmem(out_smem.at[wg, slot],
-                                                dst_tile.at[pl.ds(ei * epi, epi), pl.ds(ej * epi, epi)])
-                        slot = 1 - slot
+                _store_through_smem(out, out_smem, wg, epi, tile_m, tile_n, lambda rows, cols: dst_tile.at[rows, cols])
 
             own_tiles = (local_tiles + COMPUTE_WGS - 1 - wg) // COMPUTE_WGS
             lax.fori_loop(0, own_tiles, tile, None)
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+
+def _pingpong_producer(a_gmem, b_gmem, a_ring, b_ring, full, consumed, origin, local_tiles, *, config: TileConfig,
+                       nk: bool):
+    """The memory warpgroup of the ping-pong schedule: TMA-loads every K step of every tile of the CTA's walk, in walk
+    order, into the next stage of the one ring both compute warpgroups share, arriving on the owner's "full" barrier
+    of that stage (a stage is reused only once its previous K step has been released). Then it waits for the last
+    releases, so that no arrival is still on its way to a barrier when the CTA exits."""
+    plgpu = _backend.mosaic_gpu()
+    tile_m, tile_n, tile_k = config.tile_m, config.tile_n, config.tile_k
+    stages = config.max_concurrent_steps
+    k_iters = a_gmem.shape[1] // tile_k
+    a_shared = dict(collective_axes="cluster") if config.cluster == "n" else {}
+    b_shared = dict(collective_axes="cluster") if config.cluster == "m" else {}
+    plgpu.set_max_registers(MEMORY_REGISTERS, action="decrease")
+
+    def tile(j, step):
+        row0, col0 = origin(j)
+        owner = lax.rem(j, COMPUTE_WGS)
+
+        def k_step(kk, step):
+            slot = lax.rem(step, stages)
+
+            @pl.when(step >= stages)  # the stage's previous K step has been read
+            def _():
+                plgpu.barrier_wait(consumed.at[slot])
+
+            ks = pl.ds(kk * tile_k, tile_k)
+            barrier = full.at[owner * stages + slot]
+            plgpu.copy_gmem_to_smem(a_gmem.at[pl.ds(row0, tile_m), ks], a_ring.at[slot], barrier, **a_shared)
+            b_src = b_gmem.at[pl.ds(col0, tile_n), ks] if nk else b_gmem.at[ks, pl.ds(col0, tile_n)]
+            plgpu.copy_gmem_to_smem(b_src, b_ring.at[slot], barrier, **b_shared)
+            return step + 1
+
+        return lax.fori_loop(0, k_iters, k_step, step)
+
+    steps = lax.fori_loop(0, local_tiles, tile, jnp.int32(0))
+
+    def drain(step, carry):
+        plgpu.barrier_wait(consumed.at[lax.rem(step, stages)])
+        return carry
+
+    lax.fori_loop(lax.max(steps - stages, 0), steps, drain, None)
+
+
+def _pingpong_mma_loop(acc_ref, a_ring, b_ring, full, consumed, turn, wg, *, first, k_iters: int, stages: int,
+                       nk: bool):
+    """A compute warpgroup's main loop over its tile's K steps (the ring's K steps from `first`, its count of K steps
+    before this tile's, on): wait for the stage's loads, issue its wgmma, and release the previous step's stage once
+    that wgmma is done (one wgmma stays in flight, so a stage is released a K step late). After the last step it
+    lets the other warpgroup's main loop start (its wgmmas queue behind this one's last), waits for its own and
+    releases the last stage."""
+    plgpu = _backend.mosaic_gpu()
+
+    def k_step(kk, carry):
+        slot = lax.rem(first + kk, stages)
+        plgpu.barrier_wait(full.at[wg * stages + slot])
+        b_tile = b_ring.at[slot].transpose((1, 0)) if nk else b_ring.at[slot]
+        plgpu.wgmma(acc_ref, a_ring.at[slot], b_tile)
+        plgpu.wgmma_wait(1)  # the previous step's wgmma is done: its stage is free
+
+        @pl.when(kk > 0)
+        def _():
+            plgpu.barrier_arrive(consumed.at[lax.rem(first + kk + stages - 1, stages)])
+
+        return carry
+
+    lax.fori_loop(0, k_iters, k_step, None)
+    plgpu.barrier_arrive(turn.at[1 - wg])  # the other warpgroup's wgmmas queue behind the last one
+    plgpu.wgmma_wait(0)
+    plgpu.barrier_arrive(consumed.at[lax.rem(first + k_iters - 1, stages)])
 
 
 MEMORY_REGISTERS = 40  # per thread of the memory warpgroup, as the cooperative pipeline gives it

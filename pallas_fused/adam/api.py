@@ -19,7 +19,7 @@ Two ways to use it; both keep the same state (`FusedAdamState`) and give the sam
 
 Implementation: `implementation=None` on a GPU runs the Pallas kernel for 8-bit states and XLA's fused
 elementwise step for fp32/bf16 states, which ties the kernel in place and fuses with `apply_updates` on the
-composable path (see `_leaf_implementation`);
+composable path (see impls.py: each backend an object, `impls.choose` the default's choice);
 `implementation="pallas"` forces the kernel; `"pallas:sm90"` its Mosaic GPU port (fp32/bf16 states, jax >= 0.11,
 Hopper; see kernel_mosaic.py), named as every op names its Mosaic GPU kernel. `"pallas:mosaic"`, its name in 0.2,
 still works for one release, with a DeprecationWarning.
@@ -40,7 +40,7 @@ Sharding (FSDP, data parallel; see pallas_fused._sharding): under jit the kernel
 shard of every tensor, whatever axes are split (the step is elementwise), so params, grads and fp32
 states sharded alike never move. 8-bit states are a row-major flattening cut into blocks of 256: they
 shard along blocks, which matches a weight split along its leading axis with whole blocks per shard;
-another split is resharded by XLA around the kernel (see `_q8_sharded`). `state_shardings(state,
+another split is resharded by XLA around the kernel (see `impls.q8_sharded`). `state_shardings(state,
 param_shardings)` gives the matching state shardings for jit's in/out_shardings.
 
 `state_bits` defaults to None (= 32, full-precision states) rather than 32 so that
@@ -66,6 +66,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from pallas_fused import _backend, _sharding
+from pallas_fused.adam import impls
 from pallas_fused.adam import kernel as _kernel
 from pallas_fused.adam import reference as _ref
 
@@ -171,16 +172,14 @@ def _implementation(implementation) -> str:
     return _backend.resolve_implementation(implementation, op="adam", variants=VARIANTS, renamed=RENAMED)
 
 
-def _leaf_implementation(requested, mu) -> str:
-    """The implementation one tensor runs. With implementation=None on a GPU, fp32/bf16 states take XLA's
-    fused elementwise step: on an H200 it ties our Triton kernel in place (0.726 vs 0.722 ms for 105M fp32
-    params, both at the HBM ceiling; benchmarks/results/nvidia_h200.json) and wins on the composable path,
-    where XLA fuses the update with optax.apply_updates (0.729 vs 1.014 ms). 8-bit states take the Pallas
-    kernel (0.484 ms). Asking for "pallas" explicitly always runs the kernel."""
+def _leaf_implementation(requested, mu) -> impls.Implementation | None:
+    """The implementation one tensor runs (`impls.IMPLEMENTATIONS`), resolved (and checked) once per leaf; None where
+    `implementation=None` chooses on a GPU (`impls.choose`, per leaf: XLA's fused step for fp32/bf16 states, the
+    Triton kernel for 8-bit ones). Asking for "pallas" explicitly always runs the Triton kernel."""
     impl = _implementation(requested)
-    if requested is None and impl == "pallas" and not isinstance(mu, QuantizedMoment):
-        return "xla"
-    return impl
+    if requested is None and impl == "pallas":
+        return None
+    return impls.IMPLEMENTATIONS[impl]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -244,91 +243,24 @@ def _update_dtype(grad, mu, nu, param):
     return jnp.promote_types(grad.dtype, moment_dtype)
 
 
-def _leaf(grad, mu, nu, param, s, *, inplace: bool, implementation: str, u_dtype=None):
-    """Run one leaf through the kernel or the reference. Returns (update or new param, mu, nu). u_dtype: the
-    update's dtype (default `_update_dtype` with `param`)."""
+def _leaf(grad, mu, nu, param, s, *, inplace: bool, implementation: impls.Implementation | None, u_dtype=None):
+    """Run one leaf through `implementation` (None: `impls.choose`'s). Returns (update or new param, mu, nu).
+    u_dtype: the update's dtype (default `_update_dtype` with `param`)."""
     _check_leaf(grad, mu, nu, param)
     if grad.size == 0:
         return (param if inplace else grad.astype(u_dtype or grad.dtype)), mu, nu
     u_dtype = None if inplace else (u_dtype or _update_dtype(grad, mu, nu, param))
-    if isinstance(mu, QuantizedMoment):
-        if implementation == SM90:
-            raise ValueError(f"adam: implementation={implementation!r} steps fp32/bf16 states only (the 8-bit "
-                             "kernel has no Mosaic GPU port yet); use 'pallas' for state_bits=8")
-        if implementation == "xla":
-            flat = lambda x: None if x is None else x.reshape(-1)  # noqa: E731
-            out, mc, ma, vc, va = _ref.adam_leaf_reference_q8(
-                flat(grad), mu.codes, mu.absmax, nu.codes, nu.absmax, s, flat(param), inplace=inplace,
-                u_dtype=u_dtype)
-            out = out.reshape(grad.shape)
-        else:
-            out, mc, ma, vc, va = _q8_sharded(grad, mu, nu, param, s, inplace=inplace,
-                                              interpret=implementation == "interpret", u_dtype=u_dtype)
-        return out, QuantizedMoment(mc, ma), QuantizedMoment(vc, va)
-    if implementation == "xla":  # elementwise on the tensor's own shape: XLA partitions it like any fusion
-        return _ref.adam_leaf_reference(grad, mu, nu, s, param, inplace=inplace, u_dtype=u_dtype)
-    return _fp32_sharded(grad, mu, nu, param, s, inplace=inplace, interpret=implementation == "interpret",
-                         u_dtype=u_dtype, mosaic=implementation == SM90)
-
-
-# ----------------------------------------------------------------------------------------------
-# sharding (see pallas_fused._sharding): the step is elementwise, so every operand keeps its sharding
-
-
-def _fp32_sharded(grad, mu, nu, param, s, *, inplace, interpret, u_dtype, mosaic=False):
-    """The fp32-state kernel (the Triton one, or with `mosaic` its Mosaic GPU port) on each shard of the
-    tensor (any sharding of any axis: each device steps its own elements; the kernel sees a flat view of its
-    shard)."""
-    shape = grad.shape
-
-    def local(s, g, m, v, *p):
-        flat = [x.reshape(-1) for x in (g, m, v, *p)]
-        if mosaic:
-            from pallas_fused.adam import kernel_mosaic
-
-            out, m, v = kernel_mosaic.adam_fp32(s, *flat, inplace=inplace, u_dtype=u_dtype)
-        else:
-            out, m, v = _kernel.adam_fp32(s, *flat, inplace=inplace, interpret=interpret, u_dtype=u_dtype)
-        return out.reshape(g.shape), m.reshape(g.shape), v.reshape(g.shape)
-
-    t = " ".join(f"d{i}" for i in range(len(shape)))
-    arrays = (grad, mu, nu) + (() if param is None else (param,))
-    rule = ", ".join(["hp"] + [t] * len(arrays)) + f" -> {t}, {t}, {t}"
-    return _sharding.partitioned(local, rule, replicated=("hp",))(s, *arrays)
-
-
-def _q8_sharded(grad, mu, nu, param, s, *, inplace, interpret, u_dtype):
-    """The 8-bit kernel on each device's quantization blocks.
-
-    The state is the row-major flattening cut into blocks of 256, so it shards along blocks: the (n,)
-    gradient and (n,) codes are seen as (blocks, 256) and the (blocks,) absmaxes follow. A shard of a
-    weight maps to whole blocks of the state when the weight is split along its leading axis and each
-    shard holds a multiple of 256 elements (e.g. (M, N) over D devices with (M / D) * N % 256 == 0): then
-    nothing moves. Otherwise (another axis split, or a shard boundary inside a block) XLA reshards the
-    gradient/param into the state's block layout around the kernel: correct, at the cost of that traffic.
-    A tensor whose size is not a multiple of 256 (a padded last block) is not partitioned at all.
-    """
-    n, shape = grad.size, grad.shape
-
-    def local(s, g, mc, ma, vc, va, *p):
-        flat = lambda x: x.reshape(-1)  # noqa: E731
-        out, mc2, ma, vc2, va = _kernel.adam_q8(s, flat(g), flat(mc), ma, flat(vc), va, *map(flat, p),
-                                                inplace=inplace, interpret=interpret, u_dtype=u_dtype)
-        return out.reshape(g.shape), mc2.reshape(mc.shape), ma, vc2.reshape(vc.shape), va
-
-    if n % _ref.QBLOCK:  # padded: the kernel masks the tail of the flat tensor, run it whole
-        out, mc, ma, vc, va = local(s, grad, mu.codes, mu.absmax, nu.codes, nu.absmax,
-                                    *(() if param is None else (param,)))
-        return out.reshape(shape), mc, ma, vc, va
-    blocks = lambda x: x.reshape(-1, _ref.QBLOCK)  # noqa: E731
-    arrays = [blocks(grad), blocks(mu.codes), mu.absmax, blocks(nu.codes), nu.absmax]
-    terms = ["hp", "b q", "b q", "b", "b q", "b"]
-    if param is not None:
-        arrays.append(blocks(param))
-        terms.append("b q")
-    rule = ", ".join(terms) + " -> b q, b q, b, b q, b"
-    out, mc, ma, vc, va = _sharding.partitioned(local, rule, replicated=("hp", "q"))(s, *arrays)
-    return out.reshape(shape), mc.reshape(-1), ma, vc.reshape(-1), va
+    args = impls.LeafArgs(grad, mu, nu, param, s, inplace, u_dtype)
+    config = None
+    if implementation is None:
+        implementation, config = impls.choose(args, impls.current_device())
+    why = implementation.refuses(args)
+    if why is not None:
+        raise ValueError(f"adam: implementation={implementation.name!r} {why}")
+    out, mu, nu = implementation(args, config)
+    if args.quantized:
+        return out, QuantizedMoment(*mu), QuantizedMoment(*nu)
+    return out, mu, nu
 
 
 def adam_leaf_direction(grad, mu, nu, count, *, b1=0.9, b2=0.999, eps=1e-8, eps_root=0.0, param=None,
@@ -526,7 +458,7 @@ def state_shardings(state: FusedAdamState, param_shardings, *, mesh=None) -> Fus
 
     param_shardings: a tree of `NamedSharding`s like the params. Array moments take their param's
     sharding; a `QuantizedMoment` (a flat block layout) is split along its blocks over the mesh axes of
-    the param's leading axis (replicated if those do not divide the block count: see `_q8_sharded`);
+    the param's leading axis (replicated if those do not divide the block count: see `impls.q8_sharded`);
     count is replicated over the params' mesh, or over `mesh` (required when the params have no leaves).
     """
     leaves, treedef = jax.tree.flatten(param_shardings)
