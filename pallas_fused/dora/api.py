@@ -68,7 +68,7 @@ def dora_dense(x, kernel, lora_a, lora_b, magnitude, bias=None, *, scale, exact_
         DoRA paper section 4.3 and peft do).
       implementation: None (Pallas on a GPU, XLA elsewhere), "xla", "pallas", "interpret", or one variant of the
         Pallas path, "pallas:<variant>" ("interpret:<variant>" runs it in the Pallas interpreter; see `VARIANTS`).
-        Plain "pallas" takes `choose_variant`'s pick: "sm90" where that runs, else "merged" or "epilogue" for dense
+        Plain "pallas" takes `impls.choose`'s pick: "sm90" where that runs, else "merged" or "epilogue" for dense
         weights, whichever makes the smaller extra pass over memory at this shape; for quantised ones
         "sm90_dequant" where that runs, else "merged" ("gemm" interpreted).
         "pallas:gemm": Pallas GEMMs both ways (the fused-epilogue forward, the dx GEMM; W dequantised in-kernel, never

@@ -61,7 +61,7 @@ class DoraArgs:
     def shaped(cls, kind: str, tokens: int, fin: int, fout: int, rank: int, dtype) -> DoraArgs:
         """A layer of `tokens` tokens, fin -> fout at `rank`, x of `dtype` and a `kind` weight ("dense", "int8",
         "nf4"), as shapes only."""
-        spec = jax.ShapeDtypeStruct
+        spec: Any = jax.ShapeDtypeStruct  # standing in for the arrays
         kernel = {"dense": lambda: spec((fin, fout), dtype),
                   "int8": lambda: Int8Kernel(spec((fin, fout), jnp.int8), spec((fout,), jnp.float32)),
                   "nf4": lambda: NF4Kernel(spec((-(-fin // 128) * 64, fout), jnp.uint8),
@@ -379,8 +379,9 @@ def _cublas_dx(st, interpret, ops, ap, bp, g, scale, dy, us, wm):
 
 
 XLA = Xla()
-PALLAS = {impl.variant: impl for impl in (Sm90(), Merged(), Epilogue(), Sm90Dequant(), Gemm())}
-INTERPRET = {variant: type(impl)(interpret=True) for variant, impl in PALLAS.items()}
+SM90, MERGED, EPILOGUE, SM90_DEQUANT, GEMM = Sm90(), Merged(), Epilogue(), Sm90Dequant(), Gemm()
+PALLAS: dict[str, Implementation] = {impl.variant: impl for impl in (SM90, MERGED, EPILOGUE, SM90_DEQUANT, GEMM)}
+INTERPRET: dict[str, Implementation] = {variant: type(impl)(interpret=True) for variant, impl in PALLAS.items()}
 # implementation="pallas:<variant>": the Pallas path's variants, as `_backend.resolve_implementation` checks them.
 VARIANTS = {impl.name: impl.entry for impl in PALLAS.values()}
 
@@ -404,9 +405,9 @@ def choose(args: DoraArgs, device: _tuning.Device, interpret: bool = False) -> I
     if args.kind != "dense":
         if interpret:
             return INTERPRET["gemm"]
-        return PALLAS["sm90_dequant"] if PALLAS["sm90_dequant"].supported(args, device) is None else PALLAS["merged"]
-    if not interpret and PALLAS["sm90"].tuned(args, device):
-        return PALLAS["sm90"]
+        return SM90_DEQUANT if SM90_DEQUANT.supported(args, device) is None else MERGED
+    if not interpret and SM90.tuned(args, device):
+        return SM90
     merged_bytes, epilogue_bytes = 4 * args.fin * args.fout, 2 * args.tokens * args.fin + 4 * args.tokens * args.fout
     return (INTERPRET if interpret else PALLAS)["epilogue" if merged_bytes > epilogue_bytes else "merged"]
 

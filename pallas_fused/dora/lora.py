@@ -84,7 +84,7 @@ def runs_sm90(tokens: int, fin: int, fout: int, dtype, rank: int, interpret: boo
     args, device = impls.DoraArgs.shaped("dense", tokens, fin, fout, rank, dtype), impls.current_device()
     if interpret:
         return impls.INTERPRET["sm90"].supported(args, device) is None
-    return impls.PALLAS["sm90"].tuned(args, device)
+    return impls.SM90.tuned(args, device)
 
 
 def lora_dense(x, kernel, lora_a, lora_b, bias=None, *, scale, implementation: str | None = None):
