@@ -123,8 +123,8 @@ def dora_dense(x, kernel, lora_a, lora_b, magnitude, bias=None, *, scale, exact_
         chosen = (impls.INTERPRET if base == "interpret" else impls.PALLAS)[variant]
         why = chosen.supported(args, device)
         if why is not None:
-            raise ValueError(f"dora_dense: implementation={impl!r} {why}; got x {x.shape} {x.dtype}, kernel "
-                             f"{type(kernel).__name__} {(fin, fout)}, rank {rank}")
+            raise ValueError(f"dora_dense: implementation={impl!r} {why}; got x {x.shape} {x.dtype}, a {args.kind} "
+                             f"kernel {(fin, fout)}, rank {rank}")
     config = config or chosen.default_config(args, device)
     if save_merged is not None and save_merged != config.save_merged:
         config = dataclasses.replace(config, save_merged=bool(save_merged))

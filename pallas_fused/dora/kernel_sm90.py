@@ -87,7 +87,7 @@ def layer_refuses(tokens: int, fin: int, fout: int, dtype, rank: int) -> str | N
         return None
     config = config_for(tokens, fout, fin, rank)
     return (f"needs a 16-bit x and token / feature counts that are multiples of the tile {config.cluster_tile} x "
-            f"{config.tile_k} both ways; got {tokens} tokens, {fin} -> {fout}, {jnp.dtype(dtype).name}")
+            f"{config.tile_k} both ways (here {tokens} tokens, {fin} -> {fout}, {jnp.dtype(dtype).name})")
 
 
 def _scaled(acc, vecs, dim: int):
@@ -182,7 +182,7 @@ def qdora_layer_refuses(tokens: int, fin: int, fout: int, dtype, rank: int) -> s
     if qdora_supported(fout, tokens, fin, rank, dtype) and qdora_supported(fin, tokens, fout, rank, dtype):
         return None
     return (f"needs a 16-bit x and token / feature counts that are multiples of its tiles ({QDORA_HEURISTIC}: M the "
-            f"features, N the tokens); got {tokens} tokens, {fin} -> {fout}, rank {rank}, {jnp.dtype(dtype).name}")
+            f"features, N the tokens; here {tokens} tokens, {fin} -> {fout}, rank {rank}, {jnp.dtype(dtype).name})")
 
 
 def _int8_codes(tile):
