@@ -383,7 +383,7 @@ SM90, MERGED, EPILOGUE, SM90_DEQUANT, GEMM = Sm90(), Merged(), Epilogue(), Sm90D
 PALLAS: dict[str, Implementation] = {impl.variant: impl for impl in (SM90, MERGED, EPILOGUE, SM90_DEQUANT, GEMM)}
 INTERPRET: dict[str, Implementation] = {variant: type(impl)(interpret=True) for variant, impl in PALLAS.items()}
 # implementation="pallas:<variant>": the Pallas path's variants, as `_backend.resolve_implementation` checks them.
-VARIANTS = {impl.name: impl.entry for impl in PALLAS.values()}
+VARIANTS = {impl.name: impl.entry for impl in PALLAS.values() if impl.entry is not None}  # each has one
 
 
 def choose(args: DoraArgs, device: _tuning.Device, interpret: bool = False) -> Implementation:
