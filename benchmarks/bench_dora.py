@@ -3,7 +3,7 @@
 Cases: tokens x in -> out, rank, bf16. Implementations:
   user:DoRADense     (fwd+bwd) the row of record: the linen `DoRADense` layer applied under jit, grads of x, A, B
                      and m (W frozen), every option at its default
-  pallas             the default (api.choose_variant: "sm90" on a Hopper GPU where the shapes fit its tiles, else
+  pallas             the default (impls.choose: "sm90" on a Hopper GPU where the shapes fit its tiles, else
                      "merged" or "epilogue" by a byte count); the column norm (or the merge pass) and the backward
                      column reductions are Pallas in every variant
   pallas:sm90        the column norm's read-only pass over W, then our Mosaic GPU GEMM (x W + (x A)(s B)) g + bias
@@ -412,7 +412,7 @@ def tuning(rec: Recorder, quick: bool, parts=("norm", "modes", "variants")) -> N
     - dora_tune_colnorm: NORM_SWEEP (NormConfig), amortized over k distinct weights per jit (the
       single-call timing measures the host dispatch), with XLA's amortized time beside;
     - dora_mode: forward and forward+backward of the cuBLAS-based variants at 4096/8192/512 tokens, with the
-      base matmul x W alone (plain "pallas" picks from a byte count: api.choose_variant), the
+      base matmul x W alone (plain "pallas" picks from a byte count: impls.choose), the
       MERGED_SWEEP variants of the forward (MergeConfig, NormConfig) and COLS_SWEEP of the backward (ColumnsConfig).
       These layer timings are one jit each and GPU-bound (>= 0.05 ms), so single-call timing is fine there.
     """
@@ -508,12 +508,12 @@ def _parts_at(rec, tokens, fin, fout, r):
     interp = jax.default_backend() != "gpu"  # interpret mode off the GPU (a CPU smoke run of this section)
     case = f"{tokens}x{fin}->{fout} r{r} bf16"
     k = max(2, math.ceil(AMORTIZE_BYTES / (max(tokens, fin) * fout * 2)))
-    from pallas_fused.dora.api import _pad_rank
+    from pallas_fused.dora.impls import pad_rank
 
     sets = []
     for _ in range(k):  # same values, distinct buffers; the rank zero-padded as the layer does (a no-op at 16, 64)
         x, w, a, b, m, dy = _data(tokens, fin, fout, r)
-        sets.append((x, w, *_pad_rank(a, b), m, dy))
+        sets.append((x, w, *pad_rank(a, b), m, dy))
 
     def row(name, fn, args, nbytes):
         return rec.time_amortized("dora_parts", case, name, fn, args, n=10, reps=3, nbytes=nbytes)

@@ -29,7 +29,8 @@ import jax
 import jax.numpy as jnp
 
 from pallas_fused import adapt
-from pallas_fused.dora import api, dequantize, dora_dense, lora_dense, quantize_nf4
+from pallas_fused.dora import dequantize, dora_dense, lora_dense, quantize_nf4
+from pallas_fused.dora import impls as dora_impls
 from tests.helpers import rel_err
 
 TOKENS, RANK, SCALE = 512, 16, 2.0
@@ -54,7 +55,8 @@ def _vjp_errors(fn, args, cotangent, impl):
 
 def ops(impl):
     for fin, fout in SHAPES:
-        print(f"-- {fin}->{fout}: dora variant {api.choose_variant('dense', TOKENS, fin, fout, jnp.bfloat16, False)}",
+        layer = dora_impls.DoraArgs.shaped("dense", TOKENS, fin, fout, RANK, jnp.bfloat16)
+        print(f"-- {fin}->{fout}: dora variant {dora_impls.choose(layer, dora_impls.current_device()).variant}",
               flush=True)
         x, w, g = _normal(1, (TOKENS, fin)), _normal(2, (fin, fout), fin ** -0.5), _normal(5, (TOKENS, fout))
         a, b = _normal(3, (fin, RANK), fin ** -0.5), _normal(4, (RANK, fout), 0.05)

@@ -22,7 +22,7 @@ import jax
 from benchmarks.bench_dora import _data, _with_output
 from benchmarks.common import probe_command_line
 from benchmarks.trace import time_then_trace
-from pallas_fused.dora import api, dora_dense, quantize_int8
+from pallas_fused.dora import dora_dense, impls, quantize_int8
 
 SCALE = 2.0
 
@@ -30,7 +30,7 @@ SCALE = 2.0
 def no_conds():
     """The zero-magnitude conditional replaced by the identity (for tracing only: exact only without such
     magnitudes)."""
-    return (mock.patch.object(api, "_dm_at_zero_magnitude", lambda dm, *a: dm),)
+    return (mock.patch.object(impls, "_dm_at_zero_magnitude", lambda dm, *a: dm),)
 
 
 def build_case(tokens, fin, fout, r):

@@ -30,8 +30,7 @@ import jax.numpy as jnp
 
 from benchmarks.bench_dora import _data
 from benchmarks.common import bench, error_text, probe_recorder
-from pallas_fused.dora import dora_dense, kernel_sm90, quantize_int8
-from pallas_fused.dora.api import choose_variant
+from pallas_fused.dora import dora_dense, impls, kernel_sm90, quantize_int8
 
 OUT = sys.argv[1] if len(sys.argv) > 1 else "/tmp/qdora_probe"
 os.makedirs(OUT, exist_ok=True)
@@ -65,7 +64,8 @@ def probe_case(tokens, fin, fout, r, t0):
     case = f"{tokens}x{fin}->{fout} r{r}"
     x, w, a, b, m, dy = _data(tokens, fin, fout, r)
     qw = quantize_int8(w)
-    record(case=case, variant=choose_variant("int8", tokens, fin, fout, jnp.bfloat16, False, r))
+    layer = impls.DoraArgs.shaped("int8", tokens, fin, fout, r, jnp.bfloat16)
+    record(case=case, variant=impls.choose(layer, impls.current_device()).variant)
     times = {}
 
     def timed(op, impl, fn, *args, **extra):

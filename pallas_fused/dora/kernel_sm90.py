@@ -80,6 +80,16 @@ def supported(m: int, n: int, k: int, dtype, config: _sm90.TileConfig | None = N
     return jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)) and _sm90.supported(m, n, k, config)
 
 
+def layer_refuses(tokens: int, fin: int, fout: int, dtype, rank: int) -> str | None:
+    """Why a DoRA / LoRA layer's two GEMMs cannot run here, or None: the forward's (tokens, fin) x (fin, fout) and
+    dx's (tokens, fout) x (fout, fin), at the padded rank `rank`, each a 16-bit GEMM of whole tiles."""
+    if supported(tokens, fout, fin, dtype, rank=rank) and supported(tokens, fin, fout, dtype, rank=rank):
+        return None
+    config = config_for(tokens, fout, fin, rank)
+    return (f"needs a 16-bit x and token / feature counts that are multiples of the tile {config.cluster_tile} x "
+            f"{config.tile_k} both ways (here {tokens} tokens, {fin} -> {fout}, {jnp.dtype(dtype).name})")
+
+
 def _scaled(acc, vecs, dim: int):
     """acc times vecs[0] plus vecs[1] (if given), both along `dim` of the tile (1: per column, 0: per row)."""
     acc = acc * lax.broadcast_in_dim(vecs[0], acc.shape, [dim])
@@ -163,6 +173,16 @@ def qdora_supported(m: int, n: int, k: int, rank: int, dtype) -> bool:
     config = qdora_config(m, n, k, rank, dtype)
     return (_sm90.supported(m, n, k, config)
             and _smem(config, rank, jnp.dtype(dtype).itemsize, int8_a=True) <= _sm90.SMEM_LIMIT)
+
+
+def qdora_layer_refuses(tokens: int, fin: int, fout: int, dtype, rank: int) -> str | None:
+    """Why a QDoRA layer's two GEMMs cannot run here, or None: the forward's (fout, fin) codes times the (tokens,
+    fin) x and dx's (fin, fout) codes times the (tokens, fout) dy g wscale, at the padded rank `rank`
+    (`qdora_supported`)."""
+    if qdora_supported(fout, tokens, fin, rank, dtype) and qdora_supported(fin, tokens, fout, rank, dtype):
+        return None
+    return (f"needs a 16-bit x and token / feature counts that are multiples of its tiles ({QDORA_HEURISTIC}: M the "
+            f"features, N the tokens; here {tokens} tokens, {fin} -> {fout}, rank {rank}, {jnp.dtype(dtype).name})")
 
 
 def _int8_codes(tile):

@@ -15,9 +15,9 @@ import jax
 import jax.numpy as jnp
 
 from pallas_fused import _backend
-from pallas_fused.dora import kernel_sm90
-from pallas_fused.dora.api import _check, _pad_rank, _sm90_ok, _sm90_tuned
-from pallas_fused.dora.kernel_util import pow2
+from pallas_fused.dora import impls, kernel_sm90
+from pallas_fused.dora.api import _check
+from pallas_fused.dora.impls import pad_rank
 from pallas_fused.dora.quant import is_quantized
 
 
@@ -39,7 +39,7 @@ def _forward(statics, x, w, a, b, bias, scale):
     xa = jnp.dot(x, a)  # fp32 accumulation, rounded once to dt
     sb = (b.astype(jnp.float32) * scale).astype(dt)
     if use_sm90:
-        ap, sbp = _pad_rank(a, sb)
+        ap, sbp = pad_rank(a, sb)
         y = _sm90(x, w, jnp.pad(xa, ((0, 0), (0, ap.shape[1] - a.shape[1]))), sbp, bias, "kn", interpret)
     else:
         y = jnp.dot(x, w, preferred_element_type=jnp.float32) + jnp.dot(xa, sb, preferred_element_type=jnp.float32)
@@ -62,7 +62,7 @@ def _lora_2d_bwd(statics, res, dy):
     x, w, a, xa, sb, bias, scale = res
     us = jnp.dot(dy, sb.T)  # s dy B^T, (tokens, rank)
     if use_sm90:
-        ap, _ = _pad_rank(a, sb)
+        ap, _ = pad_rank(a, sb)
         usp = jnp.pad(us, ((0, 0), (0, ap.shape[1] - a.shape[1])))
         dx = _sm90(dy, w, usp, ap, None, "nk", interpret)  # W (in, out) read as (N, K) for dx's (tokens, in)
     else:
@@ -81,9 +81,10 @@ def runs_sm90(tokens: int, fin: int, fout: int, dtype, rank: int, interpret: boo
     """Whether `lora_dense` runs the sm90 kernels (else XLA's dots). Interpreted: wherever Mosaic GPU's interpret mode
     runs them. On a GPU: up to DoRA's tuned rank, past which the low-rank slices shrink the GEMM's SMEM ring and
     XLA's dots win (4096 tokens, 4096 -> 11008 r64 on an H200: forward+backward 1.244 ms against 1.332)."""
+    args, device = impls.DoraArgs.shaped("dense", tokens, fin, fout, rank, dtype), impls.current_device()
     if interpret:
-        return _backend.has_mosaic_interpret() and _sm90_ok("dense", tokens, fin, fout, dtype, pow2(rank), True)
-    return _sm90_tuned("dense", tokens, fin, fout, dtype, pow2(rank))
+        return impls.INTERPRET["sm90"].supported(args, device) is None
+    return impls.SM90.tuned(args, device)
 
 
 def lora_dense(x, kernel, lora_a, lora_b, bias=None, *, scale, implementation: str | None = None):

@@ -25,12 +25,19 @@ from pallas_fused.dora import (
     dora_dense,
     dora_dense_dropout,
     dora_dense_reference,
+    impls,
     quantize_int8,
     quantize_nf4,
 )
 from pallas_fused.dora.flax import DoRADense, DoRALinear, dense_to_dora_params, lora_scale, merge
 from pallas_fused.dora.reference import dora_dense_dropout_reference
 from tests.helpers import assert_all_written, assert_close, rand
+
+
+def chosen(kind, tokens, fin, fout, dtype, interpret=False, rank=16) -> str:
+    """The variant plain "pallas" (`interpret`: "interpret") runs for this layer on this device."""
+    args = impls.DoraArgs.shaped(kind, tokens, fin, fout, rank, dtype)
+    return impls.choose(args, impls.current_device(), interpret).variant
 
 NAMES = ("x", "lora_a", "lora_b", "magnitude", "bias")
 
@@ -104,22 +111,20 @@ def test_choose_variant_rank_rule():
     """On Hopper, plain "pallas" runs "sm90" (the low-rank step in the GEMM) up to the tuned rank, and the cheaper of
     "merged" / "epilogue" above it."""
     from pallas_fused.dora import kernel_sm90
-    from pallas_fused.dora.api import choose_variant
 
     with _backend.gpu_target((9, 0)):
         assert kernel_sm90.max_rank() == 16
-        assert choose_variant("dense", 4096, 4096, 4096, jnp.bfloat16, False, 16) == "sm90"
-        assert choose_variant("dense", 4096, 4096, 4096, jnp.bfloat16, False, 5) == "sm90"  # padded to 16
-        assert choose_variant("dense", 4096, 4096, 11008, jnp.bfloat16, False, 64) == "merged"
-        assert choose_variant("dense", 512, 4096, 11008, jnp.bfloat16, False, 64) == "epilogue"
+        assert chosen("dense", 4096, 4096, 4096, jnp.bfloat16, False, 16) == "sm90"
+        assert chosen("dense", 4096, 4096, 4096, jnp.bfloat16, False, 5) == "sm90"  # padded to 16
+        assert chosen("dense", 4096, 4096, 11008, jnp.bfloat16, False, 64) == "merged"
+        assert chosen("dense", 512, 4096, 11008, jnp.bfloat16, False, 64) == "epilogue"
 
 
 def test_large_rank_no_bias(kernel_impl):
     """Rank 64, no bias; plain "pallas" takes the "epilogue" variant at this shape (asserted)."""
-    from pallas_fused.dora.api import choose_variant
 
     x, w, a, b, m, _, dy = make(20, (23,), 130, 96, 64, jnp.bfloat16)
-    assert choose_variant("dense", 23, 130, 96, jnp.bfloat16, False) == "epilogue"  # 23 tokens: no sm90 tile
+    assert chosen("dense", 23, 130, 96, jnp.bfloat16, False) == "epilogue"  # 23 tokens: no sm90 tile
     fn = lambda x, a, b, m: dora_dense(x, w, a, b, m, None, scale=0.25, implementation=kernel_impl)  # noqa: E731
     ref = lambda x, a, b, m: dora_dense(x, w, a, b, m, None, scale=0.25, implementation="xla")  # noqa: E731
     w32 = w.astype(jnp.float32)
@@ -325,13 +330,12 @@ def test_qdora_merged(kernel_impl, kind):
 def test_choose_variant_quantized():
     """Plain "pallas" with a quantised W on Hopper: int8 runs "sm90_dequant" at tile-multiple shapes, "merged" (a
     transient merged weight and cuBLAS) elsewhere and for NF4; interpreted, "gemm"."""
-    from pallas_fused.dora.api import choose_variant
 
     with _backend.gpu_target((9, 0)):
-        assert choose_variant("int8", 4096, 4096, 4096, jnp.bfloat16, False, 16) == "sm90_dequant"
-        assert choose_variant("int8", 4000, 4096, 4096, jnp.bfloat16, False, 16) == "merged"
-        assert choose_variant("nf4", 4096, 4096, 4096, jnp.bfloat16, False, 16) == "merged"
-        assert choose_variant("nf4", 4096, 4096, 4096, jnp.bfloat16, True, 16) == "gemm"
+        assert chosen("int8", 4096, 4096, 4096, jnp.bfloat16, False, 16) == "sm90_dequant"
+        assert chosen("int8", 4000, 4096, 4096, jnp.bfloat16, False, 16) == "merged"
+        assert chosen("nf4", 4096, 4096, 4096, jnp.bfloat16, False, 16) == "merged"
+        assert chosen("nf4", 4096, 4096, 4096, jnp.bfloat16, True, 16) == "gemm"
 
 
 @pytest.mark.parametrize("kind, dtype, exact", [("int8", jnp.bfloat16, False), ("nf4", jnp.bfloat16, False),
@@ -633,7 +637,7 @@ def test_bad_module_args():
     with pytest.raises(ValueError, match="implementation must be None or one of .*'pallas:merged'"):
         dora_dense(x, jnp.ones((6, 4)), jnp.ones((6, 2)), jnp.ones((2, 4)), jnp.ones((4,)), scale=1.0,
                    implementation="pallas:cublas")
-    with pytest.raises(ValueError, match="'pallas:epilogue' takes a dense kernel only"):
+    with pytest.raises(ValueError, match="'interpret:epilogue' takes a dense kernel only"):
         dora_dense(x, quantize_int8(jnp.ones((6, 4))), jnp.ones((6, 2)), jnp.ones((2, 4)), jnp.ones((4,)), scale=1.0,
                    implementation="interpret:epilogue")
 
@@ -684,11 +688,10 @@ def test_gpu_sm90_exact_norm_grad():
 @pytest.mark.gpu
 def test_gpu_auto_takes_sm90_on_hopper():
     from pallas_fused import _backend
-    from pallas_fused.dora.api import choose_variant
 
     want = "sm90" if _backend.is_hopper() else "merged"
-    assert choose_variant("dense", 4096, 4096, 4096, jnp.bfloat16, False) == want
-    assert choose_variant("dense", 4096, 4096, 4096, jnp.bfloat16, True) == "merged"  # interpret: no sm90
+    assert chosen("dense", 4096, 4096, 4096, jnp.bfloat16, False) == want
+    assert chosen("dense", 4096, 4096, 4096, jnp.bfloat16, True) == "merged"  # interpret: no sm90
 
 
 @pytest.mark.gpu

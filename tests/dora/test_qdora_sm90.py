@@ -9,8 +9,7 @@ import pytest
 
 from pallas_fused import _backend
 from pallas_fused.dora import dora_dense, quantize_int8, quantize_nf4
-from pallas_fused.dora.api import choose_variant
-from tests.dora.test_dora import check_against_reference, make
+from tests.dora.test_dora import check_against_reference, chosen, make
 
 needs_interpret = pytest.mark.skipif(not _backend.has_mosaic_interpret(),
                                      reason="Mosaic GPU interpret mode needs jax >= 0.12")
@@ -58,19 +57,19 @@ def test_refusals():
             dora_dense(x, quantize_int8(w), a, b, m, bias, scale=0.5, implementation="pallas:sm90_dequant")
 
 
-def test_choose_variant():
+def test_chosen():
     """Plain "pallas" takes sm90_dequant for an Int8Kernel on Hopper where the shapes fit its tiles, "merged" otherwise
     on a GPU (NF4, ragged shapes, fp32, an older GPU) and "gemm" in the interpreter."""
     with _backend.gpu_target((9, 0)):
-        assert choose_variant("int8", 4096, 4096, 4096, jnp.bfloat16, False) == "sm90_dequant"
-        assert choose_variant("int8", 4096, 4096, 11008, jnp.bfloat16, False, 64) == "sm90_dequant"
-        assert choose_variant("int8", 4000, 4096, 4096, jnp.bfloat16, False) == "merged"
-        assert choose_variant("int8", 4096 + 128, 4096, 4096, jnp.bfloat16, False) == "merged"  # tokens: 256-multiples
-        assert choose_variant("int8", 4096, 4096, 4096, jnp.float32, False) == "merged"
-        assert choose_variant("int8", 4096, 4096, 4096, jnp.bfloat16, True) == "gemm"
-        assert choose_variant("nf4", 4096, 4096, 4096, jnp.bfloat16, False) == "merged"
+        assert chosen("int8", 4096, 4096, 4096, jnp.bfloat16, False) == "sm90_dequant"
+        assert chosen("int8", 4096, 4096, 11008, jnp.bfloat16, False, 64) == "sm90_dequant"
+        assert chosen("int8", 4000, 4096, 4096, jnp.bfloat16, False) == "merged"
+        assert chosen("int8", 4096 + 128, 4096, 4096, jnp.bfloat16, False) == "merged"  # tokens: 256-multiples
+        assert chosen("int8", 4096, 4096, 4096, jnp.float32, False) == "merged"
+        assert chosen("int8", 4096, 4096, 4096, jnp.bfloat16, True) == "gemm"
+        assert chosen("nf4", 4096, 4096, 4096, jnp.bfloat16, False) == "merged"
     with _backend.gpu_target((8, 0)):
-        assert choose_variant("int8", 4096, 4096, 4096, jnp.bfloat16, False) == "merged"
+        assert chosen("int8", 4096, 4096, 4096, jnp.bfloat16, False) == "merged"
 
 
 @pytest.mark.gpu
@@ -81,6 +80,6 @@ def test_gpu_compiled(impl, with_bias):
     if not _backend.is_hopper():
         pytest.skip("a Hopper kernel")
     x, w, a, b, m, bias, dy = make(330, (4096,), 4096, 4096, 16, jnp.bfloat16, w_dtype=jnp.float32)
-    assert choose_variant("int8", 4096, 4096, 4096, jnp.bfloat16, False) == "sm90_dequant"
+    assert chosen("int8", 4096, 4096, 4096, jnp.bfloat16, False) == "sm90_dequant"
     check_against_reference(quantize_int8(w), x, a, b, m, bias if with_bias else None, dy, scale=0.5, impl=impl,
                             what=f"gpu sm90_dequant {impl}")

@@ -16,7 +16,7 @@ TOKENS = (256, 16384)
 
 def program_choices() -> dict:
     from pallas_fused import _backend
-    from pallas_fused.dora import api as dora_api
+    from pallas_fused.dora import impls as dora_impls
     from pallas_fused.embed import api as embed_api
     from pallas_fused.embed import kernel as embed_kernel
     from pallas_fused.fp8 import Float8Config
@@ -28,8 +28,9 @@ def program_choices() -> dict:
                     "implementation": _backend.resolve_implementation(None, op="choices")}
     record["galore_variant"] = {f"{m}x{n}/r{r}/{side}": galore_kernel.choose_variant((m, n), r, side)
                                 for m, n in SHAPES for r in RANKS for side in ("left", "right")}
-    record["dora_variant"] = {f"{t}x{fin}x{fout}/{dt}/{interp}": dora_api.choose_variant("dense", t, fin, fout,
-                                                                                        jnp.dtype(dt), interp)
+    device = dora_impls.current_device()
+    record["dora_variant"] = {f"{t}x{fin}x{fout}/{dt}/{interp}": dora_impls.choose(
+        dora_impls.DoraArgs.shaped("dense", t, fin, fout, 16, jnp.dtype(dt)), device, interp).variant
                            for t in TOKENS for fin, fout in SHAPES for dt in ("bfloat16", "float32")
                            for interp in (False, True)}
     from pallas_fused.adam import kernel as adam_kernel
