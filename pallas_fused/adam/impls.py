@@ -31,7 +31,8 @@ from typing import Any
 
 import jax
 
-from pallas_fused import _backend, _sharding, _tuning
+from pallas_fused import _backend, _impl, _sharding, _tuning
+from pallas_fused._impl import current_device as current_device  # the device the objects answer for
 from pallas_fused.adam import kernel as _kernel
 from pallas_fused.adam import reference as _ref
 
@@ -56,35 +57,11 @@ class LeafArgs:
         return hasattr(self.mu, "codes")
 
 
-def current_device() -> _tuning.Device:
-    """This process' GPU (or the `_backend.gpu_target` it lowers for) as the implementations see it."""
-    return _tuning.Device(_backend.device_name(), _backend.compute_capability(), _backend.num_sms())
-
-
-class Implementation:
+class Implementation(_impl.Implementation):
     """One backend of the leaf step (see the module docstring). Returns (update or new param, mu, nu), the moments
     as the args' (arrays, or (codes, absmax) pairs for 8-bit states: the api wraps them)."""
 
-    name: str
-
-    def supported(self, args: LeafArgs, device: _tuning.Device) -> str | None:
-        return self.refuses(args)
-
-    def refuses(self, args: LeafArgs) -> str | None:
-        """Why this leaf cannot run here at all, whatever the device: a forced implementation raises it."""
-        return None
-
-    def candidates(self, args: LeafArgs, device: _tuning.Device) -> dict[str, Any]:
-        return {self.name.rpartition(":")[2]: self.default_config(args, device)}
-
-    def default_config(self, args: LeafArgs, device: _tuning.Device) -> Any:
-        return None
-
-    def __call__(self, args: LeafArgs, config: Any = None):
-        raise NotImplementedError
-
-    def __repr__(self):
-        return f"<adam leaf implementation {self.name!r}>"
+    op = "adam leaf"
 
 
 class Xla(Implementation):

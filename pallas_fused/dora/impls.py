@@ -34,7 +34,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_fused import _backend, _sharding, _tuning
+from pallas_fused import _backend, _impl, _sharding, _tuning
+from pallas_fused._impl import current_device as current_device  # the device the objects answer for
 from pallas_fused.dora import kernel_columns, kernel_gemm, kernel_merge, kernel_norm, kernel_sm90, reference
 from pallas_fused.dora.config import DEFAULT, Config
 from pallas_fused.dora.kernel_util import pow2
@@ -101,11 +102,6 @@ class DoraArgs:
         return jnp.dtype(self.x.dtype)
 
 
-def current_device() -> _tuning.Device:
-    """This process' GPU (or the `_backend.gpu_target` it lowers for) as the implementations see it."""
-    return _tuning.Device(_backend.device_name(), _backend.compute_capability(), _backend.num_sms())
-
-
 @dataclasses.dataclass(frozen=True)
 class _Layer:
     """What the custom_vjp's forward and backward hold fixed: the implementation, the weight's format, the config, the
@@ -119,9 +115,10 @@ class _Layer:
     fin: int
 
 
-class Implementation:
+class Implementation(_impl.Implementation):
     """One backend of the layer (see the module docstring). `entry`: its `VARIANTS` entry (None for XLA)."""
 
+    op = "DoRA"
     variant = ""
     entry: _backend.Variant | None = None
 
@@ -131,9 +128,6 @@ class Implementation:
     @property
     def name(self) -> str:
         return f"{'interpret' if self.interpret else 'pallas'}:{self.variant}"
-
-    def supported(self, args: DoraArgs, device: _tuning.Device) -> str | None:
-        return None
 
     def candidates(self, args: DoraArgs, device: _tuning.Device) -> dict[str, Any]:
         return {self.variant: self.default_config(args, device)}
@@ -161,9 +155,6 @@ class Implementation:
     def dx(self, st: _Layer, x, ops, ap, bp, g, scale, dy, us, wm, dyg_scale, finished):
         """dx = (dy g) (W + s A B)^T, given us = s (dy g) B^T; `finished`: the column launch's results, or None."""
         raise NotImplementedError
-
-    def __repr__(self):
-        return f"<DoRA implementation {self.name!r}>"
 
 
 class Xla(Implementation):

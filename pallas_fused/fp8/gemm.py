@@ -34,7 +34,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from pallas_fused import _backend, _tuning
+from pallas_fused import _impl, _tuning
+from pallas_fused._impl import current_device as current_device  # the device the objects answer for
 from pallas_fused.fp8 import kernel_sm90
 
 # FP8 arithmetic (Triton's casts to and from float8 included) needs compute capability 8.9 (Ada) or newer.
@@ -76,34 +77,12 @@ class GemmArgs:
         return dataclasses.replace(self, a=a, bt=bt, sa=sa, sb=sb, out_dtype=out_dtype)
 
 
-def current_device() -> _tuning.Device:
-    """This process' GPU (or the `_backend.gpu_target` it lowers for) as the implementations see it: its compute
-    capability (None without a GPU) and SM count."""
-    return _tuning.Device(_backend.device_name(), _backend.compute_capability(), _backend.num_sms())
-
-
-class Implementation:
+class Implementation(_impl.Implementation):
     """One backend of the GEMM (see the module docstring). `partitioned`: whether it runs shard by shard under the
     api's sharding rule (a Pallas kernel) or on the global arrays (XLA's dot partitions itself)."""
 
-    name: str
+    op = "fp8 GEMM"
     partitioned = True
-
-    def supported(self, args: GemmArgs, device: _tuning.Device) -> str | None:
-        return self.refuses(args)
-
-    def refuses(self, args: GemmArgs) -> str | None:
-        """Why these operands cannot run here at all, whatever the device: a forced implementation raises it."""
-        return None
-
-    def candidates(self, args: GemmArgs, device: _tuning.Device) -> dict[str, Any]:
-        return {self.name.rpartition(":")[2]: self.default_config(args, device)}
-
-    def default_config(self, args: GemmArgs, device: _tuning.Device) -> Any:
-        return None
-
-    def __call__(self, args: GemmArgs, config: Any) -> jax.Array:
-        raise NotImplementedError
 
     def to_json(self, config) -> dict[str, Any]:
         """A config as the tuning tables hold it."""
@@ -111,9 +90,6 @@ class Implementation:
 
     def from_json(self, data: dict[str, Any]) -> Any:
         return None
-
-    def __repr__(self):
-        return f"<fp8 GEMM implementation {self.name!r}>"
 
 
 class Xla(Implementation):
