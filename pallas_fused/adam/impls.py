@@ -148,10 +148,9 @@ IMPLEMENTATIONS = {impl.name: impl for impl in (XLA, TRITON, INTERPRET, SM90)}  
 
 
 def default_choice(args: LeafArgs, device: _tuning.Device) -> Implementation:
-    """What `implementation=None` runs on a GPU. fp32/bf16 states take XLA's fused elementwise step: on an H200 it
-    ties the Triton kernel in place (0.726 vs 0.722 ms for 105M fp32 params, both at the HBM ceiling;
-    benchmarks/results/nvidia_h200.json) and wins on the composable path, where XLA fuses the update with
-    optax.apply_updates (0.729 vs 1.014 ms). 8-bit states take the Triton kernel (0.484 ms)."""
+    """What `implementation=None` runs on a GPU. fp32/bf16 states take XLA's fused elementwise step: both are at the
+    HBM ceiling in place, and on the composable path XLA also fuses the update with optax.apply_updates, which a
+    kernel cannot. 8-bit states take the Triton kernel. The timings: docs/performance.md, "Fused AdamW"."""
     return TRITON if args.quantized else XLA
 
 

@@ -383,14 +383,14 @@ def choose(args: DoraArgs, device: _tuning.Device, interpret: bool = False) -> I
 
     Int8Kernel weights take "sm90_dequant" where it runs (one Hopper GPU, 16-bit, tile-multiple shapes): W is never
     formed in full precision. Other quantised weights take "merged" on a GPU: a transient merged weight per layer
-    and cuBLAS, as a dequantise-then-GEMM baseline holds one. For NF4 at 4096 tokens, 4096 -> 4096 r16 on an H200,
-    "merged" took 1.19x bf16 DoRA's forward and "gemm", which dequantises inside Triton GEMMs (a codebook lookup
-    per weight and GEMM tile), 4.9x. Interpreted, they take "gemm", whose kernels are the quantised paths' own
+    and cuBLAS, as a dequantise-then-GEMM baseline holds one: "gemm", which dequantises inside Triton GEMMs (a
+    codebook lookup per weight and GEMM tile), is several times slower (docs/performance.md, "DoRA and QDoRA").
+    Interpreted, they take "gemm", whose kernels are the quantised paths' own
     (Mosaic GPU's interpreter runs "sm90_dequant" by name). Every dense variant reads W once for the column norm;
     beyond that and the base GEMM, "sm90" reads x once more (x A: 2 M K bytes), "merged" reads W and writes
     (W + s A B) g (4 K N bytes), "epilogue" reads x for x A and reads + writes x W (2 M K + 4 M N). So "sm90" runs
     wherever it can (one Hopper GPU, 16-bit, tile-multiple shapes; its Mosaic GPU GEMM ties cuBLAS) up to the tuned
-    rank (`Sm90.tuned`: at 4096 -> 11008 r64 "merged" measured 0.614 ms forward against its 0.713 on an H200), and
+    rank (`Sm90.tuned`: past it, the kernel's in-tile low-rank product costs more than "merged"'s weight pass), and
     elsewhere the cheaper of the other two. benchmarks/bench_dora.py measures every variant.
     """
     if args.kind != "dense":

@@ -119,27 +119,27 @@ def tile_for(m, n, k, num_sms: int | None = None, pingpong: bool = True):
     """The sm90 tile for an (M, K) x (N, K) GEMM: the two compute warpgroups split the CTA tile along N
     (128 x 256) unless only the split along M (256 x 128) fits the shape without padding, as for the
     N = 5504 projections of a 2048-wide Llama. Padding costs a copy of each padded operand and of the
-    output (the slice back), ~30% of the GEMM's time at 16384x2048x5504.
+    output (the slice back).
 
     A GEMM with at most half as many such tiles as the GPU's SMs (`num_sms`, default this process' GPU; the
     fraction is tuning data) leaves most SMs idle: the weight gradients of narrow projections (2048x16384x512: 32
-    tiles for 132 SMs). The small tile, 128 x 128 per CTA, doubles the tiles in flight there: rowwise 374 -> 726
-    TFLOP/s at 2048x16384x512 and 420 -> 600 at 512x16384x2048 on an H100 (benchmarks/results/user_path_dev/); with
-    128 tiles or more the larger tile wins. The tiles are `tiles()` (this device kind's tuning table).
+    tiles for 132 SMs). The small tile, 128 x 128 per CTA, doubles the tiles in flight there; with 128 tiles or
+    more the larger tile wins (docs/performance.md, "Tuning tables", `fp8_sm90`). The tiles are `tiles()` (this
+    device kind's tuning table).
 
     A tile may name a 2-CTA cluster (TileConfig.cluster): it is kept where the shape is a multiple of the cluster
     tile (a cluster is never worth padding for) and, for the large tile, where the GEMM has at least
     "cluster_min_tiles_per_sm" large CTA tiles per SM (tuning data); elsewhere the same tile runs without it.
 
     Where the output is at least as tall as it is wide (M >= N), the large tile walks the grid with the minor
-    dimension "tall_grid_minor_dim" (tuning data), if the table names one: on an H200, walking along M is up to 14%
-    faster at the tall GEMMs of a Llama layer and at most 1% slower at any tall or square shape measured.
+    dimension "tall_grid_minor_dim" (tuning data), if the table names one: consecutive tiles then share the
+    weight's column block in L2 (measured per device: docs/performance.md, `fp8_sm90`).
 
     Where the table names a "tall_pingpong" tile, a tall GEMM (M >= N) with more tiles than the small tile's
     threshold, and K at most its "max_k" or M at least its "long_k_min_m", runs on the ping-pong schedule (`_sm90`'s
     TileConfig.schedule), each compute warpgroup owning whole tiles so that one's epilogue overlaps the other's main
-    loop: on an H200, 3-9% faster than the cooperative tile at the Llama GEMMs 16384x2048x5504, 16384x2048x2048 and
-    16384x4096x11008, 3-7% at 16384x11008x4096 and 16384^3, and 2-6% slower at 8192^3."""
+    loop: faster than the cooperative tile at a Llama layer's tall GEMMs, slower at square ones (the timings:
+    docs/performance.md, `fp8_sm90`, tall_pingpong)."""
     config, small, small_max_tiles_per_sm = tiles()
     table = _backend.tuned("fp8_sm90", HEURISTIC)
     fp8 = jnp.float8_e4m3fn
@@ -173,15 +173,16 @@ def tile_for(m, n, k, num_sms: int | None = None, pingpong: bool = True):
 
 def cublas_wins(m, n, k, num_sms: int | None = None) -> bool:
     """Whether plain "pallas" runs an (M, K) x (N, K) GEMM as XLA's fp8 dot (cuBLAS) instead of the sm90 kernel
-    (tuning data "fp8_sm90"; the figures are an H200's), where K is long and the sm90 kernel's tiles leave SMs idle:
+    (tuning data "fp8_sm90"; the timings behind it: docs/performance.md, `fp8_sm90`), where K is long and the sm90
+    kernel's tiles leave SMs idle:
 
     - even `config_for`'s small tile leaves most SMs idle (at most "xla_max_tiles_per_sm" tiles per SM, K at least
-      "xla_min_k"): cuBLAS splits K across the idle SMs, which the sm90 kernel does not. The weight gradient of a
-      narrow projection, 2048x16384x512, runs at 1108 TFLOP/s through XLA against 718 in the sm90 kernel.
+      "xla_min_k"): cuBLAS splits K across the idle SMs, which the sm90 kernel does not, as in the weight gradient
+      of a narrow projection (2048x16384x512).
     - the last wave of `config_for`'s tiles leaves SMs idle for a long K loop (K at least "xla_tail_min_k", the
       tiles filling at most "xla_tail_max_wave_use" of the waves they take): cuBLAS's tiles divide the output into
-      fuller waves (168 x 128: 528 tiles, four nearly full waves). 2048x16384x5504 and 5504x16384x2048 (344 tiles on
-      132 SMs: 2.6 waves, 87% used) run 6% and 0-2% faster through XLA."""
+      fuller waves (168 x 128: 528 tiles, four nearly full waves), as at 2048x16384x5504 and 5504x16384x2048 (344
+      tiles on 132 SMs: 2.6 waves)."""
     table = _backend.tuned("fp8_sm90", HEURISTIC)
     num_sms = _backend.num_sms() if num_sms is None else num_sms
     if k >= table["xla_min_k"]:
