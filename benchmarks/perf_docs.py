@@ -1,12 +1,15 @@
-"""Write the measured tables of README.md and docs/performance.md from benchmarks/results/<device>.json.
+"""Write the measured tables of README.md and docs/performance.md from benchmarks/results/<device>.json, one set
+per GPU in DEVICES.
 
     python -m benchmarks.perf_docs            # rewrite the tables in place (make perf-docs)
     python -m benchmarks.perf_docs --check    # exit 1, with a diff, where a table differs from the JSON (make test)
 
-Each table sits between `<!-- perf-docs:begin NAME -->` and `<!-- perf-docs:end NAME -->` in its file; only the
-text between the two markers is written, so the prose around a table stays hand-written. A row of record is the
-last row of the JSON for its (op, case, implementation), as `make plots` reads it; ours and each peer must come
-from the same run, or the pair is not shown. Ratios are the peer's time over ours: above 1, ours is faster.
+Each table sits between `<!-- perf-docs:begin NAME TAG -->` and `<!-- perf-docs:end NAME TAG -->` in its file (TAG
+names the GPU: h200, h100); only the text between the two markers is written, so the prose around a table stays
+hand-written. A row of record is the last row of the JSON for its (op, case, implementation), as `make plots` reads
+it; ours and each peer must come from the same run, or the pair is not shown. Ratios are the peer's time over
+ours: above 1, ours is faster. A GPU whose rows are not all measured yet gets the tables it has rows for, and its
+README table names the capabilities it lacks.
 """
 
 from __future__ import annotations
@@ -50,7 +53,24 @@ GALORE_LABELS = {c: c.removeprefix("user path ") for c in GALORE_CASES}
 DORA_CASES = tuple(f"{t}x4096->{n} bf16" for t in (4096, 8192) for n in ("4096 r16", "11008 r64"))
 ADAPT_STEP = "one jitted Adam step of the adapters alone"
 ADAPT_LABELS = {"hf_llama_1b_8x1024_r16": "HF Flax Llama 1.24B, 8 x 1024 tokens, r16 on its 7 projections",
+                "hf_gemma_mqa_1b_8x1024_r16": "Gemma-shaped 1.0B, one key-value head, 8 x 1024 tokens, r16 on 7 "
+                                              "projections",
                 "dense_blocks_4x4096x11008_8192tok_r16": "4 blocks 4096 -> 11008 -> 4096 Dense, 8192 tokens, r16"}
+FP8_BASE_CASE = "dense_blocks_4x4096x11008_8192tok_r16"
+LOSS_CASES = tuple(f"N8192 d{d} V128256 bf16 fwd+bwd" for d in (2048, 4096))
+LOSS_PEERS = {"xla": "XLA, materialized logits", "peer:liger": "Liger (torch)", "xla:chunked": "XLA, chunked"}
+
+
+@dataclass(frozen=True)
+class Device:
+    """A GPU with rows of record: its results file (benchmarks/results/<name>.json) and the tag of its tables'
+    markers."""
+
+    name: str
+    tag: str
+
+
+DEVICES = (Device("nvidia_h200", "h200"), Device("nvidia_h100_80gb_hbm3", "h100"))
 
 # Section (its heading in docs/performance.md) -> the rows of record under it.
 SECTIONS: dict[str, list[Rows]] = {
@@ -68,6 +88,18 @@ SECTIONS: dict[str, list[Rows]] = {
                "adapt", f"adapt:fp8_{recipe}", {"full": "bf16 (the model as it is)"},
                cases=("dense_blocks_4x4096x11008_8192tok_r16",), case_label=ADAPT_LABELS, extra=("peak_gb", "peak GB"))
           for recipe in ("tensorwise", "rowwise")],
+    ],
+    "An FP8 base under the adapters": [
+        *[Rows(f"`adapt.apply(model, [adapt.{rule}(..., base_fp8=\"rowwise\")])`, {ADAPT_STEP}", "adapt",
+               f"adapt:{name}_fp8", {"peer:qwix_lora": "qwix LoRA", f"adapt:{name}": f"{rule} (bf16 base)"},
+               cases=(FP8_BASE_CASE,), case_label=ADAPT_LABELS, extra=("peak_gb", "peak GB"))
+          for rule, name in (("LoraRule", "lora"), ("DoraRule", "dora"))],
+    ],
+    "Fused linear cross-entropy": [
+        Rows("`linear_cross_entropy(hidden, kernel, labels)`, the weight a Dense kernel (d, V), fwd+bwd", "loss",
+             "user:linear_cross_entropy", LOSS_PEERS, cases=LOSS_CASES, extra=("temp_mib", "temporaries MiB")),
+        Rows("the same with the weight a tied embedding (V, d)", "loss", "user:linear_cross_entropy vd", LOSS_PEERS,
+             cases=LOSS_CASES, extra=("temp_mib", "temporaries MiB")),
     ],
     "Rotary embeddings": [
         Rows("`apply_rotary(q, k, positions)`", "rotary", "user:apply_rotary",
@@ -152,6 +184,12 @@ HEADLINE = [
     Headline("Adapting an existing model", "`adapt.apply(model, [LoraRule(...)])`, adapters-only step",
              "HF Flax Llama 1.24B, 8192 tokens, r16", "adapt", "hf_llama_1b_8x1024_r16", "adapt:lora",
              "peer:qwix_lora", "qwix `apply_lora_to_model`"),
+    Headline("An FP8 base under the adapters", "`adapt.apply(model, [LoraRule(..., base_fp8=\"rowwise\")])`, "
+             "adapters-only step", "4 Dense blocks 4096->11008->4096, 8192 tokens, r16", "adapt", FP8_BASE_CASE,
+             "adapt:lora_fp8", "peer:qwix_lora", "qwix LoRA (bf16 base)"),
+    Headline("Fused linear cross-entropy", "`linear_cross_entropy(hidden, kernel, labels)`, fwd+bwd",
+             "8192 tokens, d 4096, V 128256, HF's (d, V) `lm_head`", "loss", "N8192 d4096 V128256 bf16 fwd+bwd",
+             "user:linear_cross_entropy", "peer:liger", "Liger-Kernel (torch)"),
     Headline("Rotary embeddings", "`apply_rotary(q, k, positions)`, fwd+bwd", "B4 S4096 Hq32 Hk8 D128 bf16",
              "rotary", f"{ROTARY} fwd+bwd", "user:apply_rotary", "xla", "XLA reference"),
     Headline("GaLore Adam", "`galore_adamw(...)` + `optax.apply_updates`, refresh every 200 steps",
@@ -188,12 +226,17 @@ def _value(row: dict, tflops: bool) -> str:
 
 
 def section_table(doc: dict, rows: list[Rows]) -> str:
-    """One table per Rows: a line per case, ours and each peer measured in the same run, then the runs' logs."""
+    """One table per Rows: a line per case, ours and each peer measured in the same run, then the runs' logs. Cases
+    this device has no row of ours for are left out, and so is a Rows with none ("" where nothing is left);
+    `unmeasured` catches a case no device has."""
     rec = records(doc)
     logs = {r["date"]: r["log"] for r in doc["runs"] if r.get("log")}
     out: list[str] = []
     for spec in rows:
         cases = spec.cases or tuple(sorted({c for (op, c, impl) in rec if op == spec.op and impl == spec.ours}))
+        cases = tuple(case for case in cases if (spec.op, case, spec.ours) in rec)
+        if not cases:
+            continue
         unit = "TFLOP/s" if spec.tflops else "ms"
         extra_head = f" {spec.extra[1]}: ours / " + " / ".join(spec.peers.values()) + " |" if spec.extra else ""
         out += ["", f"{spec.what}, in {unit}:", "",
@@ -202,9 +245,7 @@ def section_table(doc: dict, rows: list[Rows]) -> str:
                 + " --- |"]
         runs = []
         for case in cases:
-            ours = rec.get((spec.op, case, spec.ours))
-            if ours is None:
-                raise SystemExit(f"perf_docs: no row for {(spec.op, case, spec.ours)}")
+            ours = rec[(spec.op, case, spec.ours)]
             cells, extras = [], [ours["extra"].get(spec.extra[0])] if spec.extra else []
             for impl in spec.peers:
                 peer = rec.get((spec.op, case, impl))
@@ -225,15 +266,21 @@ def section_table(doc: dict, rows: list[Rows]) -> str:
 
 
 def headline_table(doc: dict, link: str) -> str:
+    """The README's table of one device: a line per capability whose pair of record it has (ours and the peer from
+    one run), then a line naming the capabilities not measured on it yet."""
     rec = records(doc)
     out = ["| capability | what you write | shape | vs (same run) | speed vs peer | rows of record |",
            "| --- | --- | --- | --- | ---: | --- |"]
+    absent = []
     for h in HEADLINE:
-        ours, peer = rec[(h.op, h.case, h.ours)], rec[(h.op, h.case, h.peer)]
-        if ours["run"] != peer["run"]:
-            raise SystemExit(f"perf_docs: {h.what}: ours and the peer come from different runs")
+        ours, peer = rec.get((h.op, h.case, h.ours)), rec.get((h.op, h.case, h.peer))
+        if ours is None or peer is None or ours["run"] != peer["run"]:
+            absent.append(h.capability)
+            continue
         out.append(f"| {h.capability} | {h.what} | {h.shape} | {h.peer_label} | {_ratio(peer, ours)} | "
                    f"[{ours['run'][:10]}]({link}#{anchor(h.capability)}) |")
+    if absent:
+        out += ["", "Not measured on this GPU yet: " + ", ".join(absent) + "."]
     return "\n".join(out)
 
 
@@ -273,13 +320,23 @@ def versions_table(doc: dict, other: dict, moved: float = 0.10) -> str:
     return "\n".join(out)
 
 
-def tables(doc: dict, device: str = "nvidia_h200") -> dict[Path, dict[str, str]]:
-    """file -> {table name: generated text}."""
-    perf = {f"rows-{anchor(name)}": section_table(doc, rows) for name, rows in SECTIONS.items()}
-    for path in sorted(RESULTS.glob(f"jax_*/{device}.json")):
-        perf[path.parent.name.replace(".", "")] = versions_table(doc, json.loads(path.read_text()))
-    return {ROOT / "README.md": {"headline": headline_table(doc, "docs/performance.md")},
-            ROOT / "docs" / "performance.md": perf}
+def unmeasured(docs: list[dict]) -> list[tuple[str, str, str]]:
+    """The (op, case, ours) of SECTIONS and HEADLINE that no device's JSON has a row for: a misspelt case, or one
+    named before it was measured anywhere."""
+    have = set().union(*(records(doc) for doc in docs))
+    wanted = [(spec.op, case, spec.ours) for specs in SECTIONS.values() for spec in specs for case in spec.cases]
+    wanted += [(h.op, h.case, h.ours) for h in HEADLINE]
+    return [key for key in wanted if key not in have]
+
+
+def tables(device: Device, doc: dict) -> dict[Path, dict[str, str]]:
+    """file -> {marker name: generated text} for one device; a table with nothing in it has no markers."""
+    perf = {f"rows-{anchor(name)} {device.tag}": section_table(doc, rows)
+            for name, rows in SECTIONS.items()}
+    for path in sorted(RESULTS.glob(f"jax_*/{device.name}.json")):
+        perf[f"{path.parent.name.replace('.', '')} {device.tag}"] = versions_table(doc, json.loads(path.read_text()))
+    return {ROOT / "README.md": {f"headline {device.tag}": headline_table(doc, "docs/performance.md")},
+            ROOT / "docs" / "performance.md": {name: text for name, text in perf.items() if text}}
 
 
 def fill(text: str, name: str, body: str, path: Path) -> str:
@@ -292,15 +349,21 @@ def fill(text: str, name: str, body: str, path: Path) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--device", default="nvidia_h200", help="benchmarks/results/<device>.json")
     p.add_argument("--check", action="store_true", help="change nothing; exit 1 where a table differs")
     args = p.parse_args(argv)
-    doc = json.loads((RESULTS / f"{args.device}.json").read_text())
+    docs = [json.loads((RESULTS / f"{device.name}.json").read_text()) for device in DEVICES]
+    missing = unmeasured(docs)
+    if missing:
+        raise SystemExit(f"perf_docs: rows of record that no device has: {missing}")
+    named: dict[Path, dict[str, str]] = {}
+    for device, doc in zip(DEVICES, docs):
+        for path, found in tables(device, doc).items():
+            named.setdefault(path, {}).update(found)
     stale = []
-    for path, named in tables(doc, args.device).items():
+    for path, bodies in named.items():
         old = path.read_text()
         new = old
-        for name, body in named.items():
+        for name, body in bodies.items():
             new = fill(new, name, body, path)
         if new == old:
             continue
@@ -313,8 +376,8 @@ def main(argv=None) -> int:
             path.write_text(new)
             print(f"wrote {rel}")
     if stale:
-        print(f"\nperf_docs: {', '.join(stale)} differ from benchmarks/results/{args.device}.json; "
-              "run `make perf-docs`", file=sys.stderr)
+        print(f"\nperf_docs: {', '.join(stale)} differ from benchmarks/results/*.json; run `make perf-docs`",
+              file=sys.stderr)
         return 1
     return 0
 

@@ -1,4 +1,4 @@
-"""benchmarks/perf_docs.py's table of the pairs of record measured again on another jax version."""
+"""benchmarks/perf_docs.py: the tables of the pairs of record, per device and across jax versions."""
 
 from __future__ import annotations
 
@@ -29,3 +29,23 @@ def test_versions_table_skips_pairs_the_other_run_lacks():
     base = _doc("0.11.2", 0.5, 0.75, "r0")
     other = {"runs": [{"date": "r1", "jax": "0.12.0.1"}], "rows": []}
     assert len(perf_docs.versions_table(base, other).splitlines()) == 2
+
+
+def test_a_device_with_some_rows_gets_their_lines_and_names_the_rest():
+    doc = _doc("0.11.2", 0.5, 0.75, "r0")
+    lines = perf_docs.headline_table(doc, "docs/performance.md").splitlines()
+    assert [line.split("|")[1].strip() for line in lines[2:-2]] == ["Fused AdamW"]
+    assert "1.50x" in lines[2]
+    absent = [h.capability for h in perf_docs.HEADLINE if h.capability != "Fused AdamW"]
+    assert lines[-1] == "Not measured on this GPU yet: " + ", ".join(absent) + "."
+    table = perf_docs.section_table(doc, perf_docs.SECTIONS["Fused AdamW"])
+    assert "| 0.500 | 0.750 (1.50x) |" in table  # ours, then the peer and its ratio
+    assert table.count("| 105M") == 2  # a line per Rows that has ours (`adamw` + optax.apply_updates has none)
+    assert perf_docs.section_table(doc, perf_docs.SECTIONS["SwiGLU"]) == ""
+
+
+def test_unmeasured_names_rows_of_record_no_device_has():
+    doc = _doc("0.11.2", 0.5, 0.75, "r0")
+    missing = perf_docs.unmeasured([doc])
+    assert ("adam", perf_docs.ADAM_CASE, "pallas:inplace_8bit") not in missing
+    assert ("rotary", f"{perf_docs.ROTARY} fwd+bwd", "user:apply_rotary") in missing
