@@ -8,7 +8,7 @@
 # rowwise and tensorwise, bounded by BUDGET seconds (default 360) inside an outer `timeout` of BUDGET + 120; the
 # cache file it wrote is copied to $OUT/$NAME.json (default nvidia_h100.json). Shipped as this GPU kind's table it
 # goes to pallas_fused/tuning/<device>.json (the file name it had in $OUT/cache, e.g. nvidia_h100_80gb_hbm3.json).
-# compare: `python -m benchmarks.run fp8 --quick` at the example's 9 GEMM shapes (FP8_SECTIONS=matmul), every
+# compare (inside COMPARE_TIMEOUT s, default 560): `python -m benchmarks.run fp8 --quick` at the example's 9 GEMM shapes (FP8_SECTIONS=matmul), every
 # candidate in turn with torch._scaled_mm; rows under $OUT. With the tuned file in pallas_fused/tuning/ (or in
 # $PALLAS_FUSED_TUNING_CACHE), the row of record `user:scaled_matmul_nt` runs its choice ("choice" in the row).
 # Each prints a short table last.
@@ -33,7 +33,7 @@ case "${STAGE:?set STAGE to tune or compare}" in
         grep "failed:" "$OUT/tune.log" | head -20
         sed -n '/^elapsed/,$p' "$OUT/tune.log" ;;
     compare)
-        FP8_SECTIONS=matmul FP8_SHAPES=${FP8_SHAPES:-$SHAPES} PF_RESULTS_DIR="$OUT" timeout 560 \
+        FP8_SECTIONS=matmul FP8_SHAPES=${FP8_SHAPES:-$SHAPES} PF_RESULTS_DIR="$OUT" timeout "${COMPARE_TIMEOUT:-560}" \
             $PY -m benchmarks.run fp8 --quick > "$OUT/compare.log" 2>&1
         echo "benchmarks.run exited $? (log: $OUT/compare.log)"
         $PY - "$OUT" <<'EOF'
