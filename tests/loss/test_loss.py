@@ -248,6 +248,40 @@ def test_one_kernel_forward_and_chunked_backward(kernel_impl):
     assert "pallas_call" not in str(jax.make_jaxpr(lambda h, w: _ours("xla", "dv")(h, w, labels))(hidden, weight))
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("tokens,d,vocab,chunk", [(37, 40, 100, 48), (19, 24, 77, 77), (23, 17, 90, 30)])
+def test_both_layouts_give_the_same_results(kernel_impl, dtype, tokens, d, vocab, chunk):
+    """The same weight as a (V, d) table and as its (d, V) transpose: the same per-token losses (the kernels make
+    each logit from the same products over the same d steps), and the same gradients up to the order of the
+    float32 sums inside the two gradient GEMMs, which the backend may choose by operand layout (a few float32
+    ulps; bf16 outputs round them away, except where a sum lies on a rounding boundary: one bf16 ulp). Chunks:
+    two full and a narrower last one, one chunk of the whole vocabulary, three that divide it."""
+    hidden, weight, labels = _inputs(dtype, "vd", shape=(tokens,), d=d, vocab=vocab, ignore=True, seed=4)
+    options = dict(z_loss=0.05, label_smoothing=0.2, logit_soft_cap=2.5, reduction="none")
+    ct = rand(9, labels.shape)
+    vd = _value_and_grads(lambda h, w: _ours(kernel_impl, "vd", **options)(h, w, labels), hidden, weight, ct)
+    chunked = lambda h, w: linear_cross_entropy_with_config(  # noqa: E731
+        h, w, labels, weight_layout="dv", implementation=kernel_impl, fwd_config=FWD, bwd_config=BWD, chunk=chunk,
+        **options)
+    dv = _value_and_grads(chunked, hidden, weight.T, ct)
+    np.testing.assert_allclose(np.asarray(dv[0]), np.asarray(vd[0]), rtol=1e-6, atol=0)
+    ulp = float(jnp.finfo(dtype).eps)
+    for name, a, b in (("d_hidden", dv[1], vd[1]), ("d_weight", dv[2].T, vd[2])):
+        assert a.dtype == b.dtype == dtype, name
+        a, b = to64(a), to64(b)
+        np.testing.assert_allclose(a, b, rtol=0, atol=4 * ulp * np.max(np.abs(b)), err_msg=name)
+
+
+def test_chunk_outside_the_vocabulary_is_refused():
+    hidden, weight, labels = _inputs(jnp.float32, "dv")
+    zeros = jnp.zeros((N,), jnp.float32)
+    for width, offset in ((V + 1, 0), (48, 60), (0, 0), (10, -1)):
+        with pytest.raises(ValueError, match="width, offset: expected a chunk"):
+            loss_kernel.logits_grad_pallas(hidden, weight, labels, zeros, zeros, zeros, zeros,
+                                           jnp.zeros((1,), jnp.int32), width=width, offset=offset, layout="dv",
+                                           cap=None, interpret=True, config=BWD)
+
+
 def test_xla_never_holds_the_full_logits():
     """The chunked "xla" implementation's compiled forward + backward needs far less than one (N, V) float32
     array of temporaries."""
