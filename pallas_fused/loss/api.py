@@ -55,15 +55,19 @@ def _stats(hidden2, weight, labels, plan: _Plan):
 def _chunk_grads(hidden2, weight, labels, lse, coefs, chunk, width: int, offset: int, plan: _Plan):
     """(dh contribution float32 (N, d), dW of the columns [start, start + width) in weight's dtype, in weight's
     layout) of one vocabulary chunk, start = offset + chunk * width."""
-    layout = plan.cfg.layout
     a, b, c = coefs
     index = jnp.reshape(jnp.asarray(chunk, jnp.int32), (1,))
     du = _kernel.logits_grad_pallas(hidden2, weight, labels, lse, a, b, c, index, width=width, offset=offset,
-                                    layout=layout, cap=plan.cfg.logit_soft_cap, interpret=plan.interpret,
+                                    layout=plan.cfg.layout, cap=plan.cfg.logit_soft_cap, interpret=plan.interpret,
                                     config=plan.bwd)
-    # The weight's chunk as it lies: (width, d) rows or (d, width) columns, never transposed; the dot's dimension
-    # numbers say which axis is contracted, and each dW chunk comes out in the gradient's own layout.
-    w = lax.dynamic_slice_in_dim(weight, offset + chunk * width, width, axis=_vocab_axis(layout))
+    return chunk_gemms(hidden2, weight, du, offset + chunk * width, plan.cfg.layout)
+
+
+def chunk_gemms(hidden2, weight, du, start, layout: str):
+    """The two gradient GEMMs of one chunk's du (N, width): (dh contribution float32 (N, d), dW of the columns
+    [start, start + width) in weight's dtype and layout). The weight's chunk is taken as it lies, (width, d) rows
+    or (d, width) columns, never transposed: the dots' dimension numbers say which axis is contracted."""
+    w = lax.dynamic_slice_in_dim(weight, start, du.shape[1], axis=_vocab_axis(layout))
     # dh sums over every chunk: float32 out, added to a float32 total. A chunk's dW rows are complete after one
     # GEMM (float32 accumulation inside it), so they come out in the weight's dtype, rounded once.
     f32, wdt = jnp.float32, weight.dtype
