@@ -204,7 +204,8 @@ def linear_cross_entropy(hidden, head_weight, labels, *, weight_layout: str | No
     recomputed in the backward, the weight's gradient accumulated in float32. "pallas" / "interpret" run the
     forward as one kernel that never writes logits (an online logsumexp over vocabulary blocks) and the backward
     over vocabulary chunks: a kernel recomputes a chunk's logits and writes their gradient (N, width), which two
-    GEMMs turn into dh and that chunk's rows of dW (see `pallas_fused.loss.kernel`).
+    GEMMs turn into dh and that chunk's part of dW, in the weight's own layout (see `pallas_fused.loss.kernel`).
+    Either layout runs the same work: neither the weight nor its gradient is ever transposed or copied whole.
 
     Raises:
       ValueError: naming the argument, for a dtype other than float32 / bfloat16, shapes that do not fit, a square

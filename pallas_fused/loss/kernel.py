@@ -4,7 +4,8 @@ written whole.
 Both kernels work on 2-D hidden (N, d) and the head weight in its own layout, (V, d) ("vd", a tied embedding)
 or (d, V) ("dv", a Dense kernel), read in place (never transposed or copied). A program's logits block is a
 GEMM of its own: a (bt, bv) float32 accumulator over the d axis in steps of bk, operands in the caller's dtype
-(bf16 on the tensor cores, float32 accumulation).
+(bf16 on the tensor cores, float32 accumulation). The weight's tile is the dot's right operand as it lies in
+memory: (bv, bk) from a (V, d) weight, taken transposed, (bk, bv) from a (d, V) weight, taken as is.
 
 Forward ("pallas_fused_loss_fwd"), grid (vocabulary splits, token blocks). A program walks its split of the
 vocabulary block by block and keeps, per token, the running max m and sum s of exp(z - m) (the online
@@ -20,11 +21,15 @@ weight tiles in L2): the logits of the chunk's columns [start, start + width) ar
 d(loss)/d(logits) in the epilogue (`reference.logits_grad`), written as a (N, width) block in the caller's dtype.
 The api multiplies that block into dh and dW (two GEMMs) and moves on to the next chunk, so no more than one
 (N, width) block exists at once.
-Every chunk starts at a multiple of its width (the api's loop has chunks of one width and ends with a narrower
-one for the remainder), and the kernel is told so: the chunk's index is data (a loop's counter), and a (d, V)
-weight's tile rows run along the vocabulary, so an unknown start would leave Triton no proof of alignment for
-the weight's addresses: 2-byte loads, too narrow for cp.async, and no pipelining of the weight's tiles. The
-column starts of both kernels are stated multiples of their block (`pl.multiple_of`) for the same reason.
+
+Alignment, which decides the weight's loads: a (d, V) tile's rows run along the vocabulary, so its loads are
+16-byte vectors (cp.async, pipelined over `num_stages`) only where Triton can prove the tile's first column a
+multiple of 8. Every chunk starts at a multiple of its width (the api's loop has chunks of one width and ends with
+a narrower one for the remainder), and the kernel is told so: the chunk's index is data (a loop's counter), and a
+start of unknown alignment gives 2-byte loads, too narrow for cp.async: the weight's tiles are then loaded
+synchronously, one bf16 at a time, and the dlogits kernel stalls on them (a (V, d) weight, whose tile rows run
+along d, never cared). The column starts of both kernels are stated multiples of their block (`pl.multiple_of`) for
+the same reason.
 
 Why the backward leaves the two gradient GEMMs outside the kernel: dh = dz W sums over the vocabulary and
 dW = dz^T h over the tokens, while each dz block needs the whole d axis. A kernel that kept dh or dW in
@@ -33,9 +38,9 @@ part into them with atomics would move (1 / bt + 1 / bv) N V d float32 values (o
 d 4096, V 128256). One (N, width) block of dz in HBM costs 2 N width bytes per chunk and lets both GEMMs run at
 full size.
 
-Vocabulary and d not dividing the blocks are masked; tokens past N load as zeros and are not stored. (With a
-(d, V) weight the vocabulary mask runs along the tile's rows: a vocabulary, or a chunk width, that is no
-multiple of 8 also narrows those loads.)
+Vocabulary and d not dividing the blocks are masked; tokens past N load as zeros and are not stored. A mask
+along the axis that runs through memory (d for a (V, d) weight, the vocabulary for a (d, V) one) also narrows
+the loads unless that size is a multiple of 8: right, only slower.
 """
 
 from __future__ import annotations
