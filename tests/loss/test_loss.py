@@ -4,6 +4,8 @@ here); ignored, non-finite and out-of-range tokens; odd shapes; bad input."""
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -270,6 +272,20 @@ def test_both_layouts_give_the_same_results(kernel_impl, dtype, tokens, d, vocab
         assert a.dtype == b.dtype == dtype, name
         a, b = to64(a), to64(b)
         np.testing.assert_allclose(a, b, rtol=0, atol=4 * ulp * np.max(np.abs(b)), err_msg=name)
+
+
+@pytest.mark.parametrize("width,offset,align", [(384, 512, 128), (48, 96, 16), (100, 0, 4), (7, 14, 1)])
+def test_dlogits_kernel_states_its_alignment(width, offset, align):
+    """The chunk's start (offset + index * width, the index being data) and the vocabulary block's start reach
+    Triton as stated multiples (the largest power of two dividing both width and offset; the block): without them
+    a (d, V) weight's tiles load 2 bytes at a time (see `pallas_fused.loss.kernel`), which no CPU test would see."""
+    hidden, weight, labels = _inputs(jnp.float32, "dv", vocab=1000)
+    zeros = jnp.zeros((N,), jnp.float32)
+    call = lambda h, w: loss_kernel.logits_grad_pallas(  # noqa: E731
+        h, w, labels, zeros, zeros, zeros, zeros, jnp.zeros((1,), jnp.int32), width=width, offset=offset,
+        layout="dv", cap=None, interpret=True, config=BWD)
+    stated = re.findall(r"multiple_of\[values=\((\d+),\)\]", str(jax.make_jaxpr(call)(hidden, weight)))
+    assert sorted(map(int, stated)) == sorted([align, BWD.block_vocab]), stated
 
 
 def test_chunk_outside_the_vocabulary_is_refused():
