@@ -52,24 +52,26 @@ def _stats(hidden2, weight, labels, plan: _Plan):
                                       config=plan.fwd)
 
 
-def _weight_chunk(weight, start, width: int, layout: str):
-    axis = 0 if layout == "vd" else 1
-    return lax.dynamic_slice_in_dim(weight, start, width, axis=axis)
-
-
-def _chunk_grads(hidden2, weight, labels, lse, coefs, start, lo, plan: _Plan):
-    """(dh contribution float32 (N, d), dW of the columns [start, start + width) in weight's dtype) of one vocabulary
-    chunk."""
-    cfg, width = plan.cfg, plan.width
-    span = jnp.stack([jnp.asarray(start, jnp.int32), jnp.asarray(lo, jnp.int32)])
+def _chunk_grads(hidden2, weight, labels, lse, coefs, chunk, width: int, offset: int, plan: _Plan):
+    """(dh contribution float32 (N, d), dW of the columns [start, start + width) in weight's dtype, in weight's
+    layout) of one vocabulary chunk, start = offset + chunk * width."""
     a, b, c = coefs
-    du = _kernel.logits_grad_pallas(hidden2, weight, labels, lse, a, b, c, span, width=width, layout=cfg.layout,
-                                    cap=cfg.logit_soft_cap, interpret=plan.interpret, config=plan.bwd)
-    w = _weight_chunk(weight, start, width, cfg.layout)
+    index = jnp.reshape(jnp.asarray(chunk, jnp.int32), (1,))
+    du = _kernel.logits_grad_pallas(hidden2, weight, labels, lse, a, b, c, index, width=width, offset=offset,
+                                    layout=plan.cfg.layout, cap=plan.cfg.logit_soft_cap, interpret=plan.interpret,
+                                    config=plan.bwd)
+    return chunk_gemms(hidden2, weight, du, offset + chunk * width, plan.cfg.layout)
+
+
+def chunk_gemms(hidden2, weight, du, start, layout: str):
+    """The two gradient GEMMs of one chunk's du (N, width): (dh contribution float32 (N, d), dW of the columns
+    [start, start + width) in weight's dtype and layout). The weight's chunk is taken as it lies, (width, d) rows
+    or (d, width) columns, never transposed: the dots' dimension numbers say which axis is contracted."""
+    w = lax.dynamic_slice_in_dim(weight, start, du.shape[1], axis=_vocab_axis(layout))
     # dh sums over every chunk: float32 out, added to a float32 total. A chunk's dW rows are complete after one
     # GEMM (float32 accumulation inside it), so they come out in the weight's dtype, rounded once.
     f32, wdt = jnp.float32, weight.dtype
-    if cfg.layout == "vd":  # u = h W^T: dh = du W, dW = du^T h
+    if layout == "vd":  # u = h W^T: dh = du W, dW = du^T h
         dh = jnp.dot(du, w, preferred_element_type=f32)
         dw = lax.dot_general(du, hidden2, (((0,), (0,)), ((), ())), preferred_element_type=wdt)
     else:  # u = h W: dh = du W^T, dW = h^T du
@@ -78,30 +80,31 @@ def _chunk_grads(hidden2, weight, labels, lse, coefs, start, lo, plan: _Plan):
     return dh, dw
 
 
+def _vocab_axis(layout: str) -> int:
+    return 0 if layout == "vd" else 1
+
+
 def _backward(hidden2, weight, labels, lse, coefs, plan: _Plan):
     """dh (hidden2's dtype) and dW (weight's dtype) over the vocabulary in chunks of `plan.width` columns: every
-    full chunk in a loop, then the remainder as one last chunk shifted back to end at V (its columns that the
-    chunk before already counted are zeros in dz and are not written to dW)."""
-    layout, width = plan.cfg.layout, plan.width
+    full chunk in a loop, then the remainder [lo, V) as one narrower chunk. Every chunk starts at a multiple of its
+    width, which the kernel relies on for aligned weight loads (see `pallas_fused.loss.kernel`)."""
+    width = plan.width
     vocab = plan.cfg.vocab(weight)
-    axis = 0 if layout == "vd" else 1
+    axis = _vocab_axis(plan.cfg.layout)
     full = vocab // width
 
     def body(i, carry):
         dh, dw = carry
-        start = i * width
-        dh_c, dw_c = _chunk_grads(hidden2, weight, labels, lse, coefs, start, start, plan)
-        return dh + dh_c, lax.dynamic_update_slice_in_dim(dw, dw_c, start, axis=axis)
+        dh_c, dw_c = _chunk_grads(hidden2, weight, labels, lse, coefs, i, width, 0, plan)
+        return dh + dh_c, lax.dynamic_update_slice_in_dim(dw, dw_c, i * width, axis=axis)
 
     carry = (jnp.zeros(hidden2.shape, jnp.float32), jnp.zeros(weight.shape, weight.dtype))
     dh, dw = lax.fori_loop(0, full, body, carry)
     lo = full * width
-    if lo < vocab:  # the remainder: the last `width` columns, of which [lo, V) are new
-        start = vocab - width
-        dh_c, dw_c = _chunk_grads(hidden2, weight, labels, lse, coefs, start, lo, plan)
+    if lo < vocab:  # the remainder: a static chunk of its own width
+        dh_c, dw_c = _chunk_grads(hidden2, weight, labels, lse, coefs, 0, vocab - lo, lo, plan)
         dh = dh + dh_c
-        tail = lax.slice_in_dim(dw_c, lo - start, width, axis=axis)
-        dw = lax.dynamic_update_slice_in_dim(dw, tail, lo, axis=axis)
+        dw = lax.dynamic_update_slice_in_dim(dw, dw_c, lo, axis=axis)
     return dh.astype(hidden2.dtype), dw
 
 
@@ -201,7 +204,8 @@ def linear_cross_entropy(hidden, head_weight, labels, *, weight_layout: str | No
     recomputed in the backward, the weight's gradient accumulated in float32. "pallas" / "interpret" run the
     forward as one kernel that never writes logits (an online logsumexp over vocabulary blocks) and the backward
     over vocabulary chunks: a kernel recomputes a chunk's logits and writes their gradient (N, width), which two
-    GEMMs turn into dh and that chunk's rows of dW (see `pallas_fused.loss.kernel`).
+    GEMMs turn into dh and that chunk's part of dW, in the weight's own layout (see `pallas_fused.loss.kernel`).
+    Either layout runs the same work: neither the weight nor its gradient is ever transposed or copied whole.
 
     Raises:
       ValueError: naming the argument, for a dtype other than float32 / bfloat16, shapes that do not fit, a square

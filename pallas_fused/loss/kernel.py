@@ -4,7 +4,8 @@ written whole.
 Both kernels work on 2-D hidden (N, d) and the head weight in its own layout, (V, d) ("vd", a tied embedding)
 or (d, V) ("dv", a Dense kernel), read in place (never transposed or copied). A program's logits block is a
 GEMM of its own: a (bt, bv) float32 accumulator over the d axis in steps of bk, operands in the caller's dtype
-(bf16 on the tensor cores, float32 accumulation).
+(bf16 on the tensor cores, float32 accumulation). The weight's tile is the dot's right operand as it lies in
+memory: (bv, bk) from a (V, d) weight, taken transposed, (bk, bv) from a (d, V) weight, taken as is.
 
 Forward ("pallas_fused_loss_fwd"), grid (vocabulary splits, token blocks). A program walks its split of the
 vocabulary block by block and keeps, per token, the running max m and sum s of exp(z - m) (the online
@@ -20,8 +21,15 @@ weight tiles in L2): the logits of the chunk's columns [start, start + width) ar
 d(loss)/d(logits) in the epilogue (`reference.logits_grad`), written as a (N, width) block in the caller's dtype.
 The api multiplies that block into dh and dW (two GEMMs) and moves on to the next chunk, so no more than one
 (N, width) block exists at once.
-Columns below `lo` (already counted by the chunk before, where the last chunk is shifted back to fit) and past
-V are written as zeros.
+
+Alignment, which decides the weight's loads: a (d, V) tile's rows run along the vocabulary, so its loads are
+16-byte vectors (cp.async, pipelined over `num_stages`) only where Triton can prove the tile's first column a
+multiple of 8. Every chunk starts at a multiple of its width (the api's loop has chunks of one width and ends with
+a narrower one for the remainder), and the kernel is told so: the chunk's index is data (a loop's counter), and a
+start of unknown alignment gives 2-byte loads, too narrow for cp.async: the weight's tiles are then loaded
+synchronously, one bf16 at a time, and the dlogits kernel stalls on them (a (V, d) weight, whose tile rows run
+along d, never cared). The column starts of both kernels are stated multiples of their block (`pl.multiple_of`) for
+the same reason.
 
 Why the backward leaves the two gradient GEMMs outside the kernel: dh = dz W sums over the vocabulary and
 dW = dz^T h over the tokens, while each dz block needs the whole d axis. A kernel that kept dh or dW in
@@ -30,7 +38,9 @@ part into them with atomics would move (1 / bt + 1 / bv) N V d float32 values (o
 d 4096, V 128256). One (N, width) block of dz in HBM costs 2 N width bytes per chunk and lets both GEMMs run at
 full size.
 
-Vocabulary and d not dividing the blocks are masked; tokens past N load as zeros and are not stored.
+Vocabulary and d not dividing the blocks are masked; tokens past N load as zeros and are not stored. A mask
+along the axis that runs through memory (d for a (V, d) weight, the vocabulary for a (d, V) one) also narrows
+the loads unless that size is a multiple of 8: right, only slower.
 """
 
 from __future__ import annotations
@@ -137,7 +147,7 @@ def _stats_kernel(h_ref, w_ref, y_ref, m_ref, s_ref, zy_ref, zsum_ref, *, tokens
 
     def vocab_block(j, carry):
         m, s, z_label, z_sum = carry
-        cols = (split * per_split + j) * bv + jnp.arange(bv)
+        cols = pl.multiple_of((split * per_split + j) * bv, bv) + jnp.arange(bv)
         col_ok = cols < vocab
         # Stage 1: this block's logits, capped.
         z = cap_logits(_logits_block(h_ref, w_ref, rows, row_ok, cols, col_ok, features=features, bk=bk,
@@ -184,39 +194,51 @@ def logit_stats_pallas(hidden2, weight, labels, *, layout: str, cap: float | Non
     return lse, jnp.sum(z_label, axis=0), jnp.sum(z_sum, axis=0)
 
 
-def _dlogits_kernel(h_ref, w_ref, y_ref, lse_ref, a_ref, b_ref, c_ref, span_ref, out_ref, *, tokens, vocab,
-                    features, width, bt, bv, bk, group, layout, cap):
+def _dlogits_kernel(h_ref, w_ref, y_ref, lse_ref, a_ref, b_ref, c_ref, chunk_ref, out_ref, *, tokens, features,
+                    width, offset, align, bt, bv, bk, group, layout, cap):
     tb, vb = _backend.grouped_pid(pl.program_id(0), cdiv(tokens, bt), cdiv(width, bv), group)
     rows = tb * bt + jnp.arange(bt)
     row_ok = rows < tokens
     labels = _backend.load(y_ref.at[rows], mask=row_ok, other=-1)
     lse, a, b, c = (_backend.load(ref.at[rows], mask=row_ok, other=0) for ref in (lse_ref, a_ref, b_ref, c_ref))
-    start, lo = span_ref[0], span_ref[1]
-    local = vb * bv + jnp.arange(bv)
-    in_chunk = local < width
+    # The chunk's first column, offset + chunk * width, with its alignment stated: the index is read from memory,
+    # and a (d, V) weight's tile rows run along the vocabulary, so without it Triton could prove no alignment of
+    # the tile's addresses and would load the weight 2 bytes at a time (too narrow for cp.async: no pipelining).
+    start = pl.multiple_of(offset + chunk_ref[0] * width, align)
+    local = pl.multiple_of(vb * bv, bv) + jnp.arange(bv)
+    col_ok = local < width  # the chunk ends at or before V (the caller's contract), so this is the only bound
     cols = start + local
-    col_ok = in_chunk & (cols < vocab)
     # Stage 1: the logits of this block, recomputed and capped.
     z = cap_logits(_logits_block(h_ref, w_ref, rows, row_ok, cols, col_ok, features=features, bk=bk,
                                  layout=layout), cap)
-    # Stage 2: d(loss)/d(u) = (a softmax - b onehot - c) through the cap; columns another chunk owns are zero.
+    # Stage 2: d(loss)/d(u) = (a softmax - b onehot - c) through the cap.
     du = logits_grad(z, cols, labels, lse, a, b, c, cap)
-    du = jnp.where((col_ok & (cols >= lo))[None, :], du, 0.0)
     _backend.store(out_ref.at[rows[:, None], local[None, :]], du.astype(out_ref.dtype),
-                   mask=row_ok[:, None] & in_chunk[None, :])
+                   mask=row_ok[:, None] & col_ok[None, :])
 
 
-def logits_grad_pallas(hidden2, weight, labels, lse, a, b, c, span, *, width: int, layout: str, cap: float | None,
-                       interpret: bool, config: LaunchConfig | None = None):
-    """(N, width) d(loss)/d(u) in hidden2's dtype for the vocabulary columns [start, start + width), span = int32
-    [start, lo]: columns below lo are zeros. lse, a, b, c: float32 (N,) (see `reference.logits_grad`)."""
+def _pow2_factor(n: int) -> int:
+    """The largest power of two dividing n (n > 0); for 0, a large one (every index is a multiple of it)."""
+    return n & -n if n else 1 << 30
+
+
+def logits_grad_pallas(hidden2, weight, labels, lse, a, b, c, chunk, *, width: int, offset: int, layout: str,
+                       cap: float | None, interpret: bool, config: LaunchConfig | None = None):
+    """(N, width) d(loss)/d(u) in hidden2's dtype for the vocabulary columns [start, start + width) with
+    start = offset + chunk * width, chunk an int32 (1,) array (a loop's index). The caller keeps the chunk within
+    the vocabulary (start + width <= V); offset and width are static, so that every chunk's start has a known
+    alignment. lse, a, b, c: float32 (N,) (see `reference.logits_grad`)."""
     tokens, features = hidden2.shape
     vocab = weight.shape[0] if layout == "vd" else weight.shape[1]
+    if not 0 < width <= vocab - offset or offset < 0:
+        raise ValueError(f"width, offset: expected a chunk [offset, offset + width) within the vocabulary "
+                         f"[0, {vocab}), got width={width}, offset={offset}")
     config = config or choose_config(tokens, vocab, features, backward=True)
     bt, bv, bk = config.block_tokens, config.block_vocab, config.block_k
-    kernel = functools.partial(_dlogits_kernel, tokens=tokens, vocab=vocab, features=features, width=width, bt=bt,
-                               bv=bv, bk=bk, group=config.group, layout=layout, cap=cap)
+    align = min(_pow2_factor(width), _pow2_factor(offset))
+    kernel = functools.partial(_dlogits_kernel, tokens=tokens, features=features, width=width, offset=offset,
+                               align=align, bt=bt, bv=bv, bk=bk, group=config.group, layout=layout, cap=cap)
     return _backend.triton_call(
         kernel, out_shape=jax.ShapeDtypeStruct((tokens, width), hidden2.dtype),
         grid=(cdiv(tokens, bt) * cdiv(width, bv),), name="pallas_fused_loss_dlogits", interpret=interpret,
-        num_warps=config.num_warps, num_stages=config.num_stages)(hidden2, weight, labels, lse, a, b, c, span)
+        num_warps=config.num_warps, num_stages=config.num_stages)(hidden2, weight, labels, lse, a, b, c, chunk)

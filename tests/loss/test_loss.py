@@ -4,6 +4,8 @@ here); ignored, non-finite and out-of-range tokens; odd shapes; bad input."""
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -243,9 +245,57 @@ def test_one_kernel_forward_and_chunked_backward(kernel_impl):
     hidden, weight, labels = _inputs(jnp.bfloat16, "dv")
     fn = jax.grad(lambda h, w: _ours(kernel_impl, "dv")(h, w, labels), (0, 1))
     jaxpr = str(jax.make_jaxpr(fn)(hidden, weight))
-    # chunks of 48 over V 100: two in the loop's body (traced once) and the shifted last one
+    # chunks of 48 over V 100: two in the loop's body (traced once) and the last 4 columns as a narrower one
     assert jaxpr.count("name=pallas_fused_loss_fwd") == 1 and jaxpr.count("name=pallas_fused_loss_dlogits") == 2
     assert "pallas_call" not in str(jax.make_jaxpr(lambda h, w: _ours("xla", "dv")(h, w, labels))(hidden, weight))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=lambda d: jnp.dtype(d).name)
+@pytest.mark.parametrize("tokens,d,vocab,chunk", [(37, 40, 100, 48), (19, 24, 77, 77), (23, 17, 90, 30)])
+def test_both_layouts_give_the_same_results(kernel_impl, dtype, tokens, d, vocab, chunk):
+    """The same weight as a (V, d) table and as its (d, V) transpose: the same per-token losses (the kernels make
+    each logit from the same products over the same d steps), and the same gradients up to the order of the
+    float32 sums inside the two gradient GEMMs, which the backend may choose by operand layout (a few float32
+    ulps; bf16 outputs round them away, except where a sum lies on a rounding boundary: one bf16 ulp). Chunks:
+    two full and a narrower last one, one chunk of the whole vocabulary, three that divide it."""
+    hidden, weight, labels = _inputs(dtype, "vd", shape=(tokens,), d=d, vocab=vocab, ignore=True, seed=4)
+    options = dict(z_loss=0.05, label_smoothing=0.2, logit_soft_cap=2.5, reduction="none")
+    ct = rand(9, labels.shape)
+    vd = _value_and_grads(lambda h, w: _ours(kernel_impl, "vd", **options)(h, w, labels), hidden, weight, ct)
+    chunked = lambda h, w: linear_cross_entropy_with_config(  # noqa: E731
+        h, w, labels, weight_layout="dv", implementation=kernel_impl, fwd_config=FWD, bwd_config=BWD, chunk=chunk,
+        **options)
+    dv = _value_and_grads(chunked, hidden, weight.T, ct)
+    np.testing.assert_allclose(np.asarray(dv[0]), np.asarray(vd[0]), rtol=1e-6, atol=0)
+    ulp = float(jnp.finfo(dtype).eps)
+    for name, a, b in (("d_hidden", dv[1], vd[1]), ("d_weight", dv[2].T, vd[2])):
+        assert a.dtype == b.dtype == dtype, name
+        a, b = to64(a), to64(b)
+        np.testing.assert_allclose(a, b, rtol=0, atol=4 * ulp * np.max(np.abs(b)), err_msg=name)
+
+
+@pytest.mark.parametrize("width,offset,align", [(384, 512, 128), (48, 96, 16), (100, 0, 4), (7, 14, 1)])
+def test_dlogits_kernel_states_its_alignment(width, offset, align):
+    """The chunk's start (offset + index * width, the index being data) and the vocabulary block's start reach
+    Triton as stated multiples (the largest power of two dividing both width and offset; the block): without them
+    a (d, V) weight's tiles load 2 bytes at a time (see `pallas_fused.loss.kernel`), which no CPU test would see."""
+    hidden, weight, labels = _inputs(jnp.float32, "dv", vocab=1000)
+    zeros = jnp.zeros((N,), jnp.float32)
+    call = lambda h, w: loss_kernel.logits_grad_pallas(  # noqa: E731
+        h, w, labels, zeros, zeros, zeros, zeros, jnp.zeros((1,), jnp.int32), width=width, offset=offset,
+        layout="dv", cap=None, interpret=True, config=BWD)
+    stated = re.findall(r"multiple_of\[values=\((\d+),\)\]", str(jax.make_jaxpr(call)(hidden, weight)))
+    assert sorted(map(int, stated)) == sorted([align, BWD.block_vocab]), stated
+
+
+def test_chunk_outside_the_vocabulary_is_refused():
+    hidden, weight, labels = _inputs(jnp.float32, "dv")
+    zeros = jnp.zeros((N,), jnp.float32)
+    for width, offset in ((V + 1, 0), (48, 60), (0, 0), (10, -1)):
+        with pytest.raises(ValueError, match="width, offset: expected a chunk"):
+            loss_kernel.logits_grad_pallas(hidden, weight, labels, zeros, zeros, zeros, zeros,
+                                           jnp.zeros((1,), jnp.int32), width=width, offset=offset, layout="dv",
+                                           cap=None, interpret=True, config=BWD)
 
 
 def test_xla_never_holds_the_full_logits():
