@@ -27,8 +27,8 @@ F32, HIGHEST = jnp.float32, jax.lax.Precision.HIGHEST
 
 def _codes_dot(lhs, rhs):
     """lhs @ rhs in float32, one of them the (in, out) e4m3 codes cast to the other's (16- or 32-bit) dtype: exact
-    products, float32 sums."""
-    return jnp.dot(lhs, rhs, precision=HIGHEST, preferred_element_type=F32)
+    products, float32 sums (HIGHEST for float32 operands: no TF32 rounding of them)."""
+    return jnp.dot(lhs, rhs, precision=HIGHEST if lhs.dtype == F32 else None, preferred_element_type=F32)
 
 
 def fp8_column_sumsq(w8, lora_a, lora_b, scale, dtype):
