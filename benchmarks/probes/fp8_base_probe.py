@@ -26,8 +26,8 @@ import re
 from unittest import mock
 
 import jax
-from jax.ad_checkpoint import print_saved_residuals
 import numpy as np
+from jax.ad_checkpoint import print_saved_residuals
 
 from benchmarks.bench_adapt import BLOCKS, RANK, candidates, make_step, model_config
 from benchmarks.common import bench_carry_interleaved, error_text, probe_recorder

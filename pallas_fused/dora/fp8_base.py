@@ -104,10 +104,12 @@ def lora_fp8_dense(x, w8, lora_a, lora_b, bias=None, *, scale, implementation: s
 def dora_fp8_dense(x, w8, lora_a, lora_b, magnitude, bias=None, *, scale, exact_norm_grad: bool = False,
                    implementation: str | None = None):
     """DoRA over an FP8 base: ``y = (x W8 + s (x A) B) * m / ||W8 + s A B|| + bias``, the norm per output feature
-    over the input axis of the dequantized W8 (`fp8_column_sumsq`: in float32, from the codes), floored as DoRA's; W8 an `Fp8Kernel` (frozen). Arguments as `lora_fp8_dense`'s, plus magnitude m (out,) and
-    exact_norm_grad (differentiate through the norm; default: a constant, as peft)."""
+    over the input axis of the dequantized W8 (`fp8_column_sumsq`: in float32, from the codes), floored as DoRA's;
+    W8 an `Fp8Kernel` (frozen). z = x W8 + s (x A) B is rounded once to x's dtype before the column scale, as
+    `dora_dense_reference` forms it. Arguments as `lora_fp8_dense`'s, plus magnitude m (out,) and exact_norm_grad
+    (differentiate through the norm; default: a constant, as peft)."""
     _check(x, w8, lora_a, lora_b, magnitude, bias, scale, op="dora_fp8_dense", fp8_base=True)
-    # a constant norm (the default) is one of constant inputs: no residuals kept for a backward that never runs
+    # a constant norm (the default) is one of constant inputs: nothing is kept for a backward that never runs
     a, b, s = (lora_a, lora_b, scale) if exact_norm_grad else jax.lax.stop_gradient((lora_a, lora_b, scale))
     g = magnitude.astype(F32) / floored_norm(fp8_column_sumsq(w8, a, b, s, x.dtype))
     z = _adapted(x, w8, lora_a, lora_b, scale, implementation).astype(x.dtype)
