@@ -12,9 +12,9 @@ qwix in the same window), and recorded at once: a run cut off keeps what it meas
 peak of the compiled step (arguments + temporaries + outputs not aliased, as bench_adapt's peak_gb) and the bytes
 the forward keeps for the backward (`jax.ad_checkpoint.saved_residuals`, params and data excluded).
 
-    OUT=/tmp/fp8_base_probe timeout 150 python -m benchmarks.probes.fp8_base_probe
+    OUT=/tmp/fp8_base_probe timeout -k 5 140 python -m benchmarks.probes.fp8_base_probe
 
-Rows go to $OUT/fp8_base_probe.json; a table is printed last.
+Rows go to $OUT/fp8_base_probe.json as they are measured; a table is printed last (also when `timeout` ends it).
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ import contextlib
 import io
 import os
 import re
+import signal
+import sys
 from unittest import mock
 
 import jax
@@ -49,10 +51,10 @@ def pallas_quantize(x, dtype, axis, power_of_2):
 # name: (bench_adapt's candidate, the quantization of x and dy in the FP8 GEMMs' op)
 CANDIDATES = {
     "qwix_lora": ("blocks:peer:qwix_lora", None),
-    "lora_fp8": ("blocks:adapt:lora_fp8", None),
     "dora_fp8": ("blocks:adapt:dora_fp8", None),
-    "lora_fp8_q": ("blocks:adapt:lora_fp8", pallas_quantize),
+    "lora_fp8": ("blocks:adapt:lora_fp8", None),
     "dora_fp8_q": ("blocks:adapt:dora_fp8", pallas_quantize),
+    "lora_fp8_q": ("blocks:adapt:lora_fp8", pallas_quantize),
 }
 
 
@@ -96,39 +98,11 @@ def build(name: str):
     return step, state, extra
 
 
-def main() -> None:
-    os.makedirs(OUT, exist_ok=True)
-    record = probe_recorder(f"{OUT}/fp8_base_probe.json")
-    case = f"dense_blocks_4x{DIMS[0]}x{DIMS[1]}_{BATCH * SEQ}tok_r{RANK}"
-    device = jax.devices()[0].device_kind
-    n, reps = (20, 5) if GPU else (2, 2)
-    rows = []
-    try:
-        qwix = build("qwix_lora")
-        qwix_state = [qwix[1]]
-    except Exception as e:  # noqa: BLE001 - the peer missing is a result: the FP8 rows are still timed
-        qwix = None
-        record(case=case, impl="qwix_lora", ms=None, device=device, error=error_text(e))
-    for name in [k for k in CANDIDATES if k != "qwix_lora"]:
-        try:
-            step, state, extra = build(name)
-            steps = {name: (step, state)}
-            if qwix is not None:  # qwix's state is donated each step: the newest is kept for the next pair
-                steps["qwix_lora"] = (tracked(qwix[0], qwix_state), qwix_state[0])
-            times = bench_carry_interleaved(steps, n=n, reps=reps)
-            row = dict(case=case, impl=name, ms=round(times[name], 3), device=device, **extra)
-            if qwix is not None:
-                row.update(qwix_ms=round(times["qwix_lora"], 3), x_qwix=round(times[name] / times["qwix_lora"], 3),
-                           qwix_peak_gb=qwix[2]["peak_gb"], qwix_residual_gb=qwix[2]["residual_gb"])
-            del steps, step, state
-        except Exception as e:  # noqa: BLE001 - a failing candidate is a result
-            row = dict(case=case, impl=name, ms=None, device=device, error=error_text(e))
-        record(**row)
-        rows.append(row)
+def table(case, device, qwix, rows) -> None:
     print(f"\n{case} on {device}")
     print(f"{'impl':12s} {'ms':>8s} {'qwix ms':>8s} {'x qwix':>7s} {'peak GB':>8s} {'resid GB':>8s}")
     if qwix is None:
-        print("qwix_lora    failed (see the JSON)")
+        print("qwix_lora    failed or not built (see the JSON)")
     else:
         print(f"{'qwix_lora':12s} {'':8s} {'':8s} {'':7s} {qwix[2]['peak_gb'] or float('nan'):8.3f} "
               f"{qwix[2]['residual_gb']:8.3f}")
@@ -138,6 +112,43 @@ def main() -> None:
             continue
         print(f"{r['impl']:12s} {r['ms']:8.3f} {r.get('qwix_ms', float('nan')):8.3f} "
               f"{r.get('x_qwix', float('nan')):7.3f} {r['peak_gb'] or float('nan'):8.3f} {r['residual_gb']:8.3f}")
+
+
+def main() -> None:
+    # `timeout` ends the run with SIGTERM: leave through the `finally` below, so the table of what was measured prints
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(124))
+    os.makedirs(OUT, exist_ok=True)
+    record = probe_recorder(f"{OUT}/fp8_base_probe.json")
+    case = f"dense_blocks_4x{DIMS[0]}x{DIMS[1]}_{BATCH * SEQ}tok_r{RANK}"
+    device = jax.devices()[0].device_kind
+    n, reps = (20, 5) if GPU else (2, 2)
+    rows: list[dict] = []
+    qwix = None
+    try:
+        try:
+            qwix = build("qwix_lora")
+            qwix_state = [qwix[1]]
+        except Exception as e:  # noqa: BLE001 - the peer missing is a result: the FP8 rows are still timed
+            record(case=case, impl="qwix_lora", ms=None, device=device, error=error_text(e))
+        for name in [k for k in CANDIDATES if k != "qwix_lora"]:
+            try:
+                step, state, extra = build(name)
+                steps = {name: (step, state)}
+                if qwix is not None:  # qwix's state is donated each step: the newest is kept for the next pair
+                    steps["qwix_lora"] = (tracked(qwix[0], qwix_state), qwix_state[0])
+                times = bench_carry_interleaved(steps, n=n, reps=reps)
+                row = dict(case=case, impl=name, ms=round(times[name], 3), device=device, **extra)
+                if qwix is not None:
+                    row.update(qwix_ms=round(times["qwix_lora"], 3),
+                               x_qwix=round(times[name] / times["qwix_lora"], 3), qwix_peak_gb=qwix[2]["peak_gb"],
+                               qwix_residual_gb=qwix[2]["residual_gb"])
+                del steps, step, state
+            except Exception as e:  # noqa: BLE001 - a failing candidate is a result
+                row = dict(case=case, impl=name, ms=None, device=device, error=error_text(e))
+            record(**row)
+            rows.append(row)
+    finally:
+        table(case, device, qwix, rows)
 
 
 if __name__ == "__main__":
