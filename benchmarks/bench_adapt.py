@@ -156,16 +156,17 @@ def make_step(loss, data, params, mask):
 
 
 class DenseBlocks(nn.Module):
-    """4 blocks of d_model -> d_ff -> d_model Dense (gelu, residual), bf16: the projections alone, where the
-    adapters' cost is not diluted by attention and the LM head."""
+    """`blocks` (4) blocks of d_model -> d_ff -> d_model Dense (gelu, residual), bf16: the projections alone, where
+    the adapters' cost is not diluted by attention and the LM head."""
 
     dims: tuple[int, int]  # d_model, d_ff
     dense: Any = nn.Dense
+    blocks: int = 4
 
     @nn.compact
     def __call__(self, x):
         d, f = self.dims
-        for i in range(4):
+        for i in range(self.blocks):
             h = self.dense(f, use_bias=False, dtype=jnp.bfloat16, name=f"up_{i}")(x)
             x = x + self.dense(d, use_bias=False, dtype=jnp.bfloat16, name=f"down_{i}")(nn.gelu(h))
         return x

@@ -9,6 +9,13 @@ tensor and the weight's scalar taken in the GEMM's epilogue. W is never held twi
 
 The dtypes, power-of-2 scales and fast accumulation are torchao's recipes' (`Float8Config.from_recipe`): rowwise
 e4m3 everywhere with power-of-2 scales, tensorwise e4m3 for x and e5m2 for dy.
+
+x and dy are quantized by XLA (`reference.quantize_reference`: an amax reduction and a cast, two fusions) under
+every implementation; `implementation` picks the GEMMs. Per element of a 16-bit x that moves the bytes of the
+Pallas quantize (`fp8.quantize`: XLA's amax, then its cast kernel: read 2 + read 2 + write 1), and fewer for dy:
+XLA computes dy diag(s) inside both of its fusions (read 2 + read 2 + write 1), where a Pallas kernel needs its
+operand in memory, so dy diag(s) would be written in float32 first and read twice (read 2 + write 4 + read 4 +
+read 4 + write 1). XLA may also fuse the producer of x or dy (an activation, DoRA's column scale) into both.
 """
 
 from __future__ import annotations
@@ -20,16 +27,16 @@ import jax
 import jax.numpy as jnp
 
 from pallas_fused.dora.quant import Fp8Kernel
-from pallas_fused.fp8.api import _resolve, quantize, scaled_matmul, scaled_matmul_nt
+from pallas_fused.fp8.api import _resolve, scaled_matmul, scaled_matmul_nt
 from pallas_fused.fp8.config import Float8Config
+from pallas_fused.fp8.reference import quantize_reference
 
 
 def _forward(statics, x, codes, scale):
     recipe, impl, out_dtype = statics
     config = Float8Config.from_recipe(recipe)
     cast, rowwise = config.cast_config_input, recipe == "rowwise"
-    xq, sx = quantize(x, cast.dtype, 1 if rowwise else None, config.round_scales_to_power_of_2,
-                      implementation=impl)
+    xq, sx = quantize_reference(x, cast.dtype, 1 if rowwise else None, config.round_scales_to_power_of_2)
     sw = scale[None, :] if rowwise else scale
     return scaled_matmul(xq, codes, sx, sw, out_dtype=out_dtype, fast_accum=config.gemm_config_output.fast_accum,
                          implementation=impl)
@@ -51,10 +58,10 @@ def _frozen_2d_bwd(statics, res, dy):
     cast, pow2 = config.cast_config_grad_output, config.round_scales_to_power_of_2
     fast = config.gemm_config_grad_input.fast_accum
     if recipe == "rowwise":  # dy diag(s), rowwise; the codes' scale folded in, so the GEMM takes 1 for them
-        dyq, sdy = quantize(dy.astype(jnp.float32) * scale[None, :], cast.dtype, 1, pow2, implementation=impl)
+        dyq, sdy = quantize_reference(dy.astype(jnp.float32) * scale[None, :], cast.dtype, 1, pow2)
         sw = jnp.ones((), jnp.float32)
     else:
-        dyq, sdy = quantize(dy, cast.dtype, None, pow2, implementation=impl)
+        dyq, sdy = quantize_reference(dy, cast.dtype, None, pow2)
         sw = scale
     dx = scaled_matmul_nt(dyq, codes, sdy, sw, out_dtype=x_proto.dtype, fast_accum=fast, implementation=impl)
     return dx, jnp.zeros_like(codes), jnp.zeros_like(scale)

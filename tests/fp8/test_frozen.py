@@ -96,6 +96,20 @@ def test_matches_the_dequantized_reference(recipe, dtype, impl):
     assert rel_err(dx, exact_dx) <= fp8_bound(grad_format, E4M3), rel_err(dx, exact_dx)
 
 
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_pallas_kernels_are_the_gemms_alone(recipe):
+    """Under a Pallas implementation x and dy are quantized by XLA, fusible with their producers (dy diag(s) included),
+    never by the Pallas quantize kernel, whose operand would have to be in memory (rowwise dy diag(s) written in
+    float32 first): the forward and backward run no Pallas kernel but the GEMMs."""
+    import re
+
+    w8 = quantize_fp8(rand(8, (K, N)), recipe)
+    step = lambda x, dy: jax.vjp(lambda x: frozen_fp8_matmul(x, w8, implementation="interpret"), x)[1](dy)  # noqa
+    jaxpr = str(jax.make_jaxpr(step)(rand(9, (M, K), jnp.bfloat16), rand(10, (M, N), jnp.bfloat16)))
+    names = set(re.findall(r"pallas_fused_\w+", jaxpr))
+    assert names and all(n.startswith("pallas_fused_fp8_scaled_matmul") for n in names), names
+
+
 def test_leading_axes_jit_and_out_dtype():
     x, w8 = rand(4, (2, 5, K), jnp.bfloat16), quantize_fp8(rand(5, (K, N)), "rowwise")
     y = jax.jit(lambda x: frozen_fp8_matmul(x, w8, out_dtype=jnp.float32))(x)
