@@ -59,7 +59,11 @@ W's shard needs only the matching rows/columns of P and N: local. `state_shardin
 param_shardings)` gives the matching state shardings. Projector refresh: "randomized" is GEMMs with a
 sharded G that XLA partitions (all-reducing and at most gathering the (M or N, rank + oversample)
 sketches, never G); "svd" (jnp.linalg.svd is not partitioned) gathers the full gradient of each projected
-leaf on refresh steps (once every update_proj_gap steps): prefer "randomized" on large meshes.
+leaf on refresh steps (once every update_proj_gap steps): prefer "randomized" on large meshes. The refresh runs one
+loop over each group of leaves of one shape, dtype and side, which takes one layout for the group: leaves of one
+shape split alike (as FSDP splits a model's repeated projections) refresh as above; where one leaf of a group is
+split differently (tensor parallelism's column- and row-split projections of one shape), XLA reshards its gradient
+to the group's layout on refresh steps.
 
 Hyperparameters learning_rate (float or schedule), b1, b2, eps, weight_decay, scale, update_proj_gap and
 seed are runtime values: under `optax.inject_hyperparams(galore_adamw)` changing them does not recompile.
