@@ -1,6 +1,7 @@
 """A model's tree through GaLore: the refresh runs one loop per group of leaves of one shape, dtype and side
 (`_GaLore._refresh_all`); its updates and state are the per-leaf refresh's, bit for bit."""
 
+import contextlib
 from unittest import mock
 
 import jax
@@ -16,6 +17,13 @@ def _per_leaf_refresh_all(self, flat_g, flat_p, sides, key):
     """The refresh leaf by leaf, each with its own code (what the grouped loop replaces)."""
     return {i: self._refresh(*self._finite_grad(flat_g[i]), flat_p[i], side, jax.random.fold_in(key, i))
             for i, side in sides.items()}
+
+
+def _refresh_code(grouped: bool):
+    """A context: the package's grouped refresh, or the per-leaf one in its place."""
+    if grouped:
+        return contextlib.nullcontext()
+    return mock.patch.object(api._GaLore, "_refresh_all", _per_leaf_refresh_all)
 
 
 # repeated shapes (two groups of three fp32 matrices, one per side), a bf16 group of the same shape as an fp32 one,
@@ -38,8 +46,7 @@ def _run(tx, steps, grouped: bool, nan_at=None):
     """`steps` jitted update -> apply_updates steps (update_proj_gap 2: refreshes at steps 0 and 2), the gradient of
     leaf "q1" non-finite at step `nan_at`; returns every step's updates and the final params and state."""
     params = _tree(0)
-    ctx = mock.patch.object(api._GaLore, "_refresh_all", _per_leaf_refresh_all) if not grouped else mock.MagicMock()
-    with ctx:
+    with _refresh_code(grouped):
         state = tx.init(params)
         step = jax.jit(lambda p, g, s: tx.update(g, s, p))
         history = []
@@ -48,6 +55,22 @@ def _run(tx, steps, grouped: bool, nan_at=None):
             params = optax.apply_updates(params, u)
             history.append(u)
     return history, params, state
+
+
+def test_grouped_refresh_inplace_step():
+    """galore_adamw_inplace's step runs the same grouped refresh: bit-identical to leaf by leaf."""
+    opt = api.galore_adamw_inplace(1e-2, rank=8, update_proj_gap=2, weight_decay=0.01, implementation="xla")
+
+    def run(grouped):
+        params = _tree(0)
+        with _refresh_code(grouped):
+            state = opt.init(params)
+            step = jax.jit(opt.step)
+            for t in range(3):
+                params, state = step(params, _tree(10 + t), state)
+        return params, state
+
+    _assert_identical(run(True), run(False))
 
 
 def _assert_identical(a, b):
