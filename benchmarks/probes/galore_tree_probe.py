@@ -28,6 +28,7 @@ import json
 import os
 import re
 import time
+import types
 
 import jax
 import jax.extend.core
@@ -43,10 +44,21 @@ R, LR, SCALE, GAP = 128, 1e-3, 0.25, 200
 CPU = jax.default_backend() == "cpu"
 
 
-def make_tx(name, implementation):
+def _per_leaf_refresh_all(self, flat_g, flat_p, sides, key):
+    """The refresh leaf by leaf, each with its own code (--per-leaf: the program before the grouped refresh)."""
+    return {i: self._refresh(*self._finite_grad(flat_g[i]), flat_p[i], side, jax.random.fold_in(key, i))
+            for i, side in sides.items()}
+
+
+def make_tx(name, implementation, per_leaf=False):
     if name == "contrib":
         return optax.contrib.galore(LR, rank=R, update_proj_gap=GAP, scale=SCALE)
-    return api.galore_adamw(LR, rank=R, update_proj_gap=GAP, scale=SCALE, implementation=implementation)
+    tx = api.galore_adamw(LR, rank=R, update_proj_gap=GAP, scale=SCALE, implementation=implementation)
+    if per_leaf:  # the refresh leaf by leaf, and the Pallas Adam kernel on every leaf that is not projected
+        core = tx.update.__self__
+        core._refresh_all = types.MethodType(_per_leaf_refresh_all, core)
+        core.adam_implementation = api._backend.split_implementation(core.implementation)[0]
+    return tx
 
 
 def jaxpr_counts(fn, *args) -> dict[str, int]:
@@ -86,9 +98,9 @@ def with_count(state, count, seed=None):
     return treedef.unflatten(out)
 
 
-def candidate(name, shapes, dtype, implementation, timed):
+def candidate(name, shapes, dtype, implementation, timed, per_leaf=False):
     """(row, the refresh step's timing or None): the compiled step's counts and size, its time between refreshes."""
-    tx = make_tx(name, implementation)
+    tx = make_tx(name, implementation, per_leaf)
     params = {k: rnd(3 + i, s, dtype) for i, (k, s) in enumerate(shapes.items())}
     grads = {k: rnd(40 + i, s, dtype) for i, (k, s) in enumerate(shapes.items())}
     state = tx.init(params)
@@ -115,10 +127,13 @@ def candidate(name, shapes, dtype, implementation, timed):
 
     def refresh_ms():
         """One refresh step (count 0: every projector recomputed; the host's refresh=True step for tx_host_refresh,
-        compiled first), warm: the median of its calls (one for the peer's SVD)."""
+        compiled first): the median of three calls after a first, or for the peer's SVD the first call alone (its
+        step is compiled already)."""
         fn = jax.jit(lambda p, g, s: step(p, g, s, refresh=True), donate_argnums=(0, 1, 2)) if host else compiled
         fresh = {k: rnd(3 + i, s, dtype) for i, (k, s) in enumerate(shapes.items())}
-        c = fn(fresh, {k: rnd(40 + i, s, dtype) for i, (k, s) in enumerate(shapes.items())}, tx.init(fresh))
+        c = (fresh, {k: rnd(40 + i, s, dtype) for i, (k, s) in enumerate(shapes.items())}, tx.init(fresh))
+        if name != "contrib":
+            c = fn(*c)
         ts = []
         for _ in range(1 if name == "contrib" else 3):
             t = time.perf_counter()
@@ -159,6 +174,9 @@ def main():
     ap.add_argument("--implementation", default=None, help="ours' implementation= (default: the package's default)")
     ap.add_argument("--budget", type=float, default=120.0, help="seconds: no new measurement starts after it")
     ap.add_argument("--no-time", action="store_true", help="compile and count only")
+    ap.add_argument("--per-leaf", action="store_true",
+                    help="ours as before the grouping too (rows tx:per_leaf...): the refresh leaf by leaf, the Pallas "
+                         "Adam kernel on each leaf that is not projected")
     a = ap.parse_args()
     deadline = time.monotonic() + a.budget
     os.makedirs(a.out_dir, exist_ok=True)
@@ -172,15 +190,20 @@ def main():
             json.dump({"device": jax.devices()[0].device_kind, "jax": jax.__version__, "layers": a.layers,
                        "rank": R, "gap": GAP, "rows": rows}, f, indent=1)
 
+    names = a.impls.split(",")
+    if a.per_leaf:
+        names += [f"{n}:per_leaf" for n in names if n != "contrib"]
     for dtype in a.dtypes.split(","):
-        for name in a.impls.split(","):
+        for name in names:
             if time.monotonic() > deadline:
                 print(f"budget spent: {name} {dtype} not run", flush=True)
                 continue
             row = {"impl": name, "dtype": jnp.dtype(dtype).name,
                    "implementation": "optax" if name == "contrib" else implementation}
             try:
-                got, refresh = candidate(name, shapes, jnp.dtype(dtype), implementation, not a.no_time)
+                got, refresh = candidate(name.partition(":")[0], shapes, jnp.dtype(dtype), implementation,
+                                         not a.no_time, per_leaf=name.endswith(":per_leaf"))
+                got["impl"] = name
                 row.update(got)
                 if refresh is not None and name == "contrib":  # the peer's SVD refresh last, if time is left
                     deferred.append((row, refresh))
