@@ -59,7 +59,11 @@ W's shard needs only the matching rows/columns of P and N: local. `state_shardin
 param_shardings)` gives the matching state shardings. Projector refresh: "randomized" is GEMMs with a
 sharded G that XLA partitions (all-reducing and at most gathering the (M or N, rank + oversample)
 sketches, never G); "svd" (jnp.linalg.svd is not partitioned) gathers the full gradient of each projected
-leaf on refresh steps (once every update_proj_gap steps): prefer "randomized" on large meshes.
+leaf on refresh steps (once every update_proj_gap steps): prefer "randomized" on large meshes. The refresh runs one
+loop over each group of leaves of one shape, dtype and side, which takes one layout for the group: leaves of one
+shape split alike (as FSDP splits a model's repeated projections) refresh as above; where one leaf of a group is
+split differently (tensor parallelism's column- and row-split projections of one shape), XLA reshards its gradient
+to the group's layout on refresh steps.
 
 Hyperparameters learning_rate (float or schedule), b1, b2, eps, weight_decay, scale, update_proj_gap and
 seed are runtime values: under `optax.inject_hyperparams(galore_adamw)` changing them does not recompile.
@@ -357,6 +361,11 @@ class _GaLore:
         self.lr, self.cfg = learning_rate, cfg.resolved()
         # filled in by resolved(): the str the steps read
         self.proj_type, self.implementation = str(self.cfg.proj_type), str(self.cfg.implementation)
+        # The leaves that are not projected (a model's norms and biases: small, many) run pallas_fused.adam's own
+        # default unless an implementation is asked for: on a GPU that is XLA's fused elementwise step, which XLA
+        # merges across leaves into a few launches, where a kernel is a launch per leaf.
+        self.adam_implementation = (None if cfg.implementation is None
+                                    else _backend.split_implementation(self.implementation)[0])
 
     # ---------------------------------------------------------------------------------------------- init
     def _projected(self, params):
@@ -412,19 +421,54 @@ class _GaLore:
         )
 
     # ------------------------------------------------------------------------------------------ refresh
-    def _refresh(self, g, p_old, side, key):
-        cfg = self.cfg
+    @staticmethod
+    def _finite_grad(g):
+        """(G with its non-finite elements zeroed where it has any, G is finite): what a refresh reads."""
         finite = jnp.all(jnp.isfinite(g))
+        return jnp.where(finite, g, 0).astype(g.dtype), finite
+
+    def _refresh(self, g_safe, finite, p_old, side, key):
+        """One leaf's new projector (its old one where G is not finite) from `_finite_grad`'s pair."""
+        cfg = self.cfg
         rank = reference.projector_rank(p_old.shape, side)
         if cfg.projector == "svd":
-            p_new = reference.svd_projector(g, rank, side, p_old.dtype)
+            p_new = reference.svd_projector(g_safe, rank, side, p_old.dtype)
         else:
             kw = dict(oversample=cfg.oversample, power_iters=cfg.power_iters, dtype=p_old.dtype)
-            g_safe = jnp.where(finite, g, 0).astype(g.dtype)
-            p_new = lax.cond(jnp.all(p_old == 0),
-                             lambda: projector.randomized_projector(g_safe, rank, side, key, **kw),
-                             lambda: projector.randomized_projector(g_safe, rank, side, key, prev=p_old, **kw))
+            # a zero projector (never computed) starts the range finder cold
+            p_new = projector.randomized_projector(g_safe, rank, side, key, prev=p_old, **kw)
         return jnp.where(finite, p_new, p_old), finite
+
+    def _refresh_all(self, flat_g, flat_p, sides, key):
+        """Every projected leaf's refresh ({leaf index: (new projector, G finite)}), one loop per group of leaves of
+        one shape, dtype and side: a model repeats a few shapes over its layers, so the program holds one copy of the
+        refresh per group, not per leaf (its compile time and size grow with the groups). The loop (lax.fori_loop)
+        selects leaf j's gradient with lax.switch, whose branch also zeroes a non-finite G (the copy `_finite_grad`
+        makes anyway): one leaf's gradient is copied at a time, never the group's stacked, so a refresh step's
+        peak memory stays that of the per-leaf refresh. The projectors are small and go through the loop stacked.
+        Each leaf keeps its own key (folded with its index), so the numbers are the per-leaf refresh's."""
+        groups: dict[tuple, list[int]] = {}
+        for i, side in sides.items():
+            g, p = flat_g[i], flat_p[i]
+            groups.setdefault((g.shape, jnp.dtype(g.dtype), p.shape, jnp.dtype(p.dtype), side), []).append(i)
+        out = {}
+        for (*_, side), idx in groups.items():
+            if len(idx) == 1:
+                i = idx[0]
+                out[i] = self._refresh(*self._finite_grad(flat_g[i]), flat_p[i], side, jax.random.fold_in(key, i))
+                continue
+            leaf_ids = jnp.asarray(idx, jnp.uint32)
+            branches = [lambda i=i: self._finite_grad(flat_g[i]) for i in idx]
+
+            def body(j, carry, branches=branches, leaf_ids=leaf_ids, side=side):
+                projs, finite = carry
+                p, ok = self._refresh(*lax.switch(j, branches), projs[j], side, jax.random.fold_in(key, leaf_ids[j]))
+                return projs.at[j].set(p), finite.at[j].set(ok)
+
+            projs, finite = lax.fori_loop(0, len(idx), body, (jnp.stack([flat_p[i] for i in idx]),
+                                                              jnp.zeros(len(idx), jnp.bool_)))
+            out.update({i: (projs[j], finite[j]) for j, i in enumerate(idx)})
+        return out
 
     # ---------------------------------------------------------------------------------------- the step
     def _scalars(self, count, lr, with_lr: bool):
@@ -494,9 +538,9 @@ class _GaLore:
             # The sketch's key inside the branch: between refreshes no step hashes it (small kernels that would run
             # before the predicate's read-back, on every step).
             key = jax.random.fold_in(jax.random.key(cfg.seed), count)
-            new = [self._refresh(flat_g[i], flat_p[i], sides[i], jax.random.fold_in(key, i)) for i in proj_idx]
+            new = self._refresh_all(flat_g, flat_p, sides, key)
             # a refresh that saw a non-finite gradient kept that leaf's projector: refresh them all next step
-            return [p for p, _ in new], ~jnp.all(jnp.stack([ok for _, ok in new]))
+            return [new[i][0] for i in proj_idx], ~jnp.all(jnp.stack([new[i][1] for i in proj_idx]))
 
         def keep_all():
             return [flat_p[i] for i in proj_idx], state.pending_refresh
@@ -518,7 +562,7 @@ class _GaLore:
             a = -lr * wd if decay else jnp.asarray(0.0, jnp.float32)
             dtype = g.dtype if w is None else w.dtype  # updates in the params' dtype, as optax's
             if _is_masked(p):  # not projected: one fused Adam(W) kernel pass (pallas_fused.adam)
-                hp = dict(b1=b1, b2=b2, eps=eps, implementation=_backend.split_implementation(self.implementation)[0])
+                hp = dict(b1=b1, b2=b2, eps=eps, implementation=self.adam_implementation)
                 if inplace:
                     out, m, v = fused_adam.adam_leaf_update(w, g, m, v, count_inc, learning_rate=lr,
                                                             weight_decay=wd if decay else 0.0, **hp)

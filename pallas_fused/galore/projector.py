@@ -59,8 +59,9 @@ def randomized_projector(g: jax.Array, rank: int, side: str, key: jax.Array, pre
                          oversample: int = 8, power_iters: int = 2, qr: str = "cholesky", dtype=None) -> jax.Array:
     """A rank-`rank` projector (same shape/side as `reference.svd_projector`) from a randomized range finder.
 
-    `prev`: the previous projector of this leaf (warm start), or None for a cold start. Returns `dtype`
-    (default g.dtype)."""
+    `prev`: the previous projector of this leaf (warm start), or None for a cold start; a `prev` of zeros (a projector
+    never computed, as GaLore's state starts) also starts cold, decided on the device by a lax.cond around the first
+    sketch alone, so one copy of the iterations serves both starts. Returns `dtype` (default g.dtype)."""
     g32 = g.astype(jnp.float32)
     if side == "right":  # A = G^T (n x m): its column space is G's row space
         a_mul = lambda x: _mm(g32.T, x)
@@ -73,12 +74,16 @@ def randomized_projector(g: jax.Array, rank: int, side: str, key: jax.Array, pre
     # at most min(M, N) columns, so that the (M or N, l) bases of both subspace steps have full column rank (a rank
     # near min(M, N) leaves less room for oversampling)
     l = min(rank + oversample, *g.shape)
+    cold = lambda: a_mul(jax.random.normal(key, (n_other, l), jnp.float32))
     if prev is None:
-        q = orthonormalize(a_mul(jax.random.normal(key, (n_other, l), jnp.float32)), qr)
+        y = cold()
     else:
-        p_prev = (prev.T if side == "right" else prev).astype(jnp.float32)
-        fresh = a_mul(jax.random.normal(key, (n_other, l - rank), jnp.float32))
-        q = orthonormalize(jnp.concatenate([p_prev, fresh], axis=1), qr)
+        def warm():
+            p_prev = (prev.T if side == "right" else prev).astype(jnp.float32)
+            return jnp.concatenate([p_prev, a_mul(jax.random.normal(key, (n_other, l - rank), jnp.float32))], axis=1)
+
+        y = lax.cond(jnp.all(prev == 0), cold, warm)
+    q = orthonormalize(y, qr)
     for _ in range(power_iters):
         q = orthonormalize(a_mul(orthonormalize(at_mul(q), qr)), qr)
     b = at_mul(q)  # (other, l) = A^T Q

@@ -255,6 +255,24 @@ def galore_hybrid():
                       2e-4, "galore randomized hybrid optax-path")
 
 
+# Two groups of leaves of one shape (the refresh runs one loop per group, `api._GaLore._refresh_all`), each split
+# alike, as FSDP splits a model's repeated projections: side right with R local, side left with R all-reduced.
+GALORE_GROUP_SHAPES = {
+    "q0": ((64, 48), ("fsdp", None)), "q1": ((64, 48), ("fsdp", None)),
+    "u0": ((32, 80), ("fsdp", None)), "u1": ((32, 80), ("fsdp", None)), "b": ((40,), ()),
+}
+
+
+@case
+def galore_grouped_refresh():
+    """The grouped refresh on sharded gradients, on the optax path: sketches only, never G (the loop selects one
+    leaf's gradient at a time, in its own layout)."""
+    from pallas_fused.galore import state_shardings
+
+    sharded_vs_single(lambda: _galore_steps("randomized", "hybrid", False), state_shardings, GALORE_GROUP_SHAPES,
+                      2e-4, "galore grouped randomized refresh")
+
+
 @case
 def galore_svd():
     """SVD refresh: jnp.linalg.svd is not partitioned, so XLA gathers G (documented); the step between
