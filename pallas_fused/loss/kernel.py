@@ -102,13 +102,18 @@ def choose_config(tokens: int, vocab: int, features: int, backward: bool) -> Lau
 
 def chunk_width(tokens: int, vocab: int, itemsize: int, block_vocab: int) -> int:
     """The backward's vocabulary chunk: the fewest chunks whose (tokens, width) dz block stays under the configured
-    bytes, of equal width (a multiple of the vocabulary block, so the last chunk recomputes few columns twice), or
-    the whole vocabulary where one chunk fits."""
+    bytes, or the whole vocabulary where one chunk fits. Where that many equal chunks tile the vocabulary exactly
+    at a multiple of 8 columns (16 bytes of bf16; 128256 = 16 x 8016), that width: no narrower remainder chunk,
+    whose dz block and weight chunk XLA would allocate beside the loop's, raising the peak. Otherwise a multiple of
+    the vocabulary block, and the api runs the remainder as one narrower chunk."""
     budget = _backend.tuned("loss", HEURISTIC)["chunk_bytes"]
     most = max(1, budget // max(1, tokens * itemsize * block_vocab)) * block_vocab
     if most >= vocab:
         return vocab
-    return min(vocab, cdiv(cdiv(vocab, cdiv(vocab, most)), block_vocab) * block_vocab)
+    chunks = cdiv(vocab, most)
+    if vocab % chunks == 0 and (vocab // chunks) % 8 == 0:
+        return vocab // chunks
+    return min(vocab, cdiv(cdiv(vocab, chunks), block_vocab) * block_vocab)
 
 
 def _logits_block(h_ref, w_ref, rows, row_ok, cols, col_ok, *, features, bk, layout):

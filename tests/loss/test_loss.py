@@ -317,7 +317,17 @@ def test_choose_config(tokens, vocab, features):
             assert n >= 16 and n & (n - 1) == 0, c
         assert 1 <= c.splits <= -(-vocab // c.block_vocab) and (c.splits == 1 or not backward)
     width = loss_kernel.chunk_width(tokens, vocab, 2, 128)
-    assert 1 <= width <= vocab and (width == vocab or width % 128 == 0)
+    assert 1 <= width <= vocab and (width == vocab or width % 128 == 0 or (vocab % width == 0 and width % 8 == 0))
+
+
+@pytest.mark.parametrize("tokens,vocab,width", [(8192, 128256, 8016), (16384, 128256, 4008), (8192, 32000, 8000),
+                                                (8192, 151936, 8064), (16384, 50257, 3968), (64, 1000, 1000)])
+def test_chunk_width_tiles_the_vocabulary_where_it_can(tokens, vocab, width):
+    """Equal chunks at a multiple of 8 columns where the fewest that fit the dz budget (128 MiB) tile the
+    vocabulary (no remainder chunk); else a multiple of the vocabulary block, with a narrower remainder."""
+    got = loss_kernel.chunk_width(tokens, vocab, 2, 128)
+    assert got == width
+    assert tokens * got * 2 <= 128 << 20
 
 
 @pytest.mark.parametrize("kwargs,match", [
