@@ -205,6 +205,23 @@ class Sm90(Implementation):
         return (_hopper_refuses(self.interpret, device)
                 or kernel_sm90.layer_refuses(args.tokens, args.fin, args.fout, args.dtype, args.padded_rank))
 
+    def default_config(self, args, device):
+        """`DEFAULT`, whose sm90 tiles None are chosen when the layer is traced (`__call__`)."""
+        return DEFAULT
+
+    def candidates(self, args, device):
+        """`DEFAULT` with each of `kernel_sm90.candidate_tiles` at this layer's shape, the rule's first."""
+        return {name: dataclasses.replace(DEFAULT, sm90=tiles) for name, tiles in kernel_sm90.candidate_tiles(
+            args.tokens, args.fin, args.fout, args.padded_rank, args.dtype).items()}
+
+    def __call__(self, args, config):
+        """y (tokens, out) for a 2-D x; the GEMMs' tiles `config.sm90`, where None the tuned ones at this shape,
+        else the rule's (`kernel_sm90.layer_tiles`)."""
+        if config.sm90 is None:
+            config = dataclasses.replace(config, sm90=kernel_sm90.layer_tiles(
+                args.tokens, args.fin, args.fout, args.padded_rank, args.dtype))
+        return super().__call__(args, config)
+
     def tuned(self, args: DoraArgs, device: _tuning.Device) -> bool:
         """Whether plain "pallas" takes it (DoRA's "sm90", `lora_dense`'s kernels): where it runs, up to the tuned
         padded rank (`kernel_sm90.max_rank`: its low-rank slices shrink the GEMM's ring)."""
@@ -217,7 +234,8 @@ class Sm90(Implementation):
         n, g = column_norm_scale(ops, st.kind, ap, bp, scale, m, self.interpret, st.config)
         xa = _xa(x, ap)
         sb = (bp.astype(jnp.float32) * scale).astype(x.dtype)
-        y = kernel_sm90.scaled_matmul(x, ops[0], g, bias, lowrank=(xa, sb), interpret=self.interpret)
+        y = kernel_sm90.scaled_matmul(x, ops[0], g, bias, lowrank=(xa, sb), config=st.config.sm90.forward,
+                                      interpret=self.interpret)
         return y, (n, g, xa, (None, None))
 
     def dyg_scale(self, g, ops):
@@ -227,7 +245,8 @@ class Sm90(Implementation):
         # dx = (dy g) W^T + us A^T in one Mosaic GPU GEMM; dy g is written by the column launch (it reads dy anyway)
         # where that launch ran, by XLA otherwise.
         dyg = finished[3] if finished is not None else (dy.astype(jnp.float32) * g[None, :]).astype(x.dtype)
-        return kernel_sm90.scaled_matmul(dyg, ops[0], lowrank=(us, ap), b_layout="nk", interpret=self.interpret)
+        return kernel_sm90.scaled_matmul(dyg, ops[0], lowrank=(us, ap), b_layout="nk", config=st.config.sm90.dx,
+                                         interpret=self.interpret)
 
 
 class Merged(Implementation):
@@ -584,3 +603,51 @@ def _dequant_ops(kind, ops, fin):
 
 
 _dora_2d.defvjp(_dora_2d_fwd, _dora_2d_bwd)
+
+
+# ----------------------------------------------------------------------------------------------
+# the tuner's view (pallas_fused/_tuning.py) of "sm90"'s tiles: per layer shape (`kernel_sm90.layer_key`), the
+# candidates as JSON, a timed forward and backward
+
+
+def layer_candidates(key: str) -> dict[str, dict]:
+    """The tiles the tuner times for the layer at shape `key` (`Sm90.candidates`), as JSON, the rule's first."""
+    tokens, fin, fout, rank, dtype, _ = kernel_sm90.parse_layer_key(key)
+    return {name: tiles.to_json() for name, tiles in kernel_sm90.candidate_tiles(tokens, fin, fout, rank,
+                                                                                 dtype).items()}
+
+
+@functools.lru_cache(maxsize=1)  # the candidates of one shape are timed one after another, on the same operands
+def layer_operands(key: str):
+    """Distinct random operand sets (x, W, A, B, m, dy) of the layer at shape `key` that pass the 50 MB L2 together
+    (at most 4), so that a call over them reads HBM as a training step's layers do; never zeros."""
+    tokens, fin, fout, rank, dtype, _ = kernel_sm90.parse_layer_key(key)
+
+    def operands(seed):
+        kx, kw, ka, kb, km, kd = jax.random.split(jax.random.key(seed), 6)
+        w = jax.random.normal(kw, (fin, fout), jnp.float32) / math.sqrt(fin)
+        return (jax.random.normal(kx, (tokens, fin), dtype), w.astype(dtype),
+                (jax.random.normal(ka, (fin, rank), jnp.float32) / math.sqrt(fin)).astype(dtype),
+                (jax.random.normal(kb, (rank, fout), jnp.float32) / rank).astype(dtype),
+                jax.random.uniform(km, (fout,), jnp.float32, 0.5, 2.0), jax.random.normal(kd, (tokens, fout), dtype))
+
+    size = jnp.dtype(dtype).itemsize * (tokens * fin + fin * fout + 2 * tokens * fout)
+    return [operands(seed) for seed in range(min(4, max(1, math.ceil(100e6 / size))))]
+
+
+def layer_build(key: str, config: dict):
+    """A call running the layer's forward and backward (dx, dA, dB, dm: a fine-tune's step) at shape `key` with the
+    tiles `config` (a candidate's JSON) once on each of `layer_operands(key)`, in one jit, and the number of layers
+    it runs."""
+    sets, tiles = layer_operands(key), kernel_sm90.LayerTiles.from_json(config)
+    layer_config = dataclasses.replace(DEFAULT, sm90=tiles)
+
+    def step(x, w, a, b, m, dy):
+        y, vjp = jax.vjp(lambda x, a, b, m: SM90(DoraArgs(x, w, a, b, m, scale=2.0), layer_config), x, a, b, m)
+        return vjp(dy)
+
+    many = jax.jit(lambda sets: [step(*ops) for ops in sets])
+    return (lambda: many(sets)), len(sets)
+
+
+_tuning.register(kernel_sm90.LAYER_OP, _tuning.Tunable(candidates=layer_candidates, build=layer_build))
