@@ -101,6 +101,11 @@ class DoraArgs:
     def dtype(self):
         return jnp.dtype(self.x.dtype)
 
+    @property
+    def layer_key(self) -> str:
+        """The shape key of the tuning tables (`kernel_sm90.layer_key`), at the padded rank."""
+        return kernel_sm90.layer_key(self.tokens, self.fin, self.fout, self.padded_rank, self.dtype, self.kind)
+
 
 @dataclasses.dataclass(frozen=True)
 class _Layer:
@@ -226,6 +231,13 @@ class Sm90(Implementation):
         """Whether plain "pallas" takes it (DoRA's "sm90", `lora_dense`'s kernels): where it runs, up to the tuned
         padded rank (`kernel_sm90.max_rank`: its low-rank slices shrink the GEMM's ring)."""
         return args.padded_rank <= kernel_sm90.max_rank() and self.supported(args, device) is None
+
+    def tunable(self, args: DoraArgs, device: _tuning.Device) -> bool:
+        """Whether plain "pallas" may take it by a tuned entry: a dense layer on one Hopper GPU, up to the tuned
+        padded rank, whose shape some of its candidate tiles run (the rule's tiles need not)."""
+        return (args.kind == "dense" and args.padded_rank <= kernel_sm90.max_rank()
+                and _hopper_refuses(self.interpret, device) is None
+                and bool(kernel_sm90.candidate_tiles(args.tokens, args.fin, args.fout, args.padded_rank, args.dtype)))
 
     def forward(self, st, x, ops, ap, bp, m, bias, scale):
         # y = (x W + (x A)(s B)) g + bias in one Mosaic GPU GEMM (the low-rank product in its accumulator, g and the
@@ -397,8 +409,22 @@ VARIANTS = {impl.name: impl.entry for impl in PALLAS.values() if impl.entry is n
 
 
 def choose(args: DoraArgs, device: _tuning.Device, interpret: bool = False) -> Implementation:
-    """The implementation plain "pallas" (`interpret`: "interpret") runs: a pure function of the shapes, the dtype and
-    the device.
+    """The implementation plain "pallas" (`interpret`: "interpret") runs: for a dense layer the sm90 kernel runs at
+    with some of its tiles (`Sm90.tunable`), the tuned entry at its shape (`_tuning.choice` of
+    `kernel_sm90.LAYER_OP`: "sm90" with its tiles, or a cuBLAS variant) where there is a valid one, else
+    `default_choice`. A pure function of the shapes, the dtype, the device and the tuning files."""
+    rule = default_choice(args, device, interpret)
+    if interpret or not SM90.tunable(args, device):
+        return rule
+    if kernel_sm90.tuned_tiles(args.tokens, args.fin, args.fout, args.padded_rank, args.dtype) is not None:
+        return SM90
+    entry = _tuning.choice(kernel_sm90.LAYER_OP, args.layer_key)  # read once per process: the same entry
+    named = {impl.name: impl for impl in (MERGED, EPILOGUE)}
+    return named.get(entry["config"].get("impl"), rule) if entry is not None else rule
+
+
+def default_choice(args: DoraArgs, device: _tuning.Device, interpret: bool = False) -> Implementation:
+    """The rule plain "pallas" (`interpret`: "interpret") follows without a tuned entry.
 
     Int8Kernel weights take "sm90_dequant" where it runs (one Hopper GPU, 16-bit, tile-multiple shapes): W is never
     formed in full precision. Other quantised weights take "merged" on a GPU: a transient merged weight per layer
@@ -418,8 +444,13 @@ def choose(args: DoraArgs, device: _tuning.Device, interpret: bool = False) -> I
         return SM90_DEQUANT if SM90_DEQUANT.supported(args, device) is None else MERGED
     if not interpret and SM90.tuned(args, device):
         return SM90
+    return _cheaper_cublas(args, INTERPRET if interpret else PALLAS)
+
+
+def _cheaper_cublas(args: DoraArgs, variants: dict[str, Implementation]) -> Implementation:
+    """"merged" or "epilogue", whichever makes the smaller extra pass over memory (`default_choice`)."""
     merged_bytes, epilogue_bytes = 4 * args.fin * args.fout, 2 * args.tokens * args.fin + 4 * args.tokens * args.fout
-    return (INTERPRET if interpret else PALLAS)["epilogue" if merged_bytes > epilogue_bytes else "merged"]
+    return variants["epilogue" if merged_bytes > epilogue_bytes else "merged"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -611,10 +642,15 @@ _dora_2d.defvjp(_dora_2d_fwd, _dora_2d_bwd)
 
 
 def layer_candidates(key: str) -> dict[str, dict]:
-    """The tiles the tuner times for the layer at shape `key` (`Sm90.candidates`), as JSON, the rule's first."""
-    tokens, fin, fout, rank, dtype, _ = kernel_sm90.parse_layer_key(key)
-    return {name: tiles.to_json() for name, tiles in kernel_sm90.candidate_tiles(tokens, fin, fout, rank,
-                                                                                 dtype).items()}
+    """What the tuner times for the dense layer at shape `key`, as JSON, the rule's choice (`default_choice`) first:
+    "sm90" with each of its candidate tiles (`Sm90.candidates`) and the cuBLAS variant the rule takes off sm90
+    ("merged" or "epilogue", whichever makes the smaller extra pass over memory)."""
+    tokens, fin, fout, rank, dtype, kind = kernel_sm90.parse_layer_key(key)
+    args, device = DoraArgs.shaped(kind, tokens, fin, fout, rank, dtype), current_device()
+    tiles = {name: t.to_json() for name, t in kernel_sm90.candidate_tiles(tokens, fin, fout, rank, dtype).items()}
+    cublas = _cheaper_cublas(args, PALLAS)
+    found = {cublas.variant: {"impl": cublas.name}}
+    return {**tiles, **found} if default_choice(args, device) is SM90 else {**found, **tiles}
 
 
 @functools.lru_cache(maxsize=1)  # the candidates of one shape are timed one after another, on the same operands
@@ -639,11 +675,13 @@ def layer_build(key: str, config: dict):
     """A call running the layer's forward and backward (dx, dA, dB, dm: a fine-tune's step) at shape `key` with the
     tiles `config` (a candidate's JSON) once on each of `layer_operands(key)`, in one jit, and the number of layers
     it runs."""
-    sets, tiles = layer_operands(key), kernel_sm90.LayerTiles.from_json(config)
-    layer_config = dataclasses.replace(DEFAULT, sm90=tiles)
+    sets = layer_operands(key)
+    impl = {i.name: i for i in (SM90, MERGED, EPILOGUE)}[config["impl"]]
+    layer_config = DEFAULT if impl is not SM90 else dataclasses.replace(
+        DEFAULT, sm90=kernel_sm90.LayerTiles.from_json(config))
 
     def step(x, w, a, b, m, dy):
-        y, vjp = jax.vjp(lambda x, a, b, m: SM90(DoraArgs(x, w, a, b, m, scale=2.0), layer_config), x, a, b, m)
+        y, vjp = jax.vjp(lambda x, a, b, m: impl(DoraArgs(x, w, a, b, m, scale=2.0), layer_config), x, a, b, m)
         return vjp(dy)
 
     many = jax.jit(lambda sets: [step(*ops) for ops in sets])

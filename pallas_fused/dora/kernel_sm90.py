@@ -79,7 +79,8 @@ def fit_lowrank(config: _sm90.TileConfig, rank: int, itemsize: int = 2, int8_a: 
 # ----------------------------------------------------------------------------------------------
 # a layer's two GEMMs: the rule's tiles, the tuned ones (`pallas_fused.tune`), the candidates
 
-LAYER_OP = "dora_sm90"  # the tuning tables' op (their "shapes") for a layer's tiles
+LAYER_OP = "dora_sm90"  # the tuning tables' op (their "shapes"): a dense layer's variant, and "sm90"'s tiles
+IMPL = "pallas:sm90"  # the implementation whose tiles these are, as a table's config names it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,13 +92,14 @@ class LayerTiles:
     dx: _sm90.TileConfig
 
     def to_json(self) -> dict:
-        return {"forward": dataclasses.asdict(self.forward), "dx": dataclasses.asdict(self.dx)}
+        """The tiles as a table's config holds them."""
+        return {"impl": IMPL, "forward": dataclasses.asdict(self.forward), "dx": dataclasses.asdict(self.dx)}
 
     @classmethod
     def from_json(cls, data) -> LayerTiles:
         """The tiles a table's config holds; ValueError (or TypeError) where it holds no such thing."""
-        if not isinstance(data, dict) or set(data) != {"forward", "dx"}:
-            raise ValueError(f"expected {{'forward': tile, 'dx': tile}}, got {data!r}")
+        if not isinstance(data, dict) or set(data) != {"impl", "forward", "dx"} or data["impl"] != IMPL:
+            raise ValueError(f"expected {{'impl': {IMPL!r}, 'forward': tile, 'dx': tile}}, got {data!r}")
         return cls(_sm90.TileConfig(**data["forward"]), _sm90.TileConfig(**data["dx"]))
 
 
@@ -152,31 +154,38 @@ def candidate_tiles(tokens: int, fin: int, fout: int, rank: int, dtype) -> dict[
              "sm90_256x128": _sm90.TileConfig(tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=4, wg_split="m"),
              "sm90_64x256": _sm90.TileConfig(tile_m=64, tile_n=256, tile_k=64, max_concurrent_steps=4, wg_split="m"),
              "sm90_cluster_m": dataclasses.replace(large, cluster="m")}
-    found = {"sm90": rule_tiles(tokens, fin, fout, rank)}
-    for name, base in bases.items():
-        config = fit_lowrank(base, rank, itemsize)
-        pair = LayerTiles(config, config)
+    pairs = {"sm90": rule_tiles(tokens, fin, fout, rank)}
+    pairs.update({name: LayerTiles(fit_lowrank(base, rank, itemsize), fit_lowrank(base, rank, itemsize))
+                  for name, base in bases.items()})
+    found: dict[str, LayerTiles] = {}
+    for name, pair in pairs.items():
         if pair not in found.values() and tiles_refuse(pair, tokens, fin, fout, rank, dtype) is None:
             found[name] = pair
     return found
 
 
-def layer_tiles(tokens: int, fin: int, fout: int, rank: int, dtype) -> LayerTiles:
-    """The tiles a layer runs: the tuned entry at its shape (`_tuning.choice`, looked up while it is traced, so
-    that `pallas_fused.tune` records it), else `rule_tiles`. An entry the kernel would refuse here is ignored with
-    a warning."""
+def tuned_tiles(tokens: int, fin: int, fout: int, rank: int, dtype) -> LayerTiles | None:
+    """The tiles of the tuned entry at this layer's shape (`_tuning.choice`, looked up while the layer is traced,
+    so that `pallas_fused.tune` records it) where it chose "sm90"; None where there is none or it chose another
+    variant. An entry of "sm90" the kernel would refuse here is ignored with a warning."""
     key = layer_key(tokens, fin, fout, rank, dtype)
     entry = _tuning.choice(LAYER_OP, key)
-    if entry is not None:
-        try:
-            found = LayerTiles.from_json(entry["config"])
-            why = tiles_refuse(found, tokens, fin, fout, rank, dtype)
-        except (TypeError, ValueError) as err:
-            why = str(err)
-        if why is None:
-            return found
-        warnings.warn(f"pallas_fused: the tuned DoRA tiles at {key!r} ignored: {why}", RuntimeWarning, stacklevel=2)
-    return rule_tiles(tokens, fin, fout, rank)
+    if entry is None or entry["config"].get("impl") not in (IMPL, None):
+        return None
+    try:
+        found = LayerTiles.from_json(entry["config"])
+        why = tiles_refuse(found, tokens, fin, fout, rank, dtype)
+    except (TypeError, ValueError) as err:
+        why = str(err)
+    if why is None:
+        return found
+    warnings.warn(f"pallas_fused: the tuned DoRA tiles at {key!r} ignored: {why}", RuntimeWarning, stacklevel=1)
+    return None
+
+
+def layer_tiles(tokens: int, fin: int, fout: int, rank: int, dtype) -> LayerTiles:
+    """The tiles a layer runs: `tuned_tiles`, else `rule_tiles`."""
+    return tuned_tiles(tokens, fin, fout, rank, dtype) or rule_tiles(tokens, fin, fout, rank)
 
 
 def supported(m: int, n: int, k: int, dtype, config: _sm90.TileConfig | None = None, rank: int = 0) -> bool:
