@@ -211,8 +211,10 @@ class Sm90(Implementation):
                 or kernel_sm90.layer_refuses(args.tokens, args.fin, args.fout, args.dtype, args.padded_rank))
 
     def default_config(self, args, device):
-        """`DEFAULT`, whose sm90 tiles None are chosen when the layer is traced (`__call__`)."""
-        return DEFAULT
+        """`DEFAULT` with the tiles at this layer's shape: the tuned ones, else the rule's (`kernel_sm90.layer_tiles`,
+        looked up while the layer is traced)."""
+        return dataclasses.replace(DEFAULT, sm90=kernel_sm90.layer_tiles(args.tokens, args.fin, args.fout,
+                                                                          args.padded_rank, args.dtype))
 
     def candidates(self, args, device):
         """`DEFAULT` with each of `kernel_sm90.candidate_tiles` at this layer's shape, the rule's first."""
@@ -220,11 +222,10 @@ class Sm90(Implementation):
             args.tokens, args.fin, args.fout, args.padded_rank, args.dtype).items()}
 
     def __call__(self, args, config):
-        """y (tokens, out) for a 2-D x; the GEMMs' tiles `config.sm90`, where None the tuned ones at this shape,
-        else the rule's (`kernel_sm90.layer_tiles`)."""
+        """y (tokens, out) for a 2-D x; the GEMMs' tiles `config.sm90`, where None (a config of the user's) the
+        default config's."""
         if config.sm90 is None:
-            config = dataclasses.replace(config, sm90=kernel_sm90.layer_tiles(
-                args.tokens, args.fin, args.fout, args.padded_rank, args.dtype))
+            config = dataclasses.replace(config, sm90=self.default_config(args, current_device()).sm90)
         return super().__call__(args, config)
 
     def tuned(self, args: DoraArgs, device: _tuning.Device) -> bool:
