@@ -672,13 +672,13 @@ def layer_operands(key: str):
     return [operands(seed) for seed in range(min(4, max(1, math.ceil(100e6 / size))))]
 
 
-def layer_build(key: str, config: dict):
-    """A call running the layer's forward and backward (dx, dA, dB, dm: a fine-tune's step) at shape `key` with the
-    tiles `config` (a candidate's JSON) once on each of `layer_operands(key)`, in one jit, and the number of layers
-    it runs."""
+def layer_build(key: str, config: dict, interpret: bool = False):
+    """A call running the layer's forward and backward (dx, dA, dB, dm: a fine-tune's step) at shape `key` with
+    `config` (a candidate's JSON: a variant, "sm90"'s with its tiles) once on each of `layer_operands(key)`, in one
+    jit, and the number of layers it runs. `interpret`: the variant in the Pallas interpreter (tests)."""
     sets = layer_operands(key)
-    impl = {i.name: i for i in (SM90, MERGED, EPILOGUE)}[config["impl"]]
-    layer_config = DEFAULT if impl is not SM90 else dataclasses.replace(
+    impl = (INTERPRET if interpret else PALLAS)[config["impl"].partition(":")[2]]
+    layer_config = DEFAULT if config["impl"] != kernel_sm90.IMPL else dataclasses.replace(
         DEFAULT, sm90=kernel_sm90.LayerTiles.from_json(config))
 
     def step(x, w, a, b, m, dy):

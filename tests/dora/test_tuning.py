@@ -259,3 +259,25 @@ def test_command_line_ops():
     for bad in (["--ops", "adam"], ["--dora-rank", "0"]):
         with pytest.raises(SystemExit, match=bad[0]):
             main(bad)
+
+
+@pytest.mark.parametrize("name", ["sm90", "sm90_256x128", "merged"])
+def test_build_runs_the_layer(name):
+    """The tuner's call runs the layer's forward and backward with the candidate's config on each operand set: its
+    gradients as XLA's reference gives them (in the Pallas interpreter; Mosaic GPU's needs jax >= 0.12)."""
+    if name.startswith("sm90") and not _backend.has_mosaic_interpret():
+        pytest.skip("Mosaic GPU's interpret mode needs jax >= 0.12")
+    key = key_of(256, 128, 256, 16)
+    with _backend.gpu_target((9, 0)):
+        config = impls.layer_candidates(key)[name]
+    call, ops = impls.layer_build(key, config, interpret=True)
+    sets = impls.layer_operands(key)
+    assert ops == len(sets) == 4
+    got = call()
+    for (x, w, a, b, m, dy), grads in zip(sets[:2], got[:2]):
+        f32 = [v.astype(jnp.float32) for v in (x, a, b, m)]
+        w32 = w.astype(jnp.float32)
+        _, vjp = jax.vjp(lambda x, a, b, m, w32=w32: impls.XLA(impls.DoraArgs(x, w32, a, b, m, scale=2.0)), *f32)
+        for g, e in zip(grads, vjp(dy.astype(jnp.float32))):
+            scale = float(jnp.max(jnp.abs(e)))
+            assert float(jnp.max(jnp.abs(g.astype(jnp.float32) - e))) <= 3e-2 * scale, name
