@@ -410,16 +410,16 @@ VARIANTS = {impl.name: impl.entry for impl in PALLAS.values() if impl.entry is n
 
 
 def choose(args: DoraArgs, device: _tuning.Device, interpret: bool = False) -> Implementation:
-    """The implementation plain "pallas" (`interpret`: "interpret") runs: for a dense layer the sm90 kernel runs at
-    with some of its tiles (`Sm90.tunable`), the tuned entry at its shape (`_tuning.choice` of
-    `kernel_sm90.LAYER_OP`: "sm90" with its tiles, or a cuBLAS variant) where there is a valid one, else
-    `default_choice`. A pure function of the shapes, the dtype, the device and the tuning files."""
+    """The implementation plain "pallas" (`interpret`: "interpret") runs. Where "sm90" could run a dense layer with
+    some of its candidate tiles (`Sm90.tunable`), the tuned entry at the layer's shape decides where there is a
+    valid one (`_tuning.choice` of `kernel_sm90.LAYER_OP`: "sm90" with its tiles, or a cuBLAS variant); elsewhere,
+    and without one, `default_choice`. A pure function of the shapes, the dtype, the device and the tuning files."""
     rule = default_choice(args, device, interpret)
     if interpret or not SM90.tunable(args, device):
         return rule
     if kernel_sm90.tuned_tiles(args.tokens, args.fin, args.fout, args.padded_rank, args.dtype) is not None:
         return SM90
-    entry = _tuning.choice(kernel_sm90.LAYER_OP, args.layer_key)  # read once per process: the same entry
+    entry = _tuning.choice(kernel_sm90.LAYER_OP, args.layer_key)  # the entry tuned_tiles read: not "sm90"'s
     named = {impl.name: impl for impl in (MERGED, EPILOGUE)}
     return named.get(entry["config"].get("impl"), rule) if entry is not None else rule
 
@@ -638,8 +638,8 @@ _dora_2d.defvjp(_dora_2d_fwd, _dora_2d_bwd)
 
 
 # ----------------------------------------------------------------------------------------------
-# the tuner's view (pallas_fused/_tuning.py) of "sm90"'s tiles: per layer shape (`kernel_sm90.layer_key`), the
-# candidates as JSON, a timed forward and backward
+# the tuner's view (pallas_fused/_tuning.py) of a dense layer's choice on Hopper: per layer shape
+# (`kernel_sm90.layer_key`), the candidates as JSON ("sm90"'s tiles, a cuBLAS variant), a timed forward and backward
 
 
 def layer_candidates(key: str) -> dict[str, dict]:

@@ -81,6 +81,7 @@ def fit_lowrank(config: _sm90.TileConfig, rank: int, itemsize: int = 2, int8_a: 
 
 LAYER_OP = "dora_sm90"  # the tuning tables' op (their "shapes"): a dense layer's variant, and "sm90"'s tiles
 IMPL = "pallas:sm90"  # the implementation whose tiles these are, as a table's config names it
+MAX_CANDIDATES = 5  # tile pairs timed per layer shape (beside one cuBLAS variant): each is a compile of the layer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,8 +147,9 @@ def candidate_tiles(tokens: int, fin: int, fout: int, rank: int, dtype) -> dict[
     """The tiles worth timing for this layer, by name: the rule's ("sm90") first, then each of a few CTA shapes for
     both GEMMs, its ring fitted beside the rank's low-rank slices (`fit_lowrank`): the table's large and small
     tiles, the large tile split along M (256 x 128), a 64 x 256 split along M with 64-deep K steps, and the large
-    tile in a cluster of two along M (b's tile multicast). Those the kernel refuses at this shape are left out, and
-    each pair of tiles is named once."""
+    tile in a cluster of two along M (b's tile multicast). Those the kernel refuses at this shape are left out, each
+    pair of tiles is named once, and at most `MAX_CANDIDATES` are kept (the last dropped where the rule's pair mixes
+    the large and the small tile)."""
     large, small = tiles()
     itemsize = jnp.dtype(dtype).itemsize
     bases = {"sm90_large": large, "sm90_small": small,
@@ -161,7 +163,7 @@ def candidate_tiles(tokens: int, fin: int, fout: int, rank: int, dtype) -> dict[
     for name, pair in pairs.items():
         if pair not in found.values() and tiles_refuse(pair, tokens, fin, fout, rank, dtype) is None:
             found[name] = pair
-    return found
+    return dict(list(found.items())[:MAX_CANDIDATES])
 
 
 def tuned_tiles(tokens: int, fin: int, fout: int, rank: int, dtype) -> LayerTiles | None:

@@ -22,7 +22,7 @@ S = jax.ShapeDtypeStruct
 # 5504: no whole large tile, so "sm90" runs there only by a tuned entry), a rank past the tuned one, odd sizes
 GRID = [(4096, 4096, 4096, 16), (512, 4096, 4096, 16), (16384, 2048, 512, 16), (16384, 2048, 5504, 16),
         (16384, 5504, 2048, 16), (4096, 4096, 11008, 64), (1024, 2048, 1024, 4), (256, 1024, 768, 8),
-        (4000, 4096, 4096, 16)]
+        (4000, 4096, 4096, 16), (512, 4096, 11008, 16)]  # the last: the rule's forward tile large, its dx's small
 
 
 @pytest.fixture(autouse=True)
