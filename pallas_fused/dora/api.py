@@ -70,7 +70,8 @@ def dora_dense(x, kernel, lora_a, lora_b, magnitude, bias=None, *, scale, exact_
         Pallas path, "pallas:<variant>" ("interpret:<variant>" runs it in the Pallas interpreter; see `VARIANTS`).
         Plain "pallas" takes `impls.choose`'s pick: "sm90" where that runs, else "merged" or "epilogue" for dense
         weights, whichever makes the smaller extra pass over memory at this shape; for quantised ones
-        "sm90_dequant" where that runs, else "merged" ("gemm" interpreted).
+        "sm90_dequant" where that runs, else "merged" ("gemm" interpreted). On Hopper a dense layer's variant and
+        "sm90"'s tiles come from the tuning cache where `pallas_fused.tune` measured this shape.
         "pallas:gemm": Pallas GEMMs both ways (the fused-epilogue forward, the dx GEMM; W dequantised in-kernel, never
         formed in full precision: the least memory for an Int8Kernel / NF4Kernel off Hopper, and the slowest).
         "pallas:epilogue": cuBLAS x W, then one Pallas pass (x W + s (x A) B) * g + bias (dense W).

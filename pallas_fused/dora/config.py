@@ -8,6 +8,7 @@ from pallas_fused.dora.kernel_columns import ColumnsConfig
 from pallas_fused.dora.kernel_gemm import DX, FORWARD, EpilogueConfig, GemmConfig
 from pallas_fused.dora.kernel_merge import MergeConfig
 from pallas_fused.dora.kernel_norm import NormConfig, NormTiles
+from pallas_fused.dora.kernel_sm90 import LayerTiles
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,6 +29,9 @@ class Config:
     # forms it again (one more pass over W: read W, write the copy). None: keep it for a dense W only (a quantised
     # W exists to save that memory).
     save_merged: bool | None = None
+    # "sm90": the tiles of its two Mosaic GPU GEMMs (forward, dx). None: the tuned ones at the layer's shape
+    # (`pallas_fused.tune`'s cache, the shipped table), else the rule's (`kernel_sm90.layer_tiles`).
+    sm90: LayerTiles | None = None
 
 
 DEFAULT = Config()

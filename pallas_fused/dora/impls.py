@@ -101,6 +101,11 @@ class DoraArgs:
     def dtype(self):
         return jnp.dtype(self.x.dtype)
 
+    @property
+    def layer_key(self) -> str:
+        """The shape key of the tuning tables (`kernel_sm90.layer_key`), at the padded rank."""
+        return kernel_sm90.layer_key(self.tokens, self.fin, self.fout, self.padded_rank, self.dtype, self.kind)
+
 
 @dataclasses.dataclass(frozen=True)
 class _Layer:
@@ -205,10 +210,35 @@ class Sm90(Implementation):
         return (_hopper_refuses(self.interpret, device)
                 or kernel_sm90.layer_refuses(args.tokens, args.fin, args.fout, args.dtype, args.padded_rank))
 
+    def default_config(self, args, device):
+        """`DEFAULT` with the tiles at this layer's shape: the tuned ones, else the rule's (`kernel_sm90.layer_tiles`,
+        looked up while the layer is traced)."""
+        return dataclasses.replace(DEFAULT, sm90=kernel_sm90.layer_tiles(args.tokens, args.fin, args.fout,
+                                                                          args.padded_rank, args.dtype))
+
+    def candidates(self, args, device):
+        """`DEFAULT` with each of `kernel_sm90.candidate_tiles` at this layer's shape, the rule's first."""
+        return {name: dataclasses.replace(DEFAULT, sm90=tiles) for name, tiles in kernel_sm90.candidate_tiles(
+            args.tokens, args.fin, args.fout, args.padded_rank, args.dtype).items()}
+
+    def __call__(self, args, config):
+        """y (tokens, out) for a 2-D x; the GEMMs' tiles `config.sm90`, where None (a config of the user's) the
+        default config's."""
+        if config.sm90 is None:
+            config = dataclasses.replace(config, sm90=self.default_config(args, current_device()).sm90)
+        return super().__call__(args, config)
+
     def tuned(self, args: DoraArgs, device: _tuning.Device) -> bool:
         """Whether plain "pallas" takes it (DoRA's "sm90", `lora_dense`'s kernels): where it runs, up to the tuned
         padded rank (`kernel_sm90.max_rank`: its low-rank slices shrink the GEMM's ring)."""
         return args.padded_rank <= kernel_sm90.max_rank() and self.supported(args, device) is None
+
+    def tunable(self, args: DoraArgs, device: _tuning.Device) -> bool:
+        """Whether plain "pallas" may take it by a tuned entry: a dense layer on one Hopper GPU, up to the tuned
+        padded rank, whose shape some of its candidate tiles run (the rule's tiles need not)."""
+        return (args.kind == "dense" and args.padded_rank <= kernel_sm90.max_rank()
+                and _hopper_refuses(self.interpret, device) is None
+                and bool(kernel_sm90.candidate_tiles(args.tokens, args.fin, args.fout, args.padded_rank, args.dtype)))
 
     def forward(self, st, x, ops, ap, bp, m, bias, scale):
         # y = (x W + (x A)(s B)) g + bias in one Mosaic GPU GEMM (the low-rank product in its accumulator, g and the
@@ -217,7 +247,8 @@ class Sm90(Implementation):
         n, g = column_norm_scale(ops, st.kind, ap, bp, scale, m, self.interpret, st.config)
         xa = _xa(x, ap)
         sb = (bp.astype(jnp.float32) * scale).astype(x.dtype)
-        y = kernel_sm90.scaled_matmul(x, ops[0], g, bias, lowrank=(xa, sb), interpret=self.interpret)
+        y = kernel_sm90.scaled_matmul(x, ops[0], g, bias, lowrank=(xa, sb), config=st.config.sm90.forward,
+                                      interpret=self.interpret)
         return y, (n, g, xa, (None, None))
 
     def dyg_scale(self, g, ops):
@@ -227,7 +258,8 @@ class Sm90(Implementation):
         # dx = (dy g) W^T + us A^T in one Mosaic GPU GEMM; dy g is written by the column launch (it reads dy anyway)
         # where that launch ran, by XLA otherwise.
         dyg = finished[3] if finished is not None else (dy.astype(jnp.float32) * g[None, :]).astype(x.dtype)
-        return kernel_sm90.scaled_matmul(dyg, ops[0], lowrank=(us, ap), b_layout="nk", interpret=self.interpret)
+        return kernel_sm90.scaled_matmul(dyg, ops[0], lowrank=(us, ap), b_layout="nk", config=st.config.sm90.dx,
+                                         interpret=self.interpret)
 
 
 class Merged(Implementation):
@@ -378,8 +410,22 @@ VARIANTS = {impl.name: impl.entry for impl in PALLAS.values() if impl.entry is n
 
 
 def choose(args: DoraArgs, device: _tuning.Device, interpret: bool = False) -> Implementation:
-    """The implementation plain "pallas" (`interpret`: "interpret") runs: a pure function of the shapes, the dtype and
-    the device.
+    """The implementation plain "pallas" (`interpret`: "interpret") runs. Where "sm90" could run a dense layer with
+    some of its candidate tiles (`Sm90.tunable`), the tuned entry at the layer's shape decides where there is a
+    valid one (`_tuning.choice` of `kernel_sm90.LAYER_OP`: "sm90" with its tiles, or a cuBLAS variant); elsewhere,
+    and without one, `default_choice`. A pure function of the shapes, the dtype, the device and the tuning files."""
+    rule = default_choice(args, device, interpret)
+    if interpret or not SM90.tunable(args, device):
+        return rule
+    if kernel_sm90.tuned_tiles(args.tokens, args.fin, args.fout, args.padded_rank, args.dtype) is not None:
+        return SM90
+    entry = _tuning.choice(kernel_sm90.LAYER_OP, args.layer_key)  # the entry tuned_tiles read: not "sm90"'s
+    named = {impl.name: impl for impl in (MERGED, EPILOGUE)}
+    return named.get(entry["config"].get("impl"), rule) if entry is not None else rule
+
+
+def default_choice(args: DoraArgs, device: _tuning.Device, interpret: bool = False) -> Implementation:
+    """The rule plain "pallas" (`interpret`: "interpret") follows without a tuned entry.
 
     Int8Kernel weights take "sm90_dequant" where it runs (one Hopper GPU, 16-bit, tile-multiple shapes): W is never
     formed in full precision. Other quantised weights take "merged" on a GPU: a transient merged weight per layer
@@ -399,8 +445,13 @@ def choose(args: DoraArgs, device: _tuning.Device, interpret: bool = False) -> I
         return SM90_DEQUANT if SM90_DEQUANT.supported(args, device) is None else MERGED
     if not interpret and SM90.tuned(args, device):
         return SM90
+    return _cheaper_cublas(args, INTERPRET if interpret else PALLAS)
+
+
+def _cheaper_cublas(args: DoraArgs, variants: dict[str, Implementation]) -> Implementation:
+    """"merged" or "epilogue", whichever makes the smaller extra pass over memory (`default_choice`)."""
     merged_bytes, epilogue_bytes = 4 * args.fin * args.fout, 2 * args.tokens * args.fin + 4 * args.tokens * args.fout
-    return (INTERPRET if interpret else PALLAS)["epilogue" if merged_bytes > epilogue_bytes else "merged"]
+    return variants["epilogue" if merged_bytes > epilogue_bytes else "merged"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -584,3 +635,58 @@ def _dequant_ops(kind, ops, fin):
 
 
 _dora_2d.defvjp(_dora_2d_fwd, _dora_2d_bwd)
+
+
+# ----------------------------------------------------------------------------------------------
+# the tuner's view (pallas_fused/_tuning.py) of a dense layer's choice on Hopper: per layer shape
+# (`kernel_sm90.layer_key`), the candidates as JSON ("sm90"'s tiles, a cuBLAS variant), a timed forward and backward
+
+
+def layer_candidates(key: str) -> dict[str, dict]:
+    """What the tuner times for the dense layer at shape `key`, as JSON, the rule's choice (`default_choice`) first:
+    "sm90" with each of its candidate tiles (`Sm90.candidates`) and the cuBLAS variant the rule takes off sm90
+    ("merged" or "epilogue", whichever makes the smaller extra pass over memory)."""
+    tokens, fin, fout, rank, dtype, kind = kernel_sm90.parse_layer_key(key)
+    args, device = DoraArgs.shaped(kind, tokens, fin, fout, rank, dtype), current_device()
+    tiles = {name: t.to_json() for name, t in kernel_sm90.candidate_tiles(tokens, fin, fout, rank, dtype).items()}
+    cublas = _cheaper_cublas(args, PALLAS)
+    found = {cublas.variant: {"impl": cublas.name}}
+    return {**tiles, **found} if default_choice(args, device) is SM90 else {**found, **tiles}
+
+
+@functools.lru_cache(maxsize=1)  # the candidates of one shape are timed one after another, on the same operands
+def layer_operands(key: str):
+    """Distinct random operand sets (x, W, A, B, m, dy) of the layer at shape `key` that pass the 50 MB L2 together
+    (at most 4), so that a call over them reads HBM as a training step's layers do; never zeros."""
+    tokens, fin, fout, rank, dtype, _ = kernel_sm90.parse_layer_key(key)
+
+    def operands(seed):
+        kx, kw, ka, kb, km, kd = jax.random.split(jax.random.key(seed), 6)
+        w = jax.random.normal(kw, (fin, fout), jnp.float32) / math.sqrt(fin)
+        return (jax.random.normal(kx, (tokens, fin), dtype), w.astype(dtype),
+                (jax.random.normal(ka, (fin, rank), jnp.float32) / math.sqrt(fin)).astype(dtype),
+                (jax.random.normal(kb, (rank, fout), jnp.float32) / rank).astype(dtype),
+                jax.random.uniform(km, (fout,), jnp.float32, 0.5, 2.0), jax.random.normal(kd, (tokens, fout), dtype))
+
+    size = jnp.dtype(dtype).itemsize * (tokens * fin + fin * fout + 2 * tokens * fout)
+    return [operands(seed) for seed in range(min(4, max(1, math.ceil(100e6 / size))))]
+
+
+def layer_build(key: str, config: dict, interpret: bool = False):
+    """A call running the layer's forward and backward (dx, dA, dB, dm: a fine-tune's step) at shape `key` with
+    `config` (a candidate's JSON: a variant, "sm90"'s with its tiles) once on each of `layer_operands(key)`, in one
+    jit, and the number of layers it runs. `interpret`: the variant in the Pallas interpreter (tests)."""
+    sets = layer_operands(key)
+    impl = (INTERPRET if interpret else PALLAS)[config["impl"].partition(":")[2]]
+    layer_config = DEFAULT if config["impl"] != kernel_sm90.IMPL else dataclasses.replace(
+        DEFAULT, sm90=kernel_sm90.LayerTiles.from_json(config))
+
+    def step(x, w, a, b, m, dy):
+        y, vjp = jax.vjp(lambda x, a, b, m: impl(DoraArgs(x, w, a, b, m, scale=2.0), layer_config), x, a, b, m)
+        return vjp(dy)
+
+    many = jax.jit(lambda sets: [step(*ops) for ops in sets])
+    return (lambda: many(sets)), len(sets)
+
+
+_tuning.register(kernel_sm90.LAYER_OP, _tuning.Tunable(candidates=layer_candidates, build=layer_build))

@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_fused import _backend, _sm90
+from pallas_fused import _backend, _sm90, _tuning
 
 # Tile configurations by output size: "large", and "small" where large leaves SMs idle. A GPU without a tuning table
 # gets the H200's (Hopper parts share the SM design; the measurements: docs/performance.md, "Tuning tables").
@@ -73,6 +74,120 @@ def fit_lowrank(config: _sm90.TileConfig, rank: int, itemsize: int = 2, int8_a: 
                 return c
         tile_k //= 2
     return config  # nothing fits: `_sm90.matmul` names the shortfall
+
+
+# ----------------------------------------------------------------------------------------------
+# a layer's two GEMMs: the rule's tiles, the tuned ones (`pallas_fused.tune`), the candidates
+
+LAYER_OP = "dora_sm90"  # the tuning tables' op (their "shapes"): a dense layer's variant, and "sm90"'s tiles
+IMPL = "pallas:sm90"  # the implementation whose tiles these are, as a table's config names it
+MAX_CANDIDATES = 5  # tile pairs timed per layer shape (beside one cuBLAS variant): each is a compile of the layer
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerTiles:
+    """The tiles of a DoRA / LoRA layer's two sm90 GEMMs: the forward's (tokens, in) x (in, out) and dx's
+    (tokens, out) x (out, in)."""
+
+    forward: _sm90.TileConfig
+    dx: _sm90.TileConfig
+
+    def to_json(self) -> dict:
+        """The tiles as a table's config holds them."""
+        return {"impl": IMPL, "forward": dataclasses.asdict(self.forward), "dx": dataclasses.asdict(self.dx)}
+
+    @classmethod
+    def from_json(cls, data) -> LayerTiles:
+        """The tiles a table's config holds; ValueError (or TypeError) where it holds no such thing."""
+        if not isinstance(data, dict) or set(data) != {"impl", "forward", "dx"} or data["impl"] != IMPL:
+            raise ValueError(f"expected {{'impl': {IMPL!r}, 'forward': tile, 'dx': tile}}, got {data!r}")
+        return cls(_sm90.TileConfig(**data["forward"]), _sm90.TileConfig(**data["dx"]))
+
+
+def layer_key(tokens: int, fin: int, fout: int, rank: int, dtype, kind: str = "dense") -> str:
+    """The shape key of a layer of `tokens` tokens, fin -> fout at the padded rank `rank`, x of `dtype`, a `kind`
+    weight: "16384x2048x512 r16 bfloat16 dense" (tokens x in x out, as `fp8.gemm.gemm_key` names M x K x N)."""
+    return f"{tokens}x{fin}x{fout} r{rank} {jnp.dtype(dtype).name} {kind}"
+
+
+def parse_layer_key(key: str) -> tuple[int, int, int, int, jnp.dtype, str]:
+    """(tokens, fin, fout, rank, dtype, kind) of a `layer_key`."""
+    dims, rank, dtype, kind = key.split(" ")
+    tokens, fin, fout = (int(d) for d in dims.split("x"))
+    return tokens, fin, fout, int(rank.removeprefix("r")), jnp.dtype(dtype), kind
+
+
+def rule_tiles(tokens: int, fin: int, fout: int, rank: int) -> LayerTiles:
+    """The tiles without a tuned entry: `config_for` each GEMM (large unless it leaves SMs idle)."""
+    return LayerTiles(config_for(tokens, fout, fin, rank), config_for(tokens, fin, fout, rank))
+
+
+def tiles_refuse(tiles: LayerTiles, tokens: int, fin: int, fout: int, rank: int, dtype) -> str | None:
+    """Why the kernel would refuse `tiles` for this layer (a shape not of whole tiles, shared memory short), or
+    None."""
+    itemsize = jnp.dtype(dtype).itemsize
+    for what, config in (("forward", tiles.forward), ("dx", tiles.dx)):
+        sizes = (config.tile_m, config.tile_n, config.tile_k, config.max_concurrent_steps, config.epi_tile,
+                 config.grid_tile_width)
+        if not all(isinstance(v, int) and v > 0 for v in sizes) or config.wg_split not in ("m", "n") \
+                or config.tile_m % 64 or config.tile_n % 64 or config.tile_k % 64:
+            return f"{what}: tile sizes must be positive multiples of 64 (wgmma, the 128-byte swizzle), got {config}"
+    for what, config, (m, n, k) in (("forward", tiles.forward, (tokens, fout, fin)),
+                                    ("dx", tiles.dx, (tokens, fin, fout))):
+        if config.schedule != "cooperative" or config.cluster not in (None, "m", "n"):
+            return f"{what}: the low-rank step runs the cooperative schedule, got {config}"
+        if not supported(m, n, k, dtype, config):
+            return f"{what}: ({m}, {k}) x ({k}, {n}) is not of whole tiles {config.cluster_tile + (config.tile_k,)}"
+        if _smem(config, rank, itemsize) > _sm90.SMEM_LIMIT:
+            return f"{what}: {config} needs more than {_sm90.SMEM_LIMIT} bytes of shared memory at rank {rank}"
+    return None
+
+
+def candidate_tiles(tokens: int, fin: int, fout: int, rank: int, dtype) -> dict[str, LayerTiles]:
+    """The tiles worth timing for this layer, by name: the rule's ("sm90") first, then each of a few CTA shapes for
+    both GEMMs, its ring fitted beside the rank's low-rank slices (`fit_lowrank`): the table's large and small
+    tiles, the large tile split along M (256 x 128), a 64 x 256 split along M with 64-deep K steps, and the large
+    tile in a cluster of two along M (b's tile multicast). Those the kernel refuses at this shape are left out, each
+    pair of tiles is named once, and at most `MAX_CANDIDATES` are kept (the last dropped where the rule's pair mixes
+    the large and the small tile)."""
+    large, small = tiles()
+    itemsize = jnp.dtype(dtype).itemsize
+    bases = {"sm90_large": large, "sm90_small": small,
+             "sm90_256x128": _sm90.TileConfig(tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=4, wg_split="m"),
+             "sm90_64x256": _sm90.TileConfig(tile_m=64, tile_n=256, tile_k=64, max_concurrent_steps=4, wg_split="m"),
+             "sm90_cluster_m": dataclasses.replace(large, cluster="m")}
+    pairs = {"sm90": rule_tiles(tokens, fin, fout, rank)}
+    pairs.update({name: LayerTiles(fit_lowrank(base, rank, itemsize), fit_lowrank(base, rank, itemsize))
+                  for name, base in bases.items()})
+    found: dict[str, LayerTiles] = {}
+    for name, pair in pairs.items():
+        if pair not in found.values() and tiles_refuse(pair, tokens, fin, fout, rank, dtype) is None:
+            found[name] = pair
+    return dict(list(found.items())[:MAX_CANDIDATES])
+
+
+def tuned_tiles(tokens: int, fin: int, fout: int, rank: int, dtype) -> LayerTiles | None:
+    """The tiles of the tuned entry at this layer's shape (`_tuning.choice`, looked up while the layer is traced,
+    so that `pallas_fused.tune` records it) where it chose "sm90"; None where there is none or it chose another
+    variant. An entry of "sm90" the kernel would refuse here is ignored with a warning."""
+    key = layer_key(tokens, fin, fout, rank, dtype)
+    entry = _tuning.choice(LAYER_OP, key)
+    if entry is None or entry["config"].get("impl") not in (IMPL, None):
+        return None
+    try:
+        found = LayerTiles.from_json(entry["config"])
+        why = tiles_refuse(found, tokens, fin, fout, rank, dtype)
+    except (TypeError, ValueError) as err:
+        why = str(err)
+    if why is None:
+        return found
+    warnings.warn(f"pallas_fused: the tuned DoRA tiles at {key!r} ignored: {why}", RuntimeWarning, stacklevel=1)
+    return None
+
+
+def layer_tiles(tokens: int, fin: int, fout: int, rank: int, dtype) -> LayerTiles:
+    """The tiles a layer runs: `tuned_tiles`, else `rule_tiles`."""
+    return tuned_tiles(tokens, fin, fout, rank, dtype) or rule_tiles(tokens, fin, fout, rank)
 
 
 def supported(m: int, n: int, k: int, dtype, config: _sm90.TileConfig | None = None, rank: int = 0) -> bool:

@@ -18,6 +18,7 @@ from pallas_fused import _backend
 from pallas_fused.dora import impls, kernel_sm90
 from pallas_fused.dora.api import _check
 from pallas_fused.dora.impls import pad_rank
+from pallas_fused.dora.kernel_util import pow2
 from pallas_fused.dora.quant import is_quantized
 
 
@@ -29,18 +30,20 @@ def lora_dense_reference(x, kernel, lora_a, lora_b, bias=None, *, scale):
     return y if bias is None else y + bias.astype(dt)
 
 
-def _sm90(x, w, la, lb, bias, b_layout, interpret):
-    return kernel_sm90.scaled_matmul(x, w, None, bias, lowrank=(la, lb), b_layout=b_layout, interpret=interpret)
+def _sm90(x, w, la, lb, bias, b_layout, config, interpret):
+    return kernel_sm90.scaled_matmul(x, w, None, bias, lowrank=(la, lb), b_layout=b_layout, config=config,
+                                     interpret=interpret)
 
 
 def _forward(statics, x, w, a, b, bias, scale):
-    use_sm90, interpret = statics
+    tiles, interpret = statics  # tiles: the sm90 GEMMs' (kernel_sm90.LayerTiles), None for XLA's dots
     dt = x.dtype
     xa = jnp.dot(x, a)  # fp32 accumulation, rounded once to dt
     sb = (b.astype(jnp.float32) * scale).astype(dt)
-    if use_sm90:
+    if tiles is not None:
         ap, sbp = pad_rank(a, sb)
-        y = _sm90(x, w, jnp.pad(xa, ((0, 0), (0, ap.shape[1] - a.shape[1]))), sbp, bias, "kn", interpret)
+        y = _sm90(x, w, jnp.pad(xa, ((0, 0), (0, ap.shape[1] - a.shape[1]))), sbp, bias, "kn", tiles.forward,
+                  interpret)
     else:
         y = jnp.dot(x, w, preferred_element_type=jnp.float32) + jnp.dot(xa, sb, preferred_element_type=jnp.float32)
         y = (y if bias is None else y + bias.astype(jnp.float32)).astype(dt)
@@ -58,13 +61,13 @@ def _lora_2d_fwd(statics, x, w, a, b, bias, scale):
 
 
 def _lora_2d_bwd(statics, res, dy):
-    use_sm90, interpret = statics
+    tiles, interpret = statics
     x, w, a, xa, sb, bias, scale = res
     us = jnp.dot(dy, sb.T)  # s dy B^T, (tokens, rank)
-    if use_sm90:
+    if tiles is not None:
         ap, _ = pad_rank(a, sb)
         usp = jnp.pad(us, ((0, 0), (0, ap.shape[1] - a.shape[1])))
-        dx = _sm90(dy, w, usp, ap, None, "nk", interpret)  # W (in, out) read as (N, K) for dx's (tokens, in)
+        dx = _sm90(dy, w, usp, ap, None, "nk", tiles.dx, interpret)  # W (in, out) read as (N, K): dx (tokens, in)
     else:
         dx = (jnp.dot(dy, w.T, preferred_element_type=jnp.float32)
               + jnp.dot(us, a.T, preferred_element_type=jnp.float32)).astype(dy.dtype)
@@ -116,6 +119,8 @@ def lora_dense(x, kernel, lora_a, lora_b, bias=None, *, scale, implementation: s
     if x2.shape[0] == 0:
         return jnp.zeros((*lead, fout), dt)
     interpret = impl == "interpret"
-    use_sm90 = runs_sm90(x2.shape[0], fin, fout, dt, rank, interpret)
-    y = _lora_2d((use_sm90, interpret), x2, w, a, b, bias_c, jnp.asarray(scale, jnp.float32))
+    tiles = None
+    if runs_sm90(x2.shape[0], fin, fout, dt, rank, interpret):  # DoRA's GEMMs: its tuned tiles at this shape
+        tiles = kernel_sm90.layer_tiles(x2.shape[0], fin, fout, pow2(rank), dt)
+    y = _lora_2d((tiles, interpret), x2, w, a, b, bias_c, jnp.asarray(scale, jnp.float32))
     return y.reshape(*lead, fout)

@@ -4,6 +4,7 @@ config, plain "pallas"'s choice among them, and each interpretable one against t
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -73,11 +74,16 @@ def test_portable_implementations_run_everything(kind):
 
 @pytest.mark.parametrize("impl", ALL, ids=lambda impl: impl.name)
 def test_candidates_and_default_config(impl):
-    """The default config is the rule (`dora.Config()`'s tiles, none for XLA), and the candidates start with it and
-    are each a config the implementation takes."""
+    """The default config is the rule (`dora.Config()`'s tiles, none for XLA; "sm90" with its rule's GEMM tiles: no
+    tuning cache here), and the candidates start with it and are each a config the implementation takes."""
     args, device = impls.DoraArgs.shaped(*HOPPER_LAYER), impls.current_device()
     default = impl.default_config(args, device)
+    if isinstance(impl, impls.Sm90):
+        assert default.sm90 == kernel_sm90.rule_tiles(4096, 4096, 4096, 16)
+        default = dataclasses.replace(default, sm90=None)
+        assert len(impl.candidates(args, device)) > 1
     assert default == (None if impl is impls.XLA else DEFAULT)
+    default = impl.default_config(args, device)
     found = impl.candidates(args, device)
     assert found and list(found.values())[0] == default
     for config in found.values():
