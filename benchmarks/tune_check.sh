@@ -4,13 +4,15 @@
 #     STAGE=tune    OUT=$OUT bash benchmarks/tune_check.sh   # tune this GPU from scratch for the example's FP8 GEMMs
 #     STAGE=compare OUT=$OUT bash benchmarks/tune_check.sh   # the FP8 GEMM rows at the example's shapes, --quick
 #
-# tune: `python -m pallas_fused.tune` with an empty cache directory ($OUT/cache), the example's GPU preset shapes,
-# rowwise and tensorwise, bounded by BUDGET seconds (default 360) inside an outer `timeout` of BUDGET + 120; the
-# cache file it wrote is copied to $OUT/$NAME.json (default nvidia_h100.json). Shipped as this GPU kind's table it
-# goes to pallas_fused/tuning/<device>.json (the file name it had in $OUT/cache, e.g. nvidia_h100_80gb_hbm3.json).
-# compare (inside COMPARE_TIMEOUT s, default 560): `python -m benchmarks.run fp8 --quick` at the example's 9 GEMM shapes (FP8_SECTIONS=matmul), every
-# candidate in turn with torch._scaled_mm; rows under $OUT. With the tuned file in pallas_fused/tuning/ (or in
-# $PALLAS_FUSED_TUNING_CACHE), the row of record `user:scaled_matmul_nt` runs its choice ("choice" in the row).
+# tune: `python -m pallas_fused.tune --ops $OPS` (default fp8: the FP8 GEMMs; fp8,dora adds the DoRA layers) with
+# an empty cache directory ($OUT/cache), the example's GPU preset shapes, rowwise and tensorwise, bounded by BUDGET
+# seconds (default 360) inside an outer `timeout` of BUDGET + 120; the cache file it wrote is copied to $OUT/$NAME.json
+# (default nvidia_h100.json). Shipped as this GPU kind's table it goes to pallas_fused/tuning/<device>.json (the file
+# name it had in $OUT/cache, e.g. nvidia_h100_80gb_hbm3.json).
+# compare (inside COMPARE_TIMEOUT s, default 560): `python -m benchmarks.run fp8 --quick` at the example's 9 GEMM
+# shapes (FP8_SECTIONS=matmul), every candidate in turn with torch._scaled_mm; rows under $OUT. With the tuned file
+# in pallas_fused/tuning/ (or in $PALLAS_FUSED_TUNING_CACHE), the row of record `user:scaled_matmul_nt` runs its
+# choice ("choice" in the row).
 # Each prints a short table last.
 set -u
 OUT=${OUT:-runs/tune_check}
@@ -23,7 +25,8 @@ case "${STAGE:?set STAGE to tune or compare}" in
         BUDGET=${BUDGET:-360}
         start=$(date +%s)
         rm -rf "$OUT/cache"
-        timeout $((BUDGET + 120)) $PY -m pallas_fused.tune --budget "$BUDGET" --cache-dir "$OUT/cache" --no-progress \
+        timeout $((BUDGET + 120)) $PY -m pallas_fused.tune --budget "$BUDGET" --ops "${OPS:-fp8}" \
+            --cache-dir "$OUT/cache" --no-progress \
             > "$OUT/tune.log" 2>&1
         echo "tune exited $? after $(($(date +%s) - start)) s (log: $OUT/tune.log)"
         for f in "$OUT"/cache/*.json; do

@@ -372,6 +372,28 @@ def test_default_timer_times_a_candidate():
     assert ops == 8 and jnp.allclose(call()[0].astype(jnp.float32), expect, rtol=1e-2, atol=1e-2)
 
 
+def test_default_timer_refuses_a_candidate_that_computes_something_else(monkeypatch):
+    """The default timer checks every candidate's outputs against the first one's of the shape (same operands):
+    rounding passes, a wrong result or a NaN raises (so the candidate is recorded as failed, never chosen)."""
+    import sys
+
+    tune_module = sys.modules["pallas_fused.tune"]  # the package attribute `pallas_fused.tune` is the function
+    x = jax.random.normal(jax.random.key(3), (64, 48))
+    outputs = {"one": lambda: [x, 2 * x], "close": lambda: [x * (1 + 1e-3), 2 * x],
+               "wrong": lambda: [x, 2 * x + jnp.roll(x, 1)], "nan": lambda: [x.at[5, 7].set(jnp.nan), 2 * x],
+               "short": lambda: [x]}
+    monkeypatch.setitem(_tuning.TUNABLES, "pair", _tuning.Tunable(
+        candidates=lambda key: {name: {} for name in outputs}, build=lambda key, config: (outputs[config["n"]], 1)))
+    monkeypatch.setattr(tune_module, "_first", {})
+    assert tune_module.time_candidate("pair", "64x48", "one", {"n": "one"}) > 0
+    assert tune_module.time_candidate("pair", "64x48", "close", {"n": "close"}) > 0
+    for name, why in (("wrong", "output 1 differs"), ("nan", "output 0 differs"), ("short", "1 outputs where")):
+        with pytest.raises(ValueError, match=f"{name} disagrees with one: {why}"):
+            tune_module.time_candidate("pair", "64x48", name, {"n": name})
+    # another shape starts its own reference
+    assert tune_module.time_candidate("pair", "32x48", "wrong", {"n": "wrong"}) > 0
+
+
 def test_command_line(cache, capsys):
     """`python -m pallas_fused.tune`: its arguments checked, naming the option; without a GPU it times nothing and
     prints the (empty) table last."""

@@ -3,19 +3,20 @@
     result = pallas_fused.tune(train_step, params, batch, budget_s=300)
     print(result.table())
 
-    python -m pallas_fused.tune [--budget 420] [--cache-dir DIR] [--shapes MxKxN,...] [--scales rowwise,tensorwise]
+    python -m pallas_fused.tune [--budget 420] [--cache-dir DIR] [--ops fp8,dora] [--shapes MxKxN,...]
 
 `tune` traces `fn` once (`jax.eval_shape`: ShapeDtypeStructs serve as example arguments) while recording every
 per-shape lookup a tunable op makes (`_tuning.choice`), then times each candidate configuration of each (op, shape)
-on the device: one compile per candidate, a warm-up call, the median of several means of back-to-back calls, each
-call running the op on a few distinct operand sets (past the L2) so that the host's dispatch is amortized, as
-benchmarks/common.py times. The winners (the op's untuned choice on a tie), with every candidate's time, go to the
-user's tuning cache, <cache dir>/<device>.json, written atomically; this process then reads it, and so does every
-later one, before the shipped table (pallas_fused/_tuning.py). In a multi-process job every process times its own
-GPU, then writes process 0's results, so that every host holds the same file (a shared cache dir gets the same
-bytes from each). The time is bounded by `budget_s`: once it is spent, the remaining candidates are left untimed (a
-candidate started before then finishes), and a shape keeps the fastest of those timed, its untuned choice always
-first.
+on the device: one compile per candidate, a warm-up call whose outputs must agree with the shape's first candidate's
+(`disagreement`: a candidate that computes something else counts as failed), the median of several means of
+back-to-back calls, each call running the op on a few distinct operand sets (past the L2) so that the host's
+dispatch is amortized, as benchmarks/common.py times. The winners (the op's untuned choice on a tie), with every
+candidate's time, go to the user's tuning cache, <cache dir>/<device>.json, written atomically; this process then
+reads it, and so does every later one, before the shipped table (pallas_fused/_tuning.py). In a multi-process job
+every process times its own GPU, then writes process 0's results, so that every host holds the same file (a shared
+cache dir gets the same bytes from each). The time is bounded by `budget_s`: once it is spent, the remaining
+candidates are left untimed (a candidate started before then finishes), and a shape keeps the fastest of those
+timed, its untuned choice always first.
 
 On a machine without a GPU nothing is timed (the recording still runs); a test passes its own `timer`.
 """
@@ -87,9 +88,45 @@ def measure(call: Callable[[], Any], ops: int = 1, *, target_ms: float = 20.0, r
     return float(np.median(times)) / ops
 
 
+# Candidates of one shape compute the same thing from the same operands (each build makes them from fixed seeds),
+# in different orders of float32 accumulation: their outputs differ by rounding, far below this relative
+# (Frobenius) difference, where a tile or schedule the kernel gets wrong gives a difference of order one.
+AGREE_RTOL = 2.0**-5
+
+_first: dict[tuple[str, str], tuple[str, Any]] = {}  # (op, key) -> (candidate, outputs) of the first one timed
+
+
+def disagreement(got: Any, want: Any, rtol: float = AGREE_RTOL) -> str | None:
+    """Why `got` is not `want` up to rounding (a leaf's relative Frobenius difference above `rtol`, or not finite
+    where `want` is), or None where they agree. Computed on the device: no output is copied to the host."""
+    got_leaves, want_leaves = jax.tree.leaves(got), jax.tree.leaves(want)
+    if len(got_leaves) != len(want_leaves):
+        return f"{len(got_leaves)} outputs where the first candidate gave {len(want_leaves)}"
+    for i, (g, w) in enumerate(zip(got_leaves, want_leaves)):
+        if g.shape != w.shape:
+            return f"output {i} has shape {g.shape}, the first candidate's {w.shape}"
+        g32, w32 = g.astype(jax.numpy.float32), w.astype(jax.numpy.float32)
+        diff = float(jax.numpy.linalg.norm((g32 - w32).ravel()))
+        scale = float(jax.numpy.linalg.norm(w32.ravel()))
+        if not (diff <= rtol * scale):  # NaN compares false: a non-finite output disagrees
+            return f"output {i} differs from the first candidate's by {diff / max(scale, 1e-30):.3g} (relative)"
+    return None
+
+
 def time_candidate(op: str, key: str, name: str, config: dict) -> float:
-    """The default timer: `measure` of the op's own benchmark call (`_tuning.Tunable.build`)."""
+    """The default timer: `measure` of the op's own benchmark call (`_tuning.Tunable.build`), after checking that
+    its outputs agree with those of the first candidate of the shape that ran (the untuned choice, unless it failed):
+    a candidate that computes something else raises, so it is recorded as failed and never chosen."""
     call, ops = _tuning.TUNABLES[op].build(key, config)
+    out = jax.block_until_ready(call())
+    if (op, key) not in _first:
+        _first.clear()  # one shape's reference outputs on the device at a time
+        _first[(op, key)] = (name, out)
+    else:
+        first, want = _first[(op, key)]
+        why = disagreement(out, want)
+        if why is not None:
+            raise ValueError(f"{name} disagrees with {first}: {why}")
     return measure(call, ops)
 
 
@@ -166,6 +203,7 @@ def tune(fn: Callable, *example_args, budget_s: float = 600.0, cache_dir: str | 
                 bar.step(f"{op} {key} {name}: {note}")
     finally:
         bar.close()
+        _first.clear()
     entries: dict[str, dict[str, dict[str, Any]]] = {}
     for (op, key), ms in times.items():
         winner = pick(ms)

@@ -235,7 +235,7 @@ def test_tune_round_trip(cache, launches):
     shape = (4096, 4096, 4096, 16)
     with _backend.gpu_target((9, 0)):
         found = impls.layer_candidates(key_of(*shape))
-        times = {name: 2.0 for name in found} | {"sm90_64x256": 1.0}
+        times = {name: 2.0 for name in found} | {"sm90_256x128": 1.0}
         timed = []
 
         def timer(op, key, name, config):
@@ -245,10 +245,10 @@ def test_tune_round_trip(cache, launches):
 
         result = tune(dora_step, *layer_operands(*shape), timer=timer, progress=False)
         assert timed == [(kernel_sm90.LAYER_OP, key_of(*shape), name) for name in found]
-        assert result.entries[kernel_sm90.LAYER_OP][key_of(*shape)]["choice"] == "sm90_64x256"
+        assert result.entries[kernel_sm90.LAYER_OP][key_of(*shape)]["choice"] == "sm90_256x128"
         launches.clear()
         jax.eval_shape(dora_step, *layer_operands(*shape))
-    tiles = kernel_sm90.LayerTiles.from_json(found["sm90_64x256"])
+    tiles = kernel_sm90.LayerTiles.from_json(found["sm90_256x128"])
     assert [launch[-1] for launch in launches] == [tiles.forward, tiles.dx]
 
 
