@@ -2,18 +2,18 @@
 # The GPU test suite on the newest jax that pyproject allows, on the device machine, which has jax 0.11.2
 # preinstalled and no network. Run here (a machine with PyPI), from anywhere in the repo:
 #
-#     bash benchmarks/newest_jax.sh [VERSION]   # download + tar + chunks + md5 into .whl/, print the device calls
+#     bash benchmarks/newest_jax.sh [VERSION]   # download + tar + chunks + md5 into .jaxwhl/, print the device calls
 #     bash benchmarks/newest_jax.sh --split     # only print the GPU test files split into PARTS parts
 #
 # VERSION defaults to the newest jax release (with jaxlib, jax-cudaNN-plugin and jax-cudaNN-pjrt of the same
 # version) that pyproject's jax bound allows. The four wheels (~233 MB for 0.12) are larger than the 64 MiB a
-# device call may carry, so they go as one tar split into CHUNK-byte parts (.whl/jaxXYY.tar.part-aa, -ab, ...),
+# device call may carry, so they go as one tar split into CHUNK-byte parts (.jaxwhl/jaxXYY.tar.part-aa, -ab, ...),
 # one carried per call, back to back on the same warm machine; each call copies its part to DEST outside the repo
 # (a carried path replaces its folder, so parts left in the repo vanish at the next call), and the last call joins
 # them, checks the md5, installs the wheels with `pip install --no-deps --target DEST/site` and checks that jax
 # imports at VERSION and sees the GPU. The test calls then run with DEST/site first on PYTHONPATH and the repo
 # after it. pytest-timeout, pytest-xdist and execnet wheels travel in the tar too and are installed (into
-# DEST/site) only where the device's Python lacks them. Everything printed is also saved to .whl/jaxXYY.commands.txt.
+# DEST/site) only where the device's Python lacks them. Everything printed is also saved to .jaxwhl/jaxXYY.commands.txt.
 #
 # The test calls log with -v into $OUT and print only the count passed and the failures: a call cut by its time limit
 # (xdist prints no summary then) still names every test that finished. On an H200 the whole suite takes more than
@@ -31,7 +31,9 @@
 set -euo pipefail
 
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
-WHL=.whl
+# the parts live apart from .whl/ (the peers' wheels, carried whole): a carry of .whl would exceed 64 MiB
+WHL=.jaxwhl
+DPY=${DEVICE_PYTHON:-python3}  # the device's interpreter (it has no `python`)
 CUDA=${CUDA:-13}
 PYVER=${PYVER:-3.12}
 PLATFORM=${PLATFORM:-manylinux_2_27_x86_64}
@@ -224,8 +226,8 @@ for i in "${!CHUNKS[@]}"; do
     sums=""
     for p in "${CHUNKS[@]}"; do sums+="$(md5_of "$p")  $p\n"; done
     # pip where the device's Python has it, else the wheels unzipped (none of them has a .data folder).
-    inst="inst() { python -m pip install -q --no-deps --no-index --no-compile --target \$D/site \"\$@\""
-    inst+=" || for w; do python -m zipfile -e \"\$w\" \$D/site; done; }"
+    inst="inst() { $DPY -m pip install -q --no-deps --no-index --no-compile --target \$D/site \"\$@\""
+    inst+=" || for w; do $DPY -m zipfile -e \"\$w\" \$D/site; done; }"
     x=w/wheels/extra
     check="import sys,jax,jaxlib,importlib.metadata as m; print(sys.executable, 'jax', jax.__version__,"
     check+=" 'jaxlib', jaxlib.__version__, 'plugin', m.version('jax-cuda${CUDA}-plugin'),"
@@ -237,18 +239,18 @@ for i in "${!CHUNKS[@]}"; do
     check+=" for k, v in [$REQS]]; assert jax.__version__ == '$VERSION' and d[0].platform == 'gpu'"
     echo "$copy; printf '$sums' | md5sum -c; cat $TAG.tar.part-* > $TAG.tar;" \
          "echo '$(md5_of "$TAG.tar")  $TAG.tar' | md5sum -c; rm -rf w site; mkdir w; tar -xf $TAG.tar -C w;" \
-         "$inst; inst w/wheels/*.whl; python -c 'import pytest_timeout' 2>/dev/null || inst $x/pytest_timeout-*.whl;" \
-         "python -c 'import xdist' 2>/dev/null || inst $x/pytest_xdist-*.whl $x/execnet-*.whl;" \
-         "rm -rf w $TAG.tar; ls \$D/site; cd \$R; PYTHONPATH=\$D/site:\$R python -c \"$check\""
+         "$inst; inst w/wheels/*.whl; $DPY -c 'import pytest_timeout' 2>/dev/null || inst $x/pytest_timeout-*.whl;" \
+         "$DPY -c 'import xdist' 2>/dev/null || inst $x/pytest_xdist-*.whl $x/execnet-*.whl;" \
+         "rm -rf w $TAG.tar; ls \$D/site; cd \$R; PYTHONPATH=\$D/site:\$R $DPY -c \"$check\""
 done
 for k in $(seq 1 "$PARTS"); do
     echo
     echo "## test call $k of $PARTS (no carry; right after the calls above, on the same warm machine)"
     echo "set -o pipefail; D=$DEST;" \
          "test -d \$D/site || { echo \"no \$D/site: the machine went cold, redo the copy calls\"; exit 1; };" \
-         "L=\$OUT/gpu_tests_${TAG}_part$k.log; (PYTHONPATH=\$D/site:\$PWD python -c 'import jax; print(\"jax\"," \
+         "L=\$OUT/gpu_tests_${TAG}_part$k.log; (PYTHONPATH=\$D/site:\$PWD $DPY -c 'import jax; print(\"jax\"," \
          "jax.__version__, jax.devices())'; PYTHONPATH=\$D/site:\$PWD XLA_PYTHON_CLIENT_PREALLOCATE=false" \
-         "timeout -s INT -k 15 $RUN_TIMEOUT python -m pytest -v --tb=short -m gpu -n $JOBS --timeout $TEST_TIMEOUT" \
+         "timeout -s INT -k 15 $RUN_TIMEOUT $DPY -m pytest -v --tb=short -m gpu -n $JOBS --timeout $TEST_TIMEOUT" \
          "--durations 0 --durations-min 5 -p no:cacheprovider $(part_files "$k")) > \$L 2>&1;" \
          "grep -cE ' PASSED ' \$L; grep -E ' (FAILED|ERROR) |^(FAILED|ERROR) |[0-9]+ (passed|failed)' \$L | tail -40"
 done
