@@ -16,12 +16,12 @@ else
   IMPLS=adapt:lora,adapt:dora,peer:qwix_lora,peer:qwix_qlora_nf4,adapt:lora_fp8,adapt:dora_fp8
   GROUPS_=adapters,quantized
 fi
-timeout 170 python -m pytest -q -p no:cacheprovider -n 0 -m gpu tests/fp8/test_frozen.py > "$OUT/gpu_tests.log" 2>&1
+timeout 170 ${PYTHON:-python3} -m pytest -q -p no:cacheprovider -n 0 -m gpu tests/fp8/test_frozen.py > "$OUT/gpu_tests.log" 2>&1
 echo "gpu tests (tests/fp8/test_frozen.py -m gpu): rc=$? $(tail -1 "$OUT/gpu_tests.log")"
-ADAPT_GROUPS=$GROUPS_ ADAPT_IMPLS=$IMPLS ADAPT_TRACE=0 timeout 400 python -m benchmarks.run adapt --quick \
+ADAPT_GROUPS=$GROUPS_ ADAPT_IMPLS=$IMPLS ADAPT_TRACE=0 timeout 400 ${PYTHON:-python3} -m benchmarks.run adapt --quick \
   --out "$OUT" > "$OUT/bench_$GROUP.log" 2>&1
 echo "bench_adapt $GROUP: rc=$?"
-python - "$OUT" <<'PY'
+${PYTHON:-python3} - "$OUT" <<'PY'
 import glob, json, sys
 docs = [json.load(open(p)) for p in glob.glob(f"{sys.argv[1]}/*.json")]
 rows = [r for d in docs for r in d["rows"] if r["op"] == "adapt" and r.get("run") == d["runs"][-1]["date"]]
