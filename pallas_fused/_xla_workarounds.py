@@ -18,24 +18,29 @@ from pallas_fused import _devices, _jax_compat
 
 @dataclasses.dataclass(frozen=True)
 class XlaMiscompile:
-    """A wrong result XLA's GPU compiler gives from a jax version on (no upper bound until a fixed one is measured),
-    and the XLA pass whose disabling avoids it."""
+    """A wrong result XLA's GPU compiler gives in a range of jax versions, and the XLA pass whose disabling avoids
+    it."""
 
     since: tuple[int, ...]  # the first jax version measured wrong
+    until: tuple[int, ...] | None  # the first version measured right again (None: none measured yet)
     disable_pass: str  # XLA_FLAGS=--xla_disable_hlo_passes=<this> avoids it
     what: str  # one sentence: what comes out wrong, where it was measured
+
+    def affects(self, version: tuple[int, ...]) -> bool:
+        return version >= self.since and (self.until is None or version < self.until)
 
     def describe(self) -> str:
         return f"jax {jax.__version__}'s XLA on the GPU gets {self.what}"
 
 
-# From jax 0.12, XLA's default options get the backward pass of grouped-query attention wrong on the GPU (key and
-# value heads repeated over the query heads, as HF's Flax Llama does), in float32 as in bf16, with or without
-# pallas_fused, whichever implementation runs the adapters; with the reduce-decomposer pass disabled the gradients
-# agree with the CPU's as on jax 0.11.2. The reproducer is tests/adapt/_gqa_cotangent.py; the measurements and the
-# report to XLA are in docs/gpu_tests.md.
+# jax 0.12.0's XLA (CUDA plugin 0.12.0.1) gets the backward pass of grouped-query attention wrong on the GPU with its
+# default options (key and value heads repeated over the query heads, as HF's Flax Llama does), in float32 as in
+# bf16, with or without pallas_fused, whichever implementation runs the adapters; with the reduce-decomposer pass
+# disabled the gradients agree with the CPU's as on jax 0.11.2. jax 0.12.1 gets the reproducer
+# (tests/adapt/_gqa_cotangent.py) right in every case 0.12.0 got wrong. The measurements and the report to XLA are
+# in docs/gpu_tests.md.
 XLA_GPU_MISCOMPILES = (
-    XlaMiscompile(since=(0, 12), disable_pass="reduce-decomposer",
+    XlaMiscompile(since=(0, 12), until=(0, 12, 1), disable_pass="reduce-decomposer",
                   what="gradients through grouped-query attention (key-value heads repeated over the query heads) "
                        "far off, in float32 too, with or without pallas_fused (docs/gpu_tests.md)"),
 )
@@ -58,7 +63,7 @@ def xla_gpu_miscompiles() -> tuple[XlaMiscompile, ...]:
     if _devices.gpu_device() is None:
         return ()
     disabled, version = xla_disabled_passes(), _jax_compat.JAX_VERSION
-    return tuple(m for m in XLA_GPU_MISCOMPILES if version >= m.since and m.disable_pass not in disabled)
+    return tuple(m for m in XLA_GPU_MISCOMPILES if m.affects(version) and m.disable_pass not in disabled)
 
 
 @functools.cache

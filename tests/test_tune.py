@@ -10,7 +10,7 @@ import pytest
 
 from pallas_fused import _backend, _tuning
 from pallas_fused.fp8 import gemm, kernel_sm90
-from pallas_fused.tune import pick, tune
+from pallas_fused.tune import ROUNDS, pick, tune
 
 H200 = _tuning.describe("NVIDIA H200")
 S = jax.ShapeDtypeStruct
@@ -134,12 +134,34 @@ def test_budget_leaves_the_rest_untimed(cache, capsys):
     assert result.untimed == 3 and set(result.entries["toy"]) == {"4x3"}
     with pytest.raises(ValueError, match="budget_s"):
         tune(toy, S((4, 3), jnp.float32), budget_s=0)
-    now[0], calls[:] = 0.0, []
-    result = tune(lambda x, y: (toy(x), toy(y)), S((4, 3), jnp.float32), S((2, 2), jnp.float32), budget_s=4.5,
+    now[0], calls[:] = 0.0, []  # 4x3's three rounds (9 s), then 2x2's first round cut after two candidates
+    result = tune(lambda x, y: (toy(x), toy(y)), S((4, 3), jnp.float32), S((2, 2), jnp.float32), budget_s=10.5,
                   timer=timer, clock=lambda: now[0], progress=True)
+    assert calls == [("4x3", name) for _ in range(ROUNDS) for name in ("one", "two", "three")] + [
+        ("2x2", "one"), ("2x2", "two")]
     assert result.entries["toy"]["2x2"] == {"choice": "two", "config": TOY["two"], "ms": {"one": 2.0, "two": 1.0}}
     err = capsys.readouterr().err
     assert "toy 2x2 two: 1.0000 ms" in err or "pallas_fused.tune" in err  # a plain line, or tqdm's bar
+
+
+def test_rounds_take_the_candidates_in_turn_and_keep_the_median(cache):
+    """Each candidate is timed in ROUNDS rounds, the shape's candidates in turn; its time is the median over them,
+    so one round run at clocks the others did not get (the first, after the idle of a compile) does not choose; a
+    candidate that fails is not timed again."""
+    assert ROUNDS == 3
+    calls = []
+    times = {"one": [0.5, 2.0, 2.1], "two": [1.2, 1.1, 1.0]}  # "one" fast only when timed first
+
+    def timer(op, key, name, config):
+        calls.append(name)
+        if name == "three":
+            raise RuntimeError("does not fit in shared memory")
+        return times[name][sum(c == name for c in calls) - 1]
+
+    result = tune(toy, S((4, 3), jnp.float32), timer=timer, progress=False)
+    assert calls == ["one", "two", "three", "one", "two", "one", "two"]
+    assert result.entries["toy"]["4x3"] == {"choice": "two", "config": TOY["two"],
+                                            "ms": {"one": 2.0, "two": 1.1, "three": None}}
 
 
 def test_without_a_gpu_nothing_is_timed(cache):

@@ -67,7 +67,9 @@ def loss_memory(tokens: int, d_model: int, vocab: int, dtype, implementation=Non
         return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 
     def fused(hidden, kernel, labels):
-        return linear_cross_entropy(hidden, kernel, labels, implementation=implementation)
+        # The Dense kernel's (d, vocab) layout, said rather than read from the shape: a model as wide as its
+        # vocabulary (d_model 256 over bytes) has a square kernel.
+        return linear_cross_entropy(hidden, kernel, labels, weight_layout="dv", implementation=implementation)
 
     args = (jax.ShapeDtypeStruct((tokens, d_model), dtype), jax.ShapeDtypeStruct((d_model, vocab), jnp.float32),
             jax.ShapeDtypeStruct((tokens,), jnp.int32))

@@ -285,3 +285,5 @@ def test_fused_loss_head(train_llama):
     assert set(memory) == {"fused", "materialized"}
     if memory["materialized"] is not None:  # a backend that plans its memory
         assert memory["fused"] < memory["materialized"], memory
+    # a model as wide as its byte vocabulary (the GPU tests' d_model 256): a square head kernel
+    assert set(loss_memory(512, 256, 256, jnp.float32, "xla")) == {"fused", "materialized"}
