@@ -13,9 +13,9 @@ shape's candidates in turn, each round timing each candidate as the median of se
 (each call running the op on a few distinct operand sets, past the L2, so that the host's dispatch is amortized, as
 benchmarks/common.py times); a candidate's time is its median over the rounds. The rounds matter on a GPU held at
 its power limit: a candidate timed alone, right after the idle of its compile, runs at clocks that the sustained
-load of a training step does not give it, and a kernel that draws more power gains more from them (an H100's FP8
-GEMM 16384x5504x2048, rowwise: the cooperative tile 8% faster than the ping-pong one timed alone, 7% slower taken in
-turn, as the benchmarks time). The winners (the op's untuned choice on a tie), with every
+load of a training step does not give it, and a kernel that draws more power gains more from them, enough to
+reverse the order of two FP8 GEMM tiles (docs/performance.md, "Why the tuner and the rows of record disagreed").
+The winners (the op's untuned choice on a tie), with every
 candidate's time, go to the user's tuning cache, <cache dir>/<device>.json, written atomically; this process then
 reads it, and so does every later one, before the shipped table (pallas_fused/_tuning.py). In a multi-process job
 every process times its own GPU, then writes process 0's results, so that every host holds the same file (a shared
