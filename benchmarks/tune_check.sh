@@ -42,8 +42,8 @@ case "${STAGE:?set STAGE to tune or compare}" in
         $PY - "$OUT" <<'EOF'
 import json, pathlib, sys
 
-rows = [r for p in pathlib.Path(sys.argv[1]).glob("*.json") if p.name != "nvidia_h100.json"
-        for r in json.loads(p.read_text()).get("rows", []) if r.get("op") == "fp8_mm"]
+docs = [json.loads(p.read_text()) for p in pathlib.Path(sys.argv[1]).glob("*.json")]
+rows = [r for d in docs if isinstance(d, dict) for r in d.get("rows", []) if r.get("op") == "fp8_mm"]  # results files
 by = {}
 for r in rows:
     by.setdefault(r["case"], {})[r["impl"]] = r
