@@ -11,9 +11,10 @@ PY_NEW := $(VENV_NEW)/bin/python
 # --dist worksteal: an idle worker takes half of the other's queue, so the long tests (started first by
 # tests/conftest.py) leave no worker idle at the end.
 # --case-split (tests/conftest.py): the two legs share out each parametrized test's cases, the floor leg the even
-# ones and the newest leg the odd ones, so every case runs on one jax version and every test on both. Unparametrized
-# tests, the longest among them (the multi-process and mesh runs, the example's pipeline), run on both, so the two
-# legs take about 80% of two full legs' time (cold, on 2 cores: 656 + 444 s against 797 + 590 s).
+# ones and the newest leg the odd ones, so every case runs on one jax version and every test on both (the sharded
+# ops and optimizers come in two halves of their cases, each half one subprocess). Unparametrized tests, the longest
+# among them the 2-process run of the example, run on both, so the two legs take about 80% of two full legs' time
+# (cold, on 2 cores: 656 + 444 s against 797 + 590 s, measured before the sharding halves).
 # `make test-floor PYTEST_ARGS=...` without it runs every case on one version.
 # --durations: each leg ends with its slowest tests, what to look at first when the suite grows.
 PYTEST_ARGS ?= -q -n 2 --dist worksteal -m "not gpu" --case-split 0/2 --durations=15 tests
