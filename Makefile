@@ -11,21 +11,24 @@ PY_NEW := $(VENV_NEW)/bin/python
 # --dist worksteal: an idle worker takes half of the other's queue, so the long tests (started first by
 # tests/conftest.py) leave no worker idle at the end.
 # --case-split (tests/conftest.py): the two legs share out each parametrized test's cases, the floor leg the even
-# ones and the newest leg the odd ones, so every case runs on one jax version and every test on both. Unparametrized
-# tests, the longest among them (the multi-process and mesh runs, the example's pipeline), run on both, so the two
-# legs take about 80% of two full legs' time (cold, on 2 cores: 656 + 444 s against 797 + 590 s).
+# ones and the newest leg the odd ones, so every case runs on one jax version and every test on both (the sharded
+# ops and optimizers come in two halves of their cases, each half one subprocess). Unparametrized tests, the longest
+# among them the 2-process run of the example, run on both, so the two legs take about 80% of two full legs' time
+# (cold, on 2 cores: 656 + 444 s against 797 + 590 s, measured before the sharding halves).
 # `make test-floor PYTEST_ARGS=...` without it runs every case on one version.
 # --durations: each leg ends with its slowest tests, what to look at first when the suite grows.
 PYTEST_ARGS ?= -q -n 2 --dist worksteal -m "not gpu" --case-split 0/2 --durations=15 tests
 # The newest leg exists to catch jax-version differences (interpret-mode kernels, _backend/_sharding API moves,
-# jax.distributed) and leaves out `slow`, the tests that repeat one of its checks at a larger scale: the 4-process
-# run of the example (the 2-process test exercises every jax-version-dependent path of the multi-process code),
-# the example on 2 simulated devices (the 2-process test runs it on the same meshes, data=2 and fsdp=2), the
-# 40-step example run and its --compare run (the 2-process test runs the same pipeline for a few steps; the
-# baseline's optax / flax parts are pure jax), the random-shape fuzz of every kernel (the unit tests cover each
-# shape class), GaLore's 300-step training and rotary at 2^24 positions (their unit tests on both legs), and the
-# third-party models whose path another test's model takes on both legs (adapt's larger zoo architectures, HF's
-# GPT-2 and Llama under adapt and the loss: the zoo's other architectures and our own models run on both).
+# jax.distributed) and leaves out `slow`, the tests that repeat one of its checks at a larger scale: the 4-process run
+# of the example (the 2-process test exercises every jax-version-dependent path of the multi-process code), the example
+# on 2 simulated devices (the 2-process test runs it on the same meshes, data=2 and fsdp=2), the 40-step example run,
+# its --compare run and its int8 QDoRA fine-tune (the 2-process test runs the same pipeline for a few steps, the nf4
+# QDoRA test the quantized model and checkpoint; the baseline's optax / flax parts are pure jax), the multi-GPU
+# launcher's run on CPU processes (plain Python over the example on jax.distributed, which the 2-process test runs), the
+# random-shape fuzz of every kernel (the unit tests cover each shape class), GaLore's and the FP8 recipes' 300-step
+# trainings and rotary at 2^24 positions (their unit tests on both legs), and the third-party models whose path another
+# test's model takes on both legs (adapt's larger zoo architectures, HF's GPT-2 and Llama under adapt and the loss: the
+# zoo's other architectures and our own models run on both).
 PYTEST_NEW_ARGS ?= -q -n 2 --dist worksteal -m "not gpu and not slow" --case-split 1/2 --durations=15 tests
 # jax's persistent compilation cache, shared by the two workers and the tests' subprocesses: the same programs
 # (interpret-mode kernels at the same shapes, the example's steps) compile once per leg, ~7% of a cold run's time.

@@ -70,6 +70,10 @@ def test_compare_runs_baseline(train_llama, tmp_path):
     assert "| pretrain | baseline |" in text and "- pretrain: val loss" in text
 
 
+# Floor leg only: on the newest leg the quantized fine-tune's parts run in test_qdora_nf4_params_model_and_checkpoint
+# (the QDoRA model, its params and checkpoint), tests/dora (the QDoRA kernels) and test_multi_process.py (the
+# fine-tune's pipeline).
+@pytest.mark.slow
 def test_qdora_finetune_int8(train_llama, tmp_path):
     """`--quantize int8`: both fine-tunes (pallas_fused and the --compare baseline) train adapters on the same int8
     base; `--steps 0` skips pretraining, so the run is the fine-tune alone."""

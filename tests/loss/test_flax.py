@@ -90,8 +90,8 @@ def test_hf_flax_llama_recipe(kernel_impl):
     def theirs(params):
         return lm_loss(module.apply({"params": params}, *inputs).logits, targets)
 
-    want, want_grads = jax.value_and_grad(theirs)(params)
-    got, grads = jax.value_and_grad(ours)(params, kernel_impl)
+    want, want_grads = jax.jit(jax.value_and_grad(theirs))(params)  # jitted: eager, the model ran op by op
+    got, grads = jax.jit(jax.value_and_grad(ours), static_argnums=1)(params, kernel_impl)
     np.testing.assert_allclose(float(got), float(want), rtol=1e-5)
     want_grads = dict(jax.tree_util.tree_leaves_with_path(want_grads))
     for path, g in jax.tree_util.tree_leaves_with_path(grads):
