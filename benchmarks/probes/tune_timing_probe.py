@@ -20,36 +20,24 @@ from __future__ import annotations
 import os
 import sys
 
-import jax
-import jax.numpy as jnp
-
-from benchmarks.common import bench_interleaved, probe_recorder, rnd
+from benchmarks import bench_fp8
+from benchmarks.common import bench_interleaved, probe_recorder
 from pallas_fused import _tuning
-from pallas_fused.fp8 import gemm, quantize
+from pallas_fused.fp8 import gemm
 from pallas_fused.tune import measure
 
 KEYS = ("16384x512x2048 float8_e4m3fn bfloat16 tensorwise", "16384x5504x2048 float8_e4m3fn bfloat16 rowwise")
 
 
 def quantized_operands(key: str):
-    """As many sets as `gemm.gemm_operands(key)`, quantized from normal bf16 the way the benchmark's user rows are."""
+    """As many sets as `gemm.gemm_operands(key)`, the benchmark's user operands (`bench_fp8.quantized_sets`), with
+    the scales in the shapes the key's GEMM takes."""
     args = gemm.args_of_key(key)
     rowwise = args.sa.ndim == 1
-    sets = []
-    for i in range(len(gemm.gemm_operands(key))):
-        a8, sa = quantize(rnd(10 * i + 1, args.a.shape, jnp.bfloat16), jnp.float8_e4m3fn, -1 if rowwise else None)
-        b8, sb = quantize(rnd(10 * i + 2, args.bt.shape, jnp.bfloat16), jnp.float8_e4m3fn, -1 if rowwise else None)
-        shape = (-1,) if rowwise else ()
-        sets.append((a8, b8, sa.reshape(shape), sb.reshape(shape)))
-    return sets
-
-
-def runner(key: str, config: dict):
-    args = gemm.args_of_key(key)
-    impl = gemm.IMPLEMENTATIONS[config["impl"]]
-    tile = impl.from_json(config)
-    return jax.jit(lambda sets: [impl(args.with_operands(a, bt, sa, sb, args.out_dtype), tile)
-                                 for a, bt, sa, sb in sets])
+    pairs = bench_fp8.operand_pairs(args.m, args.k, args.n, len(gemm.gemm_operands(key)))
+    user_sets, _ = bench_fp8.quantized_sets(pairs, -1 if rowwise else None)
+    shape = (-1,) if rowwise else ()
+    return [(a8, bt8, sa.reshape(shape), sb.reshape(shape)) for a8, bt8, sa, sb in user_sets]
 
 
 def main() -> None:
@@ -66,15 +54,14 @@ def main() -> None:
         if entry is not None:
             configs["choice:" + entry["choice"]] = entry["config"]
         data = {"tuner": gemm.gemm_operands(key), "quantized": quantized_operands(key)}
-        n_ops = len(data["tuner"])
         calls = {}
         for cname, config in configs.items():
-            fn = runner(key, config)
             for dname, sets in data.items():
-                ms = measure(lambda fn=fn, sets=sets: fn(sets), n_ops)
+                call, n_ops = gemm.gemm_build(key, config, sets)
+                ms = measure(call, n_ops)
                 record(key=key, config=cname, data=dname, timer="measure", ms=ms)
                 summary.append((key, cname, dname, "measure", ms))
-                calls[f"{cname}|{dname}"] = (fn, (sets,))
+                calls[f"{cname}|{dname}"] = (call, ())
         for name, ms in bench_interleaved(calls, n=50, reps=5).items():
             cname, dname = name.split("|")
             record(key=key, config=cname, data=dname, timer="interleaved", ms=ms / n_ops)

@@ -283,10 +283,11 @@ def gemm_operands(key: str):
     return [operands(seed) for seed in range(min(8, max(1, math.ceil(100e6 / (m * k + n * k + 2 * m * n)))))]
 
 
-def gemm_build(key: str, config: dict):
-    """A call running the GEMM at shape `key` with `config` (a candidate's JSON) once on each of
-    `gemm_operands(key)`, in one jit (the host's dispatch amortized), and the number of GEMMs it runs."""
-    args, sets = args_of_key(key), gemm_operands(key)
+def gemm_build(key: str, config: dict, sets=None):
+    """A call running the GEMM at shape `key` with `config` (a candidate's JSON) once on each operand set (a, bt, sa,
+    sb) of `sets` (default `gemm_operands(key)`), in one jit (the host's dispatch amortized), and the number of GEMMs
+    it runs."""
+    args, sets = args_of_key(key), gemm_operands(key) if sets is None else sets
     impl = IMPLEMENTATIONS[config["impl"]]
     tile = impl.from_json(config)
     many = jax.jit(lambda sets: [impl(args.with_operands(a, bt, sa, sb, args.out_dtype), tile)
