@@ -57,7 +57,7 @@ ADAPT_LABELS = {"hf_llama_1b_8x1024_r16": "HF Flax Llama 1.24B, 8 x 1024 tokens,
                                               "projections",
                 "dense_blocks_4x4096x11008_8192tok_r16": "4 blocks 4096 -> 11008 -> 4096 Dense, 8192 tokens, r16"}
 FP8_BASE_CASE = "dense_blocks_4x4096x11008_8192tok_r16"
-LOSS_CASES = tuple(f"N8192 d{d} V128256 bf16 fwd+bwd" for d in (2048, 4096))
+LOSS_CASES = tuple(f"N{n} d{d} V128256 bf16 fwd+bwd" for n in (8192, 16384) for d in (2048, 4096))
 LOSS_PEERS = {"xla": "XLA, materialized logits", "peer:liger": "Liger (torch)", "xla:chunked": "XLA, chunked"}
 
 

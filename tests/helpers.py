@@ -30,6 +30,12 @@ DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 # passes are skipped. Not for the in-process suite: at level 0 XLA:CPU rounds some float expressions differently
 # from the default level, which its bit-exact checks (the 8-bit Adam encoders) see.
 SUBPROCESS_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+# The environment of the tests' jax.distributed processes on CPU: no persistent compilation cache. With a warm cache
+# (one that an earlier run of the same test filled, as a second `make test` finds it), process 0 loads the executables
+# it wrote the time before, and the 2-process FSDP run of the example then differs from one process' run (a GaLore
+# refresh sees a non-finite gradient, moments off by 1-10%); process 0 compiling anew, or only process 1 loading
+# them, gives the reference's numbers. Each leg of CI starts with an empty cache, so it never saw this.
+MULTIPROCESS_ENV = {"XLA_FLAGS": SUBPROCESS_XLA_FLAGS, "JAX_ENABLE_COMPILATION_CACHE": "false"}
 
 
 def rand(seed: int, shape, dtype=jnp.float32, scale: float = 1.0, offset: float = 0.0) -> jax.Array:

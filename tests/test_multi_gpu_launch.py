@@ -17,14 +17,15 @@ import json
 import pytest
 
 from benchmarks import multi_gpu
-from tests.helpers import SUBPROCESS_XLA_FLAGS
+from tests.helpers import MULTIPROCESS_ENV
 
 TINY = "--d-model 32 --n-layers 1 --seq-len 32 --max-bytes 300000 --optimizer adamw"
 
 
 @pytest.mark.slow
 def test_launch_on_cpu_processes(tmp_path, monkeypatch):
-    monkeypatch.setenv("XLA_FLAGS", SUBPROCESS_XLA_FLAGS)
+    for name, value in MULTIPROCESS_ENV.items():
+        monkeypatch.setenv(name, value)
     rows = multi_gpu.main(["--launch", "--platform", "cpu", "--gpus", "1,2", "--preset", "cpu", "--steps", "3",
                            "--batch-per-gpu", "4", "--timeout", "500", "--out", str(tmp_path),
                            "--example-args", TINY])

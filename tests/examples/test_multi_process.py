@@ -19,7 +19,7 @@ import sys
 
 import pytest
 
-from tests.helpers import SUBPROCESS_XLA_FLAGS
+from tests.helpers import MULTIPROCESS_ENV
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 TIMEOUT_S = 600
@@ -33,7 +33,7 @@ def free_port() -> int:
 
 
 def start(out: pathlib.Path, num_processes: int, process_id: int, configs, port: int = 0) -> subprocess.Popen:
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=SUBPROCESS_XLA_FLAGS, PYTHONPATH=str(ROOT))
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT), **MULTIPROCESS_ENV)
     return subprocess.Popen([sys.executable, "-m", "tests.examples._multiprocess_worker", str(out),
                              f"127.0.0.1:{port}", str(num_processes), str(process_id), *configs],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
