@@ -30,11 +30,12 @@ DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 # passes are skipped. Not for the in-process suite: at level 0 XLA:CPU rounds some float expressions differently
 # from the default level, which its bit-exact checks (the 8-bit Adam encoders) see.
 SUBPROCESS_XLA_FLAGS = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
-# The environment of the tests' jax.distributed processes on CPU: no persistent compilation cache. With a warm cache
-# (one that an earlier run of the same test filled, as a second `make test` finds it), process 0 loads the executables
-# it wrote the time before, and the 2-process FSDP run of the example then differs from one process' run (a GaLore
-# refresh sees a non-finite gradient, moments off by 1-10%); process 0 compiling anew, or only process 1 loading
-# them, gives the reference's numbers. Each leg of CI starts with an empty cache, so it never saw this.
+# The environment of the tests' jax.distributed processes on CPU: no persistent compilation cache. jax writes cache
+# entries from process 0 only, and the other processes' cache keys differ from its own, so with a warm cache (one an
+# earlier run of the same test filled, as a second `make test` finds it) process 0 runs the executables it
+# deserializes while process 1 compiles the same programs anew. On XLA:CPU that pair computes wrong numbers: the
+# 2-process FSDP run of the example then differs from one process' run (a GaLore refresh sees a non-finite gradient,
+# moments off by 1-10%), where process 0 compiling too gives the reference's. Each CI leg starts with an empty cache.
 MULTIPROCESS_ENV = {"XLA_FLAGS": SUBPROCESS_XLA_FLAGS, "JAX_ENABLE_COMPILATION_CACHE": "false"}
 
 
