@@ -70,7 +70,7 @@ typecheck: setup
 docs: setup
 	NO_MKDOCS_2_WARNING=1 $(PY) -m mkdocs build --strict --quiet
 
-# The measured tables of README.md and docs/performance.md, written from benchmarks/results/nvidia_h200.json
+# The measured tables of docs/performance.md, written from benchmarks/results/<device>.json
 # (benchmarks/perf_docs.py); the check fails, with a diff, where a table no longer matches the JSON. No GPU.
 perf-docs: setup
 	$(PY) -m benchmarks.perf_docs

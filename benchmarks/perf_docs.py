@@ -1,5 +1,5 @@
-"""Write the measured tables of README.md and docs/performance.md from benchmarks/results/<device>.json, one set
-per GPU in DEVICES.
+"""Write the measured tables of docs/performance.md from benchmarks/results/<device>.json, one set per GPU in
+DEVICES.
 
     python -m benchmarks.perf_docs            # rewrite the tables in place (make perf-docs)
     python -m benchmarks.perf_docs --check    # exit 1, with a diff, where a table differs from the JSON (make test)
@@ -9,7 +9,7 @@ names the GPU: h200, h100); only the text between the two markers is written, so
 hand-written. A row of record is the last row of the JSON for its (op, case, implementation), as `make plots` reads
 it; ours and each peer must come from the same run, or the pair is not shown. Ratios are the peer's time over
 ours: above 1, ours is faster. A GPU whose rows are not all measured yet gets the tables it has rows for, and its
-README table names the capabilities it lacks.
+headline table names the capabilities it lacks.
 """
 
 from __future__ import annotations
@@ -167,7 +167,7 @@ SECTIONS: dict[str, list[Rows]] = {
 
 @dataclass(frozen=True)
 class Headline:
-    """One line of the README's table: a capability's main pair of record."""
+    """One line of a device's headline table: a capability's main pair of record."""
 
     capability: str  # its section in docs/performance.md
     what: str  # what the user writes (Markdown)
@@ -265,8 +265,8 @@ def section_table(doc: dict, rows: list[Rows]) -> str:
     return "\n".join(out[1:])
 
 
-def headline_table(doc: dict, link: str) -> str:
-    """The README's table of one device: a line per capability whose pair of record it has (ours and the peer from
+def headline_table(doc: dict) -> str:
+    """The headline table of one device: a line per capability whose pair of record it has (ours and the peer from
     one run), then a line naming the capabilities not measured on it yet."""
     rec = records(doc)
     out = ["| capability | what you write | shape | vs (same run) | speed vs peer | rows of record |",
@@ -278,7 +278,7 @@ def headline_table(doc: dict, link: str) -> str:
             absent.append(h.capability)
             continue
         out.append(f"| {h.capability} | {h.what} | {h.shape} | {h.peer_label} | {_ratio(peer, ours)} | "
-                   f"[{ours['run'][:10]}]({link}#{anchor(h.capability)}) |")
+                   f"[{ours['run'][:10]}](#{anchor(h.capability)}) |")
     if absent:
         out += ["", "Not measured on this GPU yet: " + ", ".join(absent) + "."]
     return "\n".join(out)
@@ -335,12 +335,8 @@ def tables(device: Device, doc: dict) -> dict[Path, dict[str, str]]:
             for name, rows in SECTIONS.items()}
     for path in sorted(RESULTS.glob(f"jax_*/{device.name}.json")):
         perf[f"{path.parent.name.replace('.', '')} {device.tag}"] = versions_table(doc, json.loads(path.read_text()))
-    # The README shows every device's headline; the devices after the first have theirs in docs/performance.md too,
-    # under their own section, whose anchors are local.
-    readme = {f"headline {device.tag}": headline_table(doc, "docs/performance.md")}
-    if device != DEVICES[0]:
-        perf[f"headline {device.tag}"] = headline_table(doc, "")
-    return {ROOT / "README.md": readme, ROOT / "docs" / "performance.md": {n: t for n, t in perf.items() if t}}
+    perf[f"headline {device.tag}"] = headline_table(doc)
+    return {ROOT / "docs" / "performance.md": {n: t for n, t in perf.items() if t}}
 
 
 def fill(text: str, name: str, body: str, path: Path) -> str:

@@ -33,7 +33,7 @@ def test_versions_table_skips_pairs_the_other_run_lacks():
 
 def test_a_device_with_some_rows_gets_their_lines_and_names_the_rest():
     doc = _doc("0.11.2", 0.5, 0.75, "r0")
-    lines = perf_docs.headline_table(doc, "docs/performance.md").splitlines()
+    lines = perf_docs.headline_table(doc).splitlines()
     assert [line.split("|")[1].strip() for line in lines[2:-2]] == ["Fused AdamW"]
     assert "1.50x" in lines[2]
     absent = [h.capability for h in perf_docs.HEADLINE if h.capability != "Fused AdamW"]
